@@ -1,0 +1,36 @@
+# The two commands a newcomer needs: `make demo` and `make test`. Both call `make setup` first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_PIN := torch==2.13.0
+STAMP := $(VENV)/.groupbridge-setup
+
+.PHONY: setup demo test lint typecheck unit clean
+
+setup: $(STAMP)
+
+# Re-run only when the venv is missing or pyproject.toml changed; torch is installed only when absent,
+# always pinned (an unpinned torch resolves to a multi-GB CUDA build).
+$(STAMP): pyproject.toml
+	@test -x $(PY) || python3 -m venv $(VENV)
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q --disable-pip-version-check "$(TORCH_PIN)"
+	@$(PY) -m pip install -q --disable-pip-version-check -e ".[dev]" 2>&1 | grep -v "^WARNING: Location" || true
+	@$(PY) -c "import groupbridge, torch, pytest, rich" || (echo "setup failed: see pip output above" && exit 1)
+	@touch $(STAMP)
+
+demo: setup
+	$(VENV)/bin/groupbridge demo
+
+lint: setup
+	$(VENV)/bin/ruff check groupbridge tests examples bench scripts
+	$(VENV)/bin/ruff format --check groupbridge tests examples bench scripts
+
+typecheck: setup
+	$(VENV)/bin/mypy
+
+unit: setup
+	$(PY) -m pytest -q
+
+test: lint typecheck unit
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info

@@ -1,0 +1,50 @@
+"""groupbridge: global groups, bridges between independent jobs, and weight sync for PyTorch.
+
+Importing this package has no side effects: no logging setup, no environment changes, no threads.
+"""
+
+from __future__ import annotations
+
+from .devices import accelerator, split_backend
+from .errors import (
+    GroupBridgeError,
+    GroupClosedError,
+    GroupMismatchError,
+    JoinTimeoutError,
+    ManifestMismatchError,
+    PeerDiedError,
+    PeerTimeoutError,
+    ProtocolError,
+    StoreUnreachableError,
+    TornUpdateError,
+    TransportUnavailableError,
+    WeightSyncError,
+)
+from .global_group import GlobalGroup, destroy_global_group, init_global_group
+from .net import Address, Listener, listen
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Address",
+    "GlobalGroup",
+    "GroupBridgeError",
+    "GroupClosedError",
+    "GroupMismatchError",
+    "JoinTimeoutError",
+    "Listener",
+    "ManifestMismatchError",
+    "PeerDiedError",
+    "PeerTimeoutError",
+    "ProtocolError",
+    "StoreUnreachableError",
+    "TornUpdateError",
+    "TransportUnavailableError",
+    "WeightSyncError",
+    "__version__",
+    "accelerator",
+    "destroy_global_group",
+    "init_global_group",
+    "listen",
+    "split_backend",
+]

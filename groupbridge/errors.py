@@ -1,0 +1,74 @@
+"""The library's exception hierarchy.
+
+Caller mistakes are ``ValueError`` / ``TypeError``. Everything that goes wrong because of a peer, the network
+or the clock is a :class:`GroupBridgeError`; timeouts are also :class:`TimeoutError` so generic handlers work.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "GroupBridgeError",
+    "GroupClosedError",
+    "GroupMismatchError",
+    "JoinTimeoutError",
+    "ManifestMismatchError",
+    "PeerDiedError",
+    "PeerTimeoutError",
+    "ProtocolError",
+    "StoreUnreachableError",
+    "TornUpdateError",
+    "TransportUnavailableError",
+    "WeightSyncError",
+]
+
+
+class GroupBridgeError(RuntimeError):
+    """Root of every error groupbridge raises about peers, timeouts and protocols."""
+
+
+class GroupClosedError(GroupBridgeError):
+    """An operation was attempted on a group after ``close()`` (or after it broke)."""
+
+
+class GroupMismatchError(GroupBridgeError):
+    """A member does not belong: other name, generation, world size, token, or a duplicate rank."""
+
+
+class JoinTimeoutError(GroupBridgeError, TimeoutError):
+    """Not every rank joined the group within the timeout."""
+
+
+class PeerTimeoutError(GroupBridgeError, TimeoutError):
+    """A peer did not answer within the timeout of an operation."""
+
+
+class PeerDiedError(GroupBridgeError):
+    """A peer stopped sending its liveness signal, or its store connection dropped."""
+
+
+class StoreUnreachableError(GroupBridgeError):
+    """The group's store (hosted by rank 0) could not be reached."""
+
+
+class ProtocolError(GroupBridgeError):
+    """A peer sent something that does not follow the wire protocol."""
+
+
+class WeightSyncError(GroupBridgeError):
+    """A weight sync failed; the receiver's held version is unchanged."""
+
+
+class ManifestMismatchError(WeightSyncError):
+    """The sender's manifest does not match what a receiver expects; nothing was sent."""
+
+
+class TornUpdateError(WeightSyncError):
+    """A streaming (non-atomic) update failed midway: the target holds a mix of two versions."""
+
+    def __init__(self, message: str, written: list[str]) -> None:
+        super().__init__(message)
+        self.written = written
+
+
+class TransportUnavailableError(GroupBridgeError):
+    """An explicitly requested transport cannot work between these members."""

@@ -1,0 +1,187 @@
+"""Start (or join) this process's torch.distributed world, the same way under torchrun, Ray or plain python.
+
+The backend is derived from the accelerator this process has and the backends this torch build really has
+(see :func:`groupbridge.split_backend`), never hard-coded. Launcher settings come from :mod:`groupbridge.env`;
+explicit arguments win over them.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from . import _torch_private
+from .devices import accelerator, parse_backend, split_backend
+from .env import parse_int, read_dist_env
+from .net import Address, Listener, listen
+from .store import host_store
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["GlobalGroup", "destroy_global_group", "init_global_group"]
+
+
+@dataclass(frozen=True, slots=True)
+class GlobalGroup:
+    """This process's place in its torch.distributed world."""
+
+    rank: int
+    """Global rank, 0 .. world_size - 1."""
+    local_rank: int
+    """Rank among the processes of this host; selects the accelerator device."""
+    world_size: int
+    backend: str
+    """The backend string the world runs on, e.g. ``"cpu:gloo"`` or ``"cpu:gloo,cuda:nccl"``."""
+    device: str
+    """This process's device, e.g. ``"cpu"`` or ``"cuda:1"``."""
+
+
+def _device_for(kind: str, local_rank: int) -> str:
+    return "cpu" if kind == "cpu" else f"{kind}:{local_rank}"
+
+
+def _comparable(backend_map: dict[str, str], kinds: set[str]) -> dict[str, str]:
+    return {d: b for d, b in backend_map.items() if d in kinds}
+
+
+def _check_live_world(
+    requested_backend: str | None, rank: int | None, world_size: int | None, local_rank: int, kind: str
+) -> GlobalGroup:
+    live_backend = str(dist.get_backend_config())
+    live_rank, live_size = dist.get_rank(), dist.get_world_size()
+    if world_size is not None and world_size != live_size:
+        raise ValueError(
+            f"the global group is already initialised with world_size={live_size}; "
+            f"this call asked for world_size={world_size}"
+        )
+    if rank is not None and rank != live_rank:
+        raise ValueError(
+            f"the global group is already initialised as rank {live_rank}; this call asked for {rank}"
+        )
+    if requested_backend is not None:
+        kinds = {"cpu", kind}
+        want = _comparable(parse_backend(requested_backend), kinds)
+        have = _comparable(parse_backend(live_backend), kinds)
+        if want != have:
+            raise ValueError(
+                f"the global group is already initialised with backend {live_backend!r}; "
+                f"this call asked for {requested_backend!r}"
+            )
+    return GlobalGroup(live_rank, local_rank, live_size, live_backend, _device_for(kind, local_rank))
+
+
+def init_global_group(
+    backend: str | None = None,
+    timeout: timedelta = timedelta(minutes=30),
+    init_method: str | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+    local_rank: int | None = None,
+    *,
+    listener: Listener | None = None,
+) -> GlobalGroup:
+    """Initialise torch.distributed's default group for this process, or check the live one.
+
+    Where the rendezvous comes from, first match wins: ``init_method``; ``listener`` (rank 0 serves the
+    store on a socket it bound itself, the others pass its address as ``init_method``); DIST_INIT_METHOD;
+    MASTER_ADDR and MASTER_PORT (as torchrun and Ray-launched workers set them); and, with no world
+    described at all, a world of one on a loopback port this process binds itself, so a script runs under
+    plain ``python`` too.
+
+    With an accelerator, the device is set from ``local_rank`` and passed as ``device_id`` so the device
+    backend connects eagerly.
+
+    Calling it again in an initialised process checks the request against the live world and returns the
+    same answer; it never re-initialises.
+
+    Args:
+        backend: ``None`` (derived: :func:`groupbridge.split_backend`), a backend name or a split string.
+        timeout: bound on the rendezvous and on every collective of the world.
+        init_method: a torch init URL such as ``tcp://[fd00::1]:29500`` or ``env://``.
+        rank, world_size, local_rank: override RANK, WORLD_SIZE, LOCAL_RANK.
+        listener: on rank 0, a socket from :func:`groupbridge.listen` to serve the rendezvous on.
+
+    Raises:
+        ValueError: a bad rank, world size, port or backend (the message names the variable and value), or
+            a request that conflicts with the live world.
+    """
+    if not isinstance(timeout, timedelta):
+        raise TypeError(f"timeout must be a datetime.timedelta, got {type(timeout).__name__}")
+    env = read_dist_env()
+    rank = env.rank if rank is None else parse_int("rank", rank)
+    world_size = env.world_size if world_size is None else parse_int("world_size", world_size, minimum=1)
+    local_rank = env.local_rank if local_rank is None else parse_int("local_rank", local_rank)
+    if rank is None and world_size is not None:
+        if world_size != 1:
+            raise ValueError(f"world_size={world_size} is set but rank is not (set RANK or pass rank=)")
+        rank = 0
+    if rank is not None and world_size is None:
+        raise ValueError(f"rank={rank} is set but world_size is not (set WORLD_SIZE or pass world_size=)")
+    if rank is not None and world_size is not None and rank >= world_size:
+        raise ValueError(f"rank={rank} must be < world_size={world_size}")
+    if local_rank is None:
+        local_rank = 0 if rank is None else rank
+    if backend is not None:
+        parse_backend(backend)  # validates before anything starts
+    kind = accelerator()
+
+    if dist.is_initialized():
+        return _check_live_world(backend, rank, world_size, local_rank, kind)
+
+    chosen = backend if backend is not None else split_backend(kind)
+    device = _device_for(kind, local_rank)
+    kwargs: dict[str, object] = {"backend": chosen, "timeout": timeout}
+    if kind != "cpu":
+        module = getattr(torch, kind)
+        count = int(module.device_count())
+        if local_rank >= count:
+            raise ValueError(f"LOCAL_RANK={local_rank} but this host has {count} {kind} device(s)")
+        module.set_device(local_rank)
+        if "device_id" in inspect.signature(dist.init_process_group).parameters and ":" in chosen:
+            kwargs["device_id"] = torch.device(device)
+
+    if rank is None or world_size is None:
+        if any(v is not None for v in (init_method, listener, env.init_method, env.master_addr)):
+            raise ValueError(
+                "a rendezvous is given (init_method, listener, DIST_INIT_METHOD or MASTER_ADDR) "
+                "but rank and world_size are not; set RANK and WORLD_SIZE or pass them"
+            )
+        rank, world_size = 0, 1
+
+    if init_method is not None:
+        dist.init_process_group(init_method=init_method, rank=rank, world_size=world_size, **kwargs)  # type: ignore[arg-type]
+    elif listener is not None:
+        if rank != 0:
+            raise ValueError(f"listener= is for rank 0, which serves the rendezvous; this is rank {rank}")
+        store = _torch_private.as_default_pg_store(host_store(listener, timeout))
+        dist.init_process_group(store=store, rank=rank, world_size=world_size, **kwargs)  # type: ignore[arg-type]
+    elif env.init_method is not None:
+        dist.init_process_group(init_method=env.init_method, rank=rank, world_size=world_size, **kwargs)  # type: ignore[arg-type]
+    elif env.master_addr is not None or env.master_port is not None:
+        if env.master_addr is None or env.master_port is None:
+            missing = "MASTER_ADDR" if env.master_addr is None else "MASTER_PORT"
+            raise ValueError(f"{missing} is not set; MASTER_ADDR and MASTER_PORT go together")
+        url = Address.parse(env.master_addr).with_port(env.master_port).url("tcp")
+        dist.init_process_group(init_method=url, rank=rank, world_size=world_size, **kwargs)  # type: ignore[arg-type]
+    elif world_size == 1:
+        own = listen("127.0.0.1", 0)
+        dist.init_process_group(store=host_store(own, timeout), rank=0, world_size=1, **kwargs)  # type: ignore[arg-type]
+        logger.info("started a world of one on %s", own.address)
+    else:
+        raise ValueError(
+            f"world_size={world_size} needs a rendezvous: set MASTER_ADDR and MASTER_PORT, "
+            "pass init_method=, or give rank 0 a listener= and the others its address"
+        )
+    logger.info("rank %d of %d joined the global group (backend %s)", rank, world_size, chosen)
+    return GlobalGroup(rank, local_rank, world_size, str(dist.get_backend_config()), device)
+
+
+def destroy_global_group() -> None:
+    """Tear down torch.distributed's default group; does nothing when there is none."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
