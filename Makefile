@@ -12,7 +12,9 @@ setup: $(STAMP)
 # always pinned (an unpinned torch resolves to a multi-GB CUDA build).
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
-	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q --disable-pip-version-check "$(TORCH_PIN)"
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q --disable-pip-version-check "$(TORCH_PIN)" 2>&1 \
+		| grep -v "^WARNING: Location" || true
+	@$(PY) -c "import torch" || (echo "setup failed: could not install $(TORCH_PIN)" && exit 1)
 	@$(PY) -m pip install -q --disable-pip-version-check -e ".[dev]" 2>&1 | grep -v "^WARNING: Location" || true
 	@$(PY) -c "import groupbridge, torch, pytest, rich" || (echo "setup failed: see pip output above" && exit 1)
 	@touch $(STAMP)
@@ -21,8 +23,8 @@ demo: setup
 	$(VENV)/bin/groupbridge demo
 
 lint: setup
-	$(VENV)/bin/ruff check groupbridge tests examples bench scripts
-	$(VENV)/bin/ruff format --check groupbridge tests examples bench scripts
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 typecheck: setup
 	$(VENV)/bin/mypy

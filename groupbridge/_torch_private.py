@@ -65,9 +65,7 @@ def host_tcp_store(sock: socket.socket, timeout: timedelta, *, use_libuv: bool =
     return store
 
 
-def new_gloo_group(
-    store: Store, rank: int, world_size: int, timeout: timedelta, bind_host: str
-) -> Backend:
+def new_gloo_group(store: Store, rank: int, world_size: int, timeout: timedelta, bind_host: str) -> Backend:
     """A gloo ProcessGroup outside torch's global state, its sockets bound to ``bind_host``."""
     _check_version()
     options = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
