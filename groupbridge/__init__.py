@@ -22,6 +22,7 @@ from .errors import (
 )
 from .global_group import GlobalGroup, destroy_global_group, init_global_group
 from .net import Address, Listener, listen
+from .stateless import StatelessGroup, Work
 
 __version__ = "0.1.0"
 
@@ -37,10 +38,12 @@ __all__ = [
     "PeerDiedError",
     "PeerTimeoutError",
     "ProtocolError",
+    "StatelessGroup",
     "StoreUnreachableError",
     "TornUpdateError",
     "TransportUnavailableError",
     "WeightSyncError",
+    "Work",
     "__version__",
     "accelerator",
     "destroy_global_group",

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 
-__all__ = ["Address", "Listener", "listen", "source_address_for", "wait_connectable"]
+__all__ = ["Address", "Listener", "host_identity", "listen", "source_address_for", "wait_connectable"]
 
 _HOST_LABEL = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?$")
 
@@ -265,3 +265,13 @@ def wait_connectable(peer: Address, timeout: timedelta) -> None:
             )
         time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
         delay = min(delay * 2, 0.25)
+
+
+def host_identity() -> str:
+    """This machine's identity: host name plus kernel boot id (two members with the same one share memory)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "unknown-boot"
+    return f"{socket.gethostname()}/{boot}"

@@ -1,0 +1,698 @@
+"""StatelessGroup: a group between independent jobs that never touches torch.distributed's global state.
+
+Rank 0 serves a TCPStore on a socket it bound itself; the others connect, prove they belong (name,
+generation, world size, optional shared token), and wait until every rank has joined. Objects travel through
+the store in a safe encoding and are deleted as soon as every receiver has read them; tensors travel over a
+gloo ProcessGroup (CPU) or the device's own backend (created on first use), both built outside the global
+state. Every wait is bounded, and each member publishes a heartbeat so that survivors learn of a dead peer
+long before the group timeout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import os
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterable
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from . import _torch_private, codec
+from ._torch_private import PrefixStore, Store
+from .errors import (
+    GroupBridgeError,
+    GroupClosedError,
+    GroupMismatchError,
+    JoinTimeoutError,
+    PeerDiedError,
+    PeerTimeoutError,
+    StoreUnreachableError,
+)
+from .net import Address, Listener, host_identity, listen, source_address_for
+from .store import ROOT_PREFIX, connect_store, host_store, namespace
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["StatelessGroup", "Work"]
+
+T = TypeVar("T")
+PROTOCOL = 1
+_META = f"{ROOT_PREFIX}/meta"
+_REJECTS = f"{ROOT_PREFIX}/rejects"
+
+
+def _seconds(t: timedelta) -> str:
+    return f"{t.total_seconds():g}s"
+
+
+def _proof(token: str | None, nonce: str, who: str) -> str:
+    if token is None:
+        return ""
+    return hmac.new(token.encode(), f"{nonce}/{who}".encode(), hashlib.sha256).hexdigest()
+
+
+def _ranks(ranks: Iterable[int]) -> str:
+    return ", ".join(str(r) for r in sorted(ranks)) or "none"
+
+
+class Work:
+    """A tensor operation in flight; :meth:`wait` is bounded and watches the peers' liveness."""
+
+    def __init__(self, group: StatelessGroup, work: Any, what: str, peers: list[int]) -> None:
+        self._group = group
+        self._work = work
+        self._what = what
+        self._peers = peers
+        self._done = False
+
+    def is_completed(self) -> bool:
+        return self._done or bool(self._work.is_completed())
+
+    def wait(self, timeout: timedelta | None = None) -> None:
+        if self._done:
+            return
+        self._group._wait_work(self._work, self._what, self._peers, timeout)
+        self._done = True
+
+
+class StatelessGroup:
+    """A group of ``world_size`` processes from independent jobs; see :meth:`create`."""
+
+    rank: int
+    world_size: int
+    name: str
+    generation: int
+    timeout: timedelta
+    liveness_timeout: timedelta
+    allow_pickle: bool
+    address: Address
+    host_ids: list[str]
+    """Each member's host identity (host name plus boot id), in rank order."""
+    _token: str | None
+    _nonce: str
+    _ns: str
+    _closed: bool
+    _broken: str | None
+    _gloo: Any
+    _device_groups: dict[str, Any]
+    _coll_seq: int
+    _send_seq: dict[int, int]
+    _recv_seq: dict[int, int]
+    _hb_seen: dict[int, tuple[int, float]]
+    _last_liveness_check: float
+    _hb_stop: threading.Event
+    _hb_thread: threading.Thread | None
+    _hb_store: Store | None
+    _raw_store: Store | None
+    _store: Store
+    _owned_listener: Listener | None
+
+    def __init__(self) -> None:  # use create()
+        raise TypeError("use StatelessGroup.create(...)")
+
+    # ------------------------------------------------------------------ creation
+
+    @classmethod
+    def create(
+        cls,
+        address_or_host: str | Address | None,
+        port: int | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+        *,
+        listener: Listener | None = None,
+        name: str = "bridge",
+        generation: int = 0,
+        timeout: timedelta = timedelta(seconds=300),
+        token: str | None = None,
+        allow_pickle: bool = False,
+        liveness_timeout: timedelta = timedelta(seconds=10),
+        use_libuv: bool = True,
+    ) -> StatelessGroup:
+        """Join (rank > 0) or host (rank 0) a group; returns once all ``world_size`` ranks have joined.
+
+        Args:
+            address_or_host: where rank 0 serves the store: ``"host:port"``, ``"[v6]:port"``, an
+                :class:`Address`, or a bare host with ``port``. Rank 0 may pass ``None`` with a ``listener``.
+            port: the store's port, when ``address_or_host`` has none.
+            rank, world_size: this member's rank and the group's size (rank 0 hosts the store).
+            listener: on rank 0, a socket from :func:`groupbridge.listen`; the store takes it over. Without
+                one, rank 0 binds ``address_or_host`` itself.
+            name, generation: the group's identity; members of another name or generation are refused, and
+                every key lives under that namespace.
+            timeout: bound on the join and the default bound on every later operation.
+            token: a shared secret; members prove they hold it (HMAC over a fresh nonce, never sent).
+            allow_pickle: let objects outside the safe set travel pickled. Every member must agree.
+            liveness_timeout: a peer whose heartbeat does not advance for this long is declared dead.
+            use_libuv: the TCPStore implementation (torch's default: libuv).
+
+        Raises:
+            ValueError, TypeError: bad arguments.
+            JoinTimeoutError: not every rank joined within ``timeout`` (the message names the missing ranks).
+            GroupMismatchError: a member of another name, generation, world size or token; a duplicate rank.
+            StoreUnreachableError: a joiner could not reach the store.
+        """
+        for label, value in (("rank", rank), ("world_size", world_size), ("generation", generation)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{label} must be an int, got {type(value).__name__}")
+        if world_size < 1:
+            raise ValueError(f"world_size={world_size} must be >= 1")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank={rank} is out of range for world_size={world_size}")
+        if not isinstance(timeout, timedelta) or not isinstance(liveness_timeout, timedelta):
+            raise TypeError("timeout and liveness_timeout must be datetime.timedelta")
+        if not name or "/" in name:
+            raise ValueError(f"name={name!r} must be non-empty and contain no '/'")
+        if token is not None and not isinstance(token, str):
+            raise TypeError("token must be a str")
+        if listener is not None and rank != 0:
+            raise ValueError(f"listener= is for rank 0, which hosts the store; this is rank {rank}")
+
+        if listener is not None:
+            address = listener.address
+        elif address_or_host is None:
+            raise ValueError("address_or_host is required (or, on rank 0, a listener)")
+        else:
+            address = (
+                address_or_host if isinstance(address_or_host, Address) else Address.parse(address_or_host)
+            )
+            if port is not None:
+                address = address.with_port(port)
+            if address.port is None:
+                raise ValueError(f"address {address} has no port; pass port= or host:port")
+            if rank != 0 and address.port == 0:
+                raise ValueError(f"rank {rank} cannot connect to port 0; pass the port rank 0 listens on")
+
+        self = object.__new__(cls)
+        self.rank = rank
+        self.world_size = world_size
+        self.name = name
+        self.generation = generation
+        self.timeout = timeout
+        self.liveness_timeout = liveness_timeout
+        self.allow_pickle = allow_pickle
+        self._token = token
+        self._ns = namespace(name, generation)
+        self._closed = False
+        self._broken = None
+        self._gloo = None
+        self._device_groups = {}
+        self._coll_seq = 0
+        self._send_seq = {}
+        self._recv_seq = {}
+        self._hb_seen = {}
+        self._last_liveness_check = 0.0
+        self._hb_stop = threading.Event()
+        self._hb_thread = None
+        self._hb_store = None
+        self._raw_store = None
+        self._owned_listener = None
+        self.host_ids = []
+
+        try:
+            if rank == 0:
+                if listener is None:
+                    listener = self._owned_listener = listen(address)
+                    address = listener.address
+                self.address = address
+                self._raw_store = host_store(listener, timeout, use_libuv=use_libuv)
+                self._host_join()
+            else:
+                self.address = address
+                self._raw_store = connect_store(address, timeout, use_libuv=use_libuv)
+                self._member_join()
+            self._store = PrefixStore(self._ns, self._raw_store)
+            self._start_heartbeat(use_libuv)
+            bind = self._bind_host()
+            self._gloo = _torch_private.new_gloo_group(
+                PrefixStore("gloo", self._store), rank, world_size, timeout, bind
+            )
+        except BaseException:
+            self._teardown()
+            raise
+        logger.info("[%s] rank %d of %d joined at %s", name, rank, world_size, self.address)
+        return self
+
+    def _where(self) -> str:
+        return f"group '{self.name}' (generation {self.generation}) at {self.address}"
+
+    def _meta(self) -> dict[str, Any]:
+        return {
+            "protocol": PROTOCOL,
+            "name": self.name,
+            "generation": self.generation,
+            "world_size": self.world_size,
+            "token": self._token is not None,
+        }
+
+    def _host_join(self) -> None:
+        assert self._raw_store is not None
+        store = self._raw_store
+        nonce = secrets.token_hex(16)
+        self._nonce = nonce
+        meta = dict(self._meta(), nonce=nonce, proof=_proof(self._token, nonce, "host"))
+        store.set(_META, json.dumps(meta))
+        store.add(f"{self._ns}/claim/0", 1)
+        member_keys = [f"{self._ns}/member/{r}" for r in range(1, self.world_size)]
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        delay = 0.001
+        while True:
+            rejects = store.add(_REJECTS, 0)
+            if rejects:
+                store.wait([f"{ROOT_PREFIX}/reject/1"], timedelta(seconds=5))
+                reason = json.loads(store.get(f"{ROOT_PREFIX}/reject/1"))
+                self._fail_join(store, reason["reason"])
+                raise GroupMismatchError(
+                    f"{self._where()}: refused rank {reason['rank']}: {reason['reason']}"
+                )
+            if not member_keys or store.check(member_keys):
+                break
+            if time.monotonic() >= deadline:
+                joined = [0] + [r for r in range(1, self.world_size) if store.check([member_keys[r - 1]])]
+                missing = sorted(set(range(self.world_size)) - set(joined))
+                msg = (
+                    f"rank(s) {_ranks(missing)} of {self.world_size} did not join {self._where()} within "
+                    f"{_seconds(self.timeout)} (joined: {_ranks(joined)})"
+                )
+                self._fail_join(store, msg)
+                raise JoinTimeoutError(msg)
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+        host_ids = [host_identity()]
+        for r, key in enumerate(member_keys, start=1):
+            member = json.loads(store.get(key))
+            if member["proof"] != _proof(self._token, nonce, str(r)):
+                msg = (
+                    f"rank {r} (pid {member['pid']} on {member['hostname']}) does not hold this group's token"
+                )
+                self._fail_join(store, msg)
+                raise GroupMismatchError(f"{self._where()}: {msg}")
+            host_ids.append(member["host_id"])
+        self.host_ids = host_ids
+        store.set(f"{self._ns}/ready", json.dumps({"host_ids": host_ids}))
+
+    def _fail_join(self, store: Store, reason: str) -> None:
+        try:
+            store.set(f"{self._ns}/failed", reason)
+            # Let joiners read the verdict before the store goes away with this process's error.
+            time.sleep(0.2)
+        except Exception:  # the verdict is best effort; the caller raises the real error
+            logger.debug("could not publish join failure", exc_info=True)
+
+    def _reject(self, store: Store, reason: str) -> GroupMismatchError:
+        n = store.add(_REJECTS, 1)
+        store.set(f"{ROOT_PREFIX}/reject/{n}", json.dumps({"rank": self.rank, "reason": reason}))
+        return GroupMismatchError(f"rank {self.rank} refused to join {self._where()}: {reason}")
+
+    def _member_join(self) -> None:
+        assert self._raw_store is not None
+        store = self._raw_store
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        self._poll(
+            lambda: store.check([_META]), deadline, "the group description from rank 0", [0], live=False
+        )
+        meta = json.loads(store.get(_META))
+        mine = self._meta()
+        for field in ("protocol", "name", "generation", "world_size"):
+            if meta.get(field) != mine[field]:
+                raise self._reject(
+                    store, f"{field} differs: the group has {meta.get(field)!r}, this member {mine[field]!r}"
+                )
+        if meta["token"] != mine["token"]:
+            which = (
+                "requires a token this member lacks"
+                if meta["token"]
+                else "has no token but this member has one"
+            )
+            raise self._reject(store, f"the group {which}")
+        if meta["proof"] != _proof(self._token, meta["nonce"], "host"):
+            raise self._reject(store, "the token differs from rank 0's")
+        if store.add(f"{self._ns}/claim/{self.rank}", 1) > 1:
+            raise self._reject(store, f"rank {self.rank} is already taken by another member")
+        member = {
+            "pid": os.getpid(),
+            "hostname": os.uname().nodename,
+            "host_id": host_identity(),
+            "proof": _proof(self._token, meta["nonce"], str(self.rank)),
+        }
+        store.set(f"{self._ns}/member/{self.rank}", json.dumps(member))
+        ready, failed = f"{self._ns}/ready", f"{self._ns}/failed"
+        try:
+            self._poll(
+                lambda: store.check([ready]) or store.check([failed]), deadline, "the join", [0], live=False
+            )
+        except PeerTimeoutError as e:
+            raise JoinTimeoutError(
+                f"rank {self.rank} of {self.world_size} waited {_seconds(self.timeout)} at {self._where()} "
+                "for every rank to join; rank 0 did not confirm"
+            ) from e
+        if store.check([failed]):
+            raise GroupMismatchError(f"{self._where()}: join failed: {store.get(failed).decode()}")
+        self.host_ids = json.loads(store.get(ready))["host_ids"]
+
+    def _bind_host(self) -> str:
+        if self.rank == 0:
+            host = self.address.host
+            return "" if host in ("0.0.0.0", "::") else host
+        return source_address_for(self.address)
+
+    # ------------------------------------------------------------------ liveness
+
+    def _start_heartbeat(self, use_libuv: bool) -> None:
+        self._hb_store = PrefixStore(self._ns, connect_store(self.address, self.timeout, use_libuv=use_libuv))
+        self._hb_store.add(f"hb/{self.rank}", 1)
+        interval = max(0.05, self.liveness_timeout.total_seconds() / 5)
+        hb_store, key, stop = self._hb_store, f"hb/{self.rank}", self._hb_stop
+
+        def beat() -> None:
+            while not stop.wait(interval):
+                try:
+                    hb_store.add(key, 1)
+                except Exception:  # the store host is gone; the main thread reports it on its next op
+                    return
+
+        self._hb_thread = threading.Thread(
+            target=beat, name=f"groupbridge-hb-{self.name}-{self.rank}", daemon=True
+        )
+        self._hb_thread.start()
+
+    def _check_peers(self, peers: Iterable[int], force: bool = False) -> None:
+        """Raise if a peer aborted, closed or stopped beating. Rate-limited unless ``force``."""
+        now = time.monotonic()
+        if not force and now - self._last_liveness_check < 0.2:
+            return
+        self._last_liveness_check = now
+        store = self._store
+        if store.check(["abort"]):
+            info = json.loads(store.get("abort"))
+            self._broken = f"rank {info['rank']} aborted: {info['reason']}"
+            raise PeerDiedError(f"{self._where()}: {self._broken}")
+        limit = self.liveness_timeout.total_seconds()
+        for peer in peers:
+            if peer == self.rank:
+                continue
+            count = store.add(f"hb/{peer}", 0)
+            seen = self._hb_seen.get(peer)
+            if seen is None or seen[0] != count:
+                self._hb_seen[peer] = (count, now)
+            elif now - seen[1] > limit:
+                why = "closed the group" if store.check([f"closed/{peer}"]) else "stopped its heartbeat"
+                self._broken = f"rank {peer} {why} ({now - seen[1]:.1f}s without a sign of life)"
+                raise PeerDiedError(f"{self._where()}: {self._broken}")
+
+    def _poll(
+        self, ready: Callable[[], bool], deadline: float, what: str, peers: list[int], *, live: bool = True
+    ) -> None:
+        delay = 0.0002
+        try:
+            while not ready():
+                if live:
+                    self._check_peers(peers)
+                if time.monotonic() >= deadline:
+                    raise PeerTimeoutError(
+                        f"rank {self.rank} of {self._where()} waited {_seconds(self.timeout)} for {what} "
+                        f"from rank(s) {_ranks(peers)}"
+                    )
+                time.sleep(delay)
+                delay = min(delay * 2, 0.01)
+        except (GroupBridgeError, ValueError, TypeError):
+            raise
+        except RuntimeError as e:  # DistError and friends: the store connection broke
+            raise StoreUnreachableError(
+                f"rank {self.rank}: the store of {self._where()} (hosted by rank 0) stopped answering "
+                f"while waiting for {what}: {e}"
+            ) from e
+
+    def _store_call(self, fn: Callable[[], T], what: str) -> T:
+        try:
+            return fn()
+        except RuntimeError as e:
+            if isinstance(e, GroupBridgeError):
+                raise
+            raise StoreUnreachableError(
+                f"rank {self.rank}: the store of {self._where()} (hosted by rank 0) failed during {what}: {e}"
+            ) from e
+
+    def _put(self, key: str, data: bytes, what: str) -> None:
+        # Store.set is typed for str but takes bytes unchanged.
+        self._store_call(lambda: self._store.set(key, data), what)  # type: ignore[arg-type]
+
+    def _deadline(self, timeout: timedelta | None) -> float:
+        return time.monotonic() + (self.timeout if timeout is None else timeout).total_seconds()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise GroupClosedError(f"{self._where()} is closed (rank {self.rank})")
+        if self._broken is not None:
+            raise GroupClosedError(f"{self._where()} is broken and must be made again: {self._broken}")
+
+    # ------------------------------------------------------------------ objects
+
+    def _encode(self, obj: Any) -> bytes:
+        return codec.encode(obj, allow_pickle=self.allow_pickle)
+
+    def _decode(self, data: bytes) -> Any:
+        return codec.decode(data, allow_pickle=self.allow_pickle)
+
+    def _peer(self, peer: int, label: str) -> None:
+        if isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < self.world_size:
+            raise ValueError(f"{label}={peer!r} is not a rank of this group (0..{self.world_size - 1})")
+        if peer == self.rank:
+            raise ValueError(f"{label}={peer} is this rank itself")
+
+    def send_obj(self, obj: Any, dst: int) -> None:
+        """Send ``obj`` to ``dst`` (returns at once; the store holds it until ``dst`` reads it)."""
+        self._check_open()
+        self._peer(dst, "dst")
+        data = self._encode(obj)
+        seq = self._send_seq.get(dst, 0)
+        self._put(f"p2p/{self.rank}/{dst}/{seq}", data, "send_obj")
+        self._send_seq[dst] = seq + 1
+
+    def recv_obj(self, src: int, timeout: timedelta | None = None) -> Any:
+        """Receive the next object ``src`` sent to this rank."""
+        self._check_open()
+        self._peer(src, "src")
+        seq = self._recv_seq.get(src, 0)
+        key = f"p2p/{src}/{self.rank}/{seq}"
+        self._poll(lambda: self._store.check([key]), self._deadline(timeout), f"object #{seq}", [src])
+        data = self._store_call(lambda: self._store.get(key), "recv_obj")
+        self._store_call(lambda: self._store.delete_key(key), "recv_obj")
+        self._recv_seq[src] = seq + 1
+        return self._decode(data)
+
+    def _next_seq(self) -> int:
+        self._coll_seq += 1
+        return self._coll_seq
+
+    def broadcast_obj(self, obj: Any, src: int = 0, timeout: timedelta | None = None) -> Any:
+        """Every rank returns ``src``'s ``obj``; the key is deleted by the last reader."""
+        self._check_open()
+        if not 0 <= src < self.world_size:
+            raise ValueError(f"src={src} is not a rank of this group (0..{self.world_size - 1})")
+        key = f"bc/{self._next_seq()}"
+        if self.rank == src:
+            data = self._encode(obj)
+            if self.world_size > 1:
+                self._put(key, data, "broadcast_obj")
+            return obj
+        self._poll(lambda: self._store.check([key]), self._deadline(timeout), "a broadcast object", [src])
+        data = self._store_call(lambda: self._store.get(key), "broadcast_obj")
+        if self._store_call(lambda: self._store.add(f"{key}/n", 1), "broadcast_obj") == self.world_size - 1:
+            self._store.delete_key(key)
+            self._store.delete_key(f"{key}/n")
+        return self._decode(data)
+
+    def all_gather_obj(self, obj: Any, timeout: timedelta | None = None) -> list[Any]:
+        """Every rank returns the list of every rank's ``obj``, in rank order."""
+        self._check_open()
+        data = self._encode(obj)
+        base = f"ag/{self._next_seq()}"
+        keys = [f"{base}/{r}" for r in range(self.world_size)]
+        self._put(keys[self.rank], data, "all_gather_obj")
+        others = [r for r in range(self.world_size) if r != self.rank]
+        self._poll(lambda: self._store.check(keys), self._deadline(timeout), "all_gather_obj", others)
+        out = [
+            obj if r == self.rank else self._decode(self._store.get(keys[r])) for r in range(self.world_size)
+        ]
+        if self._store_call(lambda: self._store.add(f"{base}/n", 1), "all_gather_obj") == self.world_size:
+            for k in [*keys, f"{base}/n"]:
+                self._store.delete_key(k)
+        return out
+
+    def barrier(self, timeout: timedelta | None = None) -> None:
+        """Return once every rank has entered; a timeout names the ranks that did not."""
+        self._check_open()
+        base = f"bar/{self._next_seq()}"
+        keys = [f"{base}/{r}" for r in range(self.world_size)]
+        self._store_call(lambda: self._store.set(keys[self.rank], "1"), "barrier")
+        deadline = self._deadline(timeout)
+        try:
+            others = [r for r in range(self.world_size) if r != self.rank]
+            self._poll(lambda: self._store.check(keys), deadline, "the barrier", others)
+        except PeerTimeoutError:
+            missing = [r for r in range(self.world_size) if not self._store.check([keys[r]])]
+            raise PeerTimeoutError(
+                f"rank {self.rank} of {self._where()} waited {_seconds(timeout or self.timeout)} "
+                f"at a barrier; rank(s) {_ranks(missing)} did not arrive"
+            ) from None
+        if self._store_call(lambda: self._store.add(f"{base}/n", 1), "barrier") == self.world_size:
+            for k in [*keys, f"{base}/n"]:
+                self._store.delete_key(k)
+
+    # ------------------------------------------------------------------ tensors
+
+    def _backend_for(self, tensor: torch.Tensor) -> Any:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+        if not tensor.is_contiguous():
+            raise ValueError("tensor must be contiguous (call .contiguous() and copy the result back)")
+        kind = tensor.device.type
+        if kind == "cpu":
+            assert self._gloo is not None
+            return self._gloo
+        group = self._device_groups.get(kind)
+        if group is None:
+            from .devices import BACKEND_FOR_DEVICE, backend_available
+
+            backend = BACKEND_FOR_DEVICE.get(kind)
+            if backend is None or not backend_available(backend):
+                raise ValueError(f"no process-group backend for {kind} tensors in this torch build")
+            group = _torch_private.new_device_group(
+                kind, PrefixStore(f"dev/{kind}", self._store), self.rank, self.world_size, self.timeout
+            )
+            self._device_groups[kind] = group
+        return group
+
+    def _wait_work(self, work: Any, what: str, peers: list[int], timeout: timedelta | None) -> None:
+        deadline = self._deadline(timeout)
+        try:
+            self._poll(work.is_completed, deadline, what, peers)
+            work.wait()
+        except PeerTimeoutError as e:
+            self._abort(str(e))
+            raise
+        except GroupBridgeError as e:
+            self._abort(str(e))
+            raise
+        except RuntimeError as e:
+            self._abort(f"{what} failed: {e}")
+            raise PeerDiedError(f"rank {self.rank} of {self._where()}: {what} failed: {e}") from e
+
+    def _abort(self, reason: str) -> None:
+        """Mark the group broken and tell the others, so that nobody waits out the full timeout."""
+        if self._broken is None:
+            self._broken = reason
+        try:
+            if not self._store.check(["abort"]):
+                self._store.set("abort", json.dumps({"rank": self.rank, "reason": reason}))
+        except Exception:  # the store host may be the one that died
+            logger.debug("could not publish abort", exc_info=True)
+        # Closing our sockets fails peers blocked on us at once instead of at their gloo timeout.
+        self._release_process_groups()
+
+    def _start(self, what: str, peers: list[int], start: Callable[[], Any], async_op: bool) -> Work | None:
+        self._check_open()
+        handle = Work(self, start(), what, peers)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, *, async_op: bool = False) -> Work | None:
+        """Broadcast ``tensor`` in place from ``src`` (CPU: gloo; device tensors: NCCL, HCCL or XCCL)."""
+        pg = self._backend_for(tensor)
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        opts.rootTensor = 0
+        peers = [r for r in range(self.world_size) if r != self.rank] if self.rank == src else [src]
+        return self._start(
+            f"broadcast from rank {src}", peers, lambda: pg.broadcast([tensor], opts), async_op
+        )
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", *, async_op: bool = False) -> Work | None:
+        """All-reduce ``tensor`` in place (``op``: sum, product, min, max, avg where the backend has it)."""
+        pg = self._backend_for(tensor)
+        ops = {"sum": dist.ReduceOp.SUM, "product": dist.ReduceOp.PRODUCT, "min": dist.ReduceOp.MIN,
+               "max": dist.ReduceOp.MAX, "avg": dist.ReduceOp.AVG}  # fmt: skip
+        if op not in ops:
+            raise ValueError(f"op={op!r} is not one of {', '.join(ops)}")
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = ops[op]  # type: ignore[assignment]
+        others = [r for r in range(self.world_size) if r != self.rank]
+        return self._start("all_reduce", others, lambda: pg.allreduce([tensor], opts), async_op)
+
+    def send(self, tensor: torch.Tensor, dst: int, *, async_op: bool = False) -> Work | None:
+        """Send ``tensor`` to ``dst``, which must post a matching :meth:`recv`."""
+        self._peer(dst, "dst")
+        pg = self._backend_for(tensor)
+        return self._start(f"send to rank {dst}", [dst], lambda: pg.send([tensor], dst, 0), async_op)
+
+    def recv(self, tensor: torch.Tensor, src: int, *, async_op: bool = False) -> Work | None:
+        """Receive into ``tensor`` from ``src``."""
+        self._peer(src, "src")
+        pg = self._backend_for(tensor)
+        return self._start(f"recv from rank {src}", [src], lambda: pg.recv([tensor], src, 0), async_op)
+
+    # ------------------------------------------------------------------ teardown
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _release_process_groups(self) -> None:
+        self._gloo = None
+        self._device_groups.clear()
+
+    def _teardown(self) -> None:
+        self._hb_stop.set()
+        if self._hb_thread is not None:
+            self._hb_thread.join(timeout=5)
+        self._release_process_groups()
+        self._hb_store = None
+        self._raw_store = None
+        if self._owned_listener is not None:
+            self._owned_listener.close()
+
+    def close(self, timeout: timedelta = timedelta(seconds=5)) -> None:
+        """Release the process groups, the heartbeat, the store connection and (rank 0) the store.
+
+        Idempotent. Rank 0 waits up to ``timeout`` for the others to close first, so that members still
+        finishing their last operation do not lose the store under them.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            store = self._store
+            store.set(f"closed/{self.rank}", "1")
+            if self.rank == 0 and self._broken is None:
+                others = [f"closed/{r}" for r in range(1, self.world_size)]
+                deadline = time.monotonic() + timeout.total_seconds()
+                while others and not store.check(others) and time.monotonic() < deadline:
+                    time.sleep(0.01)
+        except Exception:  # closing must not fail because a peer or the store is gone
+            logger.debug("close: could not coordinate with peers", exc_info=True)
+        self._teardown()
+        logger.info("[%s] rank %d closed", self.name, self.rank)
+
+    def __enter__(self) -> StatelessGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("broken" if self._broken else "open")
+        return (
+            f"StatelessGroup({self.name!r}, rank={self.rank}, world_size={self.world_size}, "
+            f"{self.address}, {state})"
+        )
