@@ -20,6 +20,7 @@ __all__ = [
     "PrefixStore",
     "Store",
     "TCPStore",
+    "abort_backend",
     "as_default_pg_store",
     "host_tcp_store",
     "new_device_group",
@@ -102,3 +103,14 @@ def as_default_pg_store(store: Store) -> Store:
     when it is handed one; a rank given a store must match peers that were given a URL.
     """
     return PrefixStore("default_pg", store)
+
+
+def abort_backend(backend: object) -> None:
+    """Abort a process-group backend so that dropping it does not wait for work stuck on a dead peer.
+
+    Without this, destroying a gloo group with an operation in flight blocks until that operation's own
+    timeout. ``abort`` exists on the backends of recent torch releases; older ones fall back to waiting.
+    """
+    abort = getattr(backend, "abort", None)
+    if abort is not None:
+        abort()

@@ -63,6 +63,14 @@ def _ranks(ranks: Iterable[int]) -> str:
     return ", ".join(str(r) for r in sorted(ranks)) or "none"
 
 
+def _wait_into(work: Any, outcome: list[BaseException | None]) -> None:
+    try:
+        work.wait()
+        outcome.append(None)
+    except BaseException as e:  # handed to the waiting thread, which raises it
+        outcome.append(e)
+
+
 class Work:
     """A tensor operation in flight; :meth:`wait` is bounded and watches the peers' liveness."""
 
@@ -232,9 +240,15 @@ class StatelessGroup:
             self._store = PrefixStore(self._ns, self._raw_store)
             self._start_heartbeat(use_libuv)
             bind = self._bind_host()
-            self._gloo = _torch_private.new_gloo_group(
-                PrefixStore("gloo", self._store), rank, world_size, timeout, bind
-            )
+            try:
+                self._gloo = _torch_private.new_gloo_group(
+                    PrefixStore("gloo", self._store), rank, world_size, timeout, bind
+                )
+            except RuntimeError as e:
+                raise StoreUnreachableError(
+                    f"rank {rank}: connecting the gloo group of {self._where()} failed (a peer or the store "
+                    f"host is gone?): {e}"
+                ) from e
         except BaseException:
             self._teardown()
             raise
@@ -575,17 +589,28 @@ class StatelessGroup:
     def _wait_work(self, work: Any, what: str, peers: list[int], timeout: timedelta | None) -> None:
         deadline = self._deadline(timeout)
         try:
-            self._poll(work.is_completed, deadline, what, peers)
-            work.wait()
-        except PeerTimeoutError as e:
-            self._abort(str(e))
-            raise
+            if self._p2p_work(what):
+                # gloo's send/recv work reports completion only from inside wait(), so wait in a helper
+                # thread (wait releases the GIL) while this thread watches the clock and the peers.
+                outcome: list[BaseException | None] = []
+                waiter = threading.Thread(target=_wait_into, args=(work, outcome), daemon=True)
+                waiter.start()
+                self._poll(lambda: bool(outcome), deadline, what, peers)
+                if outcome[0] is not None:
+                    raise outcome[0]
+            else:
+                self._poll(work.is_completed, deadline, what, peers)
+                work.wait()
         except GroupBridgeError as e:
             self._abort(str(e))
             raise
         except RuntimeError as e:
             self._abort(f"{what} failed: {e}")
             raise PeerDiedError(f"rank {self.rank} of {self._where()}: {what} failed: {e}") from e
+
+    @staticmethod
+    def _p2p_work(what: str) -> bool:
+        return what.startswith(("send ", "recv "))
 
     def _abort(self, reason: str) -> None:
         """Mark the group broken and tell the others, so that nobody waits out the full timeout."""
@@ -597,7 +622,7 @@ class StatelessGroup:
         except Exception:  # the store host may be the one that died
             logger.debug("could not publish abort", exc_info=True)
         # Closing our sockets fails peers blocked on us at once instead of at their gloo timeout.
-        self._release_process_groups()
+        self._release_process_groups(abort=True)
 
     def _start(self, what: str, peers: list[int], start: Callable[[], Any], async_op: bool) -> Work | None:
         self._check_open()
@@ -648,9 +673,16 @@ class StatelessGroup:
     def closed(self) -> bool:
         return self._closed
 
-    def _release_process_groups(self) -> None:
+    def _release_process_groups(self, abort: bool = False) -> None:
+        groups = [g for g in (self._gloo, *self._device_groups.values()) if g is not None]
         self._gloo = None
         self._device_groups.clear()
+        if abort:
+            for g in groups:
+                try:
+                    _torch_private.abort_backend(g)
+                except RuntimeError:  # already failed; dropping it is all that is left
+                    logger.debug("abort of a process group failed", exc_info=True)
 
     def _teardown(self) -> None:
         self._hb_stop.set()

@@ -38,6 +38,7 @@ class Ranks:
 
     def __init__(self, fn: Callable[..., Any], n: int, args: Sequence[Any] = (), per_rank_args: Any = None):
         self.out = CTX.Queue()
+        self.args = args  # keeps queues passed to the children alive until they have started
         self.procs = []
         for r in range(n):
             a = tuple(args) if per_rank_args is None else tuple(per_rank_args[r])
@@ -85,3 +86,41 @@ def run_ranks(fn: Callable[..., Any], n: int, *args: Any, timeout: float = 60) -
         if status != "ok":
             raise AssertionError(f"rank {r} failed: {value[0]}: {value[1]}\n{value[2]}")
     return [res[r][1] for r in range(n)]
+
+
+HOSTS = ["127.0.0.1", "::1"]
+
+
+def host_params() -> list[Any]:
+    import pytest
+
+    return [
+        pytest.param("127.0.0.1", id="ipv4"),
+        pytest.param(
+            "::1",
+            id="ipv6",
+            marks=pytest.mark.skipif(not has_ipv6_loopback(), reason="this host has no IPv6 loopback (::1)"),
+        ),
+    ]
+
+
+def share_port(rank: int, n: int, ports: Any, host: str) -> tuple[Any, int]:
+    """Rank 0 binds a port-0 listener and tells the others its port through ``ports`` (a Queue)."""
+    import groupbridge as gb
+
+    if rank == 0:
+        lis = gb.listen(host, 0)
+        for _ in range(n - 1):
+            ports.put(lis.port)
+        return lis, lis.port
+    return None, int(ports.get(timeout=30))
+
+
+def make_group(rank: int, n: int, host: str, ports: Any, **kwargs: Any) -> Any:
+    from datetime import timedelta
+
+    import groupbridge as gb
+
+    lis, port = share_port(rank, n, ports, host)
+    kwargs.setdefault("timeout", timedelta(seconds=30))
+    return gb.StatelessGroup.create(host, port, rank=rank, world_size=n, listener=lis, **kwargs)

@@ -1,0 +1,73 @@
+from __future__ import annotations
+
+import socket
+import time
+from datetime import timedelta
+
+import pytest
+
+import groupbridge as gb
+from groupbridge.store import connect_store, host_store, namespaced
+from tests.helpers import host_params
+
+
+def _listening_addresses(port: int) -> list[str]:
+    """Local addresses with a socket in LISTEN state on ``port``, from the kernel's socket tables."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            next(f)
+            for line in f:
+                local, state = line.split()[1], line.split()[3]
+                addr_hex, port_hex = local.split(":")
+                if state == "0A" and int(port_hex, 16) == port:
+                    found.append(addr_hex)
+    return found
+
+
+def _hex(host: str) -> str:
+    packed = socket.inet_pton(socket.AF_INET6 if ":" in host else socket.AF_INET, host)
+    # /proc/net/tcp* prints each 32-bit word in host (little-endian) order
+    return "".join(packed[i : i + 4][::-1].hex().upper() for i in range(0, len(packed), 4))
+
+
+@pytest.mark.parametrize("use_libuv", [True, False], ids=["libuv", "classic"])
+@pytest.mark.parametrize("host", host_params())
+def test_store_listens_only_where_told(host: str, use_libuv: bool) -> None:
+    lis = gb.listen(host, 0)
+    addr = lis.address
+    store = host_store(lis, timedelta(seconds=5), use_libuv=use_libuv)
+    assert lis.closed  # the store owns the descriptor now
+    assert _listening_addresses(addr.port or 0) == [_hex(host)]
+    client = connect_store(addr, timedelta(seconds=5), use_libuv=use_libuv)
+    client.set("k", "v")
+    assert store.get("k") == b"v"
+    del client, store
+    time.sleep(0.1)
+    assert _listening_addresses(addr.port or 0) == []
+
+
+def test_connect_is_bounded() -> None:
+    # a bound socket that never listens: connects are refused, the port is ours and nobody else's
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(gb.StoreUnreachableError) as info:
+            connect_store(gb.Address("127.0.0.1", port), timedelta(seconds=1.5))
+        took = time.monotonic() - t0
+        assert took < 3.0
+        assert f"127.0.0.1:{port}" in str(info.value) and "1.5s" in str(info.value)
+    finally:
+        s.close()
+
+
+def test_namespaces_do_not_collide() -> None:
+    lis = gb.listen("127.0.0.1", 0)
+    store = host_store(lis, timedelta(seconds=5))
+    a, b, a2 = namespaced(store, "a", 0), namespaced(store, "b", 0), namespaced(store, "a", 1)
+    a.set("x", "1")
+    b.set("x", "2")
+    a2.set("x", "3")
+    assert (a.get("x"), b.get("x"), a2.get("x")) == (b"1", b"2", b"3")
