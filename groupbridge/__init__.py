@@ -23,6 +23,7 @@ from .errors import (
 from .global_group import GlobalGroup, destroy_global_group, init_global_group
 from .net import Address, Listener, listen
 from .stateless import StatelessGroup, Work
+from .weights import SyncStats, WeightReceiver, WeightSender, WeightUpdate, flatten_
 
 __version__ = "0.1.0"
 
@@ -40,13 +41,18 @@ __all__ = [
     "ProtocolError",
     "StatelessGroup",
     "StoreUnreachableError",
+    "SyncStats",
     "TornUpdateError",
     "TransportUnavailableError",
+    "WeightReceiver",
+    "WeightSender",
     "WeightSyncError",
+    "WeightUpdate",
     "Work",
     "__version__",
     "accelerator",
     "destroy_global_group",
+    "flatten_",
     "init_global_group",
     "listen",
     "split_backend",

@@ -1,0 +1,20 @@
+"""Weight sync: manifest, bucket plan, sender, receiver, flatten_."""
+
+from __future__ import annotations
+
+from .flatten import flatten_
+from .manifest import Manifest
+from .plan import Plan
+from .receiver import WeightReceiver, WeightUpdate
+from .sender import DEFAULT_BUCKET_BYTES, SyncStats, WeightSender
+
+__all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "Manifest",
+    "Plan",
+    "SyncStats",
+    "WeightReceiver",
+    "WeightSender",
+    "WeightUpdate",
+    "flatten_",
+]

@@ -1,0 +1,86 @@
+"""Byte-level helpers shared by sender and receiver: views, packing, in-place bucket detection, checksums."""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+
+import torch
+
+from .plan import Plan
+
+__all__ = ["byte_view", "checksum", "in_place_bucket", "new_buffer", "typed_view"]
+
+MAX_GAP_BYTES = 8
+"""Largest hole between two consecutive tensors that an in-place receive may write over: alignment padding
+is smaller than the largest element size (8); a real tensor hiding in it is not expected."""
+
+
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor's bytes."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+def typed_view(buf: torch.Tensor, offset: int, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+    """View ``buf[offset:]`` (uint8) as a tensor of ``dtype`` and ``shape`` without copying."""
+    numel = 1
+    for s in shape:
+        numel *= s
+    size = torch.empty((), dtype=dtype).element_size()
+    return buf[offset : offset + numel * size].view(dtype).view(tuple(shape))
+
+
+def new_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
+    """A buffer whose pages are already touched (a first touch inside a timed transfer costs several fold)."""
+    return torch.zeros(nbytes, dtype=torch.uint8, device=device)
+
+
+def in_place_bucket(
+    plan: Plan, k: int, tensors: Sequence[torch.Tensor | None], *, receiving: bool
+) -> torch.Tensor | None:
+    """A uint8 view of bucket ``k`` inside the tensors' own storage, or None if they are not laid out so.
+
+    That is the case when every piece of the bucket lies in one storage at the offsets the plan gives (as
+    after :func:`groupbridge.flatten_`). A receiving side also requires the holes between pieces to be
+    alignment padding only, since it will write over them.
+    """
+    segments = plan.buckets[k]
+    if not segments:
+        return None
+    start, end = plan.bucket_range(k)
+    length = end - start
+    base = None
+    storage = None
+    prev_end = 0
+    for seg in segments:
+        t = tensors[seg.index]
+        if t is None or not t.is_contiguous():
+            return None
+        st = t.untyped_storage()
+        if storage is None:
+            storage = st
+        elif st.data_ptr() != storage.data_ptr():
+            return None
+        b = t.data_ptr() + seg.tensor_offset - seg.bucket_offset
+        if base is None:
+            base = b
+        elif b != base:
+            return None
+        if receiving and seg.bucket_offset - prev_end > MAX_GAP_BYTES:
+            return None
+        prev_end = seg.bucket_offset + seg.nbytes
+    assert storage is not None and base is not None
+    if receiving and length - prev_end > MAX_GAP_BYTES:
+        return None
+    offset = base - storage.data_ptr()
+    if offset < 0 or offset + length > storage.nbytes():
+        return None
+    view = torch.empty(0, dtype=torch.uint8, device=tensors[segments[0].index].device)  # type: ignore[union-attr]
+    return view.set_(storage, offset, (length,), (1,))
+
+
+def checksum(buf: torch.Tensor) -> int:
+    """CRC32 of a bucket's bytes (moved to the CPU first for device buffers)."""
+    if buf.device.type != "cpu":
+        buf = buf.cpu()
+    return zlib.crc32(buf.numpy().data)

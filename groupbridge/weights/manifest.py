@@ -1,0 +1,170 @@
+"""The manifest: what a weight sync carries, checked against what each receiver expects before bytes move.
+
+Entries are ordered (the order of the sender's named tensors) and describe name, shape, dtype, the dtype on
+the wire and byte count. A name whose tensor shares storage with an earlier one (tied weights) is an alias:
+it travels once and lands in both names.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..codec import dtype_from_name, dtype_name
+from ..errors import ManifestMismatchError
+
+__all__ = ["Entry", "Manifest", "compare", "expected_specs", "mismatch_message"]
+
+SHOW = 20
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    """The sender's dtype."""
+    wire_dtype: str
+    """The dtype the bytes travel (and arrive) in."""
+    alias_of: str | None = None
+    """For tied weights: the earlier name whose bytes this name shares."""
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def element_size(self) -> int:
+        return torch.empty((), dtype=dtype_from_name(self.wire_dtype)).element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.alias_of is not None else self.numel * self.element_size
+
+    def to_wire(self) -> list[Any]:
+        return [self.name, list(self.shape), self.dtype, self.wire_dtype, self.alias_of]
+
+    @classmethod
+    def from_wire(cls, item: list[Any]) -> Entry:
+        name, shape, dtype, wire, alias = item
+        dtype_from_name(dtype)
+        dtype_from_name(wire)
+        return cls(str(name), tuple(int(s) for s in shape), str(dtype), str(wire), alias)
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    entries: tuple[Entry, ...]
+
+    @property
+    def digest(self) -> str:
+        blob = json.dumps([e.to_wire() for e in self.entries], separators=(",", ":")).encode()
+        return hashlib.sha256(blob).hexdigest()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.entries)
+
+    def to_wire(self) -> list[list[Any]]:
+        return [e.to_wire() for e in self.entries]
+
+    @classmethod
+    def from_wire(cls, items: list[list[Any]]) -> Manifest:
+        return cls(tuple(Entry.from_wire(i) for i in items))
+
+    @classmethod
+    def build(
+        cls, named: Iterable[tuple[str, torch.Tensor]], wire_dtype: torch.dtype | None = None
+    ) -> Manifest:
+        """Describe ``named`` tensors, detecting tied ones (same storage, offset, shape and strides)."""
+        entries = []
+        seen: dict[tuple[Any, ...], str] = {}
+        names: set[str] = set()
+        for name, t in named:
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name!r} is a {type(t).__name__}, not a tensor")
+            if name in names:
+                raise ValueError(f"tensor name {name!r} appears twice")
+            names.add(name)
+            wire = t.dtype
+            if wire_dtype is not None and t.dtype.is_floating_point:
+                wire = wire_dtype
+            key = _identity(t)
+            alias = seen.get(key) if key is not None else None
+            if key is not None and alias is None:
+                seen[key] = name
+            entries.append(Entry(name, tuple(t.shape), dtype_name(t.dtype), dtype_name(wire), alias))
+        return cls(tuple(entries))
+
+
+def _identity(t: torch.Tensor) -> tuple[Any, ...] | None:
+    if t.numel() == 0 or t.device.type == "meta":
+        return None
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+
+
+def expected_specs(expected: Any) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Normalise a module, a state dict, or a mapping of name -> (shape, dtype) to name -> (shape, dtype)."""
+    if isinstance(expected, torch.nn.Module):
+        expected = expected.state_dict(keep_vars=True)
+    if not isinstance(expected, Mapping):
+        raise TypeError(f"expected= must be a module or a mapping, got {type(expected).__name__}")
+    out: dict[str, tuple[tuple[int, ...], str]] = {}
+    for name, spec in expected.items():
+        if isinstance(spec, torch.Tensor):
+            out[name] = (tuple(spec.shape), dtype_name(spec.dtype))
+        else:
+            shape, dtype = spec
+            out[name] = (tuple(shape), dtype if isinstance(dtype, str) else dtype_name(dtype))
+    return out
+
+
+def compare(manifest: Manifest, expected: Mapping[str, tuple[tuple[int, ...], str]]) -> dict[str, list[str]]:
+    """Return the problems by kind (missing, unexpected, shape, dtype); empty lists when all match.
+
+    Names are the receiver's (after any rename). The dtype compared is the wire dtype: what will arrive.
+    """
+    sent = {e.name: e for e in manifest.entries}
+    problems: dict[str, list[str]] = {"missing": [], "unexpected": [], "shape": [], "dtype": []}
+    for name in expected:
+        if name not in sent:
+            problems["missing"].append(name)
+    for name, e in sent.items():
+        if name not in expected:
+            problems["unexpected"].append(name)
+            continue
+        shape, dtype = expected[name]
+        if tuple(shape) != e.shape:
+            problems["shape"].append(f"{name}: sender {list(e.shape)}, receiver {list(shape)}")
+        if dtype != e.wire_dtype:
+            problems["dtype"].append(f"{name}: arrives as {e.wire_dtype}, receiver holds {dtype}")
+    return problems
+
+
+def mismatch_message(problems: dict[str, list[str]], who: str) -> str:
+    labels = {
+        "missing": "missing (the receiver has them, the sender does not send them)",
+        "unexpected": "unexpected (sent, but the receiver has no such name)",
+        "shape": "shape mismatches",
+        "dtype": "dtype mismatches",
+    }
+    parts = [f"manifest mismatch at {who}:"]
+    for kind, items in problems.items():
+        if items:
+            shown = ", ".join(items[:SHOW])
+            more = f" ... and {len(items) - SHOW} more" if len(items) > SHOW else ""
+            parts.append(f"  {len(items)} {labels[kind]}: {shown}{more}")
+    return "\n".join(parts)
+
+
+def raise_if_mismatch(problems: dict[str, list[str]], who: str) -> None:
+    if any(problems.values()):
+        raise ManifestMismatchError(mismatch_message(problems, who))

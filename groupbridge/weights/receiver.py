@@ -1,0 +1,375 @@
+"""WeightReceiver: take weights from the sending rank, streamed or all-or-nothing, verified on request."""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from ..codec import dtype_from_name
+from ..errors import GroupBridgeError, TornUpdateError, WeightSyncError
+from ..stateless import StatelessGroup, Work
+from . import _bytes
+from ._protocol import Header, make_renamer, settle
+from .manifest import Manifest, compare, expected_specs, mismatch_message
+from .plan import Plan
+from .sender import intra_op_threads
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["WeightReceiver", "WeightUpdate"]
+
+
+def _targets_of(target: Any) -> dict[str, torch.Tensor]:
+    if isinstance(target, torch.nn.Module):
+        return dict(target.state_dict(keep_vars=True))
+    if isinstance(target, Mapping):
+        return dict(target)
+    raise TypeError(f"receive_into() takes a module or a state dict, got {type(target).__name__}")
+
+
+class WeightUpdate:
+    """One incoming version; iterate it for (name, tensor) pairs as buckets arrive.
+
+    A yielded tensor is a view into a receive buffer and stays valid until the tensors of two buckets later
+    are yielded: consume or copy it before moving far on (``load_weights`` copies each tensor at once).
+    Tied names are yielded right after the tensor they share. The receiver's ``version`` becomes this
+    update's version only once iteration has finished and checksums (when on) matched. Stopping early
+    breaks the sync for everyone.
+    """
+
+    def __init__(self, receiver: WeightReceiver, header: Header, manifest: Manifest) -> None:
+        self.version = header.version
+        self.manifest = manifest
+        self._receiver = receiver
+        self._header = header
+        self._started = False
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if self._started:
+            raise RuntimeError("a WeightUpdate can be iterated once")
+        self._started = True
+        return self._receiver._yield_tensors(self._header, self.manifest)
+
+
+class WeightReceiver:
+    """Receives weights sent by rank ``src`` of ``group``.
+
+    Args:
+        group: the bridge.
+        src: the sending rank.
+        expected: the receiver's own module, state dict, or mapping name -> (shape, dtype); the sender's
+            manifest is checked against it before any bytes move. ``receive_into`` checks against its target
+            when this is not given.
+        rename: a callable or mapping from names on the wire to this receiver's names.
+        device: where received buckets land for ``receive()`` (default: CPU).
+    """
+
+    def __init__(
+        self,
+        group: StatelessGroup,
+        *,
+        src: int = 0,
+        expected: Any = None,
+        rename: Callable[[str], str] | Mapping[str, str] | None = None,
+        device: str | torch.device = "cpu",
+        intra_op_threads: int | None = 1,
+    ) -> None:
+        if src == group.rank:
+            raise ValueError(f"src={src} is this rank; the receiver must be another rank")
+        self.group = group
+        self.src = src
+        self.expected = expected_specs(expected) if expected is not None else None
+        self.version: int | None = None
+        """The version last applied in full (None before the first)."""
+        self.device = torch.device(device)
+        self.threads = intra_op_threads
+        self._rename = make_renamer(rename)
+        self._known: dict[str, Manifest] = {}
+
+    # ------------------------------------------------------------------ handshake
+
+    def _settle(
+        self, expected: dict[str, tuple[tuple[int, ...], str]] | None, allow_stale: bool
+    ) -> tuple[Header, Manifest]:
+        def check(header: Header, manifest: Manifest) -> dict[str, Any] | None:
+            if not allow_stale and self.version is not None and header.version <= self.version:
+                return {
+                    "kind": "stale",
+                    "message": f"holds version {self.version}; version {header.version} is not newer",
+                }
+            if expected is not None:
+                renamed = Manifest(tuple(_renamed(e, self._rename) for e in manifest.entries))
+                problems = compare(renamed, expected)
+                if any(problems.values()):
+                    return {
+                        "kind": "manifest",
+                        "message": mismatch_message(problems, f"rank {self.group.rank}"),
+                    }
+            return None
+
+        return settle(self.group, self.src, None, None, self._known, check)
+
+    # ------------------------------------------------------------------ buckets
+
+    def _buckets(
+        self,
+        header: Header,
+        plan: Plan,
+        land: Callable[[int], tuple[torch.Tensor, bool]],
+        timeout: timedelta | None,
+    ) -> Iterator[tuple[int, torch.Tensor, bool]]:
+        """Receive every bucket, one in flight ahead; ``land(k)`` gives where bucket k goes."""
+        n = len(plan.buckets)
+        pending: deque[tuple[torch.Tensor, bool, Work]] = deque()
+
+        def post(k: int) -> None:
+            view, in_place = land(k)
+            work = self.group.broadcast(view, src=self.src, async_op=True)
+            assert work is not None
+            pending.append((view, in_place, work))
+
+        for k in range(min(2, n)):
+            post(k)
+        crcs = []
+        for k in range(n):
+            view, in_place, work = pending.popleft()
+            work.wait(timeout)
+            if header.checksum:
+                crcs.append(_bytes.checksum(view))
+            yield k, view, in_place
+            if k + 2 < n:
+                post(k + 2)
+        if header.checksum:
+            sent = self.group.broadcast_obj(None, src=self.src, timeout=timeout)
+            bad = [k for k, (a, b) in enumerate(zip(sent, crcs, strict=True)) if a != b]
+            if bad:
+                raise WeightSyncError(
+                    f"checksum mismatch in bucket(s) {', '.join(map(str, bad[:20]))} of {n}: "
+                    "the bytes that arrived are corrupted or short"
+                )
+
+    def _ring(self, plan: Plan) -> Callable[[int], tuple[torch.Tensor, bool]]:
+        bufs = [
+            _bytes.new_buffer(min(plan.bucket_bytes, plan.total_bytes), self.device)
+            for _ in range(min(2, len(plan.buckets)))
+        ]
+
+        def land(k: int) -> tuple[torch.Tensor, bool]:
+            start, end = plan.bucket_range(k)
+            return bufs[k % 2][: end - start], False
+
+        return land
+
+    def _ack(self, ok: bool, error: str | None = None) -> None:
+        try:
+            self.group.send_obj({"ok": ok, "error": error}, dst=self.src)
+        except GroupBridgeError:
+            logger.debug("could not acknowledge to the sender", exc_info=True)
+
+    # ------------------------------------------------------------------ receive()
+
+    def receive(self, *, allow_stale: bool = False, timeout: timedelta | None = None) -> WeightUpdate:
+        """Start receiving the next version; the returned update yields (name, tensor) as buckets arrive.
+
+        Raises:
+            ManifestMismatchError: the manifest differs from ``expected``; nothing moved.
+            WeightSyncError: the version is not newer than the one held (unless ``allow_stale``).
+        """
+        with intra_op_threads(self.threads):
+            header, manifest = self._settle(self.expected, allow_stale)
+        return WeightUpdate(self, header, manifest)
+
+    def _yield_tensors(self, header: Header, manifest: Manifest) -> Iterator[tuple[str, torch.Tensor]]:
+        plan = Plan.build(manifest, header.bucket_bytes)
+        entries = manifest.entries
+        aliases: dict[int, list[str]] = {}
+        index = {e.name: i for i, e in enumerate(entries)}
+        for e in entries:
+            if e.alias_of is not None:
+                aliases.setdefault(index[e.alias_of], []).append(self._rename(e.name))
+        assembling: dict[int, torch.Tensor] = {}
+        done = 0
+        try:
+            with intra_op_threads(self.threads):
+                for k, view, _ in self._buckets(header, plan, self._ring(plan), None):
+                    for seg in plan.buckets[k]:
+                        e = entries[seg.index]
+                        dtype = dtype_from_name(e.wire_dtype)
+                        if seg.nbytes == e.nbytes:
+                            t = _bytes.typed_view(view, seg.bucket_offset, dtype, e.shape)
+                        else:
+                            full = assembling.setdefault(
+                                seg.index, torch.empty(e.shape, dtype=dtype, device=self.device)
+                            )
+                            _bytes.byte_view(full)[seg.tensor_offset : seg.tensor_offset + seg.nbytes].copy_(
+                                view[seg.bucket_offset : seg.bucket_offset + seg.nbytes]
+                            )
+                            if seg.tensor_offset + seg.nbytes < e.nbytes:
+                                continue
+                            t = assembling.pop(seg.index)
+                        done += 1
+                        yield self._rename(e.name), t
+                        for alias in aliases.get(seg.index, []):
+                            yield alias, t
+            for i, e in enumerate(entries):  # empty tensors have no bytes in any bucket
+                if e.alias_of is None and e.nbytes == 0:
+                    t = torch.empty(e.shape, dtype=dtype_from_name(e.wire_dtype), device=self.device)
+                    yield self._rename(e.name), t
+                    for alias in aliases.get(i, []):
+                        yield alias, t
+        except GroupBridgeError as e:
+            self._ack(False, str(e))
+            raise TornUpdateError(
+                f"receiving version {header.version} failed after {done} tensors were yielded: {e}; "
+                f"whatever consumed them is torn; version held is still {self.version}",
+                written=[],
+            ) from e
+        self.version = header.version
+        self._ack(True)
+
+    # ------------------------------------------------------------------ receive_into()
+
+    def receive_into(
+        self,
+        target: Any,
+        *,
+        atomic: bool = True,
+        allow_stale: bool = False,
+        timeout: timedelta | None = None,
+    ) -> int:
+        """Receive the next version into ``target`` (a module or state dict) and return the version held.
+
+        ``atomic=True`` stages the whole update (one model-size buffer) and copies into ``target`` only after
+        every bucket (and checksum) arrived: on any failure ``target`` is bit-identical to before and
+        ``version`` unchanged. ``atomic=False`` writes bucket by bucket (receiving straight into the target's
+        storage where it is laid out as the plan is, e.g. after :func:`groupbridge.flatten_`); a failure then
+        raises :class:`TornUpdateError` naming the tensors already written.
+        """
+        targets = _targets_of(target)
+        expected = self.expected if self.expected is not None else expected_specs(targets)
+        with intra_op_threads(self.threads):
+            header, manifest = self._settle(expected, allow_stale)
+            plan = Plan.build(manifest, header.bucket_bytes)
+            entries = manifest.entries
+            dest = [targets.get(self._rename(e.name)) for e in entries]
+            missing = [self._rename(e.name) for e, d in zip(entries, dest, strict=True) if d is None]
+            if missing:  # only possible when expected= differs from the target
+                self._ack(False, f"target lacks {missing[:20]}")
+                raise WeightSyncError(f"target has no tensor named {', '.join(missing[:20])}")
+            if atomic:
+                self._receive_atomic(header, plan, entries, dest, timeout)  # type: ignore[arg-type]
+            else:
+                self._receive_streaming(header, plan, entries, dest, timeout)  # type: ignore[arg-type]
+        self.version = header.version
+        self._ack(True)
+        return header.version
+
+    def _receive_atomic(
+        self,
+        header: Header,
+        plan: Plan,
+        entries: tuple[Any, ...],
+        dest: list[torch.Tensor],
+        timeout: timedelta | None,
+    ) -> None:
+        device = next((d.device for d in dest), self.device)
+        staging = _bytes.new_buffer(plan.total_bytes, device)
+
+        def land(k: int) -> tuple[torch.Tensor, bool]:
+            start, end = plan.bucket_range(k)
+            return staging[start:end], False
+
+        try:
+            for _ in self._buckets(header, plan, land, timeout):
+                pass
+        except GroupBridgeError as err:
+            self._ack(False, str(err))
+            raise WeightSyncError(
+                f"receiving version {header.version} failed: {err}; the target is untouched and the version "
+                f"held is still {self.version}"
+            ) from err
+        with torch.no_grad():
+            for i, e in enumerate(entries):
+                src_index = (
+                    i
+                    if e.alias_of is None
+                    else next(j for j, x in enumerate(entries) if x.name == e.alias_of)
+                )
+                src_entry = entries[src_index]
+                if src_entry.numel == 0:
+                    continue
+                src = _bytes.typed_view(
+                    staging, plan.offsets[src_index], dtype_from_name(src_entry.wire_dtype), src_entry.shape
+                )
+                if dest[i].data_ptr() != src.data_ptr():
+                    dest[i].copy_(src)
+
+    def _receive_streaming(
+        self,
+        header: Header,
+        plan: Plan,
+        entries: tuple[Any, ...],
+        dest: list[torch.Tensor],
+        timeout: timedelta | None,
+    ) -> None:
+        ring = self._ring(plan)
+        wire_ok = [
+            d.is_contiguous() and d.dtype == dtype_from_name(e.wire_dtype)
+            for d, e in zip(dest, entries, strict=True)
+        ]
+        direct: list[torch.Tensor | None] = [d if ok else None for d, ok in zip(dest, wire_ok, strict=True)]
+
+        def land(k: int) -> tuple[torch.Tensor, bool]:
+            view = _bytes.in_place_bucket(plan, k, direct, receiving=True)
+            return (view, True) if view is not None else ring(k)
+
+        written: list[str] = []
+        partial: dict[int, torch.Tensor] = {}
+        try:
+            with torch.no_grad():
+                for k, view, in_place in self._buckets(header, plan, land, timeout):
+                    for seg in plan.buckets[k]:
+                        e, d = entries[seg.index], dest[seg.index]
+                        if not in_place:
+                            if wire_ok[seg.index]:
+                                out = _bytes.byte_view(d)
+                            else:
+                                full = partial.setdefault(
+                                    seg.index, torch.empty(e.shape, dtype=dtype_from_name(e.wire_dtype))
+                                )
+                                out = _bytes.byte_view(full)
+                            out[seg.tensor_offset : seg.tensor_offset + seg.nbytes].copy_(
+                                view[seg.bucket_offset : seg.bucket_offset + seg.nbytes]
+                            )
+                            if seg.index in partial and seg.tensor_offset + seg.nbytes == e.nbytes:
+                                d.copy_(partial.pop(seg.index))
+                        if seg.tensor_offset == 0:
+                            written.append(self._rename(e.name))
+                for i, e in enumerate(entries):
+                    if e.alias_of is not None:
+                        j = next(j for j, x in enumerate(entries) if x.name == e.alias_of)
+                        if dest[i].data_ptr() != dest[j].data_ptr() and dest[j].numel():
+                            dest[i].copy_(dest[j])
+                        written.append(self._rename(e.name))
+        except GroupBridgeError as err:
+            self._ack(False, str(err))
+            shown = ", ".join(written[:20]) + (
+                f" ... and {len(written) - 20} more" if len(written) > 20 else ""
+            )
+            raise TornUpdateError(
+                f"receiving version {header.version} failed: {err}; the target is TORN: {len(written)} of "
+                f"{len(entries)} tensors were (partly) overwritten ({shown or 'none'}); the version held is "
+                f"still {self.version}",
+                written=written,
+            ) from err
+
+
+def _renamed(e: Any, rename: Callable[[str], str]) -> Any:
+    from .manifest import Entry
+
+    return Entry(rename(e.name), e.shape, e.dtype, e.wire_dtype, e.alias_of)
