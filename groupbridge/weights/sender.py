@@ -248,7 +248,7 @@ class WeightSender:
                     live[pulled] = src.contiguous()
                 pulled += 1
 
-        buffers: list[torch.Tensor] = []
+        buffers: dict[int, torch.Tensor] = {}  # two, allocated when first needed
         pending: deque[Work] = deque()
         crcs: list[int] = []
         in_place = 0
@@ -261,9 +261,9 @@ class WeightSender:
             if view is not None:
                 in_place += 1
             else:
-                if len(buffers) < 2:
+                if k % 2 not in buffers:
                     device = live[segs[0].index].device  # type: ignore[union-attr]
-                    buffers.append(_bytes.new_buffer(min(plan.bucket_bytes, plan.total_bytes), device))
+                    buffers[k % 2] = _bytes.new_buffer(min(plan.bucket_bytes, plan.total_bytes), device)
                 view = buffers[k % 2][: end - start]
                 for seg in segs:
                     src = _bytes.byte_view(live[seg.index])  # type: ignore[arg-type]

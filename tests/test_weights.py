@@ -1,0 +1,445 @@
+"""Weight sync with real processes: bit-exactness, manifests, versions, atomicity, faults, flatten_."""
+
+from __future__ import annotations
+
+import os
+import time
+import weakref
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+
+import groupbridge as gb
+from groupbridge.weights.manifest import Manifest, compare, expected_specs, mismatch_message
+from groupbridge.weights.plan import Plan
+from tests.helpers import CTX, Ranks, make_group, run_ranks
+from tests.weights_models import (
+    bit_equal,
+    dense_shapes,
+    every_dtype,
+    make_model,
+    moe_shapes,
+    zeros_like_model,
+)
+
+BUCKET = 4096
+
+# ---------------------------------------------------------------- plan and manifest (one process)
+
+
+def test_plan_is_aligned_and_covers_every_byte() -> None:
+    sd = every_dtype()
+    m = Manifest.build(list(sd.items()))
+    plan = Plan.build(m, BUCKET)
+    assert plan == Plan.build(Manifest.from_wire(m.to_wire()), BUCKET)  # both sides compute the same
+    covered = 0
+    for i, e in enumerate(m.entries):
+        assert plan.offsets[i] % e.element_size == 0
+        if e.alias_of:
+            assert plan.offsets[i] == plan.offsets[[x.name for x in m.entries].index(e.alias_of)]
+    for k, segs in enumerate(plan.buckets):
+        start, end = plan.bucket_range(k)
+        assert all(s.bucket_offset >= 0 and s.bucket_offset + s.nbytes <= end - start for s in segs)
+        covered += sum(s.nbytes for s in segs)
+    assert covered == m.nbytes
+    big = next(i for i, e in enumerate(m.entries) if e.name == "big")
+    assert sum(1 for segs in plan.buckets for s in segs if s.index == big) >= 3  # 12 kB over 4 kB buckets
+    assert m.entries[-1].alias_of == "big"
+
+
+def test_mismatch_message_lists_first_twenty_with_counts() -> None:
+    sent = Manifest.build([(f"w{i}", torch.zeros(2)) for i in range(30)] + [("s", torch.zeros(3, 2))])
+    expected = {f"x{i}": ((2,), "float32") for i in range(25)}
+    expected["s"] = ((2, 3), "bfloat16")
+    problems = compare(sent, expected)
+    assert len(problems["missing"]) == 25 and len(problems["unexpected"]) == 30
+    msg = mismatch_message(problems, "rank 1")
+    assert (
+        "25 missing" in msg
+        and "... and 5 more" in msg
+        and "30 unexpected" in msg
+        and "... and 10 more" in msg
+    )
+    assert "s: sender [3, 2], receiver [2, 3]" in msg and "arrives as float32, receiver holds bfloat16" in msg
+
+
+def test_expected_specs_forms() -> None:
+    lin = torch.nn.Linear(3, 2)
+    assert expected_specs(lin) == {"weight": ((2, 3), "float32"), "bias": ((2,), "float32")}
+    assert expected_specs({"a": ((4,), torch.bfloat16)}) == {"a": ((4,), "bfloat16")}
+
+
+def test_flatten_keeps_identity_values_and_ties() -> None:
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False))
+    model[1].weight = model[0].weight  # tied
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    params = list(model.parameters())
+    buf = gb.flatten_(model)
+    assert list(model.parameters()) == params and isinstance(model[0].weight, torch.nn.Parameter)
+    assert model[1].weight is model[0].weight
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k])
+        assert v.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+
+
+# ---------------------------------------------------------------- real processes
+
+
+def _sync_every_dtype(rank: int, host: str, ports: Any, n: int, flat: str, mode: str) -> Any:
+    g = make_group(rank, n, host, ports)
+    try:
+        if rank == 0:
+            snd = gb.WeightSender(g, bucket_bytes=BUCKET, checksum=True)
+            out = []
+            for v in (1, 2):
+                sd = every_dtype(seed=v)
+                if flat in ("sender", "both"):
+                    gb.flatten_(sd)
+                st = snd.send(sd, version=v)
+                out.append((st.buckets, st.in_place_buckets))
+            return out
+        rcv = gb.WeightReceiver(g, src=0)
+        results = []
+        target = zeros_like_model(every_dtype())
+        if flat in ("receiver", "both"):
+            gb.flatten_(target)
+        for v in (1, 2):
+            want = every_dtype(seed=v)
+            if mode == "receive":
+                upd = rcv.receive()
+                got = {name: t.clone() for name, t in upd}
+                assert upd.version == v
+            else:
+                assert rcv.receive_into(target, atomic=(mode == "atomic")) == v
+                got = target
+            results.append(
+                all(bit_equal(got[k], want[k].contiguous()) for k in want) and set(got) == set(want)
+            )
+        results.append(rcv.version)
+        assert target["tied"] is target["big"]
+        return results
+    finally:
+        g.close()
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(
+    ("n", "flat", "mode"),
+    [
+        (2, "neither", "atomic"),
+        (3, "neither", "streaming"),
+        (3, "sender", "atomic"),
+        (2, "receiver", "streaming"),
+        (3, "both", "streaming"),
+        (2, "both", "atomic"),
+        (3, "neither", "receive"),
+    ],
+)
+def test_every_dtype_bit_exact(n: int, flat: str, mode: str) -> None:
+    res = run_ranks(_sync_every_dtype, n, "127.0.0.1", CTX.Queue(), n, flat, mode, timeout=80)
+    for r in range(1, n):
+        assert res[r] == [True, True, 2], res
+    if flat in ("sender", "both"):
+        assert all(b == inplace for b, inplace in res[0]), res[0]  # every bucket sent in place
+
+
+def _sync_shape(rank: int, host: str, ports: Any, n: int, shape: str) -> bool:
+    shapes = (
+        dense_shapes(scale=16, layers=4) if shape == "dense" else moe_shapes(scale=16, layers=2, experts=8)
+    )
+    with make_group(rank, n, host, ports) as g:
+        if rank == 0:
+            gb.WeightSender(g, bucket_bytes=64 << 10).send(make_model(shapes, seed=1), version=3)
+            return True
+        target = make_model(shapes, seed=2)
+        gb.WeightReceiver(g, src=0).receive_into(target)
+        want = make_model(shapes, seed=1)
+        return all(bit_equal(target[k], want[k]) for k in want)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("shape", ["dense", "moe"])
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1"], ids=["ipv4", "ipv6"])
+def test_model_shapes_scaled_down(shape: str, n: int, host: str) -> None:
+    from tests.helpers import has_ipv6_loopback
+
+    if ":" in host and not has_ipv6_loopback():
+        pytest.skip("this host has no IPv6 loopback (::1)")
+    assert all(run_ranks(_sync_shape, n, host, CTX.Queue(), n, shape, timeout=80))
+
+
+def _mismatch(rank: int, host: str, ports: Any) -> Any:
+    with make_group(rank, 3, host, ports) as g:
+        sd = {f"w{i}": torch.full((2,), float(i)) for i in range(25)} | {"s": torch.zeros(3, 2)}
+        if rank == 0:
+            snd = gb.WeightSender(g)
+            try:
+                snd.send(sd, version=1)
+                return "sent"
+            except gb.ManifestMismatchError as e:
+                first = str(e)
+            snd.send(sd, version=2)  # the group is still usable
+            return first
+        target = {k: v.clone() for k, v in sd.items()}
+        if rank == 1:
+            expected: dict[str, Any] = {f"x{i}": ((2,), torch.float32) for i in range(22)} | {
+                "s": ((2, 3), torch.float32)
+            }
+        else:
+            expected = {k: (tuple(v.shape), torch.bfloat16) for k, v in sd.items()}
+        rcv = gb.WeightReceiver(g, src=0, expected=expected)
+        before = {k: v.clone() for k, v in target.items()}
+        try:
+            rcv.receive_into(target)
+            return "received"
+        except gb.ManifestMismatchError as e:
+            msg = str(e)
+        untouched = all(torch.equal(before[k], target[k]) for k in target)
+        rcv.expected = None
+        version = rcv.receive_into(target)
+        return msg, untouched, version
+
+
+@pytest.mark.timeout(60)
+def test_manifest_mismatch_everyone_raises_before_bytes_move() -> None:
+    res = run_ranks(_mismatch, 3, "127.0.0.1", CTX.Queue(), timeout=50)
+    assert (
+        "rank 1:" in res[0] and "rank 2:" in res[0] and "22 missing" in res[0] and "... and 2 more" in res[0]
+    )
+    assert "shape mismatches" in res[0] and "dtype mismatches" in res[0] and "arrives as float32" in res[0]
+    for r in (1, 2):
+        msg, untouched, version = res[r]
+        assert msg == res[0] and untouched and version == 2
+
+
+def _versions(rank: int, host: str, ports: Any) -> Any:
+    with make_group(rank, 2, host, ports) as g:
+        sd = {"w": torch.arange(4.0)}
+        if rank == 0:
+            snd = gb.WeightSender(g)
+            snd.send(sd, version=5)
+            try:
+                snd.send(sd, version=5)
+            except gb.WeightSyncError as e:
+                stale = str(e)
+            snd.send(sd, version=5)  # the receiver allows it this time
+            return stale
+        rcv = gb.WeightReceiver(g, src=0)
+        t = {"w": torch.zeros(4)}
+        rcv.receive_into(t)
+        try:
+            rcv.receive_into(t)
+        except gb.WeightSyncError as e:
+            stale = str(e)
+        rcv.receive_into(t, allow_stale=True)
+        return stale, rcv.version
+
+
+@pytest.mark.timeout(60)
+def test_versions_must_be_newer_unless_allowed() -> None:
+    res = run_ranks(_versions, 2, "127.0.0.1", CTX.Queue(), timeout=50)
+    assert "holds version 5; version 5 is not newer" in res[0]
+    assert "not newer" in res[1][0] and res[1][1] == 5
+
+
+def _wire_and_rename(rank: int, host: str, ports: Any) -> bool:
+    master = {
+        "layer.w": torch.randn(64, 8, generator=torch.Generator().manual_seed(3)),
+        "step": torch.tensor(7),
+    }
+    with make_group(rank, 2, host, ports) as g:
+        if rank == 0:
+            snd = gb.WeightSender(g, wire_dtype=torch.bfloat16, rename={"layer.w": "engine.w"})
+            snd.send(master, version=1)
+            return True
+        engine = {"w": torch.zeros(64, 8, dtype=torch.bfloat16), "step": torch.tensor(0)}
+        gb.WeightReceiver(g, src=0, rename=lambda n: n.removeprefix("engine.")).receive_into(engine)
+        return bit_equal(engine["w"], master["layer.w"].to(torch.bfloat16)) and int(engine["step"]) == 7
+
+
+@pytest.mark.timeout(60)
+def test_wire_dtype_and_rename() -> None:
+    assert all(run_ranks(_wire_and_rename, 2, "127.0.0.1", CTX.Queue(), timeout=50))
+
+
+def _lazy(rank: int, host: str, ports: Any) -> Any:
+    shapes = [(f"p{i}", (256,)) for i in range(64)]  # 1 kB each; 4 kB buckets
+    alive: list[int] = [0, 0]  # (now, peak)
+
+    def gathered(seed: int) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, shape in shapes:
+            t = torch.full(shape, float(seed))
+            alive[0] += 1
+            alive[1] = max(alive[1], alive[0])
+            weakref.finalize(t, lambda: alive.__setitem__(0, alive[0] - 1))
+            yield name, t
+            del t
+
+    with make_group(rank, 2, host, ports) as g:
+        if rank == 0:
+            snd = gb.WeightSender(g, bucket_bytes=BUCKET)
+            snd.send(gathered(1), version=1, specs={n: (s, torch.float32) for n, s in shapes})
+            snd.send(gathered(2), version=2)  # the manifest of the previous send
+            return alive[1]
+        target = {n: torch.zeros(s) for n, s in shapes}
+        rcv = gb.WeightReceiver(g, src=0)
+        rcv.receive_into(target)
+        rcv.receive_into(target, atomic=False)
+        return all(bool((t == 2.0).all()) for t in target.values())
+
+
+@pytest.mark.timeout(60)
+def test_lazy_generator_never_holds_the_model() -> None:
+    peak, ok = run_ranks(_lazy, 2, "127.0.0.1", CTX.Queue(), timeout=50)
+    assert ok
+    assert peak <= 12, peak  # about two buckets' worth (4 per bucket), never the 64 tensors
+
+
+# ---------------------------------------------------------------- faults
+
+
+def _corrupt(rank: int, host: str, ports: Any) -> Any:
+    with make_group(rank, 2, host, ports) as g:
+        sd = every_dtype(seed=1)
+        if rank == 0:
+            snd = gb.WeightSender(g, bucket_bytes=BUCKET, checksum=True)
+            snd._fault = lambda k, view: view[:16].zero_() if k == 1 else None
+            try:
+                snd.send(sd, version=1)
+            except gb.WeightSyncError as e:
+                return str(e)
+            return "no error"
+        target = zeros_like_model(sd)
+        rcv = gb.WeightReceiver(g, src=0)
+        try:
+            rcv.receive_into(target)
+        except gb.WeightSyncError as e:
+            return str(e), all(bool((t == 0).all()) for t in target.values()), rcv.version
+        return "no error"
+
+
+@pytest.mark.timeout(60)
+def test_corrupted_bucket_detected() -> None:
+    res = run_ranks(_corrupt, 2, "127.0.0.1", CTX.Queue(), timeout=50)
+    msg, untouched, version = res[1]
+    assert "checksum mismatch in bucket(s) 1" in msg and "corrupted or short" in msg
+    assert untouched and version is None
+    assert "not applied everywhere" in res[0] and "rank 1" in res[0]
+
+
+def _killed(rank: int, host: str, ports: Any, victim: int, atomic: bool) -> Any:
+    g = make_group(rank, 3, host, ports, liveness_timeout=timedelta(seconds=2))
+    sd = make_model([(f"w{i}", (64, 64)) for i in range(64)], seed=1)  # 512 kB over 16 kB buckets
+    t0 = time.monotonic()
+    try:
+        if rank == 0:
+            snd = gb.WeightSender(g, bucket_bytes=16 << 10)
+            snd.send(sd, version=1)
+            if victim == 0:
+                snd._fault = lambda k, view: os._exit(3) if k == 10 else time.sleep(0.05)
+            snd.send(make_model([(f"w{i}", (64, 64)) for i in range(64)], seed=2), version=2)
+            return "finished"
+        target = make_model([(f"w{i}", (64, 64)) for i in range(64)], seed=0)
+        rcv = gb.WeightReceiver(g, src=0)
+        rcv.receive_into(target)
+        before = {k: v.clone() for k, v in target.items()}
+        if rank == victim:
+            upd = rcv.receive()
+            for i, _ in enumerate(upd):
+                if i == 5:
+                    os._exit(3)
+        try:
+            rcv.receive_into(target, atomic=atomic)
+            return "finished"
+        except gb.TornUpdateError as e:
+            changed = sorted(k for k in target if not torch.equal(before[k], target[k]))
+            return "torn", str(e), set(changed) <= set(e.written), rcv.version, time.monotonic() - t0
+        except gb.WeightSyncError as e:
+            same = all(torch.equal(before[k], target[k]) for k in target)
+            return "failed", str(e), same, rcv.version, time.monotonic() - t0
+    except gb.GroupBridgeError as e:
+        return "sender failed", str(e), time.monotonic() - t0
+    finally:
+        g.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("atomic", [True, False], ids=["atomic", "streaming"])
+def test_sender_killed_mid_sync(atomic: bool) -> None:
+    res = Ranks(_killed, 3, ("127.0.0.1", CTX.Queue(), 0, atomic)).results(45, expect=[1, 2])
+    for r in (1, 2):
+        status, value = res[r]
+        assert status == "ok", value
+        if atomic:
+            kind, msg, untouched, version, took = value
+            assert kind == "failed" and untouched and "untouched" in msg and "still 1" in msg
+        else:
+            kind, msg, within_written, version, took = value
+            assert kind == "torn" and "TORN" in msg and within_written
+        assert version == 1 and took < 20
+
+
+@pytest.mark.timeout(60)
+def test_receiver_killed_mid_sync() -> None:
+    res = Ranks(_killed, 3, ("127.0.0.1", CTX.Queue(), 2, True)).results(45, expect=[0, 1])
+    status, value = res[0]
+    assert status == "ok" and value[0] == "sender failed" and value[2] < 20, value
+    status, value = res[1]
+    assert status == "ok" and value[0] in ("failed", "finished"), (
+        value
+    )  # finished only if it got it all first
+    if value[0] == "failed":
+        assert value[2] and value[3] == 1  # untouched, still version 1
+
+
+# ---------------------------------------------------------------- several trainer ranks
+
+
+def _trainer_and_worker(rank: int, host: str, ports: Any, gports: Any) -> Any:
+    """Ranks 0, 1: a trainer world of 2; rank 2: a worker. Only trainer rank 0 is in the bridge."""
+    import torch.distributed as dist
+
+    shapes = [(f"layer{i}.w", (32, 16)) for i in range(12)]
+    if rank < 2:
+        if rank == 0:
+            lis = gb.listen(host, 0)
+            gports.put(lis.port)
+            gb.init_global_group(rank=0, world_size=2, listener=lis, timeout=timedelta(seconds=30))
+        else:
+            port = gports.get(timeout=30)
+            gb.init_global_group(
+                rank=1, world_size=2, init_method=f"tcp://{host}:{port}", timeout=timedelta(seconds=30)
+            )
+
+        def gathered() -> Iterator[tuple[str, torch.Tensor]]:
+            # stands in for FSDP's per-parameter all-gather: a collective every trainer rank must join
+            for i, (name, shape) in enumerate(shapes):
+                shard = torch.full((shape[0] // 2, shape[1]), float(i * 10 + dist.get_rank()))
+                full = [torch.empty_like(shard) for _ in range(2)]
+                dist.all_gather(full, shard)
+                yield name, torch.cat(full)
+
+        if rank == 0:
+            with make_group(0, 2, host, ports) as g:
+                gb.WeightSender(g, bucket_bytes=BUCKET).send(gathered(), version=1)
+        else:
+            for _ in gathered():  # drive the same generator so the all_gathers stay matched; drop the tensors
+                pass
+        gb.destroy_global_group()
+        return True
+    with make_group(1, 2, host, ports) as g:
+        target = {n: torch.zeros(s) for n, s in shapes}
+        gb.WeightReceiver(g, src=0).receive_into(target)
+        return all(
+            bool((t[:16] == i * 10).all() and (t[16:] == i * 10 + 1).all())
+            for i, t in enumerate(target.values())
+        )
+
+
+@pytest.mark.timeout(60)
+def test_several_trainer_ranks_only_the_sender_in_the_bridge() -> None:
+    assert all(run_ranks(_trainer_and_worker, 3, "127.0.0.1", CTX.Queue(), CTX.Queue(), timeout=50))
