@@ -13,7 +13,8 @@ try:
     from rich.console import Console
     from rich.table import Table
 
-    _console: Any = Console(stderr=False)
+    # Wide enough for the benchmark table when the output is a file or a pipe (rich assumes 80 then).
+    _console: Any = Console(stderr=False, width=None if sys.stdout.isatty() else 160)
 except ImportError:  # the "cli" extra is not installed
     Console = None  # type: ignore[assignment,misc]
     Table = None  # type: ignore[assignment,misc]

@@ -55,6 +55,50 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return subprocess.run(cmd, env=env, timeout=300, check=False).returncode
 
 
+def _parse_bytes(text: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    if t and t[-1] in units:
+        return int(float(t[:-1]) * units[t[-1]])
+    return int(t)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from .bench.report import plot, table
+    from .bench.weight_sync import BenchConfig, run_weight_sync
+
+    shape = "tiny" if args.quick else args.shape
+    rounds = 2 if args.quick else args.rounds
+    receivers = [int(r) for r in args.receivers.split(",")]
+    buckets = [_parse_bytes(b) for b in args.bucket_bytes.split(",")]
+    modes = args.modes.split(",")
+    records: list[dict[str, object]] = []
+    for n in receivers:
+        cfg = BenchConfig(
+            shape=shape,
+            receivers=n,
+            bucket_bytes=buckets,
+            rounds=rounds,
+            modes=modes,
+            host=args.host,
+            threads=None if args.threads == "default" else int(args.threads),
+        )
+        if not args.json:
+            _console.echo(
+                f"[bench] {shape}, {n} receiver(s), {rounds} interleaved rounds of {', '.join(modes)} ..."
+            )
+        records += run_weight_sync(cfg)
+    if args.json:
+        print(json.dumps(records, indent=1))
+    else:
+        table(records)
+    if args.plot:
+        plot(records, args.plot)
+        if not args.json:
+            _console.echo(f"plot written to {args.plot}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="groupbridge", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -64,6 +108,22 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="see it work on this machine")
     p.add_argument("--nproc", type=int, default=2)
     p.set_defaults(func=_cmd_demo)
+    p = sub.add_parser("bench", help="weight-sync speed beside its anchors (flat tensor, per-tensor, memcpy)")
+    p.add_argument("--shape", default="dense", choices=["dense", "moe", "moe-half", "tiny"])
+    p.add_argument("--receivers", default="1", help="comma-separated receiver counts, e.g. 1,2")
+    p.add_argument(
+        "--bucket-bytes", default="64MiB", help="comma-separated sizes: a sweep, e.g. 4MiB,16MiB,64MiB"
+    )
+    p.add_argument("--modes", default="ours,ours_flat,flat,per_tensor",
+                   help="ours, ours_flat (both sides flatten_), ours_atomic, flat, per_tensor")  # fmt: skip
+    p.add_argument("--transport", default="broadcast", choices=["broadcast"])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", default="1", help="torch intra-op threads during a sync, or 'default'")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--quick", action="store_true", help="a small model, two rounds: under a minute")
+    p.add_argument("--json", action="store_true", help="print one JSON record per measurement")
+    p.add_argument("--plot", metavar="FILE.png", help="bandwidth against bucket size and receivers")
+    p.set_defaults(func=_cmd_bench)
     return parser
 
 

@@ -63,12 +63,14 @@ def _ranks(ranks: Iterable[int]) -> str:
     return ", ".join(str(r) for r in sorted(ranks)) or "none"
 
 
-def _wait_into(work: Any, outcome: list[BaseException | None]) -> None:
+def _wait_into(work: Any, outcome: list[BaseException | None], finished: threading.Event) -> None:
     try:
         work.wait()
         outcome.append(None)
     except BaseException as e:  # handed to the waiting thread, which raises it
         outcome.append(e)
+    finally:
+        finished.set()
 
 
 class Work:
@@ -436,7 +438,7 @@ class StatelessGroup:
                         f"from rank(s) {_ranks(peers)}"
                     )
                 time.sleep(delay)
-                delay = min(delay * 2, 0.01)
+                delay = min(delay * 2, 0.001)
         except (GroupBridgeError, ValueError, TypeError):
             raise
         except RuntimeError as e:  # DistError and friends: the store connection broke
@@ -593,13 +595,18 @@ class StatelessGroup:
                 # gloo's send/recv work reports completion only from inside wait(), so wait in a helper
                 # thread (wait releases the GIL) while this thread watches the clock and the peers.
                 outcome: list[BaseException | None] = []
-                waiter = threading.Thread(target=_wait_into, args=(work, outcome), daemon=True)
+                finished = threading.Event()
+                waiter = threading.Thread(target=_wait_into, args=(work, outcome, finished), daemon=True)
                 waiter.start()
-                self._poll(lambda: bool(outcome), deadline, what, peers)
+                self._wait_event(finished, deadline, what, peers, timeout)
                 if outcome[0] is not None:
                     raise outcome[0]
             else:
-                self._poll(work.is_completed, deadline, what, peers)
+                # Woken by the work's own completion callback: sleeping polls would add up to their
+                # interval to every bucket of a weight sync.
+                done = threading.Event()
+                work.get_future().add_done_callback(lambda _: done.set())
+                self._wait_event(done, deadline, what, peers, timeout)
                 work.wait()
         except GroupBridgeError as e:
             self._abort(str(e))
@@ -607,6 +614,17 @@ class StatelessGroup:
         except RuntimeError as e:
             self._abort(f"{what} failed: {e}")
             raise PeerDiedError(f"rank {self.rank} of {self._where()}: {what} failed: {e}") from e
+
+    def _wait_event(
+        self, event: threading.Event, deadline: float, what: str, peers: list[int], timeout: timedelta | None
+    ) -> None:
+        while not event.wait(0.2):
+            self._check_peers(peers)
+            if time.monotonic() >= deadline:
+                raise PeerTimeoutError(
+                    f"rank {self.rank} of {self._where()} waited {_seconds(timeout or self.timeout)} "
+                    f"for {what} from rank(s) {_ranks(peers)}"
+                )
 
     @staticmethod
     def _p2p_work(what: str) -> bool:

@@ -9,7 +9,7 @@ import torch
 
 from .plan import Plan
 
-__all__ = ["byte_view", "checksum", "in_place_bucket", "new_buffer", "typed_view"]
+__all__ = ["BufferCache", "byte_view", "checksum", "in_place_bucket", "new_buffer", "typed_view"]
 
 MAX_GAP_BYTES = 8
 """Largest hole between two consecutive tensors that an in-place receive may write over: alignment padding
@@ -77,6 +77,25 @@ def in_place_bucket(
         return None
     view = torch.empty(0, dtype=torch.uint8, device=tensors[segments[0].index].device)  # type: ignore[union-attr]
     return view.set_(storage, offset, (length,), (1,))
+
+
+class BufferCache:
+    """Reusable, pre-touched buffers kept between syncs (a fresh buffer's first touch costs several fold)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[str, int], torch.Tensor] = {}
+
+    def get(self, slot: str, nbytes: int, device: torch.device) -> torch.Tensor:
+        key = (slot, 0)
+        buf = self._buffers.get(key)
+        if buf is None or buf.numel() < nbytes or buf.device != device:
+            self._buffers.pop(key, None)  # free the old one before allocating its successor
+            buf = new_buffer(nbytes, device)
+            self._buffers[key] = buf
+        return buf[:nbytes]
+
+    def clear(self) -> None:
+        self._buffers.clear()
 
 
 def checksum(buf: torch.Tensor) -> int:

@@ -39,6 +39,7 @@ class Header:
     version: int
     digest: str
     bucket_bytes: int
+    solo_bytes: int
     transport: str
     checksum: bool
     total_bytes: int
@@ -48,6 +49,7 @@ class Header:
             "version": self.version,
             "digest": self.digest,
             "bucket_bytes": self.bucket_bytes,
+            "solo_bytes": self.solo_bytes,
             "transport": self.transport,
             "checksum": self.checksum,
             "total_bytes": self.total_bytes,
@@ -59,6 +61,7 @@ class Header:
             int(d["version"]),
             str(d["digest"]),
             int(d["bucket_bytes"]),
+            int(d["solo_bytes"]),
             str(d["transport"]),
             bool(d["checksum"]),
             int(d["total_bytes"]),

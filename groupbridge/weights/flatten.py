@@ -9,7 +9,7 @@ import torch
 from ..codec import dtype_from_name
 from . import _bytes
 from .manifest import Manifest
-from .plan import Plan
+from .plan import stream_offsets
 from .receiver import _targets_of
 
 __all__ = ["flatten_"]
@@ -27,11 +27,11 @@ def flatten_(module_or_state_dict: Any, *, wire_dtype: torch.dtype | None = None
     if not targets:
         return torch.empty(0, dtype=torch.uint8)
     manifest = Manifest.build(list(targets.items()), wire_dtype)
-    plan = Plan.build(manifest, 1 << 30)
+    offsets, total = stream_offsets(manifest)
     devices = {t.device for t in targets.values()}
     if len(devices) != 1:
         raise ValueError(f"flatten_ needs every tensor on one device, found {sorted(map(str, devices))}")
-    buf = _bytes.new_buffer(plan.total_bytes, devices.pop())
+    buf = _bytes.new_buffer(total, devices.pop())
     tensors = list(targets.values())
     with torch.no_grad():
         for i, e in enumerate(manifest.entries):
@@ -39,7 +39,7 @@ def flatten_(module_or_state_dict: Any, *, wire_dtype: torch.dtype | None = None
                 continue
             if e.dtype != e.wire_dtype:
                 continue  # cast on the wire: this tensor cannot be sent in place anyway
-            view = _bytes.typed_view(buf, plan.offsets[i], dtype_from_name(e.dtype), e.shape)
+            view = _bytes.typed_view(buf, offsets[i], dtype_from_name(e.dtype), e.shape)
             view.copy_(tensors[i])
             tensors[i].data = view
     return buf

@@ -1,10 +1,16 @@
-"""The bucket plan: where every tensor's bytes sit in the byte stream of a sync, and how it is cut.
+"""The bucket plan: where every tensor's bytes sit in the byte stream of a sync, and how the stream is cut.
 
 Both sides compute it from the manifest alone, so no per-bucket metadata crosses the wire. Tensors are laid
 one after another, each at an offset aligned to its element size (so a received byte range can be viewed as
-that dtype in place); the stream is cut into buckets of ``bucket_bytes``, so a tensor bigger than a bucket
-simply spans several. :func:`groupbridge.flatten_` lays a model out in exactly this byte layout, which is what
-lets a side send or receive whole buckets in place.
+that dtype in place). The stream is then cut into buckets:
+
+- a tensor of at least ``solo_bytes`` travels in buckets of its own (cut at ``bucket_bytes``), so both sides
+  send and receive it straight from and into its own storage, with no packing copy, whatever their memory
+  layout;
+- smaller tensors are packed together into buckets of up to ``bucket_bytes``.
+
+The layout of the stream does not depend on the cuts, so :func:`groupbridge.flatten_` lays a model out in
+exactly this byte layout for any bucket size, and a side laid out so sends or receives every bucket in place.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ from dataclasses import dataclass
 
 from .manifest import Manifest
 
-__all__ = ["Plan", "Segment"]
+__all__ = ["Plan", "Segment", "stream_offsets"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,47 +35,78 @@ class Segment:
     nbytes: int
 
 
+def stream_offsets(manifest: Manifest) -> tuple[list[int], int]:
+    """Each entry's offset in the byte stream (aliases share their target's) and the stream's length."""
+    offsets: list[int] = []
+    by_name: dict[str, int] = {}
+    pos = 0
+    for e in manifest.entries:
+        if e.alias_of is not None:
+            offsets.append(offsets[by_name[e.alias_of]])
+        else:
+            align = e.element_size
+            pos = (pos + align - 1) // align * align
+            offsets.append(pos)
+            pos += e.nbytes
+        by_name[e.name] = len(offsets) - 1
+    return offsets, pos
+
+
 @dataclass(frozen=True, slots=True)
 class Plan:
     offsets: tuple[int, ...]
     """Stream offset of each manifest entry (aliases: their target's offset)."""
     total_bytes: int
     bucket_bytes: int
+    bounds: tuple[tuple[int, int], ...]
+    """Each bucket's [start, end) in the stream."""
     buckets: tuple[tuple[Segment, ...], ...]
 
     def bucket_range(self, k: int) -> tuple[int, int]:
-        start = k * self.bucket_bytes
-        return start, min(self.total_bytes, start + self.bucket_bytes)
+        return self.bounds[k]
 
     @classmethod
-    def build(cls, manifest: Manifest, bucket_bytes: int) -> Plan:
+    def build(cls, manifest: Manifest, bucket_bytes: int, solo_bytes: int | None = None) -> Plan:
+        """Cut the manifest's stream; ``solo_bytes`` defaults to ``bucket_bytes // 8``."""
         if bucket_bytes < 1024:
             raise ValueError(f"bucket_bytes={bucket_bytes} is too small (at least 1024)")
-        offsets: list[int] = []
-        by_name: dict[str, int] = {}
-        pos = 0
-        for e in manifest.entries:
-            if e.alias_of is not None:
-                offsets.append(offsets[by_name[e.alias_of]])
-                by_name[e.name] = len(offsets) - 1
-                continue
-            align = e.element_size
-            pos = (pos + align - 1) // align * align
-            offsets.append(pos)
-            by_name[e.name] = len(offsets) - 1
-            pos += e.nbytes
-        total = pos
-        n_buckets = (total + bucket_bytes - 1) // bucket_bytes
-        buckets: list[list[Segment]] = [[] for _ in range(n_buckets)]
+        solo = max(1, bucket_bytes // 8) if solo_bytes is None else solo_bytes
+        offsets, total = stream_offsets(manifest)
+        bounds: list[tuple[int, int]] = []
+        open_start: int | None = None  # start of the bucket of small tensors being filled
+        open_end = 0
         for i, e in enumerate(manifest.entries):
             if e.alias_of is not None or e.nbytes == 0:
                 continue
             start, end = offsets[i], offsets[i] + e.nbytes
-            k = start // bucket_bytes
-            while start < end:
-                bucket_end = (k + 1) * bucket_bytes
-                piece = min(end, bucket_end) - start
-                buckets[k].append(Segment(i, start - offsets[i], start - k * bucket_bytes, piece))
-                start += piece
+            if e.nbytes >= solo:
+                if open_start is not None:
+                    bounds.append((open_start, open_end))
+                    open_start = None
+                bounds += [(s, min(end, s + bucket_bytes)) for s in range(start, end, bucket_bytes)]
+                continue
+            if open_start is not None and end - open_start > bucket_bytes:
+                bounds.append((open_start, open_end))
+                open_start = None
+            if open_start is None:
+                open_start = start
+            open_end = end
+        if open_start is not None:
+            bounds.append((open_start, open_end))
+        buckets: list[list[Segment]] = [[] for _ in bounds]
+        k = 0
+        for i, e in enumerate(manifest.entries):
+            if e.alias_of is not None or e.nbytes == 0:
+                continue
+            start, end = offsets[i], offsets[i] + e.nbytes
+            while bounds[k][1] <= start:
                 k += 1
-        return cls(tuple(offsets), total, bucket_bytes, tuple(tuple(b) for b in buckets))
+            pos = start
+            while pos < end:
+                b_start, b_end = bounds[k]
+                piece = min(end, b_end) - pos
+                buckets[k].append(Segment(i, pos - start, pos - b_start, piece))
+                pos += piece
+                if pos < end:
+                    k += 1
+        return cls(tuple(offsets), total, bucket_bytes, tuple(bounds), tuple(tuple(b) for b in buckets))

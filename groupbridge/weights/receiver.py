@@ -17,7 +17,7 @@ from . import _bytes
 from ._protocol import Header, make_renamer, settle
 from .manifest import Manifest, compare, expected_specs, mismatch_message
 from .plan import Plan
-from .sender import intra_op_threads
+from .sender import IN_FLIGHT, intra_op_threads
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +90,7 @@ class WeightReceiver:
         self.threads = intra_op_threads
         self._rename = make_renamer(rename)
         self._known: dict[str, Manifest] = {}
+        self._buffers = _bytes.BufferCache()
 
     # ------------------------------------------------------------------ handshake
 
@@ -123,7 +124,11 @@ class WeightReceiver:
         land: Callable[[int], tuple[torch.Tensor, bool]],
         timeout: timedelta | None,
     ) -> Iterator[tuple[int, torch.Tensor, bool]]:
-        """Receive every bucket, one in flight ahead; ``land(k)`` gives where bucket k goes."""
+        """Receive every bucket; ``land(k)`` gives where bucket k goes.
+
+        IN_FLIGHT buckets are posted ahead, so the caller's work on bucket k (unpacking) overlaps the wire
+        and gloo's per-operation handshake hides behind the previous operation's bytes.
+        """
         n = len(plan.buckets)
         pending: deque[tuple[torch.Tensor, bool, Work]] = deque()
 
@@ -133,7 +138,7 @@ class WeightReceiver:
             assert work is not None
             pending.append((view, in_place, work))
 
-        for k in range(min(2, n)):
+        for k in range(min(IN_FLIGHT, n)):
             post(k)
         crcs = []
         for k in range(n):
@@ -142,8 +147,8 @@ class WeightReceiver:
             if header.checksum:
                 crcs.append(_bytes.checksum(view))
             yield k, view, in_place
-            if k + 2 < n:
-                post(k + 2)
+            if k + IN_FLIGHT < n:
+                post(k + IN_FLIGHT)
         if header.checksum:
             sent = self.group.broadcast_obj(None, src=self.src, timeout=timeout)
             bad = [k for k, (a, b) in enumerate(zip(sent, crcs, strict=True)) if a != b]
@@ -154,14 +159,9 @@ class WeightReceiver:
                 )
 
     def _ring(self, plan: Plan) -> Callable[[int], tuple[torch.Tensor, bool]]:
-        bufs = [
-            _bytes.new_buffer(min(plan.bucket_bytes, plan.total_bytes), self.device)
-            for _ in range(min(2, len(plan.buckets)))
-        ]
-
         def land(k: int) -> tuple[torch.Tensor, bool]:
             start, end = plan.bucket_range(k)
-            return bufs[k % 2][: end - start], False
+            return self._buffers.get(f"bucket{k % IN_FLIGHT}", end - start, self.device), False
 
         return land
 
@@ -185,7 +185,7 @@ class WeightReceiver:
         return WeightUpdate(self, header, manifest)
 
     def _yield_tensors(self, header: Header, manifest: Manifest) -> Iterator[tuple[str, torch.Tensor]]:
-        plan = Plan.build(manifest, header.bucket_bytes)
+        plan = Plan.build(manifest, header.bucket_bytes, header.solo_bytes)
         entries = manifest.entries
         aliases: dict[int, list[str]] = {}
         index = {e.name: i for i, e in enumerate(entries)}
@@ -254,7 +254,7 @@ class WeightReceiver:
         expected = self.expected if self.expected is not None else expected_specs(targets)
         with intra_op_threads(self.threads):
             header, manifest = self._settle(expected, allow_stale)
-            plan = Plan.build(manifest, header.bucket_bytes)
+            plan = Plan.build(manifest, header.bucket_bytes, header.solo_bytes)
             entries = manifest.entries
             dest = [targets.get(self._rename(e.name)) for e in entries]
             missing = [self._rename(e.name) for e, d in zip(entries, dest, strict=True) if d is None]
@@ -278,7 +278,7 @@ class WeightReceiver:
         timeout: timedelta | None,
     ) -> None:
         device = next((d.device for d in dest), self.device)
-        staging = _bytes.new_buffer(plan.total_bytes, device)
+        staging = self._buffers.get("staging", plan.total_bytes, device)
 
         def land(k: int) -> tuple[torch.Tensor, bool]:
             start, end = plan.bucket_range(k)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -30,6 +31,7 @@ DEFAULT_BUCKET_BYTES = 64 << 20
 reach the same rate within noise; smaller buckets pay per-operation overhead, larger ones hold more memory."""
 
 TRANSPORTS = ("auto", "broadcast")
+IN_FLIGHT = int(os.environ.get("GROUPBRIDGE_IN_FLIGHT", "2"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +89,8 @@ class WeightSender:
     Args:
         group: the bridge; this rank is the source.
         bucket_bytes: bucket size (default :data:`DEFAULT_BUCKET_BYTES`).
+        solo_bytes: tensors at least this big travel in buckets of their own, straight from their storage
+            (default ``bucket_bytes // 8``); smaller ones are packed together.
         transport: ``"auto"`` or ``"broadcast"`` (the group's broadcast; more transports come later).
         wire_dtype: cast floating tensors to this dtype for the wire (fp32 master weights sent as bf16).
         checksum: send a CRC32 of every bucket; receivers verify before applying.
@@ -100,6 +104,7 @@ class WeightSender:
         group: StatelessGroup,
         *,
         bucket_bytes: int | None = None,
+        solo_bytes: int | None = None,
         transport: str = "auto",
         wire_dtype: torch.dtype | None = None,
         checksum: bool = False,
@@ -115,6 +120,9 @@ class WeightSender:
         self.group = group
         self.src = group.rank
         self.bucket_bytes = bucket_bytes or DEFAULT_BUCKET_BYTES
+        if solo_bytes is not None and solo_bytes < 1:
+            raise ValueError(f"solo_bytes={solo_bytes} must be >= 1")
+        self.solo_bytes = solo_bytes if solo_bytes is not None else max(1, self.bucket_bytes // 8)
         self.transport = "broadcast"
         self.wire_dtype = wire_dtype
         self.checksum = checksum
@@ -122,6 +130,7 @@ class WeightSender:
         self._rename = make_renamer(rename)
         self._known: dict[str, Manifest] = {}
         self._manifest: Manifest | None = None
+        self._buffers = _bytes.BufferCache()
         self._fault: Callable[[int, torch.Tensor], None] | None = None  # test hook: called per packed bucket
 
     def send(
@@ -166,10 +175,11 @@ class WeightSender:
             items = [(self._rename(n), t) for n, t in items]
             manifest = Manifest.build(items, self.wire_dtype)
         self._manifest = manifest
-        plan = Plan.build(manifest, self.bucket_bytes)
+        plan = Plan.build(manifest, self.bucket_bytes, self.solo_bytes)
         header = Header(
-            version, manifest.digest, self.bucket_bytes, self.transport, self.checksum, plan.total_bytes
-        )
+            version, manifest.digest, self.bucket_bytes, self.solo_bytes, self.transport, self.checksum,
+            plan.total_bytes,
+        )  # fmt: skip
 
         with intra_op_threads(self.threads):
             settle(self.group, self.src, header, manifest, self._known, None)
@@ -248,23 +258,22 @@ class WeightSender:
                     live[pulled] = src.contiguous()
                 pulled += 1
 
-        buffers: dict[int, torch.Tensor] = {}  # two, allocated when first needed
         pending: deque[Work] = deque()
         crcs: list[int] = []
         in_place = 0
         for k, segs in enumerate(plan.buckets):
             pull_through(max(seg.index for seg in segs))
             start, end = plan.bucket_range(k)
+            # IN_FLIGHT operations on the wire while the next bucket is packed: gloo's per-operation
+            # handshake is hidden behind the previous operation's bytes.
+            if len(pending) == IN_FLIGHT:
+                pending.popleft().wait(timeout)  # frees the buffer bucket k reuses
             view = _bytes.in_place_bucket(plan, k, live, receiving=False)
-            if len(pending) == 2:
-                pending.popleft().wait(timeout)
             if view is not None:
                 in_place += 1
             else:
-                if k % 2 not in buffers:
-                    device = live[segs[0].index].device  # type: ignore[union-attr]
-                    buffers[k % 2] = _bytes.new_buffer(min(plan.bucket_bytes, plan.total_bytes), device)
-                view = buffers[k % 2][: end - start]
+                device = live[segs[0].index].device  # type: ignore[union-attr]
+                view = self._buffers.get(f"bucket{k % IN_FLIGHT}", end - start, device)
                 for seg in segs:
                     src = _bytes.byte_view(live[seg.index])  # type: ignore[arg-type]
                     view[seg.bucket_offset : seg.bucket_offset + seg.nbytes].copy_(

@@ -1,0 +1,188 @@
+"""Weight-sync benchmark: ours beside the flat-tensor ceiling, per-tensor broadcast and memcpy, same run.
+
+Every mode runs in interleaved rounds (the order rotates each round), buffers are touched before timing, and
+ratios are taken per round, then the median: a shared, noisy machine drifts by more than the effects measured.
+Time is taken on the sender from the start of a mode until every receiver has its bytes (our sync ends with
+the receivers' acknowledgements; the anchors end with a one-element all_reduce).
+"""
+
+from __future__ import annotations
+
+import resource
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from ..net import listen
+from ..stateless import StatelessGroup
+from ..weights import WeightReceiver, WeightSender, flatten_
+from ..weights.manifest import Manifest
+from ..weights.plan import stream_offsets
+from ._procs import run_roles
+from .models import dense_shapes, make_model, moe_shapes
+
+__all__ = ["BenchConfig", "run_weight_sync"]
+
+ANCHORS = ("flat", "per_tensor")
+
+
+@dataclass(kw_only=True)
+class BenchConfig:
+    shape: str = "dense"
+    """dense | moe | moe-half | tiny"""
+    receivers: int = 1
+    bucket_bytes: list[int] = field(default_factory=lambda: [64 << 20])
+    rounds: int = 3
+    modes: list[str] = field(default_factory=lambda: ["ours", "ours_flat", "flat", "per_tensor"])
+    host: str = "127.0.0.1"
+    threads: int | None = 1
+    """torch intra-op threads inside the sync (the library's default); None: leave torch's default."""
+    timeout_s: float = 900
+
+
+def shapes_for(name: str) -> list[tuple[str, tuple[int, ...]]]:
+    if name == "dense":
+        return dense_shapes()
+    if name == "moe":
+        return moe_shapes()
+    if name == "moe-half":
+        return moe_shapes(layers=8)
+    if name == "tiny":
+        return dense_shapes(scale=8, layers=4)
+    raise ValueError(f"unknown shape {name!r} (dense, moe, moe-half, tiny)")
+
+
+def _mode_names(cfg: BenchConfig) -> list[str]:
+    names = []
+    for m in cfg.modes:
+        if m.startswith("ours") and len(cfg.bucket_bytes) > 1:
+            names += [f"{m}@{b}" for b in cfg.bucket_bytes]
+        else:
+            names.append(m)
+    return names
+
+
+def _role(rank: int, cfg: BenchConfig, ports: Any) -> dict[str, Any]:
+    n = cfg.receivers + 1
+    if rank == 0:
+        lis = listen(cfg.host, 0)
+        for _ in range(n - 1):
+            ports.put(lis.port)
+        g = StatelessGroup.create(
+            None, rank=0, world_size=n, listener=lis, timeout=timedelta(seconds=cfg.timeout_s)
+        )
+    else:
+        port = ports.get(timeout=120)
+        g = StatelessGroup.create(
+            cfg.host, port, rank=rank, world_size=n, timeout=timedelta(seconds=cfg.timeout_s)
+        )
+    shapes = shapes_for(cfg.shape)
+    model = make_model(shapes, seed=0 if rank == 0 else 1)
+    names = _mode_names(cfg)
+    flat_model = None
+    if any(m.startswith("ours_flat") for m in names):
+        flat_model = {k: v.clone() for k, v in model.items()}
+        flatten_(flat_model)
+    total = stream_offsets(Manifest.build(list(model.items())))[1]
+    flat = torch.ones(total, dtype=torch.uint8)
+    tick = torch.zeros(1)
+    memcpy_dst = torch.ones(total, dtype=torch.uint8) if rank == 0 else None
+    default_bucket = cfg.bucket_bytes[0]
+    senders: dict[int, WeightSender] = {}
+    receiver = WeightReceiver(g, src=0, intra_op_threads=cfg.threads) if rank else None
+    times: dict[str, list[float]] = {m: [] for m in [*names, "memcpy"]}
+    version = 0
+    for rnd in range(cfg.rounds):
+        order = names[rnd % len(names) :] + names[: rnd % len(names)]
+        for mode in order:
+            base, _, bucket = mode.partition("@")
+            bucket_bytes = int(bucket) if bucket else default_bucket
+            version += 1
+            g.barrier()
+            t0 = time.perf_counter()
+            if base in ("ours", "ours_flat", "ours_atomic"):
+                src = flat_model if base == "ours_flat" else model
+                if rank == 0:
+                    snd = senders.setdefault(
+                        bucket_bytes, WeightSender(g, bucket_bytes=bucket_bytes, intra_op_threads=cfg.threads)
+                    )
+                    snd.send(src, version=version)
+                else:
+                    assert receiver is not None
+                    receiver.receive_into(src, atomic=(base == "ours_atomic"), allow_stale=True)
+            elif base == "flat":
+                g.broadcast(flat, src=0)
+                g.all_reduce(tick)
+            elif base == "per_tensor":
+                for t in model.values():
+                    g.broadcast(t, src=0)
+                g.all_reduce(tick)
+            else:
+                raise ValueError(f"unknown mode {mode!r}")
+            times[mode].append(time.perf_counter() - t0)
+        if rank == 0 and memcpy_dst is not None:
+            t0 = time.perf_counter()
+            memcpy_dst.copy_(flat)
+            times["memcpy"].append(time.perf_counter() - t0)
+    g.close()
+    return {
+        "times": times,
+        "bytes": total,
+        "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "tensors": len(model),
+    }
+
+
+def run_weight_sync(cfg: BenchConfig) -> list[dict[str, Any]]:
+    """Run one configuration; return one record per mode (medians with min and max, ratios per round)."""
+    import multiprocessing as mp
+
+    ports = mp.get_context("spawn").Queue()
+    env = {"OMP_NUM_THREADS": "1"} if cfg.threads == 1 else {}
+    results = run_roles(_role, cfg.receivers + 1, (cfg, ports), cfg.timeout_s, env=env)
+    sender = results[0]
+    nbytes = sender["bytes"]
+    times = sender["times"]
+    records = []
+    rss_receivers = max(r["rss_mb"] for r in results[1:])
+    for mode, ts in times.items():
+        gbps = [nbytes / t / 1e9 for t in ts]
+        rec: dict[str, Any] = {
+            "shape": cfg.shape,
+            "mode": mode.partition("@")[0],
+            "transport": "memcpy"
+            if mode == "memcpy"
+            else ("broadcast" if mode.startswith("ours") else "gloo"),
+            "bucket_bytes": int(mode.partition("@")[2] or cfg.bucket_bytes[0])
+            if mode.startswith("ours")
+            else None,
+            "receivers": cfg.receivers,
+            "tensors": sender["tensors"],
+            "bytes": nbytes,
+            "seconds": statistics.median(ts),
+            "gbps": statistics.median(gbps),
+            "gbps_min": min(gbps),
+            "gbps_max": max(gbps),
+            "rounds": len(ts),
+            "rss_sender_mb": round(sender["rss_mb"]),
+            "rss_receiver_mb": round(rss_receivers),
+        }
+        for anchor in (*ANCHORS, "memcpy"):
+            if anchor in times and anchor != mode:
+                rec[f"ratio_vs_{anchor}"] = statistics.median(
+                    a / t for a, t in zip(times[anchor], ts, strict=True)
+                )
+            elif anchor == mode:
+                rec[f"ratio_vs_{anchor}"] = 1.0
+            else:
+                rec[f"ratio_vs_{anchor}"] = None
+        records.append(rec)
+    return records
+
+
+def config_dict(cfg: BenchConfig) -> dict[str, Any]:
+    return asdict(cfg)
