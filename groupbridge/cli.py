@@ -81,6 +81,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             rounds=rounds,
             modes=modes,
             host=args.host,
+            transport=args.transport,
             threads=None if args.threads == "default" else int(args.threads),
         )
         if not args.json:
@@ -116,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--modes", default="ours,ours_flat,flat,per_tensor",
                    help="ours, ours_flat (both sides flatten_), ours_atomic, flat, per_tensor")  # fmt: skip
-    p.add_argument("--transport", default="broadcast", choices=["broadcast"])
+    p.add_argument("--transport", default="broadcast", choices=["broadcast", "relay", "shm", "auto"])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", default="1", help="torch intra-op threads during a sync, or 'default'")
     p.add_argument("--host", default="127.0.0.1")

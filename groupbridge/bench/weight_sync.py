@@ -39,6 +39,7 @@ class BenchConfig:
     rounds: int = 3
     modes: list[str] = field(default_factory=lambda: ["ours", "ours_flat", "flat", "per_tensor"])
     host: str = "127.0.0.1"
+    transport: str = "broadcast"
     threads: int | None = 1
     """torch intra-op threads inside the sync (the library's default); None: leave torch's default."""
     timeout_s: float = 900
@@ -108,7 +109,13 @@ def _role(rank: int, cfg: BenchConfig, ports: Any) -> dict[str, Any]:
                 src = flat_model if base == "ours_flat" else model
                 if rank == 0:
                     snd = senders.setdefault(
-                        bucket_bytes, WeightSender(g, bucket_bytes=bucket_bytes, intra_op_threads=cfg.threads)
+                        bucket_bytes,
+                        WeightSender(
+                            g,
+                            bucket_bytes=bucket_bytes,
+                            transport=cfg.transport,
+                            intra_op_threads=cfg.threads,
+                        ),
                     )
                     snd.send(src, version=version)
                 else:

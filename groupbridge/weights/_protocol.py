@@ -43,6 +43,8 @@ class Header:
     transport: str
     checksum: bool
     total_bytes: int
+    options: dict[str, Any]
+    """Transport options: sync_id, and for relay the chain and chunk size."""
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -53,6 +55,7 @@ class Header:
             "transport": self.transport,
             "checksum": self.checksum,
             "total_bytes": self.total_bytes,
+            "options": self.options,
         }
 
     @classmethod
@@ -65,6 +68,7 @@ class Header:
             str(d["transport"]),
             bool(d["checksum"]),
             int(d["total_bytes"]),
+            dict(d["options"]),
         )
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from typing import Any
@@ -12,12 +11,14 @@ import torch
 
 from ..codec import dtype_from_name
 from ..errors import GroupBridgeError, TornUpdateError, WeightSyncError
-from ..stateless import StatelessGroup, Work
+from ..stateless import StatelessGroup
 from . import _bytes
 from ._protocol import Header, make_renamer, settle
 from .manifest import Manifest, compare, expected_specs, mismatch_message
 from .plan import Plan
-from .sender import IN_FLIGHT, intra_op_threads
+from .sender import intra_op_threads
+from .transports import Land, RxTransport, make_rx
+from .transports.broadcast import IN_FLIGHT
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +92,7 @@ class WeightReceiver:
         self._rename = make_renamer(rename)
         self._known: dict[str, Manifest] = {}
         self._buffers = _bytes.BufferCache()
+        self._transports: dict[str, RxTransport] = {}
 
     # ------------------------------------------------------------------ handshake
 
@@ -117,38 +119,28 @@ class WeightReceiver:
 
     # ------------------------------------------------------------------ buckets
 
+    def _transport(self, header: Header, plan: Plan, device: torch.device) -> RxTransport:
+        rx = self._transports.get(header.transport)
+        if rx is None:
+            rx = self._transports[header.transport] = make_rx(header.transport, self.group, self.src)
+        rx.setup(plan, device, header.options)
+        return rx
+
     def _buckets(
         self,
         header: Header,
         plan: Plan,
-        land: Callable[[int], tuple[torch.Tensor, bool]],
+        rx: RxTransport,
+        land: Land,
         timeout: timedelta | None,
     ) -> Iterator[tuple[int, torch.Tensor, bool]]:
-        """Receive every bucket; ``land(k)`` gives where bucket k goes.
-
-        IN_FLIGHT buckets are posted ahead, so the caller's work on bucket k (unpacking) overlaps the wire
-        and gloo's per-operation handshake hides behind the previous operation's bytes.
-        """
-        n = len(plan.buckets)
-        pending: deque[tuple[torch.Tensor, bool, Work]] = deque()
-
-        def post(k: int) -> None:
-            view, in_place = land(k)
-            work = self.group.broadcast(view, src=self.src, async_op=True)
-            assert work is not None
-            pending.append((view, in_place, work))
-
-        for k in range(min(IN_FLIGHT, n)):
-            post(k)
+        """Every bucket as it arrives, through the transport the sender announced; checksums checked."""
         crcs = []
-        for k in range(n):
-            view, in_place, work = pending.popleft()
-            work.wait(timeout)
+        n = len(plan.buckets)
+        for k, view, in_place in rx.buckets(plan, land, timeout):
             if header.checksum:
                 crcs.append(_bytes.checksum(view))
             yield k, view, in_place
-            if k + IN_FLIGHT < n:
-                post(k + IN_FLIGHT)
         if header.checksum:
             sent = self.group.broadcast_obj(None, src=self.src, timeout=timeout)
             bad = [k for k, (a, b) in enumerate(zip(sent, crcs, strict=True)) if a != b]
@@ -158,10 +150,10 @@ class WeightReceiver:
                     "the bytes that arrived are corrupted or short"
                 )
 
-    def _ring(self, plan: Plan) -> Callable[[int], tuple[torch.Tensor, bool]]:
-        def land(k: int) -> tuple[torch.Tensor, bool]:
+    def _ring(self, plan: Plan, device: torch.device) -> Land:
+        def land(k: int) -> tuple[torch.Tensor, str]:
             start, end = plan.bucket_range(k)
-            return self._buffers.get(f"bucket{k % IN_FLIGHT}", end - start, self.device), False
+            return self._buffers.get(f"bucket{k % IN_FLIGHT}", end - start, device), "scratch"
 
         return land
 
@@ -196,7 +188,8 @@ class WeightReceiver:
         done = 0
         try:
             with intra_op_threads(self.threads):
-                for k, view, _ in self._buckets(header, plan, self._ring(plan), None):
+                rx = self._transport(header, plan, self.device)
+                for k, view, _ in self._buckets(header, plan, rx, self._ring(plan, self.device), None):
                     for seg in plan.buckets[k]:
                         e = entries[seg.index]
                         dtype = dtype_from_name(e.wire_dtype)
@@ -280,12 +273,13 @@ class WeightReceiver:
         device = next((d.device for d in dest), self.device)
         staging = self._buffers.get("staging", plan.total_bytes, device)
 
-        def land(k: int) -> tuple[torch.Tensor, bool]:
+        def land(k: int) -> tuple[torch.Tensor, str]:
             start, end = plan.bucket_range(k)
-            return staging[start:end], False
+            return staging[start:end], "staging"
 
         try:
-            for _ in self._buckets(header, plan, land, timeout):
+            rx = self._transport(header, plan, device)
+            for _ in self._buckets(header, plan, rx, land, timeout):
                 pass
         except GroupBridgeError as err:
             self._ack(False, str(err))
@@ -317,22 +311,24 @@ class WeightReceiver:
         dest: list[torch.Tensor],
         timeout: timedelta | None,
     ) -> None:
-        ring = self._ring(plan)
+        device = next((d.device for d in dest), self.device)
+        ring = self._ring(plan, device)
         wire_ok = [
             d.is_contiguous() and d.dtype == dtype_from_name(e.wire_dtype)
             for d, e in zip(dest, entries, strict=True)
         ]
         direct: list[torch.Tensor | None] = [d if ok else None for d, ok in zip(dest, wire_ok, strict=True)]
 
-        def land(k: int) -> tuple[torch.Tensor, bool]:
+        def land(k: int) -> tuple[torch.Tensor, str]:
             view = _bytes.in_place_bucket(plan, k, direct, receiving=True)
-            return (view, True) if view is not None else ring(k)
+            return (view, "target") if view is not None else ring(k)
 
         written: list[str] = []
         partial: dict[int, torch.Tensor] = {}
         try:
             with torch.no_grad():
-                for k, view, in_place in self._buckets(header, plan, land, timeout):
+                rx = self._transport(header, plan, device)
+                for k, view, in_place in self._buckets(header, plan, rx, land, timeout):
                     for seg in plan.buckets[k]:
                         e, d = entries[seg.index], dest[seg.index]
                         if not in_place:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
-import os
+import secrets
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -16,11 +16,14 @@ import torch
 
 from ..codec import dtype_from_name
 from ..errors import GroupBridgeError, WeightSyncError
-from ..stateless import StatelessGroup, Work
+from ..stateless import StatelessGroup
 from . import _bytes
 from ._protocol import Header, make_renamer, settle
 from .manifest import Manifest
 from .plan import Plan
+from .transports import TxTransport, choose, make_tx
+from .transports.base import KINDS
+from .transports.relay import DEFAULT_CHUNK_BYTES, default_chain
 
 logger = logging.getLogger(__name__)
 
@@ -30,8 +33,7 @@ DEFAULT_BUCKET_BYTES = 64 << 20
 """Chosen by the bucket-size sweep of ``bench/weight_sync.py`` on 2 cores over gloo loopback: 16-128 MiB
 reach the same rate within noise; smaller buckets pay per-operation overhead, larger ones hold more memory."""
 
-TRANSPORTS = ("auto", "broadcast")
-IN_FLIGHT = int(os.environ.get("GROUPBRIDGE_IN_FLIGHT", "2"))
+TRANSPORTS = ("auto", *KINDS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +93,11 @@ class WeightSender:
         bucket_bytes: bucket size (default :data:`DEFAULT_BUCKET_BYTES`).
         solo_bytes: tensors at least this big travel in buckets of their own, straight from their storage
             (default ``bucket_bytes // 8``); smaller ones are packed together.
-        transport: ``"auto"`` or ``"broadcast"`` (the group's broadcast; more transports come later).
+        transport: ``"auto"`` (same host: ``shm`` for CPU tensors, ``cuda_ipc`` for CUDA tensors; across
+            hosts ``broadcast`` up to two receivers, ``relay`` beyond), or one of them by name. An explicit
+            transport that cannot work between these members raises, never falls back.
+        chain: the relay order (a list of ranks starting with this one; default: by rank).
+        relay_chunk_bytes: chunk size the relay forwards at a time.
         wire_dtype: cast floating tensors to this dtype for the wire (fp32 master weights sent as bf16).
         checksum: send a CRC32 of every bucket; receivers verify before applying.
         rename: a callable or mapping from the sender's names to the names on the wire.
@@ -110,6 +116,8 @@ class WeightSender:
         checksum: bool = False,
         rename: Callable[[str], str] | Mapping[str, str] | None = None,
         intra_op_threads: int | None = 1,
+        chain: list[int] | None = None,
+        relay_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     ) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport={transport!r} is not one of {', '.join(TRANSPORTS)}")
@@ -123,14 +131,20 @@ class WeightSender:
         if solo_bytes is not None and solo_bytes < 1:
             raise ValueError(f"solo_bytes={solo_bytes} must be >= 1")
         self.solo_bytes = solo_bytes if solo_bytes is not None else max(1, self.bucket_bytes // 8)
-        self.transport = "broadcast"
+        self.transport = transport
+        self.chain = default_chain(group, self.src) if chain is None else list(chain)
+        if sorted(self.chain) != list(range(group.world_size)) or self.chain[0] != self.src:
+            raise ValueError(f"chain={chain} must start with this rank ({self.src}) and name every rank once")
+        if relay_chunk_bytes < 1024:
+            raise ValueError(f"relay_chunk_bytes={relay_chunk_bytes} must be >= 1024")
+        self.relay_chunk_bytes = relay_chunk_bytes
+        self._transports: dict[str, TxTransport] = {}
         self.wire_dtype = wire_dtype
         self.checksum = checksum
         self.threads = intra_op_threads
         self._rename = make_renamer(rename)
         self._known: dict[str, Manifest] = {}
         self._manifest: Manifest | None = None
-        self._buffers = _bytes.BufferCache()
         self._fault: Callable[[int, torch.Tensor], None] | None = None  # test hook: called per packed bucket
 
     def send(
@@ -175,17 +189,28 @@ class WeightSender:
             items = [(self._rename(n), t) for n, t in items]
             manifest = Manifest.build(items, self.wire_dtype)
         self._manifest = manifest
+        items, device = _peek_device(items)
+        kind = choose(self.transport, self.group, device)
         plan = Plan.build(manifest, self.bucket_bytes, self.solo_bytes)
+        options: dict[str, Any] = {
+            "sync_id": secrets.token_hex(6),
+            "chain": self.chain,
+            "chunk_bytes": self.relay_chunk_bytes,
+        }
         header = Header(
-            version, manifest.digest, self.bucket_bytes, self.solo_bytes, self.transport, self.checksum,
-            plan.total_bytes,
+            version, manifest.digest, self.bucket_bytes, self.solo_bytes, kind, self.checksum,
+            plan.total_bytes, options,
         )  # fmt: skip
+        tx = self._transports.get(kind)
+        if tx is None:
+            tx = self._transports[kind] = make_tx(kind, self.group)
 
         with intra_op_threads(self.threads):
             settle(self.group, self.src, header, manifest, self._known, None)
             t0 = time.perf_counter()
             try:
-                in_place, crcs = self._transfer(plan, manifest, iter(items), timeout)
+                tx.setup(plan, device, dict(options, timeout=timeout))
+                in_place, crcs = self._transfer(tx, plan, manifest, iter(items))
                 if self.checksum:
                     self.group.broadcast_obj(crcs, src=self.src)
             except GroupBridgeError as e:
@@ -206,22 +231,24 @@ class WeightSender:
             gbps=plan.total_bytes / seconds / 1e9 if seconds > 0 else float("inf"),
             buckets=len(plan.buckets),
             in_place_buckets=in_place,
-            transport=self.transport,
+            transport=kind,
             receivers=self.group.world_size - 1,
         )
         logger.info(
             "[%s] sent version %d: %.1f MB in %.3fs (%.2f GB/s, %d buckets, %d in place, %s)",
             self.group.name, version, stats.bytes / 1e6, seconds, stats.gbps, stats.buckets,
-            in_place, self.transport,
+            in_place, kind,
         )  # fmt: skip
         return stats
 
+    def close(self) -> None:
+        """Release transport resources (shared slots, buffers). The group stays open."""
+        for tx in self._transports.values():
+            tx.close()
+        self._transports.clear()
+
     def _transfer(
-        self,
-        plan: Plan,
-        manifest: Manifest,
-        items: Iterator[tuple[str, torch.Tensor]],
-        timeout: timedelta | None,
+        self, tx: TxTransport, plan: Plan, manifest: Manifest, items: Iterator[tuple[str, torch.Tensor]]
     ) -> tuple[int, list[int]]:
         entries = manifest.entries
         live: list[torch.Tensor | None] = [None] * len(entries)
@@ -258,22 +285,17 @@ class WeightSender:
                     live[pulled] = src.contiguous()
                 pulled += 1
 
-        pending: deque[Work] = deque()
         crcs: list[int] = []
         in_place = 0
         for k, segs in enumerate(plan.buckets):
             pull_through(max(seg.index for seg in segs))
             start, end = plan.bucket_range(k)
-            # IN_FLIGHT operations on the wire while the next bucket is packed: gloo's per-operation
-            # handshake is hidden behind the previous operation's bytes.
-            if len(pending) == IN_FLIGHT:
-                pending.popleft().wait(timeout)  # frees the buffer bucket k reuses
             view = _bytes.in_place_bucket(plan, k, live, receiving=False)
             if view is not None:
                 in_place += 1
             else:
                 device = live[segs[0].index].device  # type: ignore[union-attr]
-                view = self._buffers.get(f"bucket{k % IN_FLIGHT}", end - start, device)
+                view = tx.buffer(k, end - start, device)  # waits until the buffer is free again
                 for seg in segs:
                     src = _bytes.byte_view(live[seg.index])  # type: ignore[arg-type]
                     view[seg.bucket_offset : seg.bucket_offset + seg.nbytes].copy_(
@@ -283,13 +305,24 @@ class WeightSender:
                 crcs.append(_bytes.checksum(view))
             if self._fault is not None:
                 self._fault(k, view)
-            work = self.group.broadcast(view, src=self.src, async_op=True)
-            assert work is not None
-            pending.append(work)
+            tx.post(k, view)
             for seg in segs:
                 if last_bucket[seg.index] == k:
                     live[seg.index] = None  # a lazy source's tensor is released as soon as it is sent
-        while pending:
-            pending.popleft().wait(timeout)
+        tx.finish()
         pull_through(len(entries) - 1)  # trailing aliases and empty tensors
         return in_place, crcs
+
+
+def _peek_device(
+    items: list[tuple[str, torch.Tensor]] | Iterator[tuple[str, torch.Tensor]],
+) -> tuple[list[tuple[str, torch.Tensor]] | Iterator[tuple[str, torch.Tensor]], torch.device]:
+    """The device the tensors live on (the first non-empty one's), without consuming a lazy source."""
+    if isinstance(items, list):
+        device = next((t.device for _, t in items if t.numel()), torch.device("cpu"))
+        return items, device
+    try:
+        first = next(items)
+    except StopIteration:
+        return iter(()), torch.device("cpu")
+    return itertools.chain([first], items), first[1].device
