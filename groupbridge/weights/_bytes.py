@@ -88,7 +88,10 @@ class BufferCache:
     def get(self, slot: str, nbytes: int, device: torch.device) -> torch.Tensor:
         key = (slot, 0)
         buf = self._buffers.get(key)
-        if buf is None or buf.numel() < nbytes or buf.device != device:
+        same_device = (
+            buf is not None and buf.device.type == device.type and device.index in (None, buf.device.index)
+        )
+        if buf is None or buf.numel() < nbytes or not same_device:
             self._buffers.pop(key, None)  # free the old one before allocating its successor
             buf = new_buffer(nbytes, device)
             self._buffers[key] = buf

@@ -1,0 +1,132 @@
+"""GPU check (under 5 minutes on one GPU): device detection, NCCL world of one, and CUDA IPC weight sync.
+
+Two processes on one GPU: the sender holds a dense (Qwen2.5-0.5B-like, 0.92 GiB bf16) model on the GPU and
+syncs it with ``transport="auto"`` (which must pick ``cuda_ipc``); the receiver checks every tensor bit for
+bit, atomic and streaming, and the sender reports GB/s against a same-process device-to-device copy of the
+same bytes. Run: ``python scripts/gpu_check.py [--json FILE]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import groupbridge as gb
+from groupbridge.bench._procs import run_roles
+from groupbridge.bench.models import bit_equal, dense_shapes, make_model
+
+SYNCS = 4
+
+
+def _model(seed: int) -> dict[str, torch.Tensor]:
+    return {k: v.cuda() for k, v in make_model(dense_shapes(), seed=seed).items()}
+
+
+def _role(rank: int, ports: Any) -> dict[str, Any]:
+    torch.cuda.set_device(0)
+    if rank == 0:
+        lis = gb.listen("127.0.0.1", 0)
+        ports.put(lis.port)
+        g = gb.StatelessGroup.create(None, rank=0, world_size=2, listener=lis, timeout=timedelta(seconds=120))
+        snd = gb.WeightSender(g, transport="auto")
+        stats = []
+        for v in range(1, SYNCS + 1):
+            model = _model(seed=v)
+            torch.cuda.synchronize()
+            stats.append(snd.send(model, version=v))
+        src = torch.empty(stats[0].bytes, dtype=torch.uint8, device="cuda").fill_(1)
+        dst = torch.empty_like(src)
+        copies = []
+        for _ in range(5):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            torch.cuda.synchronize()
+            copies.append(stats[0].bytes / (time.perf_counter() - t0) / 1e9)
+        snd.close()
+        g.close()
+        return {
+            "transport": stats[0].transport,
+            "bytes": stats[0].bytes,
+            "sync_gbps": [round(s.gbps, 2) for s in stats],
+            "device_copy_gbps": round(statistics.median(copies), 1),
+        }
+    port = ports.get(timeout=60)
+    g = gb.StatelessGroup.create("127.0.0.1", port, rank=1, world_size=2, timeout=timedelta(seconds=120))
+    rcv = gb.WeightReceiver(g, src=0, device="cuda")
+    target = _model(seed=0)
+    checks = []
+    for v in range(1, SYNCS + 1):
+        atomic = v % 2 == 1
+        if v == SYNCS:
+            got = {n: t.clone() for n, t in rcv.receive()}
+        else:
+            rcv.receive_into(target, atomic=atomic)
+            got = target
+        want = _model(seed=v)
+        checks.append(all(bit_equal(got[k], want[k]) for k in want))
+    g.close()
+    return {"bit_exact": checks, "version": rcv.version}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="write the results here too")
+    args = parser.parse_args()
+    out: dict[str, Any] = {
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "accelerator": gb.accelerator(),
+        "split_backend": gb.split_backend(),
+    }
+    try:
+        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+            os.environ.pop(k, None)
+        g = gb.init_global_group()
+        t = torch.ones(4, device=g.device)
+        torch.distributed.all_reduce(t)
+        out["global_group"] = {"backend": g.backend, "device": g.device, "all_reduce": t.tolist()}
+        gb.destroy_global_group()
+    except Exception as e:  # report and go on: the other checks are independent
+        out["global_group"] = f"FAILED {type(e).__name__}: {e}"
+    try:
+        lis = gb.listen("127.0.0.1", 0)
+        g1 = gb.StatelessGroup.create(None, rank=0, world_size=1, listener=lis, timeout=timedelta(seconds=60))
+        x = torch.arange(8.0, device="cuda")
+        g1.broadcast(x, src=0)
+        g1.all_reduce(x)
+        out["stateless_nccl"] = x.tolist()
+        g1.close()
+    except Exception as e:
+        out["stateless_nccl"] = f"FAILED {type(e).__name__}: {e}"
+    t0 = time.perf_counter()
+    try:
+        sender, receiver = run_roles(_role, 2, (mp.get_context("spawn").Queue(),), timeout=240)
+        out["cuda_ipc"] = {**sender, **receiver, "seconds": round(time.perf_counter() - t0, 1)}
+        out["cuda_ipc"]["ratio_vs_device_copy"] = round(
+            statistics.median(sender["sync_gbps"]) / sender["device_copy_gbps"], 3
+        )
+    except Exception as e:
+        out["cuda_ipc"] = f"FAILED {type(e).__name__}: {e}"
+    text = json.dumps(out, indent=1)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text)
+    ok = isinstance(out["cuda_ipc"], dict) and all(out["cuda_ipc"]["bit_exact"])
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
