@@ -14,11 +14,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ManifestMismatchError, WeightSyncError
+from ..errors import ManifestMismatchError, TransportUnavailableError, WeightSyncError
 from ..stateless import StatelessGroup
 from .manifest import Manifest
 
-__all__ = ["Header", "Renamer", "make_renamer", "settle"]
+__all__ = ["Header", "Renamer", "make_renamer", "refuse", "settle"]
 
 Renamer = Callable[[str], str]
 
@@ -87,6 +87,8 @@ def settle(
         WeightSyncError: some receiver refused the version.
     """
     wire = group.broadcast_obj(header.to_wire() if header is not None else None, src=src)
+    if "error" in wire:
+        raise TransportUnavailableError(f"rank {src} cannot send: {wire['error']}")
     header = Header.from_wire(wire)
     have = group.all_gather_obj(manifest is not None or header.digest in known)
     if not all(have):
@@ -107,3 +109,8 @@ def settle(
         kind = ManifestMismatchError if any(v["kind"] == "manifest" for _, v in problems) else WeightSyncError
         raise kind(f"weight sync of version {header.version} refused before any bytes moved:\n{text}")
     return header, manifest
+
+
+def refuse(group: StatelessGroup, reason: str) -> None:
+    """The sender cannot make this sync: tell every receiver why instead of leaving them waiting."""
+    group.broadcast_obj({"error": reason}, src=group.rank)

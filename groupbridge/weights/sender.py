@@ -15,10 +15,10 @@ from typing import Any
 import torch
 
 from ..codec import dtype_from_name
-from ..errors import GroupBridgeError, WeightSyncError
+from ..errors import GroupBridgeError, TransportUnavailableError, WeightSyncError
 from ..stateless import StatelessGroup
 from . import _bytes
-from ._protocol import Header, make_renamer, settle
+from ._protocol import Header, make_renamer, refuse, settle
 from .manifest import Manifest
 from .plan import Plan
 from .transports import TxTransport, choose, make_tx
@@ -190,7 +190,11 @@ class WeightSender:
             manifest = Manifest.build(items, self.wire_dtype)
         self._manifest = manifest
         items, device = _peek_device(items)
-        kind = choose(self.transport, self.group, device)
+        try:
+            kind = choose(self.transport, self.group, device)
+        except TransportUnavailableError as e:
+            refuse(self.group, str(e))
+            raise
         plan = Plan.build(manifest, self.bucket_bytes, self.solo_bytes)
         options: dict[str, Any] = {
             "sync_id": secrets.token_hex(6),

@@ -1,0 +1,163 @@
+"""Transports: shm and relay on one host, broadcast and relay across simulated hosts, auto, failures."""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+
+import groupbridge as gb
+from groupbridge.bench import netns
+from groupbridge.weights.transports.shared import leftover_segments
+from tests.helpers import CTX, Ranks, make_group, run_ranks
+from tests.weights_models import bit_equal, every_dtype, make_model, zeros_like_model
+
+
+def _sync(rank: int, host: str, ports: Any, n: int, transport: str, mode: str, ns: list[str] | None) -> Any:
+    if ns is not None:
+        netns.enter(ns[rank])
+    with make_group(rank, n, host, ports) as g:
+        if rank == 0:
+            snd = gb.WeightSender(
+                g, bucket_bytes=4096, transport=transport, checksum=True, relay_chunk_bytes=1024
+            )
+            kinds = [snd.send(every_dtype(seed=v), version=v).transport for v in (1, 2)]
+            snd.close()
+            return kinds
+        rcv = gb.WeightReceiver(g, src=0)
+        target = zeros_like_model(every_dtype())
+        ok = []
+        for v in (1, 2):
+            want = every_dtype(seed=v)
+            if mode == "receive":
+                got = {k: t.clone() for k, t in rcv.receive()}
+            else:
+                rcv.receive_into(target, atomic=(mode == "atomic"))
+                got = target
+            ok.append(all(bit_equal(got[k], want[k].contiguous()) for k in want))
+        return ok
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("mode", ["atomic", "streaming", "receive"])
+@pytest.mark.parametrize(("transport", "n"), [("shm", 2), ("shm", 3), ("relay", 4), ("auto", 3)])
+def test_one_host_bit_exact(transport: str, n: int, mode: str) -> None:
+    res = run_ranks(_sync, n, "127.0.0.1", CTX.Queue(), n, transport, mode, None, timeout=80)
+    assert res[0] == [("shm" if transport == "auto" else transport)] * 2
+    assert all(r == [True, True] for r in res[1:]), res
+    assert leftover_segments() == []
+
+
+def _unavailable(rank: int, host: str, ports: Any) -> str:
+    with make_group(rank, 2, host, ports) as g:
+        try:
+            if rank == 0:
+                gb.WeightSender(g, transport="cuda_ipc").send({"w": torch.ones(4)}, version=1)
+            else:
+                gb.WeightReceiver(g, src=0).receive_into({"w": torch.zeros(4)})
+            return "no error"
+        except gb.TransportUnavailableError as e:
+            return str(e)
+
+
+@pytest.mark.timeout(60)
+def test_explicit_transport_that_cannot_work_is_an_error_everywhere() -> None:
+    res = run_ranks(_unavailable, 2, "127.0.0.1", CTX.Queue(), timeout=50)
+    assert all("cuda_ipc" in r and "CUDA tensors" in r for r in res), res
+
+
+def _killed(rank: int, host: str, ports: Any, victim: int) -> Any:
+    g = make_group(rank, 3, host, ports, liveness_timeout=timedelta(seconds=2))
+    shapes = [(f"w{i}", (128, 128)) for i in range(64)]  # 2 MiB over 64 kB buckets
+    t0 = time.monotonic()
+    try:
+        if rank == 0:
+            snd = gb.WeightSender(g, bucket_bytes=64 << 10, transport="shm")
+            snd._fault = lambda k, view: os._exit(3) if (victim == 0 and k == 10) else time.sleep(0.01)
+            snd.send(make_model(shapes, seed=1), version=1)
+            return "finished"
+        rcv = gb.WeightReceiver(g, src=0)
+        if rank == victim:
+            for i, _ in enumerate(rcv.receive()):
+                if i == 8:
+                    os._exit(3)
+        rcv.receive_into(make_model(shapes, seed=0))
+        return "finished"
+    except gb.GroupBridgeError as e:
+        return f"{type(e).__name__} after {time.monotonic() - t0:.1f}s"
+    finally:
+        g.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("victim", [0, 2], ids=["sender", "receiver"])
+def test_shm_killed_member_leaves_nothing_behind(victim: int) -> None:
+    survivors = [r for r in range(3) if r != victim]
+    res = Ranks(_killed, 3, ("127.0.0.1", CTX.Queue(), victim)).results(45, expect=survivors)
+    for r in survivors:
+        status, value = res[r]
+        assert status == "ok" and "Error after" in value, value
+        assert float(value.split(" after ")[1].rstrip("s")) < 20
+    assert leftover_segments() == []
+
+
+# ---------------------------------------------------------------- simulated hosts
+
+NETNS = netns.unavailable_reason()
+
+
+@pytest.mark.netns
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(NETNS is not None, reason=f"simulated hosts unavailable: {NETNS}")
+@pytest.mark.parametrize("transport", ["broadcast", "relay"])
+def test_across_simulated_ipv6_hosts(transport: str) -> None:
+    with netns.SimulatedHosts(4, rate="1gbit") as sim:
+        host = sim.hosts[0].address
+        names = [h.namespace for h in sim.hosts]
+        res = run_ranks(_sync, 4, host, CTX.Queue(), 4, transport, "streaming", names, timeout=100)
+    assert res[0] == [transport] * 2
+    assert all(r == [True, True] for r in res[1:]), res
+    assert not any(n in os.popen("ip netns list").read() for n in names)
+
+
+def _relay_broken(rank: int, host: str, ports: Any, ns: list[str]) -> str:
+    netns.enter(ns[rank])
+    g = make_group(rank, 4, host, ports, liveness_timeout=timedelta(seconds=2))
+    shapes = [(f"w{i}", (256, 256)) for i in range(32)]  # 4 MiB
+    t0 = time.monotonic()
+    try:
+        if rank == 0:
+            gb.WeightSender(g, bucket_bytes=256 << 10, transport="relay", relay_chunk_bytes=64 << 10).send(
+                make_model(shapes, seed=1), version=1
+            )
+            return "finished"
+        rcv = gb.WeightReceiver(g, src=0)
+        if rank == 2:  # the middle of the chain 0 -> 1 -> 2 -> 3
+            for i, _ in enumerate(rcv.receive()):
+                if i == 4:
+                    os._exit(3)
+        rcv.receive_into(make_model(shapes, seed=0))
+        return "finished"
+    except gb.GroupBridgeError as e:
+        return f"{type(e).__name__} after {time.monotonic() - t0:.1f}s"
+    finally:
+        g.close()
+
+
+@pytest.mark.netns
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(NETNS is not None, reason=f"simulated hosts unavailable: {NETNS}")
+def test_broken_relay_link_fails_every_member_within_bound() -> None:
+    with netns.SimulatedHosts(4, rate="200mbit") as sim:
+        names = [h.namespace for h in sim.hosts]
+        res = Ranks(_relay_broken, 4, (sim.hosts[0].address, CTX.Queue(), names)).results(
+            90, expect=[0, 1, 3]
+        )
+    for r in (0, 1, 3):
+        status, value = res[r]
+        assert status == "ok" and "Error after" in value, (r, value)
+        assert float(value.split(" after ")[1].rstrip("s")) < 25, (r, value)
