@@ -67,6 +67,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from .bench.report import plot, table
     from .bench.weight_sync import BenchConfig, run_weight_sync
 
+    if args.simulate_hosts:
+        return _bench_hosts(args)
     shape = "tiny" if args.quick else args.shape
     rounds = 2 if args.quick else args.rounds
     receivers = [int(r) for r in args.receivers.split(",")]
@@ -100,6 +102,38 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_hosts(args: argparse.Namespace) -> int:
+    from .bench.hosts import HostsConfig, run_hosts
+
+    receivers = sorted({1, args.simulate_hosts - 1})
+    cfg = HostsConfig(
+        receivers=receivers,
+        rate=args.link_rate,
+        payload_bytes=_parse_bytes(args.payload_bytes),
+        rounds=args.rounds,
+        transports=("broadcast", "relay"),
+    )
+    if not args.json:
+        _console.echo(
+            f"[bench] {args.simulate_hosts} simulated hosts at {cfg.rate}, {cfg.payload_bytes >> 20} MiB ..."
+        )
+    records = run_hosts(cfg)
+    if args.json:
+        print(json.dumps(records, indent=1))
+        return 0
+    rows = [
+        [r["transport"], r["receivers"], f"{r['seconds']:.2f}", f"{r['link_limit_s']:.2f}",
+         f"{r['ratio_vs_link']:.2f}x", f"{r['ratio_vs_one_receiver']:.2f}x"]
+        for r in records
+    ]  # fmt: skip
+    _console.table(
+        f"simulated hosts, links at {cfg.rate} (time per sync, median)",
+        ["transport", "receivers", "seconds", "link limit s", "vs link limit", "vs 1 receiver"],
+        rows,
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="groupbridge", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -123,6 +157,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--quick", action="store_true", help="a small model, two rounds: under a minute")
     p.add_argument("--json", action="store_true", help="print one JSON record per measurement")
+    p.add_argument(
+        "--simulate-hosts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N hosts in network namespaces (root): relay against broadcast, 1 and N-1 receivers",
+    )
+    p.add_argument("--link-rate", default="800mbit", help="link rate of simulated hosts (tc syntax)")
+    p.add_argument("--payload-bytes", default="128MiB", help="payload for --simulate-hosts")
     p.add_argument("--plot", metavar="FILE.png", help="bandwidth against bucket size and receivers")
     p.set_defaults(func=_cmd_bench)
     return parser
