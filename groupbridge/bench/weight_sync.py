@@ -163,7 +163,7 @@ def run_weight_sync(cfg: BenchConfig) -> list[dict[str, Any]]:
             "mode": mode.partition("@")[0],
             "transport": "memcpy"
             if mode == "memcpy"
-            else ("broadcast" if mode.startswith("ours") else "gloo"),
+            else (cfg.transport if mode.startswith("ours") else "gloo"),
             "bucket_bytes": int(mode.partition("@")[2] or cfg.bucket_bytes[0])
             if mode.startswith("ours")
             else None,
