@@ -108,15 +108,14 @@ def _role(rank: int, cfg: BenchConfig, ports: Any) -> dict[str, Any]:
             if base in ("ours", "ours_flat", "ours_atomic"):
                 src = flat_model if base == "ours_flat" else model
                 if rank == 0:
-                    snd = senders.setdefault(
-                        bucket_bytes,
-                        WeightSender(
+                    if bucket_bytes not in senders:
+                        senders[bucket_bytes] = WeightSender(
                             g,
                             bucket_bytes=bucket_bytes,
                             transport=cfg.transport,
                             intra_op_threads=cfg.threads,
-                        ),
-                    )
+                        )
+                    snd = senders[bucket_bytes]
                     snd.send(src, version=version)
                 else:
                     assert receiver is not None
