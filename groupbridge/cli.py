@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 from collections.abc import Sequence
 
@@ -39,20 +37,25 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    _cmd_doctor(argparse.Namespace(json=False))
-    _console.echo("\nA 2-rank world under torchrun, no backend named anywhere:")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        str(args.nproc),
-        "-m",
-        "groupbridge._hello_world",
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    return subprocess.run(cmd, env=env, timeout=300, check=False).returncode
+    from .demo import DemoConfig, run_demo
+    from .doctor import has_ipv6_loopback
+
+    host = args.host or ("::1" if has_ipv6_loopback() else "127.0.0.1")
+    cfg = DemoConfig(
+        steps=args.steps,
+        workers=args.workers,
+        transport=args.transport,
+        host=host,
+        size=args.size,
+        json=args.json,
+    )
+    result = run_demo(cfg)
+    if args.json:
+        print(json.dumps(result, indent=1))
+    if not result["verified"]:
+        _console.echo("verification FAILED: a worker's weights differ from the trainer's")
+        return 1
+    return 0
 
 
 def _parse_bytes(text: str) -> int:
@@ -140,8 +143,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("doctor", help="what this machine offers: backends, accelerator, loopback, store")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_cmd_doctor)
-    p = sub.add_parser("demo", help="see it work on this machine")
-    p.add_argument("--nproc", type=int, default=2)
+    p = sub.add_parser("demo", help="a one-step-off-policy loop: trainer world -> bridge -> inference world")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--transport", default="auto", choices=["auto", "broadcast", "relay", "shm"])
+    p.add_argument(
+        "--host", default=None, help="bridge address (default: ::1 where available, else 127.0.0.1)"
+    )
+    p.add_argument("--size", default="demo", choices=["demo", "tiny"], help="model size (tiny: for tests)")
+    p.add_argument("--json", action="store_true", help="print the per-step records as JSON")
     p.set_defaults(func=_cmd_demo)
     p = sub.add_parser("bench", help="weight-sync speed beside its anchors (flat tensor, per-tensor, memcpy)")
     p.add_argument("--shape", default="dense", choices=["dense", "moe", "moe-half", "tiny"])

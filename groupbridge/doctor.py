@@ -37,6 +37,14 @@ def _loopback(host: str) -> dict[str, Any]:
     return result
 
 
+def has_ipv6_loopback() -> bool:
+    try:
+        listen("::1", 0).close()
+        return True
+    except OSError:
+        return False
+
+
 def diagnose() -> dict[str, Any]:
     """Collect the facts ``doctor`` reports, as plain JSON-able values."""
     return {

@@ -114,8 +114,8 @@ class StatelessGroup:
     _gloo: Any
     _device_groups: dict[str, Any]
     _coll_seq: int
-    _send_seq: dict[int, int]
-    _recv_seq: dict[int, int]
+    _send_seq: dict[tuple[int, str], int]
+    _recv_seq: dict[tuple[int, str], int]
     _hb_seen: dict[int, tuple[int, float]]
     _last_liveness_check: float
     _hb_stop: threading.Event
@@ -484,25 +484,31 @@ class StatelessGroup:
         if peer == self.rank:
             raise ValueError(f"{label}={peer} is this rank itself")
 
-    def send_obj(self, obj: Any, dst: int) -> None:
-        """Send ``obj`` to ``dst`` (returns at once; the store holds it until ``dst`` reads it)."""
+    def send_obj(self, obj: Any, dst: int, *, tag: str = "") -> None:
+        """Send ``obj`` to ``dst`` (returns at once; the store holds it until ``dst`` reads it).
+
+        ``tag`` names a separate channel: messages of one tag arrive in order, independently of other tags
+        (a weight sync's acknowledgements travel on their own tag, so they never mix with the caller's).
+        """
         self._check_open()
         self._peer(dst, "dst")
+        if "/" in tag:
+            raise ValueError(f"tag={tag!r} must not contain '/'")
         data = self._encode(obj)
-        seq = self._send_seq.get(dst, 0)
-        self._put(f"p2p/{self.rank}/{dst}/{seq}", data, "send_obj")
-        self._send_seq[dst] = seq + 1
+        seq = self._send_seq.get((dst, tag), 0)
+        self._put(f"p2p/{tag}/{self.rank}/{dst}/{seq}", data, "send_obj")
+        self._send_seq[(dst, tag)] = seq + 1
 
-    def recv_obj(self, src: int, timeout: timedelta | None = None) -> Any:
-        """Receive the next object ``src`` sent to this rank."""
+    def recv_obj(self, src: int, timeout: timedelta | None = None, *, tag: str = "") -> Any:
+        """Receive the next object ``src`` sent to this rank on ``tag``."""
         self._check_open()
         self._peer(src, "src")
-        seq = self._recv_seq.get(src, 0)
-        key = f"p2p/{src}/{self.rank}/{seq}"
+        seq = self._recv_seq.get((src, tag), 0)
+        key = f"p2p/{tag}/{src}/{self.rank}/{seq}"
         self._poll(lambda: self._store.check([key]), self._deadline(timeout), f"object #{seq}", [src])
         data = self._store_call(lambda: self._store.get(key), "recv_obj")
         self._store_call(lambda: self._store.delete_key(key), "recv_obj")
-        self._recv_seq[src] = seq + 1
+        self._recv_seq[(src, tag)] = seq + 1
         return self._decode(data)
 
     def _next_seq(self) -> int:

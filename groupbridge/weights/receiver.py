@@ -16,7 +16,7 @@ from . import _bytes
 from ._protocol import Header, make_renamer, settle
 from .manifest import Manifest, compare, expected_specs, mismatch_message
 from .plan import Plan
-from .sender import intra_op_threads
+from .sender import ACK_TAG, intra_op_threads
 from .transports import Land, RxTransport, make_rx
 from .transports.broadcast import IN_FLIGHT
 
@@ -159,7 +159,7 @@ class WeightReceiver:
 
     def _ack(self, ok: bool, error: str | None = None) -> None:
         try:
-            self.group.send_obj({"ok": ok, "error": error}, dst=self.src)
+            self.group.send_obj({"ok": ok, "error": error}, dst=self.src, tag=ACK_TAG)
         except GroupBridgeError:
             logger.debug("could not acknowledge to the sender", exc_info=True)
 

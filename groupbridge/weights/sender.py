@@ -34,6 +34,7 @@ DEFAULT_BUCKET_BYTES = 64 << 20
 reach the same rate within noise; smaller buckets pay per-operation overhead, larger ones hold more memory."""
 
 TRANSPORTS = ("auto", *KINDS)
+ACK_TAG = "weights-ack"
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +155,7 @@ class WeightSender:
         *,
         specs: Mapping[str, tuple[Any, torch.dtype]] | None = None,
         timeout: timedelta | None = None,
+        progress: Callable[[int, int], None] | None = None,
     ) -> SyncStats:
         """Send ``named_tensors`` as ``version``; returns once every receiver confirmed.
 
@@ -161,6 +163,7 @@ class WeightSender:
         is consumed lazily, one tensor at a time, so a generator that gathers sharded parameters never holds
         the model: the manifest then comes from ``specs`` (name -> (shape, dtype), in order), or from the
         previous send; only a first send with neither collects the iterator once to describe it.
+        ``progress(bytes_sent, total_bytes)`` is called after every bucket (for a progress bar).
 
         Raises:
             ManifestMismatchError: a receiver expects other names, shapes or dtypes; nothing was sent.
@@ -214,7 +217,7 @@ class WeightSender:
             t0 = time.perf_counter()
             try:
                 tx.setup(plan, device, dict(options, timeout=timeout))
-                in_place, crcs = self._transfer(tx, plan, manifest, iter(items))
+                in_place, crcs = self._transfer(tx, plan, manifest, iter(items), progress)
                 if self.checksum:
                     self.group.broadcast_obj(crcs, src=self.src)
             except GroupBridgeError as e:
@@ -222,7 +225,7 @@ class WeightSender:
             failures = []
             for r in range(self.group.world_size):
                 if r != self.src:
-                    ack = self.group.recv_obj(r, timeout=timeout)
+                    ack = self.group.recv_obj(r, timeout=timeout, tag=ACK_TAG)
                     if not ack.get("ok"):
                         failures.append(f"rank {r}: {ack.get('error')}")
             seconds = time.perf_counter() - t0
@@ -252,7 +255,12 @@ class WeightSender:
         self._transports.clear()
 
     def _transfer(
-        self, tx: TxTransport, plan: Plan, manifest: Manifest, items: Iterator[tuple[str, torch.Tensor]]
+        self,
+        tx: TxTransport,
+        plan: Plan,
+        manifest: Manifest,
+        items: Iterator[tuple[str, torch.Tensor]],
+        progress: Callable[[int, int], None] | None,
     ) -> tuple[int, list[int]]:
         entries = manifest.entries
         live: list[torch.Tensor | None] = [None] * len(entries)
@@ -310,6 +318,8 @@ class WeightSender:
             if self._fault is not None:
                 self._fault(k, view)
             tx.post(k, view)
+            if progress is not None:
+                progress(end, plan.total_bytes)
             for seg in segs:
                 if last_bucket[seg.index] == k:
                     live[seg.index] = None  # a lazy source's tensor is released as soon as it is sent
