@@ -117,7 +117,9 @@ class StatelessGroup:
     _send_seq: dict[tuple[int, str], int]
     _recv_seq: dict[tuple[int, str], int]
     _hb_seen: dict[int, tuple[int, float]]
-    _last_liveness_check: float
+    """Per peer: its last heartbeat count and when (this clock) it last changed; kept by the watcher."""
+    _hb_error: str | None
+    _abort_seen: bytes | None
     _hb_stop: threading.Event
     _hb_thread: threading.Thread | None
     _hb_store: Store | None
@@ -219,7 +221,8 @@ class StatelessGroup:
         self._send_seq = {}
         self._recv_seq = {}
         self._hb_seen = {}
-        self._last_liveness_check = 0.0
+        self._hb_error = None
+        self._abort_seen = None
         self._hb_stop = threading.Event()
         self._hb_thread = None
         self._hb_store = None
@@ -383,46 +386,64 @@ class StatelessGroup:
     # ------------------------------------------------------------------ liveness
 
     def _start_heartbeat(self, use_libuv: bool) -> None:
+        """Publish this member's heartbeat and watch everyone else's, on a thread with its own connection.
+
+        Watching here, not on the caller's thread, keeps store round trips off the data path: under a
+        saturated link one round trip can take as long as a whole bucket.
+        """
         self._hb_store = PrefixStore(self._ns, connect_store(self.address, self.timeout, use_libuv=use_libuv))
         self._hb_store.add(f"hb/{self.rank}", 1)
         interval = max(0.05, self.liveness_timeout.total_seconds() / 5)
         hb_store, key, stop = self._hb_store, f"hb/{self.rank}", self._hb_stop
+        peers = [r for r in range(self.world_size) if r != self.rank]
+        peer_keys = [f"hb/{r}" for r in peers]
+        start = time.monotonic()
+        self._hb_seen = {r: (-1, start) for r in peers}
 
         def beat() -> None:
             while not stop.wait(interval):
                 try:
                     hb_store.add(key, 1)
-                except Exception:  # the store host is gone; the main thread reports it on its next op
+                    counts = [hb_store.add(k, 0) for k in peer_keys]
+                    aborted = hb_store.get("abort") if hb_store.check(["abort"]) else None
+                except Exception as e:  # the store host is gone: the caller's thread reports it
+                    self._hb_error = f"{type(e).__name__}: {e}"
                     return
+                now = time.monotonic()
+                for peer, count in zip(peers, counts, strict=True):
+                    if self._hb_seen[peer][0] != count:
+                        self._hb_seen[peer] = (count, now)
+                if aborted is not None:
+                    self._abort_seen = aborted
 
         self._hb_thread = threading.Thread(
             target=beat, name=f"groupbridge-hb-{self.name}-{self.rank}", daemon=True
         )
         self._hb_thread.start()
 
-    def _check_peers(self, peers: Iterable[int], force: bool = False) -> None:
-        """Raise if a peer aborted, closed or stopped beating. Rate-limited unless ``force``."""
-        now = time.monotonic()
-        if not force and now - self._last_liveness_check < 0.2:
-            return
-        self._last_liveness_check = now
-        store = self._store
-        if store.check(["abort"]):
-            info = json.loads(store.get("abort"))
+    def _check_peers(self, peers: Iterable[int]) -> None:
+        """Raise if a peer aborted or stopped beating, or the store host is gone (the watcher's findings)."""
+        if self._hb_error is not None:
+            raise StoreUnreachableError(
+                f"rank {self.rank}: the store of {self._where()} (hosted by rank 0) stopped answering: "
+                f"{self._hb_error}"
+            )
+        if self._abort_seen is not None:
+            info = json.loads(self._abort_seen)
             self._broken = f"rank {info['rank']} aborted: {info['reason']}"
             raise PeerDiedError(f"{self._where()}: {self._broken}")
+        now = time.monotonic()
         limit = self.liveness_timeout.total_seconds()
         for peer in peers:
-            if peer == self.rank:
-                continue
-            count = store.add(f"hb/{peer}", 0)
             seen = self._hb_seen.get(peer)
-            if seen is None or seen[0] != count:
-                self._hb_seen[peer] = (count, now)
-            elif now - seen[1] > limit:
-                why = "closed the group" if store.check([f"closed/{peer}"]) else "stopped its heartbeat"
-                self._broken = f"rank {peer} {why} ({now - seen[1]:.1f}s without a sign of life)"
-                raise PeerDiedError(f"{self._where()}: {self._broken}")
+            if peer == self.rank or seen is None or now - seen[1] <= limit:
+                continue
+            try:
+                why = "closed the group" if self._store.check([f"closed/{peer}"]) else "stopped its heartbeat"
+            except RuntimeError:
+                why = "stopped its heartbeat"
+            self._broken = f"rank {peer} {why} ({now - seen[1]:.1f}s without a sign of life)"
+            raise PeerDiedError(f"{self._where()}: {self._broken}")
 
     def _poll(
         self, ready: Callable[[], bool], deadline: float, what: str, peers: list[int], *, live: bool = True

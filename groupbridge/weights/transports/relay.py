@@ -6,6 +6,7 @@ so the time to N receivers stays near the time to one (plus one chunk per hop).
 
 from __future__ import annotations
 
+import os
 from collections import deque
 from collections.abc import Iterator
 from datetime import timedelta
@@ -20,8 +21,8 @@ from .base import Land
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "RelayRx", "RelayTx", "default_chain"]
 
-DEFAULT_CHUNK_BYTES = 4 << 20
-WINDOW = 2
+DEFAULT_CHUNK_BYTES = 1 << 20
+WINDOW = int(os.environ.get("GROUPBRIDGE_RELAY_WINDOW", "4"))
 """Chunks posted ahead on each link."""
 
 
