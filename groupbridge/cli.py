@@ -26,6 +26,8 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         ["split backend", facts["split_backend"]],
         ["host name", facts["hostname"]],
     ]
+    gi = facts["gloo_interface"]
+    rows.append(["gloo interface", f"{gi['interface']} ({gi['why']})"])
     for key in ("ipv4_loopback", "ipv6_loopback"):
         lo = facts[key]
         detail = f"listen={yes[lo['listen']]} store={yes[bool(lo.get('store'))]}"

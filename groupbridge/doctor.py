@@ -37,6 +37,22 @@ def _loopback(host: str) -> dict[str, Any]:
     return result
 
 
+def _gloo_interface() -> dict[str, Any]:
+    """Which interface gloo would bind to: GLOO_SOCKET_IFNAME, else the one that reaches MASTER_ADDR."""
+    import os
+
+    from .net import interface_toward
+
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return {"interface": os.environ["GLOO_SOCKET_IFNAME"], "why": "GLOO_SOCKET_IFNAME is set"}
+    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    try:
+        iface = interface_toward(Address.parse(master).with_port(9))
+    except ValueError as e:
+        return {"interface": None, "why": str(e)}
+    return {"interface": iface, "why": f"the interface that reaches MASTER_ADDR={master}"}
+
+
 def has_ipv6_loopback() -> bool:
     try:
         listen("::1", 0).close()
@@ -55,5 +71,5 @@ def diagnose() -> dict[str, Any]:
         "hostname": socket.gethostname(),
         "ipv4_loopback": _loopback("127.0.0.1"),
         "ipv6_loopback": _loopback("::1") if socket.has_ipv6 else {"host": "::1", "listen": False},
-        "address_example": str(Address.parse("[::1]:29500")),
+        "gloo_interface": _gloo_interface(),
     }

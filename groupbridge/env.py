@@ -1,4 +1,5 @@
-"""Every environment variable groupbridge reads, in one place.
+"""Every environment variable groupbridge reads, in one place (and GLOO_SOCKET_IFNAME, which
+:func:`groupbridge.init_global_group` sets when unset, see there).
 
 Launchers (torchrun, Ray, Slurm wrappers) describe a process's place in its world through RANK, WORLD_SIZE,
 LOCAL_RANK, MASTER_ADDR and MASTER_PORT; some setups use DIST_INIT_METHOD instead. Explicit arguments to the

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -17,13 +18,15 @@ import torch.distributed as dist
 
 from . import _torch_private
 from .devices import accelerator, parse_backend, split_backend
-from .env import parse_int, read_dist_env
-from .net import Address, Listener, listen
+from .env import DistEnv, parse_int, read_dist_env
+from .net import Address, Listener, interface_toward, listen
 from .store import host_store
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["GlobalGroup", "destroy_global_group", "init_global_group"]
+
+GLOO_IFNAME = "GLOO_SOCKET_IFNAME"
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +97,9 @@ def init_global_group(
     plain ``python`` too.
 
     With an accelerator, the device is set from ``local_rank`` and passed as ``device_id`` so the device
-    backend connects eagerly.
+    backend connects eagerly. In a world of several ranks, gloo is bound to the interface that reaches the
+    rendezvous host (GLOO_SOCKET_IFNAME is set when unset, and logged; an explicit setting wins), so
+    multi-node jobs work where the host name resolves to a loopback address.
 
     Calling it again in an initialised process checks the request against the live world and returns the
     same answer; it never re-initialises.
@@ -153,6 +158,8 @@ def init_global_group(
             )
         rank, world_size = 0, 1
 
+    if world_size > 1:
+        _bind_gloo_toward(_rendezvous_host(init_method, listener, env))
     if init_method is not None:
         dist.init_process_group(init_method=init_method, rank=rank, world_size=world_size, **kwargs)  # type: ignore[arg-type]
     elif listener is not None:
@@ -179,6 +186,38 @@ def init_global_group(
         )
     logger.info("rank %d of %d joined the global group (backend %s)", rank, world_size, chosen)
     return GlobalGroup(rank, local_rank, world_size, str(dist.get_backend_config()), device)
+
+
+def _rendezvous_host(init_method: str | None, listener: Listener | None, env: DistEnv) -> str | None:
+    from urllib.parse import urlparse
+
+    if init_method is not None:
+        return urlparse(init_method).hostname
+    if listener is not None:
+        return listener.address.host
+    if env.init_method is not None:
+        return urlparse(env.init_method).hostname
+    return env.master_addr
+
+
+def _bind_gloo_toward(host: str | None) -> None:
+    """Bind gloo to the interface that reaches the rendezvous host, unless GLOO_SOCKET_IFNAME says otherwise.
+
+    Left to itself gloo binds to whatever this machine's host name resolves to; where that is a loopback
+    address (Debian's default 127.0.1.1 entry does this on many real machines) ranks on other nodes cannot
+    connect and the first collective times out. An explicit GLOO_SOCKET_IFNAME always wins.
+    """
+    if host is None or GLOO_IFNAME in os.environ:
+        return
+    try:
+        iface = interface_toward(Address.parse(host).with_port(9))
+    except ValueError:
+        return
+    if iface is not None:
+        logger.info(
+            "setting %s=%s: the interface that reaches the rendezvous host %s", GLOO_IFNAME, iface, host
+        )
+        os.environ[GLOO_IFNAME] = iface
 
 
 def destroy_global_group() -> None:

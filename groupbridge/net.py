@@ -15,7 +15,16 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 
-__all__ = ["Address", "Listener", "host_identity", "listen", "source_address_for", "wait_connectable"]
+__all__ = [
+    "Address",
+    "Listener",
+    "host_identity",
+    "interface_for_address",
+    "interface_toward",
+    "listen",
+    "source_address_for",
+    "wait_connectable",
+]
 
 _HOST_LABEL = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?$")
 
@@ -275,3 +284,40 @@ def host_identity() -> str:
     except OSError:
         boot = "unknown-boot"
     return f"{socket.gethostname()}/{boot}"
+
+
+def interface_for_address(ip: str) -> str | None:
+    """The name of the local network interface that holds ``ip`` (Linux), or None."""
+    import fcntl
+    import struct
+
+    addr = ipaddress.ip_address(ip.split("%")[0])
+    if addr.version == 6:
+        try:
+            with open("/proc/net/if_inet6") as f:
+                for line in f:
+                    fields = line.split()
+                    if len(fields) >= 6 and ipaddress.IPv6Address(int(fields[0], 16)) == addr:
+                        return fields[5]
+        except OSError:
+            return None
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                packed = fcntl.ioctl(
+                    s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15])
+                )  # SIOCGIFADDR
+            except OSError:
+                continue
+            if socket.inet_ntoa(packed[20:24]) == str(addr):
+                return name
+    return None
+
+
+def interface_toward(peer: Address) -> str | None:
+    """The interface the kernel would use to reach ``peer`` (what gloo should bind to), or None."""
+    try:
+        return interface_for_address(source_address_for(peer))
+    except (OSError, ValueError):
+        return None

@@ -161,3 +161,48 @@ def test_broken_relay_link_fails_every_member_within_bound() -> None:
         status, value = res[r]
         assert status == "ok" and "Error after" in value, (r, value)
         assert float(value.split(" after ")[1].rstrip("s")) < 25, (r, value)
+
+
+@pytest.mark.netns
+@pytest.mark.timeout(150)
+@pytest.mark.skipif(NETNS is not None, reason=f"simulated hosts unavailable: {NETNS}")
+def test_torchrun_two_nodes_over_ipv6_without_gloo_ifname(tmp_path: Any) -> None:
+    """Two torchrun "nodes" in two namespaces over IPv6, nothing set but the launcher's flags."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = str(Path(__file__).parent / "_torchrun_world.py")
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("GLOO_SOCKET_IFNAME", "RANK", "WORLD_SIZE", "MASTER_ADDR")
+    }
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = str(Path(__file__).parent.parent)
+    with netns.SimulatedHosts(2, rate=None) as sim:
+        master = sim.hosts[0].address
+        procs = []
+        try:
+            for i, h in enumerate(sim.hosts):
+                # the port is free by construction: nothing else runs inside these fresh namespaces
+                cmd = ["ip", "netns", "exec", h.namespace, sys.executable, "-m", "torch.distributed.run",
+                       "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(i),
+                       "--master-addr", master, "--master-port", "29500", script, str(tmp_path)]  # fmt: skip
+                procs.append(
+                    subprocess.Popen(
+                        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+                    )
+                )
+            outputs = [p.communicate(timeout=120)[0] for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait(timeout=10)
+    assert all(p.returncode == 0 for p in procs), "\n".join(o[-2000:] for o in outputs)
+    import json
+
+    for r in range(2):
+        seen = json.loads((Path(tmp_path) / f"rank{r}.json").read_text())
+        assert seen["group"][0] == r and seen["group"][2] == 2 and seen["sum"] == 3.0

@@ -58,12 +58,17 @@ def plot(records: Sequence[dict[str, Any]], path: str) -> None:
     a.set_ylabel("GB/s per receiver")
     a.set_title("bandwidth against bucket size")
     a.legend(fontsize=7)
-    for mode in sorted({r["mode"] for r in records}):
-        pts = sorted({r["receivers"]: r["gbps"] for r in records if r["mode"] == mode}.items())
+    from ..weights.sender import DEFAULT_BUCKET_BYTES
+
+    for mode in sorted({r["mode"] for r in records} - {"memcpy"}):
+        chosen = [
+            r for r in records if r["mode"] == mode and r.get("bucket_bytes") in (None, DEFAULT_BUCKET_BYTES)
+        ]
+        pts = sorted({r["receivers"]: r["gbps"] for r in chosen}.items())
         b.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode)
     b.set_xlabel("receivers")
     b.set_ylabel("GB/s per receiver")
-    b.set_title("bandwidth against receivers")
+    b.set_title("bandwidth against receivers (default bucket size)")
     b.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
