@@ -9,14 +9,15 @@ STAMP := $(VENV)/.groupbridge-setup
 setup: $(STAMP)
 
 # Re-run only when the venv is missing or pyproject.toml changed; torch is installed only when absent,
+# (the ray extra is installed too: CI runs the Ray test)
 # always pinned (an unpinned torch resolves to a multi-GB CUDA build).
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q --disable-pip-version-check "$(TORCH_PIN)" 2>&1 \
 		| grep -v "^WARNING: Location" || true
 	@$(PY) -c "import torch" || (echo "setup failed: could not install $(TORCH_PIN)" && exit 1)
-	@$(PY) -m pip install -q --disable-pip-version-check -e ".[dev]" 2>&1 | grep -v "^WARNING: Location" || true
-	@$(PY) -c "import groupbridge, torch, pytest, rich" || (echo "setup failed: see pip output above" && exit 1)
+	@$(PY) -m pip install -q --disable-pip-version-check -e ".[dev,ray]" 2>&1 | grep -v "^WARNING: Location" || true
+	@$(PY) -c "import groupbridge, torch, pytest, rich, ray" || (echo "setup failed: see pip output above" && exit 1)
 	@touch $(STAMP)
 
 demo: setup

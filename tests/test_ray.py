@@ -1,0 +1,37 @@
+"""Ray actor groups as torch worlds and bridges, on a local Ray instance the test starts itself."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("ray") is None, reason="Ray is not installed (pip install 'groupbridge[ray]')"
+)
+
+
+@pytest.mark.timeout(180)
+def test_ray_one_step_off_policy_example() -> None:
+    root = Path(__file__).parent.parent
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.run(
+        [sys.executable, str(root / "examples" / "ray_one_step_off_policy.py"), "--steps", "3"],
+        capture_output=True, text=True, env=env, timeout=170, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "trainer world cpu:gloo x2" in out and "bridge 'weights' at 127.0.0.1:" in out
+    assert out.count("verified: yes") == 3 and "all syncs verified" in out
+
+
+def test_start_world_rejects_non_members() -> None:
+    from groupbridge import ray as gb_ray
+
+    with pytest.raises(TypeError, match=r"must subclass groupbridge\.ray\.WorldMember"):
+        gb_ray.start_world(object, 2)
