@@ -92,7 +92,7 @@ def _sync_every_dtype(rank: int, host: str, ports: Any, n: int, flat: str, mode:
     g = make_group(rank, n, host, ports)
     try:
         if rank == 0:
-            snd = gb.WeightSender(g, bucket_bytes=BUCKET, checksum=True)
+            snd = gb.WeightSender(g, transport="broadcast", bucket_bytes=BUCKET, checksum=True)
             out = []
             for v in (1, 2):
                 sd = every_dtype(seed=v)
@@ -144,6 +144,8 @@ def test_every_dtype_bit_exact(n: int, flat: str, mode: str) -> None:
         assert res[r] == [True, True, 2], res
     if flat in ("sender", "both"):
         assert all(b == inplace for b, inplace in res[0]), res[0]  # every bucket sent in place
+    if flat == "both" and mode == "streaming":
+        assert all(b == 1 for b, _ in res[0]), res[0]  # every side in place: one merged operation
 
 
 def _sync_shape(rank: int, host: str, ports: Any, n: int, shape: str) -> bool:
@@ -152,7 +154,9 @@ def _sync_shape(rank: int, host: str, ports: Any, n: int, shape: str) -> bool:
     )
     with make_group(rank, n, host, ports) as g:
         if rank == 0:
-            gb.WeightSender(g, bucket_bytes=64 << 10).send(make_model(shapes, seed=1), version=3)
+            gb.WeightSender(g, transport="broadcast", bucket_bytes=64 << 10).send(
+                make_model(shapes, seed=1), version=3
+            )
             return True
         target = make_model(shapes, seed=2)
         gb.WeightReceiver(g, src=0).receive_into(target)
@@ -176,7 +180,7 @@ def _mismatch(rank: int, host: str, ports: Any) -> Any:
     with make_group(rank, 3, host, ports) as g:
         sd = {f"w{i}": torch.full((2,), float(i)) for i in range(25)} | {"s": torch.zeros(3, 2)}
         if rank == 0:
-            snd = gb.WeightSender(g)
+            snd = gb.WeightSender(g, transport="broadcast")
             try:
                 snd.send(sd, version=1)
                 return "sent"
@@ -220,7 +224,7 @@ def _versions(rank: int, host: str, ports: Any) -> Any:
     with make_group(rank, 2, host, ports) as g:
         sd = {"w": torch.arange(4.0)}
         if rank == 0:
-            snd = gb.WeightSender(g)
+            snd = gb.WeightSender(g, transport="broadcast")
             snd.send(sd, version=5)
             try:
                 snd.send(sd, version=5)
@@ -253,7 +257,9 @@ def _wire_and_rename(rank: int, host: str, ports: Any) -> bool:
     }
     with make_group(rank, 2, host, ports) as g:
         if rank == 0:
-            snd = gb.WeightSender(g, wire_dtype=torch.bfloat16, rename={"layer.w": "engine.w"})
+            snd = gb.WeightSender(
+                g, transport="broadcast", wire_dtype=torch.bfloat16, rename={"layer.w": "engine.w"}
+            )
             snd.send(master, version=1)
             return True
         engine = {"w": torch.zeros(64, 8, dtype=torch.bfloat16), "step": torch.tensor(0)}
@@ -281,7 +287,7 @@ def _lazy(rank: int, host: str, ports: Any) -> Any:
 
     with make_group(rank, 2, host, ports) as g:
         if rank == 0:
-            snd = gb.WeightSender(g, bucket_bytes=BUCKET)
+            snd = gb.WeightSender(g, transport="broadcast", bucket_bytes=BUCKET)
             snd.send(gathered(1), version=1, specs={n: (s, torch.float32) for n, s in shapes})
             snd.send(gathered(2), version=2)  # the manifest of the previous send
             return alive[1]
@@ -306,7 +312,7 @@ def _corrupt(rank: int, host: str, ports: Any) -> Any:
     with make_group(rank, 2, host, ports) as g:
         sd = every_dtype(seed=1)
         if rank == 0:
-            snd = gb.WeightSender(g, bucket_bytes=BUCKET, checksum=True)
+            snd = gb.WeightSender(g, transport="broadcast", bucket_bytes=BUCKET, checksum=True)
             snd._fault = lambda k, view: view[:16].zero_() if k == 1 else None
             try:
                 snd.send(sd, version=1)
@@ -337,7 +343,7 @@ def _killed(rank: int, host: str, ports: Any, victim: int, atomic: bool) -> Any:
     t0 = time.monotonic()
     try:
         if rank == 0:
-            snd = gb.WeightSender(g, bucket_bytes=16 << 10)
+            snd = gb.WeightSender(g, transport="broadcast", bucket_bytes=16 << 10)
             snd.send(sd, version=1)
             if victim == 0:
                 snd._fault = lambda k, view: os._exit(3) if k == 10 else time.sleep(0.05)
@@ -425,7 +431,7 @@ def _trainer_and_worker(rank: int, host: str, ports: Any, gports: Any) -> Any:
 
         if rank == 0:
             with make_group(0, 2, host, ports) as g:
-                gb.WeightSender(g, bucket_bytes=BUCKET).send(gathered(), version=1)
+                gb.WeightSender(g, transport="broadcast", bucket_bytes=BUCKET).send(gathered(), version=1)
         else:
             for _ in gathered():  # drive the same generator so the all_gathers stay matched; drop the tensors
                 pass

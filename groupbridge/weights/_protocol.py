@@ -17,8 +17,19 @@ from typing import Any
 from ..errors import ManifestMismatchError, TransportUnavailableError, WeightSyncError
 from ..stateless import StatelessGroup
 from .manifest import Manifest
+from .plan import Plan
 
-__all__ = ["Header", "Renamer", "make_renamer", "refuse", "settle"]
+__all__ = ["MERGED_BYTES", "Header", "Renamer", "make_renamer", "merged_plan", "refuse", "settle"]
+
+MERGED_BYTES = 1 << 30
+"""When every member's tensors lie in the plan's byte layout (both sides ``flatten_``-ed) and the transport is
+the group's broadcast, nothing is packed whatever the cut, and fewer, bigger operations are faster (each gloo
+operation costs a handshake): all members then cut the stream at this size instead of ``bucket_bytes``."""
+
+
+def merged_plan(manifest: Manifest) -> Plan:
+    return Plan.build(manifest, MERGED_BYTES, MERGED_BYTES)
+
 
 Renamer = Callable[[str], str]
 
@@ -79,8 +90,12 @@ def settle(
     manifest: Manifest | None,
     known: dict[str, Manifest],
     check: Callable[[Header, Manifest], dict[str, Any] | None] | None,
-) -> tuple[Header, Manifest]:
+    in_place: Callable[[Header, Manifest], bool] | None = None,
+) -> tuple[Header, Manifest, bool]:
     """Run steps 1-3 above; the sender passes ``header`` and ``manifest``, receivers ``check``.
+
+    Every member also says whether its tensors lie in the plan's byte layout (``in_place``); the third
+    value returned is True when all do, so that all may use the merged plan (see :data:`MERGED_BYTES`).
 
     Raises:
         ManifestMismatchError: some receiver's expectations differ (message lists every receiver's problems).
@@ -102,13 +117,15 @@ def settle(
     known.clear()
     known[header.digest] = manifest
     verdict = check(header, manifest) if check is not None else None
-    verdicts = group.all_gather_obj(verdict)
+    flat = verdict is None and in_place is not None and in_place(header, manifest)
+    gathered = group.all_gather_obj({"problem": verdict, "in_place": flat})
+    verdicts = [g["problem"] for g in gathered]
     problems = [(r, v) for r, v in enumerate(verdicts) if v is not None]
     if problems:
         text = "\n".join(f"rank {r}: {v['message']}" for r, v in problems)
         kind = ManifestMismatchError if any(v["kind"] == "manifest" for _, v in problems) else WeightSyncError
         raise kind(f"weight sync of version {header.version} refused before any bytes moved:\n{text}")
-    return header, manifest
+    return header, manifest, header.transport == "broadcast" and all(g["in_place"] for g in gathered)
 
 
 def refuse(group: StatelessGroup, reason: str) -> None:

@@ -7,6 +7,7 @@ it travels once and lands in both names.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Iterable, Mapping
@@ -21,6 +22,11 @@ from ..errors import ManifestMismatchError
 __all__ = ["Entry", "Manifest", "compare", "expected_specs", "mismatch_message"]
 
 SHOW = 20
+
+
+@functools.lru_cache(maxsize=64)
+def _element_size(dtype: str) -> int:
+    return torch.empty((), dtype=dtype_from_name(dtype)).element_size()
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +49,7 @@ class Entry:
 
     @property
     def element_size(self) -> int:
-        return torch.empty((), dtype=dtype_from_name(self.wire_dtype)).element_size()
+        return _element_size(self.wire_dtype)
 
     @property
     def nbytes(self) -> int:
@@ -60,11 +66,11 @@ class Entry:
         return cls(str(name), tuple(int(s) for s in shape), str(dtype), str(wire), alias)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class Manifest:
     entries: tuple[Entry, ...]
 
-    @property
+    @functools.cached_property
     def digest(self) -> str:
         blob = json.dumps([e.to_wire() for e in self.entries], separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()

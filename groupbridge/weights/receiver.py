@@ -13,7 +13,7 @@ from ..codec import dtype_from_name
 from ..errors import GroupBridgeError, TornUpdateError, WeightSyncError
 from ..stateless import StatelessGroup
 from . import _bytes
-from ._protocol import Header, make_renamer, settle
+from ._protocol import Header, make_renamer, merged_plan, settle
 from .manifest import Manifest, compare, expected_specs, mismatch_message
 from .plan import Plan
 from .sender import ACK_TAG, intra_op_threads
@@ -93,12 +93,16 @@ class WeightReceiver:
         self._known: dict[str, Manifest] = {}
         self._buffers = _bytes.BufferCache()
         self._transports: dict[str, RxTransport] = {}
+        self._plan_cache: tuple[tuple[str, int, int], Plan] | None = None
 
     # ------------------------------------------------------------------ handshake
 
     def _settle(
-        self, expected: dict[str, tuple[tuple[int, ...], str]] | None, allow_stale: bool
-    ) -> tuple[Header, Manifest]:
+        self,
+        expected: dict[str, tuple[tuple[int, ...], str]] | None,
+        allow_stale: bool,
+        targets: dict[str, torch.Tensor] | None = None,
+    ) -> tuple[Header, Manifest, bool]:
         def check(header: Header, manifest: Manifest) -> dict[str, Any] | None:
             if not allow_stale and self.version is not None and header.version <= self.version:
                 return {
@@ -115,9 +119,26 @@ class WeightReceiver:
                     }
             return None
 
-        return settle(self.group, self.src, None, None, self._known, check)
+        def in_place(header: Header, manifest: Manifest) -> bool:
+            if targets is None:
+                return False
+            plan = merged_plan(manifest)
+            dest: list[torch.Tensor | None] = []
+            for e in manifest.entries:
+                d = targets.get(self._rename(e.name))
+                dest.append(d if d is not None and d.dtype == dtype_from_name(e.wire_dtype) else None)
+            return all(_bytes.in_place_bucket(plan, k, dest, receiving=True) is not None
+                       for k in range(len(plan.buckets)))  # fmt: skip
+
+        return settle(self.group, self.src, None, None, self._known, check, in_place)
 
     # ------------------------------------------------------------------ buckets
+
+    def _plan(self, manifest: Manifest, header: Header) -> Plan:
+        key = (manifest.digest, header.bucket_bytes, header.solo_bytes)
+        if self._plan_cache is None or self._plan_cache[0] != key:
+            self._plan_cache = (key, Plan.build(manifest, header.bucket_bytes, header.solo_bytes))
+        return self._plan_cache[1]
 
     def _transport(self, header: Header, plan: Plan, device: torch.device) -> RxTransport:
         rx = self._transports.get(header.transport)
@@ -173,11 +194,11 @@ class WeightReceiver:
             WeightSyncError: the version is not newer than the one held (unless ``allow_stale``).
         """
         with intra_op_threads(self.threads):
-            header, manifest = self._settle(self.expected, allow_stale)
+            header, manifest, _ = self._settle(self.expected, allow_stale)
         return WeightUpdate(self, header, manifest)
 
     def _yield_tensors(self, header: Header, manifest: Manifest) -> Iterator[tuple[str, torch.Tensor]]:
-        plan = Plan.build(manifest, header.bucket_bytes, header.solo_bytes)
+        plan = self._plan(manifest, header)
         entries = manifest.entries
         aliases: dict[int, list[str]] = {}
         index = {e.name: i for i, e in enumerate(entries)}
@@ -246,8 +267,8 @@ class WeightReceiver:
         targets = _targets_of(target)
         expected = self.expected if self.expected is not None else expected_specs(targets)
         with intra_op_threads(self.threads):
-            header, manifest = self._settle(expected, allow_stale)
-            plan = Plan.build(manifest, header.bucket_bytes, header.solo_bytes)
+            header, manifest, merged = self._settle(expected, allow_stale, None if atomic else targets)
+            plan = merged_plan(manifest) if merged else self._plan(manifest, header)
             entries = manifest.entries
             dest = [targets.get(self._rename(e.name)) for e in entries]
             missing = [self._rename(e.name) for e, d in zip(entries, dest, strict=True) if d is None]

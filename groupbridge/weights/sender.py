@@ -18,7 +18,7 @@ from ..codec import dtype_from_name
 from ..errors import GroupBridgeError, TransportUnavailableError, WeightSyncError
 from ..stateless import StatelessGroup
 from . import _bytes
-from ._protocol import Header, make_renamer, refuse, settle
+from ._protocol import Header, make_renamer, merged_plan, refuse, settle
 from .manifest import Manifest
 from .plan import Plan
 from .transports import TxTransport, choose, make_tx
@@ -147,6 +147,7 @@ class WeightSender:
         self._rename = make_renamer(rename)
         self._known: dict[str, Manifest] = {}
         self._manifest: Manifest | None = None
+        self._plan_cache: tuple[tuple[str, int, int], Plan] | None = None
         self._fault: Callable[[int, torch.Tensor], None] | None = None  # test hook: called per packed bucket
 
     def send(
@@ -199,7 +200,7 @@ class WeightSender:
         except TransportUnavailableError as e:
             refuse(self.group, str(e))
             raise
-        plan = Plan.build(manifest, self.bucket_bytes, self.solo_bytes)
+        plan = self._plan(manifest)
         options: dict[str, Any] = {
             "sync_id": secrets.token_hex(6),
             "chain": self.chain,
@@ -214,7 +215,11 @@ class WeightSender:
             tx = self._transports[kind] = make_tx(kind, self.group)
 
         with intra_op_threads(self.threads):
-            settle(self.group, self.src, header, manifest, self._known, None)
+            _, _, merged = settle(
+                self.group, self.src, header, manifest, self._known, None, self._in_place(items)
+            )
+            if merged:
+                plan = merged_plan(manifest)
             t0 = time.perf_counter()
             try:
                 tx.setup(plan, device, dict(options, timeout=timeout))
@@ -248,6 +253,24 @@ class WeightSender:
             in_place, kind,
         )  # fmt: skip
         return stats
+
+    def _in_place(self, items: Any) -> Callable[[Header, Manifest], bool]:
+        def check(header: Header, manifest: Manifest) -> bool:
+            if not isinstance(items, list) or any(e.dtype != e.wire_dtype for e in manifest.entries):
+                return False
+            plan = merged_plan(manifest)
+            tensors: list[torch.Tensor | None] = [t for _, t in items]
+            return all(_bytes.in_place_bucket(plan, k, tensors, receiving=False) is not None
+                       for k in range(len(plan.buckets)))  # fmt: skip
+
+        return check
+
+    def _plan(self, manifest: Manifest) -> Plan:
+        """The bucket plan, reused while the manifest is unchanged (building it walks every tensor)."""
+        key = (manifest.digest, self.bucket_bytes, self.solo_bytes)
+        if self._plan_cache is None or self._plan_cache[0] != key:
+            self._plan_cache = (key, Plan.build(manifest, self.bucket_bytes, self.solo_bytes))
+        return self._plan_cache[1]
 
     def close(self) -> None:
         """Release transport resources (shared slots, buffers). The group stays open."""
