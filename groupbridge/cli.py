@@ -162,7 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--bucket-bytes", default="64MiB", help="comma-separated sizes: a sweep, e.g. 4MiB,16MiB,64MiB"
     )
     p.add_argument("--modes", default="ours,ours_flat,flat,per_tensor",
-                   help="ours, ours_flat (both sides flatten_), ours_atomic, flat, per_tensor")  # fmt: skip
+                   help="ours, ours_flat (both sides flatten_), ours_shared (shm: the sender's flattened "
+                        "model in shared memory, read in place), ours_atomic, flat, per_tensor")  # fmt: skip
     p.add_argument("--transport", default="broadcast", choices=["broadcast", "relay", "shm", "auto"])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", default="1", help="torch intra-op threads during a sync, or 'default'")

@@ -206,3 +206,31 @@ def test_torchrun_two_nodes_over_ipv6_without_gloo_ifname(tmp_path: Any) -> None
     for r in range(2):
         seen = json.loads((Path(tmp_path) / f"rank{r}.json").read_text())
         assert seen["group"][0] == r and seen["group"][2] == 2 and seen["sum"] == 3.0
+
+
+def _shared_source(rank: int, host: str, ports: Any, n: int) -> Any:
+    with make_group(rank, n, host, ports) as g:
+        if rank == 0:
+            snd = gb.WeightSender(g, bucket_bytes=4096, transport="shm", checksum=True)
+            out = []
+            for v in (1, 2):
+                sd = every_dtype(seed=v)
+                gb.flatten_(sd).share_memory_()  # the trainer's tensors already live in shared memory
+                snd.send(sd, version=v)
+                out.append(snd._transports["shm"].external)  # type: ignore[attr-defined]
+            return out
+        rcv = gb.WeightReceiver(g, src=0)
+        target = zeros_like_model(every_dtype())
+        ok = []
+        for v in (1, 2):
+            want = every_dtype(seed=v)
+            rcv.receive_into(target, atomic=(v == 1))
+            ok.append(all(bit_equal(target[k], want[k].contiguous()) for k in want))
+        return ok
+
+
+@pytest.mark.timeout(60)
+def test_shm_reads_a_shared_memory_sender_in_place() -> None:
+    res = run_ranks(_shared_source, 3, "127.0.0.1", CTX.Queue(), 3, timeout=50)
+    assert all(x > 0 for x in res[0]), res[0]  # buckets read straight from the sender's memory
+    assert res[1] == [True, True] and res[2] == [True, True]

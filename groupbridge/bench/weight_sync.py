@@ -84,10 +84,13 @@ def _role(rank: int, cfg: BenchConfig, ports: Any) -> dict[str, Any]:
     shapes = shapes_for(cfg.shape)
     model = make_model(shapes, seed=0 if rank == 0 else 1)
     names = _mode_names(cfg)
-    flat_model = None
-    if any(m.startswith("ours_flat") for m in names):
+    flat_model = shared_model = None
+    if any(m.startswith(("ours_flat", "ours_shared")) for m in names):
         flat_model = {k: v.clone() for k, v in model.items()}
         flatten_(flat_model)
+    if rank == 0 and any(m.startswith("ours_shared") for m in names):
+        shared_model = {k: v.clone() for k, v in model.items()}
+        flatten_(shared_model).share_memory_()  # type: ignore[no-untyped-call]  # as after share_memory_()
     total = stream_offsets(Manifest.build(list(model.items())))[1]
     flat = torch.ones(total, dtype=torch.uint8)
     tick = torch.zeros(1)
@@ -105,8 +108,10 @@ def _role(rank: int, cfg: BenchConfig, ports: Any) -> dict[str, Any]:
             version += 1
             g.barrier()
             t0 = time.perf_counter()
-            if base in ("ours", "ours_flat", "ours_atomic"):
-                src = flat_model if base == "ours_flat" else model
+            if base in ("ours", "ours_flat", "ours_atomic", "ours_shared"):
+                src = model if base in ("ours", "ours_atomic") else flat_model
+                if rank == 0 and base == "ours_shared":
+                    src = shared_model
                 if rank == 0:
                     if bucket_bytes not in senders:
                         senders[bucket_bytes] = WeightSender(

@@ -11,9 +11,11 @@ their mappings when the sender announces new slots or when they close.
 from __future__ import annotations
 
 import contextlib
+import json
 import mmap
 import os
 import uuid
+import warnings
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
@@ -87,11 +89,14 @@ class SharedTx:
         self._sid = ""
         self._timeout: timedelta | None = None
         self._posted = 0
+        self.external = 0
+        """Buckets of the last sync that receivers read from the sender's own shared memory (no copy)."""
 
     def setup(self, plan: Plan, device: torch.device, options: dict[str, Any]) -> None:
         self._timeout = options.get("timeout")
         self._sid = str(options["sync_id"])
         self._posted = 0
+        self.external = 0
         need = _max_bucket(plan)
         names: list[str] = []
         fresh = not self._slots or self._slots[0].numel() < need or self._slots[0].device != device
@@ -150,13 +155,17 @@ class SharedTx:
 
     def post(self, k: int, view: torch.Tensor) -> None:
         slot = self._slots[k % SLOTS]
-        if view.data_ptr() != slot.data_ptr():
+        signal = "1"
+        source = _shared_source(view) if self.kind == "shm" and view.data_ptr() != slot.data_ptr() else None
+        if source is not None:
+            signal = json.dumps(source)  # receivers read the sender's own shared memory: no copy here
+            self.external += 1
+        elif view.data_ptr() != slot.data_ptr():
             self._wait_free(k)
             slot[: view.numel()].copy_(view)
         _sync(slot)
-        self.group._store_call(
-            lambda: self.group._store.set(self._key("ready", k), "1"), "signalling a bucket"
-        )
+        ready = self._key("ready", k)
+        self.group._store_call(lambda: self.group._store.set(ready, signal), "signalling a bucket")
         self._posted = k + 1
 
     def finish(self) -> None:
@@ -175,6 +184,7 @@ class SharedRx:
         self._slots: list[torch.Tensor] = []
         self._gen = 0
         self._sid = ""
+        self._sources: dict[tuple[int, int, int], torch.Tensor] = {}
 
     def setup(self, plan: Plan, device: torch.device, options: dict[str, Any]) -> None:
         self._sid = str(options["sync_id"])
@@ -216,7 +226,8 @@ class SharedRx:
             ready = f"wx/{self._sid}/ready/{k}"
             deadline = self.group._deadline(timeout)
             self.group._poll(_has(store, ready), deadline, f"bucket {k}", [self.src])
-            slot = self._slots[k % SLOTS][: end - start]
+            signal = self.group._store_call(_getter(store, ready), "reading a bucket signal")
+            slot = self._slots[k % SLOTS][: end - start] if signal == b"1" else self._external(signal)
             view, kind = land(k)
             if kind == "scratch" and view.device == slot.device:
                 yield k, slot, False
@@ -228,12 +239,54 @@ class SharedRx:
                 continue
             self._done(k)
 
+    def _external(self, signal: bytes) -> torch.Tensor:
+        """The sender's own shared-memory storage holding this bucket, mapped through /proc (cached)."""
+        d = json.loads(signal)
+        key = (int(d["pid"]), int(d["fd"]), int(d["ino"]))
+        mapped = self._sources.get(key)
+        if mapped is None:
+            fd = os.open(f"/proc/{key[0]}/fd/{key[1]}", os.O_RDONLY)
+            try:
+                if os.fstat(fd).st_ino != key[2]:
+                    raise WeightSyncError(f"the sender's shared storage {key} changed under this receiver")
+                mm = mmap.mmap(fd, int(d["size"]), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            finally:
+                os.close(fd)
+            with warnings.catch_warnings():  # read-only on purpose: this side only copies out of it
+                warnings.simplefilter("ignore", UserWarning)
+                mapped = torch.frombuffer(mm, dtype=torch.uint8)
+            self._sources[key] = mapped
+        offset = int(d["offset"])
+        return mapped[offset : offset + int(d["nbytes"])]
+
     def _done(self, k: int) -> None:
         key = f"wx/{self._sid}/done/{k}"
         self.group._store_call(lambda: self.group._store.add(key, 1), f"signalling bucket {k} done")
 
     def close(self) -> None:
         self._slots = []
+        self._sources.clear()
+
+
+def _shared_source(view: torch.Tensor) -> dict[str, int] | None:
+    """Where a receiver on this host can map ``view`` from, if it is in shared memory (``share_memory_()``).
+
+    torch's file-descriptor sharing keeps an unlinked shm file open; a process of the same user on the same
+    host can reopen it through /proc/<pid>/fd/<n>. The inode guards against a reused descriptor number.
+    """
+    if view.device.type != "cpu":
+        return None
+    storage = view.untyped_storage()
+    if not storage.is_shared():
+        return None
+    try:
+        fd, size = storage._share_fd_cpu_()  # type: ignore[attr-defined]
+        ino = os.fstat(fd).st_ino
+    except (RuntimeError, OSError):
+        return None
+    offset = view.data_ptr() - storage.data_ptr()
+    return {"pid": os.getpid(), "fd": int(fd), "ino": int(ino), "size": int(size), "offset": offset,
+            "nbytes": view.numel()}  # fmt: skip
 
 
 def leftover_segments() -> list[str]:
@@ -246,3 +299,7 @@ def leftover_segments() -> list[str]:
 
 def _has(store: Any, key: str) -> Callable[[], bool]:
     return lambda: bool(store.check([key]))
+
+
+def _getter(store: Any, key: str) -> Callable[[], bytes]:
+    return lambda: bytes(store.get(key))
