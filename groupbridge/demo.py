@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .bench._procs import run_roles
-from .global_group import destroy_global_group, init_global_group
+from .global_group import GlobalGroup, destroy_global_group, init_global_group
 from .net import listen
 from .stateless import StatelessGroup
 from .weights import WeightReceiver, WeightSender
@@ -100,19 +100,23 @@ def _make_model(cfg: DemoConfig) -> TinyLM:
     return TinyLM(**SIZES[cfg.size])
 
 
+def _join_world(rank: int, size: int, ports: Any, timeout: timedelta) -> GlobalGroup:
+    """Start one of the demo's worlds: rank 0 binds the rendezvous socket and hands its port out."""
+    if rank == 0:
+        world = listen("127.0.0.1", 0)
+        for _ in range(size - 1):
+            ports.put(world.port)
+        return init_global_group(rank=0, world_size=size, listener=world, timeout=timeout)
+    port = ports.get(timeout=60)
+    return init_global_group(
+        rank=rank, world_size=size, init_method=f"tcp://127.0.0.1:{port}", timeout=timeout
+    )
+
+
 def _trainer(rank: int, cfg: DemoConfig, q: dict[str, Any]) -> dict[str, Any]:
     """Ranks 0 .. trainers-1. Rank 0 also sends weights and owns the console."""
     timeout = timedelta(seconds=300)
-    if rank == 0:
-        world = listen("127.0.0.1", 0)
-        for _ in range(cfg.trainers - 1):
-            q["trainer"].put(world.port)
-        g = init_global_group(rank=0, world_size=cfg.trainers, listener=world, timeout=timeout)
-    else:
-        port = q["trainer"].get(timeout=60)
-        g = init_global_group(
-            rank=rank, world_size=cfg.trainers, init_method=f"tcp://127.0.0.1:{port}", timeout=timeout
-        )
+    g = _join_world(rank, cfg.trainers, q["trainer"], timeout)
     model = _make_model(cfg)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(1 + g.rank)
@@ -170,16 +174,7 @@ def _trainer(rank: int, cfg: DemoConfig, q: dict[str, Any]) -> dict[str, Any]:
 def _worker(index: int, cfg: DemoConfig, q: dict[str, Any]) -> dict[str, Any]:
     """Inference workers: their own world (index 0 .. workers-1), bridge ranks 1 .. workers."""
     timeout = timedelta(seconds=300)
-    if index == 0:
-        world = listen("127.0.0.1", 0)
-        for _ in range(cfg.workers - 1):
-            q["worker"].put(world.port)
-        init_global_group(rank=0, world_size=cfg.workers, listener=world, timeout=timeout)
-    else:
-        port = q["worker"].get(timeout=60)
-        init_global_group(
-            rank=index, world_size=cfg.workers, init_method=f"tcp://127.0.0.1:{port}", timeout=timeout
-        )
+    _join_world(index, cfg.workers, q["worker"], timeout)
     address = q["bridge"].get(timeout=60)
     bridge = StatelessGroup.create(address, rank=index + 1, world_size=cfg.workers + 1, timeout=timeout)
     model = _make_model(cfg)
