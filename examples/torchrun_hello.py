@@ -1,4 +1,7 @@
-"""A tiny world for ``make demo``: run under torchrun, prints each rank's GlobalGroup and an all_reduce."""
+"""A world with no backend named anywhere: run under torchrun, each rank prints its GlobalGroup.
+
+.venv/bin/python -m torch.distributed.run --standalone --nproc-per-node 2 examples/torchrun_hello.py
+"""
 
 from __future__ import annotations
 
