@@ -36,8 +36,9 @@ def _targets_of(target: Any) -> dict[str, torch.Tensor]:
 class WeightUpdate:
     """One incoming version; iterate it for (name, tensor) pairs as buckets arrive.
 
-    A yielded tensor is a view into a receive buffer and stays valid until the tensors of two buckets later
-    are yielded: consume or copy it before moving far on (``load_weights`` copies each tensor at once).
+    A yielded tensor is a view into a receive buffer (with ``shm``, into the sender's shared slot) and stays
+    valid only until the tensors of the next bucket are yielded: consume or copy it before asking for more
+    (``load_weights`` copies each tensor at once). A tensor that spans buckets is yielded as its own copy.
     Tied names are yielded right after the tensor they share. The receiver's ``version`` becomes this
     update's version only once iteration has finished and checksums (when on) matched. Stopping early
     breaks the sync for everyone.
