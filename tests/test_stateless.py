@@ -93,12 +93,18 @@ def test_four_processes_every_pattern(host: str) -> None:
 
 
 def _quiet_count(g: Any, rank: int, tag: str) -> int:
-    """The store's key count at a quiet moment: everyone passed a barrier and waits (no keys) for rank 0."""
+    """The store's key count at a quiet moment: every rank is out of a barrier and waits (no keys) for rank 0.
+
+    Each rank says it left the barrier only after barrier() returned, which is after the last one out deleted
+    the barrier's keys; rank 0 reads (and so deletes) those messages before counting.
+    """
     g.barrier()
     if rank != 0:
+        g.send_obj("out", 0, tag=f"{tag}-out")
         g.recv_obj(0, tag=tag)
         return -1
-    time.sleep(0.5)  # the last rank out of the barrier deletes its keys
+    for r in range(1, g.world_size):
+        g.recv_obj(r, tag=f"{tag}-out")
     count = int(g._store.num_keys())
     for r in range(1, g.world_size):
         g.send_obj("go", r, tag=tag)
