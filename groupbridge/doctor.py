@@ -39,13 +39,13 @@ def _loopback(host: str) -> dict[str, Any]:
 
 def _gloo_interface() -> dict[str, Any]:
     """Which interface gloo would bind to: GLOO_SOCKET_IFNAME, else the one that reaches MASTER_ADDR."""
-    import os
-
+    from .env import gloo_ifname, read_dist_env
     from .net import interface_toward
 
-    if os.environ.get("GLOO_SOCKET_IFNAME"):
-        return {"interface": os.environ["GLOO_SOCKET_IFNAME"], "why": "GLOO_SOCKET_IFNAME is set"}
-    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    chosen = gloo_ifname()
+    if chosen is not None:
+        return {"interface": chosen, "why": "GLOO_SOCKET_IFNAME is set"}
+    master = read_dist_env().master_addr or "127.0.0.1"
     try:
         iface = interface_toward(Address.parse(master).with_port(9))
     except ValueError as e:

@@ -16,7 +16,18 @@ from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DistEnv", "read_dist_env", "warn_overwrite_env"]
+__all__ = [
+    "GLOO_IFNAME",
+    "DistEnv",
+    "gloo_ifname",
+    "read_dist_env",
+    "relay_window",
+    "set_gloo_ifname",
+    "tuning_int",
+    "warn_overwrite_env",
+]
+
+GLOO_IFNAME = "GLOO_SOCKET_IFNAME"
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,3 +108,25 @@ def warn_overwrite_env(name: str, value: str) -> None:
     if old is not None and old != value:
         logger.warning("overwriting environment variable %s=%r with %r", name, old, value)
     os.environ[name] = value
+
+
+def tuning_int(name: str, default: int, minimum: int = 1) -> int:
+    """A ``GROUPBRIDGE_<name>`` tuning knob (for measurements); validated like the launcher's variables."""
+    value = os.environ.get(f"GROUPBRIDGE_{name}")
+    if value is None or value.strip() == "":
+        return default
+    return parse_int(f"GROUPBRIDGE_{name}", value, minimum=minimum)
+
+
+def relay_window() -> int:
+    return tuning_int("RELAY_WINDOW", 4)
+
+
+def gloo_ifname() -> str | None:
+    """GLOO_SOCKET_IFNAME: the interface gloo binds to, when the user chose one."""
+    return os.environ.get(GLOO_IFNAME) or None
+
+
+def set_gloo_ifname(iface: str) -> None:
+    """Set GLOO_SOCKET_IFNAME (the caller checked it was unset: an explicit setting always wins)."""
+    os.environ[GLOO_IFNAME] = iface

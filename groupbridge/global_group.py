@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import os
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -18,15 +17,13 @@ import torch.distributed as dist
 
 from . import _torch_private
 from .devices import accelerator, parse_backend, split_backend
-from .env import DistEnv, parse_int, read_dist_env
+from .env import GLOO_IFNAME, DistEnv, gloo_ifname, parse_int, read_dist_env, set_gloo_ifname
 from .net import Address, Listener, interface_toward, listen
 from .store import host_store
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["GlobalGroup", "destroy_global_group", "init_global_group"]
-
-GLOO_IFNAME = "GLOO_SOCKET_IFNAME"
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,7 +204,7 @@ def _bind_gloo_toward(host: str | None) -> None:
     address (Debian's default 127.0.1.1 entry does this on many real machines) ranks on other nodes cannot
     connect and the first collective times out. An explicit GLOO_SOCKET_IFNAME always wins.
     """
-    if host is None or GLOO_IFNAME in os.environ:
+    if host is None or gloo_ifname() is not None:
         return
     try:
         iface = interface_toward(Address.parse(host).with_port(9))
@@ -217,7 +214,7 @@ def _bind_gloo_toward(host: str | None) -> None:
         logger.info(
             "setting %s=%s: the interface that reaches the rendezvous host %s", GLOO_IFNAME, iface, host
         )
-        os.environ[GLOO_IFNAME] = iface
+        set_gloo_ifname(iface)
 
 
 def destroy_global_group() -> None:

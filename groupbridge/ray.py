@@ -16,12 +16,12 @@ Actors subclass :class:`WorldMember`; install with ``pip install 'groupbridge[ra
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from .env import warn_overwrite_env
 from .global_group import GlobalGroup, destroy_global_group, init_global_group
 from .net import Listener, listen
 from .stateless import StatelessGroup
@@ -71,8 +71,10 @@ class WorldMember:
         from .net import Address
 
         addr = Address.parse(address)
-        os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(local_rank),
-                           "MASTER_ADDR": addr.host, "MASTER_PORT": str(addr.port)})  # fmt: skip
+        launcher = {"RANK": rank, "WORLD_SIZE": world_size, "LOCAL_RANK": local_rank,
+                    "MASTER_ADDR": addr.host, "MASTER_PORT": addr.port}  # fmt: skip
+        for name, value in launcher.items():  # what torchrun would set, for code in the actor that reads it
+            warn_overwrite_env(name, str(value))
         timeout = timedelta(seconds=timeout_s)
         if rank == 0:
             g = init_global_group(timeout=timeout, listener=self._gb_listeners.pop("world"))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections import deque
 from collections.abc import Iterator
 from datetime import timedelta
@@ -10,6 +9,7 @@ from typing import Any
 
 import torch
 
+from ...env import tuning_int
 from ...stateless import StatelessGroup, Work
 from .. import _bytes
 from ..plan import Plan
@@ -17,7 +17,7 @@ from .base import Land
 
 __all__ = ["IN_FLIGHT", "BroadcastRx", "BroadcastTx"]
 
-IN_FLIGHT = int(os.environ.get("GROUPBRIDGE_IN_FLIGHT", "2"))
+IN_FLIGHT = tuning_int("IN_FLIGHT", 2)
 """Buckets on the wire at once: the next bucket's packing (sender) or unpacking (receiver) overlaps them."""
 
 

@@ -6,7 +6,6 @@ so the time to N receivers stays near the time to one (plus one chunk per hop).
 
 from __future__ import annotations
 
-import os
 from collections import deque
 from collections.abc import Iterator
 from datetime import timedelta
@@ -14,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ...env import relay_window
 from ...stateless import StatelessGroup, Work
 from .. import _bytes
 from ..plan import Plan
@@ -22,8 +22,8 @@ from .base import Land
 __all__ = ["DEFAULT_CHUNK_BYTES", "RelayRx", "RelayTx", "default_chain"]
 
 DEFAULT_CHUNK_BYTES = 1 << 20
-WINDOW = int(os.environ.get("GROUPBRIDGE_RELAY_WINDOW", "4"))
-"""Chunks posted ahead on each link."""
+WINDOW = relay_window()
+"""Chunks posted ahead on each link (GROUPBRIDGE_RELAY_WINDOW overrides, for measurements)."""
 
 
 def default_chain(group: StatelessGroup, src: int) -> list[int]:
