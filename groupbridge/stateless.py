@@ -10,12 +10,8 @@ long before the group timeout.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 import logging
-import os
-import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -26,37 +22,28 @@ import torch
 import torch.distributed as dist
 
 from . import _torch_private, codec
+from ._join import host_join, member_join
+from ._liveness import Heartbeat
 from ._torch_private import PrefixStore, Store
 from .errors import (
     GroupBridgeError,
     GroupClosedError,
-    GroupMismatchError,
-    JoinTimeoutError,
     PeerDiedError,
     PeerTimeoutError,
     StoreUnreachableError,
 )
-from .net import Address, Listener, host_identity, listen, source_address_for
-from .store import ROOT_PREFIX, connect_store, host_store, namespace
+from .net import Address, Listener, listen, source_address_for
+from .store import connect_store, host_store, namespace
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["StatelessGroup", "Work"]
 
 T = TypeVar("T")
-PROTOCOL = 1
-_META = f"{ROOT_PREFIX}/meta"
-_REJECTS = f"{ROOT_PREFIX}/rejects"
 
 
 def _seconds(t: timedelta) -> str:
     return f"{t.total_seconds():g}s"
-
-
-def _proof(token: str | None, nonce: str, who: str) -> str:
-    if token is None:
-        return ""
-    return hmac.new(token.encode(), f"{nonce}/{who}".encode(), hashlib.sha256).hexdigest()
 
 
 def _ranks(ranks: Iterable[int]) -> str:
@@ -116,13 +103,7 @@ class StatelessGroup:
     _coll_seq: int
     _send_seq: dict[tuple[int, str], int]
     _recv_seq: dict[tuple[int, str], int]
-    _hb_seen: dict[int, tuple[int, float]]
-    """Per peer: its last heartbeat count and when (this clock) it last changed; kept by the watcher."""
-    _hb_error: str | None
-    _abort_seen: bytes | None
-    _hb_stop: threading.Event
-    _hb_thread: threading.Thread | None
-    _hb_store: Store | None
+    _heartbeat: Heartbeat | None
     _raw_store: Store | None
     _store: Store
     _owned_listener: Listener | None
@@ -220,12 +201,7 @@ class StatelessGroup:
         self._coll_seq = 0
         self._send_seq = {}
         self._recv_seq = {}
-        self._hb_seen = {}
-        self._hb_error = None
-        self._abort_seen = None
-        self._hb_stop = threading.Event()
-        self._hb_thread = None
-        self._hb_store = None
+        self._heartbeat = None
         self._raw_store = None
         self._owned_listener = None
         self.host_ids = []
@@ -237,11 +213,11 @@ class StatelessGroup:
                     address = listener.address
                 self.address = address
                 self._raw_store = host_store(listener, timeout, use_libuv=use_libuv)
-                self._host_join()
+                host_join(self, self._raw_store)
             else:
                 self.address = address
                 self._raw_store = connect_store(address, timeout, use_libuv=use_libuv)
-                self._member_join()
+                member_join(self, self._raw_store)
             self._store = PrefixStore(self._ns, self._raw_store)
             self._start_heartbeat(use_libuv)
             bind = self._bind_host()
@@ -263,120 +239,6 @@ class StatelessGroup:
     def _where(self) -> str:
         return f"group '{self.name}' (generation {self.generation}) at {self.address}"
 
-    def _meta(self) -> dict[str, Any]:
-        return {
-            "protocol": PROTOCOL,
-            "name": self.name,
-            "generation": self.generation,
-            "world_size": self.world_size,
-            "token": self._token is not None,
-        }
-
-    def _host_join(self) -> None:
-        assert self._raw_store is not None
-        store = self._raw_store
-        nonce = secrets.token_hex(16)
-        self._nonce = nonce
-        meta = dict(self._meta(), nonce=nonce, proof=_proof(self._token, nonce, "host"))
-        store.set(_META, json.dumps(meta))
-        store.add(f"{self._ns}/claim/0", 1)
-        member_keys = [f"{self._ns}/member/{r}" for r in range(1, self.world_size)]
-        deadline = time.monotonic() + self.timeout.total_seconds()
-        delay = 0.001
-        while True:
-            rejects = store.add(_REJECTS, 0)
-            if rejects:
-                store.wait([f"{ROOT_PREFIX}/reject/1"], timedelta(seconds=5))
-                reason = json.loads(store.get(f"{ROOT_PREFIX}/reject/1"))
-                self._fail_join(store, reason["reason"])
-                raise GroupMismatchError(
-                    f"{self._where()}: refused rank {reason['rank']}: {reason['reason']}"
-                )
-            if not member_keys or store.check(member_keys):
-                break
-            if time.monotonic() >= deadline:
-                joined = [0] + [r for r in range(1, self.world_size) if store.check([member_keys[r - 1]])]
-                missing = sorted(set(range(self.world_size)) - set(joined))
-                msg = (
-                    f"rank(s) {_ranks(missing)} of {self.world_size} did not join {self._where()} within "
-                    f"{_seconds(self.timeout)} (joined: {_ranks(joined)})"
-                )
-                self._fail_join(store, msg)
-                raise JoinTimeoutError(msg)
-            time.sleep(delay)
-            delay = min(delay * 2, 0.05)
-        host_ids = [host_identity()]
-        for r, key in enumerate(member_keys, start=1):
-            member = json.loads(store.get(key))
-            if member["proof"] != _proof(self._token, nonce, str(r)):
-                msg = (
-                    f"rank {r} (pid {member['pid']} on {member['hostname']}) does not hold this group's token"
-                )
-                self._fail_join(store, msg)
-                raise GroupMismatchError(f"{self._where()}: {msg}")
-            host_ids.append(member["host_id"])
-        self.host_ids = host_ids
-        store.set(f"{self._ns}/ready", json.dumps({"host_ids": host_ids}))
-
-    def _fail_join(self, store: Store, reason: str) -> None:
-        try:
-            store.set(f"{self._ns}/failed", reason)
-            # Let joiners read the verdict before the store goes away with this process's error.
-            time.sleep(0.2)
-        except Exception:  # the verdict is best effort; the caller raises the real error
-            logger.debug("could not publish join failure", exc_info=True)
-
-    def _reject(self, store: Store, reason: str) -> GroupMismatchError:
-        n = store.add(_REJECTS, 1)
-        store.set(f"{ROOT_PREFIX}/reject/{n}", json.dumps({"rank": self.rank, "reason": reason}))
-        return GroupMismatchError(f"rank {self.rank} refused to join {self._where()}: {reason}")
-
-    def _member_join(self) -> None:
-        assert self._raw_store is not None
-        store = self._raw_store
-        deadline = time.monotonic() + self.timeout.total_seconds()
-        self._poll(
-            lambda: store.check([_META]), deadline, "the group description from rank 0", [0], live=False
-        )
-        meta = json.loads(store.get(_META))
-        mine = self._meta()
-        for field in ("protocol", "name", "generation", "world_size"):
-            if meta.get(field) != mine[field]:
-                raise self._reject(
-                    store, f"{field} differs: the group has {meta.get(field)!r}, this member {mine[field]!r}"
-                )
-        if meta["token"] != mine["token"]:
-            which = (
-                "requires a token this member lacks"
-                if meta["token"]
-                else "has no token but this member has one"
-            )
-            raise self._reject(store, f"the group {which}")
-        if meta["proof"] != _proof(self._token, meta["nonce"], "host"):
-            raise self._reject(store, "the token differs from rank 0's")
-        if store.add(f"{self._ns}/claim/{self.rank}", 1) > 1:
-            raise self._reject(store, f"rank {self.rank} is already taken by another member")
-        member = {
-            "pid": os.getpid(),
-            "hostname": os.uname().nodename,
-            "host_id": host_identity(),
-            "proof": _proof(self._token, meta["nonce"], str(self.rank)),
-        }
-        store.set(f"{self._ns}/member/{self.rank}", json.dumps(member))
-        ready, failed = f"{self._ns}/ready", f"{self._ns}/failed"
-        try:
-            self._poll(
-                lambda: store.check([ready]) or store.check([failed]), deadline, "the join", [0], live=False
-            )
-        except PeerTimeoutError as e:
-            raise JoinTimeoutError(
-                f"rank {self.rank} of {self.world_size} waited {_seconds(self.timeout)} at {self._where()} "
-                "for every rank to join; rank 0 did not confirm"
-            ) from e
-        if store.check([failed]):
-            raise GroupMismatchError(f"{self._where()}: join failed: {store.get(failed).decode()}")
-        self.host_ids = json.loads(store.get(ready))["host_ids"]
-
     def _bind_host(self) -> str:
         if self.rank == 0:
             host = self.address.host
@@ -386,63 +248,32 @@ class StatelessGroup:
     # ------------------------------------------------------------------ liveness
 
     def _start_heartbeat(self, use_libuv: bool) -> None:
-        """Publish this member's heartbeat and watch everyone else's, on a thread with its own connection.
-
-        Watching here, not on the caller's thread, keeps store round trips off the data path: under a
-        saturated link one round trip can take as long as a whole bucket.
-        """
-        self._hb_store = PrefixStore(self._ns, connect_store(self.address, self.timeout, use_libuv=use_libuv))
-        self._hb_store.add(f"hb/{self.rank}", 1)
-        interval = max(0.05, self.liveness_timeout.total_seconds() / 5)
-        hb_store, key, stop = self._hb_store, f"hb/{self.rank}", self._hb_stop
-        peers = [r for r in range(self.world_size) if r != self.rank]
-        peer_keys = [f"hb/{r}" for r in peers]
-        start = time.monotonic()
-        self._hb_seen = {r: (-1, start) for r in peers}
-
-        def beat() -> None:
-            while not stop.wait(interval):
-                try:
-                    hb_store.add(key, 1)
-                    counts = [hb_store.add(k, 0) for k in peer_keys]
-                    aborted = hb_store.get("abort") if hb_store.check(["abort"]) else None
-                except Exception as e:  # the store host is gone: the caller's thread reports it
-                    self._hb_error = f"{type(e).__name__}: {e}"
-                    return
-                now = time.monotonic()
-                for peer, count in zip(peers, counts, strict=True):
-                    if self._hb_seen[peer][0] != count:
-                        self._hb_seen[peer] = (count, now)
-                if aborted is not None:
-                    self._abort_seen = aborted
-
-        self._hb_thread = threading.Thread(
-            target=beat, name=f"groupbridge-hb-{self.name}-{self.rank}", daemon=True
-        )
-        self._hb_thread.start()
+        store = PrefixStore(self._ns, connect_store(self.address, self.timeout, use_libuv=use_libuv))
+        self._heartbeat = Heartbeat(store, self.rank, self.world_size, self.liveness_timeout, self.name)
+        self._heartbeat.start()
 
     def _check_peers(self, peers: Iterable[int]) -> None:
         """Raise if a peer aborted or stopped beating, or the store host is gone (the watcher's findings)."""
-        if self._hb_error is not None:
+        hb = self._heartbeat
+        if hb is None:
+            return
+        if hb.error is not None:
             raise StoreUnreachableError(
                 f"rank {self.rank}: the store of {self._where()} (hosted by rank 0) stopped answering: "
-                f"{self._hb_error}"
+                f"{hb.error}"
             )
-        if self._abort_seen is not None:
-            info = json.loads(self._abort_seen)
+        if hb.abort is not None:
+            info = json.loads(hb.abort)
             self._broken = f"rank {info['rank']} aborted: {info['reason']}"
             raise PeerDiedError(f"{self._where()}: {self._broken}")
-        now = time.monotonic()
-        limit = self.liveness_timeout.total_seconds()
-        for peer in peers:
-            seen = self._hb_seen.get(peer)
-            if peer == self.rank or seen is None or now - seen[1] <= limit:
-                continue
+        stale = hb.stale(peers)
+        if stale is not None:
+            peer, silent = stale
             try:
                 why = "closed the group" if self._store.check([f"closed/{peer}"]) else "stopped its heartbeat"
             except RuntimeError:
                 why = "stopped its heartbeat"
-            self._broken = f"rank {peer} {why} ({now - seen[1]:.1f}s without a sign of life)"
+            self._broken = f"rank {peer} {why} ({silent:.1f}s without a sign of life)"
             raise PeerDiedError(f"{self._where()}: {self._broken}")
 
     def _poll(
@@ -730,11 +561,10 @@ class StatelessGroup:
                     logger.debug("abort of a process group failed", exc_info=True)
 
     def _teardown(self) -> None:
-        self._hb_stop.set()
-        if self._hb_thread is not None:
-            self._hb_thread.join(timeout=5)
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+            self._heartbeat = None  # drops its store connection
         self._release_process_groups()
-        self._hb_store = None
         self._raw_store = None
         if self._owned_listener is not None:
             self._owned_listener.close()
