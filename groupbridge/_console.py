@@ -20,11 +20,7 @@ except ImportError:  # the "cli" extra is not installed
     Table = None  # type: ignore[assignment,misc]
     _console = None
 
-__all__ = ["echo", "has_rich", "table"]
-
-
-def has_rich() -> bool:
-    return _console is not None
+__all__ = ["echo", "table"]
 
 
 def echo(text: str = "") -> None:

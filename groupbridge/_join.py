@@ -18,6 +18,7 @@ import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+from ._fmt import ranks, seconds
 from ._torch_private import Store
 from .errors import GroupMismatchError, JoinTimeoutError, PeerTimeoutError
 from .net import host_identity
@@ -33,14 +34,6 @@ __all__ = ["PROTOCOL", "host_join", "member_join"]
 PROTOCOL = 1
 _META = f"{ROOT_PREFIX}/meta"
 _REJECTS = f"{ROOT_PREFIX}/rejects"
-
-
-def _seconds(t: timedelta) -> str:
-    return f"{t.total_seconds():g}s"
-
-
-def _ranks(ranks: list[int]) -> str:
-    return ", ".join(str(r) for r in sorted(ranks)) or "none"
 
 
 def _proof(token: str | None, nonce: str, who: str) -> str:
@@ -82,8 +75,8 @@ def host_join(group: StatelessGroup, store: Store) -> None:
             joined = [0] + [r for r in range(1, group.world_size) if store.check([member_keys[r - 1]])]
             missing = sorted(set(range(group.world_size)) - set(joined))
             msg = (
-                f"rank(s) {_ranks(missing)} of {group.world_size} did not join {group._where()} within "
-                f"{_seconds(group.timeout)} (joined: {_ranks(joined)})"
+                f"rank(s) {ranks(missing)} of {group.world_size} did not join {group._where()} within "
+                f"{seconds(group.timeout)} (joined: {ranks(joined)})"
             )
             _fail_join(group, store, msg)
             raise JoinTimeoutError(msg)
@@ -152,7 +145,7 @@ def member_join(group: StatelessGroup, store: Store) -> None:
         )
     except PeerTimeoutError as e:
         raise JoinTimeoutError(
-            f"rank {group.rank} of {group.world_size} waited {_seconds(group.timeout)} at {group._where()} "
+            f"rank {group.rank} of {group.world_size} waited {seconds(group.timeout)} at {group._where()} "
             "for every rank to join; rank 0 did not confirm"
         ) from e
     if store.check([failed]):

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from . import _torch_private, codec
+from ._fmt import ranks, seconds
 from ._join import host_join, member_join
 from ._liveness import Heartbeat
 from ._torch_private import PrefixStore, Store
@@ -40,14 +41,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["StatelessGroup", "Work"]
 
 T = TypeVar("T")
-
-
-def _seconds(t: timedelta) -> str:
-    return f"{t.total_seconds():g}s"
-
-
-def _ranks(ranks: Iterable[int]) -> str:
-    return ", ".join(str(r) for r in sorted(ranks)) or "none"
 
 
 def _wait_into(work: Any, outcome: list[BaseException | None], finished: threading.Event) -> None:
@@ -286,8 +279,8 @@ class StatelessGroup:
                     self._check_peers(peers)
                 if time.monotonic() >= deadline:
                     raise PeerTimeoutError(
-                        f"rank {self.rank} of {self._where()} waited {_seconds(self.timeout)} for {what} "
-                        f"from rank(s) {_ranks(peers)}"
+                        f"rank {self.rank} of {self._where()} waited {seconds(self.timeout)} for {what} "
+                        f"from rank(s) {ranks(peers)}"
                     )
                 time.sleep(delay)
                 delay = min(delay * 2, 0.001)
@@ -415,8 +408,8 @@ class StatelessGroup:
         except PeerTimeoutError:
             missing = [r for r in range(self.world_size) if not self._store.check([keys[r]])]
             raise PeerTimeoutError(
-                f"rank {self.rank} of {self._where()} waited {_seconds(timeout or self.timeout)} "
-                f"at a barrier; rank(s) {_ranks(missing)} did not arrive"
+                f"rank {self.rank} of {self._where()} waited {seconds(timeout or self.timeout)} "
+                f"at a barrier; rank(s) {ranks(missing)} did not arrive"
             ) from None
         if self._store_call(lambda: self._store.add(f"{base}/n", 1), "barrier") == self.world_size:
             for k in [*keys, f"{base}/n"]:
@@ -480,8 +473,8 @@ class StatelessGroup:
             self._check_peers(peers)
             if time.monotonic() >= deadline:
                 raise PeerTimeoutError(
-                    f"rank {self.rank} of {self._where()} waited {_seconds(timeout or self.timeout)} "
-                    f"for {what} from rank(s) {_ranks(peers)}"
+                    f"rank {self.rank} of {self._where()} waited {seconds(timeout or self.timeout)} "
+                    f"for {what} from rank(s) {ranks(peers)}"
                 )
 
     @staticmethod

@@ -5,21 +5,11 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
-import socket
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
 CTX = mp.get_context("spawn")
-
-
-def has_ipv6_loopback() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
-            s.bind(("::1", 0))
-        return True
-    except OSError:
-        return False
 
 
 def _child(fn: Callable[..., Any], rank: int, args: tuple[Any, ...], out: Any) -> None:
@@ -88,11 +78,10 @@ def run_ranks(fn: Callable[..., Any], n: int, *args: Any, timeout: float = 60) -
     return [res[r][1] for r in range(n)]
 
 
-HOSTS = ["127.0.0.1", "::1"]
-
-
 def host_params() -> list[Any]:
     import pytest
+
+    from groupbridge.doctor import has_ipv6_loopback
 
     return [
         pytest.param("127.0.0.1", id="ipv4"),

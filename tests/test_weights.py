@@ -15,7 +15,7 @@ import torch
 import groupbridge as gb
 from groupbridge.weights.manifest import Manifest, compare, expected_specs, mismatch_message
 from groupbridge.weights.plan import Plan
-from tests.helpers import CTX, Ranks, make_group, run_ranks
+from tests.helpers import CTX, Ranks, host_params, make_group, run_ranks
 from tests.weights_models import (
     bit_equal,
     dense_shapes,
@@ -167,12 +167,8 @@ def _sync_shape(rank: int, host: str, ports: Any, n: int, shape: str) -> bool:
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("shape", ["dense", "moe"])
 @pytest.mark.parametrize("n", [2, 3])
-@pytest.mark.parametrize("host", ["127.0.0.1", "::1"], ids=["ipv4", "ipv6"])
+@pytest.mark.parametrize("host", host_params())
 def test_model_shapes_scaled_down(shape: str, n: int, host: str) -> None:
-    from tests.helpers import has_ipv6_loopback
-
-    if ":" in host and not has_ipv6_loopback():
-        pytest.skip("this host has no IPv6 loopback (::1)")
     assert all(run_ranks(_sync_shape, n, host, CTX.Queue(), n, shape, timeout=80))
 
 

@@ -8,9 +8,8 @@ import torch
 
 from ..codec import dtype_from_name
 from . import _bytes
-from .manifest import Manifest
+from .manifest import Manifest, tensors_of
 from .plan import stream_offsets
-from .receiver import _targets_of
 
 __all__ = ["flatten_"]
 
@@ -23,7 +22,7 @@ def flatten_(module_or_state_dict: Any, *, wire_dtype: torch.dtype | None = None
     keep their identity (``t.data`` is swapped): parameters stay parameters, optimizers that hold them keep
     working, and tied tensors stay tied. Do it once, before syncing; it costs one copy of the model.
     """
-    targets = _targets_of(module_or_state_dict)
+    targets = tensors_of(module_or_state_dict, "flatten_()")
     if not targets:
         return torch.empty(0, dtype=torch.uint8)
     manifest = Manifest.build(list(targets.items()), wire_dtype)

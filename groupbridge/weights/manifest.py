@@ -19,7 +19,7 @@ import torch
 from ..codec import dtype_from_name, dtype_name
 from ..errors import ManifestMismatchError
 
-__all__ = ["Entry", "Manifest", "compare", "expected_specs", "mismatch_message"]
+__all__ = ["Entry", "Manifest", "compare", "expected_specs", "mismatch_message", "tensors_of"]
 
 SHOW = 20
 
@@ -79,6 +79,12 @@ class Manifest:
     def nbytes(self) -> int:
         return sum(e.nbytes for e in self.entries)
 
+    @functools.cached_property
+    def sources(self) -> tuple[int, ...]:
+        """For each entry, the index of the entry whose bytes it holds (itself, or a tied weight's target)."""
+        index = {e.name: i for i, e in enumerate(self.entries)}
+        return tuple(i if e.alias_of is None else index[e.alias_of] for i, e in enumerate(self.entries))
+
     def to_wire(self) -> list[list[Any]]:
         return [e.to_wire() for e in self.entries]
 
@@ -117,12 +123,18 @@ def _identity(t: torch.Tensor) -> tuple[Any, ...] | None:
     return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
 
 
+def tensors_of(target: Any, what: str = "this") -> dict[str, Any]:
+    """A module's state dict (parameters and buffers, tied names included) or a mapping, as a dict."""
+    if isinstance(target, torch.nn.Module):
+        return dict(target.state_dict(keep_vars=True))
+    if isinstance(target, Mapping):
+        return dict(target)
+    raise TypeError(f"{what} takes a module or a mapping, got {type(target).__name__}")
+
+
 def expected_specs(expected: Any) -> dict[str, tuple[tuple[int, ...], str]]:
     """Normalise a module, a state dict, or a mapping of name -> (shape, dtype) to name -> (shape, dtype)."""
-    if isinstance(expected, torch.nn.Module):
-        expected = expected.state_dict(keep_vars=True)
-    if not isinstance(expected, Mapping):
-        raise TypeError(f"expected= must be a module or a mapping, got {type(expected).__name__}")
+    expected = tensors_of(expected, "expected=")
     out: dict[str, tuple[tuple[int, ...], str]] = {}
     for name, spec in expected.items():
         if isinstance(spec, torch.Tensor):

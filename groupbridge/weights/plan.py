@@ -38,17 +38,15 @@ class Segment:
 def stream_offsets(manifest: Manifest) -> tuple[list[int], int]:
     """Each entry's offset in the byte stream (aliases share their target's) and the stream's length."""
     offsets: list[int] = []
-    by_name: dict[str, int] = {}
     pos = 0
-    for e in manifest.entries:
+    for i, e in enumerate(manifest.entries):
         if e.alias_of is not None:
-            offsets.append(offsets[by_name[e.alias_of]])
+            offsets.append(offsets[manifest.sources[i]])
         else:
             align = e.element_size
             pos = (pos + align - 1) // align * align
             offsets.append(pos)
             pos += e.nbytes
-        by_name[e.name] = len(offsets) - 1
     return offsets, pos
 
 

@@ -14,7 +14,7 @@ from ..errors import GroupBridgeError, TornUpdateError, WeightSyncError
 from ..stateless import StatelessGroup
 from . import _bytes
 from ._protocol import Header, make_renamer, merged_plan, settle
-from .manifest import Manifest, compare, expected_specs, mismatch_message
+from .manifest import Manifest, compare, expected_specs, mismatch_message, tensors_of
 from .plan import Plan
 from .sender import ACK_TAG, intra_op_threads
 from .transports import Land, RxTransport, make_rx
@@ -23,14 +23,6 @@ from .transports.broadcast import IN_FLIGHT
 logger = logging.getLogger(__name__)
 
 __all__ = ["WeightReceiver", "WeightUpdate"]
-
-
-def _targets_of(target: Any) -> dict[str, torch.Tensor]:
-    if isinstance(target, torch.nn.Module):
-        return dict(target.state_dict(keep_vars=True))
-    if isinstance(target, Mapping):
-        return dict(target)
-    raise TypeError(f"receive_into() takes a module or a state dict, got {type(target).__name__}")
 
 
 class WeightUpdate:
@@ -202,10 +194,9 @@ class WeightReceiver:
         plan = self._plan(manifest, header)
         entries = manifest.entries
         aliases: dict[int, list[str]] = {}
-        index = {e.name: i for i, e in enumerate(entries)}
-        for e in entries:
+        for i, e in enumerate(entries):
             if e.alias_of is not None:
-                aliases.setdefault(index[e.alias_of], []).append(self._rename(e.name))
+                aliases.setdefault(manifest.sources[i], []).append(self._rename(e.name))
         assembling: dict[int, torch.Tensor] = {}
         done = 0
         try:
@@ -265,7 +256,7 @@ class WeightReceiver:
         storage where it is laid out as the plan is, e.g. after :func:`groupbridge.flatten_`); a failure then
         raises :class:`TornUpdateError` naming the tensors already written.
         """
-        targets = _targets_of(target)
+        targets = tensors_of(target, "receive_into()")
         expected = self.expected if self.expected is not None else expected_specs(targets)
         with intra_op_threads(self.threads):
             header, manifest, merged = self._settle(expected, allow_stale, None if atomic else targets)
@@ -277,9 +268,9 @@ class WeightReceiver:
                 self._ack(False, f"target lacks {missing[:20]}")
                 raise WeightSyncError(f"target has no tensor named {', '.join(missing[:20])}")
             if atomic:
-                self._receive_atomic(header, plan, entries, dest, timeout)  # type: ignore[arg-type]
+                self._receive_atomic(header, plan, manifest, dest, timeout)  # type: ignore[arg-type]
             else:
-                self._receive_streaming(header, plan, entries, dest, timeout)  # type: ignore[arg-type]
+                self._receive_streaming(header, plan, manifest, dest, timeout)  # type: ignore[arg-type]
         self.version = header.version
         self._ack(True)
         return header.version
@@ -288,10 +279,11 @@ class WeightReceiver:
         self,
         header: Header,
         plan: Plan,
-        entries: tuple[Any, ...],
+        manifest: Manifest,
         dest: list[torch.Tensor],
         timeout: timedelta | None,
     ) -> None:
+        entries = manifest.entries
         device = next((d.device for d in dest), self.device)
         staging = self._buffers.get("staging", plan.total_bytes, device)
 
@@ -310,12 +302,7 @@ class WeightReceiver:
                 f"held is still {self.version}"
             ) from err
         with torch.no_grad():
-            for i, e in enumerate(entries):
-                src_index = (
-                    i
-                    if e.alias_of is None
-                    else next(j for j, x in enumerate(entries) if x.name == e.alias_of)
-                )
+            for i, src_index in enumerate(manifest.sources):
                 src_entry = entries[src_index]
                 if src_entry.numel == 0:
                     continue
@@ -329,10 +316,11 @@ class WeightReceiver:
         self,
         header: Header,
         plan: Plan,
-        entries: tuple[Any, ...],
+        manifest: Manifest,
         dest: list[torch.Tensor],
         timeout: timedelta | None,
     ) -> None:
+        entries = manifest.entries
         device = next((d.device for d in dest), self.device)
         ring = self._ring(plan, device)
         wire_ok = [
@@ -370,7 +358,7 @@ class WeightReceiver:
                             written.append(self._rename(e.name))
                 for i, e in enumerate(entries):
                     if e.alias_of is not None:
-                        j = next(j for j, x in enumerate(entries) if x.name == e.alias_of)
+                        j = manifest.sources[i]
                         if dest[i].data_ptr() != dest[j].data_ptr() and dest[j].numel():
                             dest[i].copy_(dest[j])
                         written.append(self._rename(e.name))

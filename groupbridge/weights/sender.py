@@ -19,7 +19,7 @@ from ..errors import GroupBridgeError, TransportUnavailableError, WeightSyncErro
 from ..stateless import StatelessGroup
 from . import _bytes
 from ._protocol import Header, make_renamer, merged_plan, refuse, settle
-from .manifest import Manifest
+from .manifest import Manifest, tensors_of
 from .plan import Plan
 from .transports import TxTransport, choose, make_tx
 from .transports.base import KINDS
@@ -74,10 +74,8 @@ def intra_op_threads(n: int | None) -> Iterator[None]:
 
 def named_tensors_of(obj: Any) -> list[tuple[str, torch.Tensor]] | Iterator[tuple[str, torch.Tensor]]:
     """Normalise a module, mapping or iterable of pairs; iterators stay lazy."""
-    if isinstance(obj, torch.nn.Module):
-        return list(obj.state_dict(keep_vars=True).items())
-    if isinstance(obj, Mapping):
-        return list(obj.items())
+    if isinstance(obj, (torch.nn.Module, Mapping)):
+        return list(tensors_of(obj).items())
     if isinstance(obj, (list, tuple)):
         return list(obj)
     if isinstance(obj, Iterable):
