@@ -1,45 +1,80 @@
 """Joining a StatelessGroup: who may join, how members prove it, and how a failed join is told to all.
 
-Rank 0 writes the group's description (protocol, name, generation, world size, whether a token is needed,
-a fresh nonce and its own proof) to the store; every other rank checks it, claims its rank (a second claim
-is refused), and proves it holds the token with an HMAC over the nonce, so the token itself never travels.
-Any refusal is published so that both sides raise with the same reason.
+Rank 0 draws a fresh nonce and writes the group's description (protocol, name, generation, world size,
+whether a token is needed, the nonce); every other rank checks it, claims its rank (a second claim is
+refused), publishes its first status record and its member record, and waits for rank 0's verdict. With a
+token, every record is sealed under a key derived from the token and the nonce (see :mod:`._seal`), so the
+token never travels and a record written by anyone else is refused. Any refusal is published so that both
+sides raise with the same reason. Everything read is parsed as hostile: a malformed record is a
+:class:`ProtocolError` naming the key, never a raw JSON or key error.
 """
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import json
 import logging
 import os
 import secrets
 import time
-from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from ._fmt import ranks, seconds
-from ._torch_private import Store
-from .errors import GroupMismatchError, JoinTimeoutError, PeerTimeoutError
+from ._control import Deadline
+from ._fmt import ranks
+from ._liveness import encode_status, status_key
+from ._seal import ForgedMessageError, Sealer
+from .errors import GroupMismatchError, JoinTimeoutError, ProtocolError, StoreUnreachableError
 from .net import host_identity
-from .store import ROOT_PREFIX
+from .store import ROOT_PREFIX, StoreClient
 
 if TYPE_CHECKING:
     from .stateless import StatelessGroup
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PROTOCOL", "host_join", "member_join"]
+__all__ = ["PROTOCOL", "Joined", "host_join", "member_join"]
 
-PROTOCOL = 1
+PROTOCOL = 2
+# The description and refusals live outside the group's namespace: a member of another name or generation
+# must find them to be told why it is refused.
 _META = f"{ROOT_PREFIX}/meta"
+_REJECT = f"{ROOT_PREFIX}/reject"
 _REJECTS = f"{ROOT_PREFIX}/rejects"
+_MAX_RECORD = 1 << 16
 
 
-def _proof(token: str | None, nonce: str, who: str) -> str:
-    if token is None:
-        return ""
-    return hmac.new(token.encode(), f"{nonce}/{who}".encode(), hashlib.sha256).hexdigest()
+class Joined:
+    """What a member learns by joining: the sealer for this instance and every member's record."""
+
+    def __init__(self, sealer: Sealer, members: list[dict[str, Any]]) -> None:
+        self.sealer = sealer
+        self.members = members
+
+
+def _context(group: StatelessGroup, nonce: str) -> str:
+    return f"{group.name}/{group.generation}/{nonce}"
+
+
+def _parse(raw: bytes, key: str, fields: dict[str, type | tuple[type, ...]]) -> dict[str, Any]:
+    if len(raw) > _MAX_RECORD:
+        raise ProtocolError(f"record {key!r} is {len(raw)} bytes, more than {_MAX_RECORD}")
+    try:
+        d = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ProtocolError(f"record {key!r} is not valid JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise ProtocolError(f"record {key!r} is not an object")
+    for name, kind in fields.items():
+        if not isinstance(d.get(name), kind) or isinstance(d.get(name), bool) != (kind is bool):
+            raise ProtocolError(f"record {key!r}: field {name!r} is missing or not a {kind}")
+    return d
+
+
+def _seal_meta(sealer: Sealer, key: str, meta: dict[str, Any]) -> bytes:
+    """The description is read before a member knows whether it is sealed, so its MAC sits beside it."""
+    body = json.dumps(meta)
+    mac = sealer.mac(key, body.encode()).hex() if sealer.enabled else ""
+    return json.dumps({"body": body, "mac": mac}).encode()
 
 
 def _meta(group: StatelessGroup) -> dict[str, Any]:
@@ -52,68 +87,143 @@ def _meta(group: StatelessGroup) -> dict[str, Any]:
     }
 
 
-def host_join(group: StatelessGroup, store: Store) -> None:
-    """Rank 0: describe the group, wait for every rank, verify their proofs, announce the members."""
-    nonce = secrets.token_hex(16)
-    group._nonce = nonce
-    meta = dict(_meta(group), nonce=nonce, proof=_proof(group._token, nonce, "host"))
-    store.set(_META, json.dumps(meta))
-    store.add(f"{group._ns}/claim/0", 1)
-    member_keys = [f"{group._ns}/member/{r}" for r in range(1, group.world_size)]
-    deadline = time.monotonic() + group.timeout.total_seconds()
-    delay = 0.001
+def _member_record(group: StatelessGroup) -> dict[str, Any]:
+    return {
+        "rank": group.rank,
+        "pid": os.getpid(),
+        "hostname": os.uname().nodename,
+        "host_id": host_identity(),
+    }
+
+
+def _set(store: Any, key: str, data: bytes) -> None:
+    store.set(key, data)  # Store.set is typed for str but takes bytes unchanged
+
+
+def _call(group: StatelessGroup, what: str, fn: Any) -> Any:
+    try:
+        return fn()
+    except RuntimeError as e:
+        raise StoreUnreachableError(
+            f"rank {group.rank}: the store of {group._where()} failed while {what}: {e}"
+        ) from e
+
+
+def _wait(client: StoreClient, keys: list[str], deadline: Deadline) -> bool:
+    """Whether all ``keys`` exist before ``deadline`` (a few short server-side waits, no busy polling)."""
+    store = client.get()
     while True:
-        rejects = store.add(_REJECTS, 0)
+        left = deadline.left()
+        if left <= 0:
+            return bool(store.check(keys))
+        if store.check(keys):
+            return True
+        time.sleep(min(0.02, max(left, 0)))
+
+
+def host_join(group: StatelessGroup, client: StoreClient) -> Joined:
+    """Rank 0: describe the group, wait for every rank, verify their records, announce the members."""
+    store = client.get()
+    ns = group._ns
+    nonce = secrets.token_hex(16)
+    sealer = Sealer(group._token, _context(group, nonce))
+    meta_key = _META
+    meta = dict(_meta(group), nonce=nonce)
+    me = _member_record(group)
+    st = f"{ns}/{status_key(0)}"
+
+    def describe() -> None:
+        _set(store, st, sealer.seal(st, encode_status(0, "live")))
+        _set(store, meta_key, _seal_meta(sealer, meta_key, meta))
+        store.add(f"{ns}/claim/0", 1)
+
+    _call(group, "describing the group", describe)
+    member_keys = [f"{ns}/member/{r}" for r in range(1, group.world_size)]
+    deadline = Deadline(group.timeout)
+    while True:
+        rejects = _call(group, "waiting for members", lambda: store.add(_REJECTS, 0))
         if rejects:
-            store.wait([f"{ROOT_PREFIX}/reject/1"], timedelta(seconds=5))
-            reason = json.loads(store.get(f"{ROOT_PREFIX}/reject/1"))
-            _fail_join(group, store, reason["reason"])
-            raise GroupMismatchError(f"{group._where()}: refused rank {reason['rank']}: {reason['reason']}")
-        if not member_keys or store.check(member_keys):
+            reason = _read_reject(store, ns)
+            _fail_join(group, store, sealer, reason)
+            raise GroupMismatchError(f"{group._where()}: {reason}")
+        if not member_keys or _call(group, "waiting for members", lambda: store.check(member_keys)):
             break
-        if time.monotonic() >= deadline:
+        if deadline.expired():
             joined = [0] + [r for r in range(1, group.world_size) if store.check([member_keys[r - 1]])]
             missing = sorted(set(range(group.world_size)) - set(joined))
             msg = (
                 f"rank(s) {ranks(missing)} of {group.world_size} did not join {group._where()} within "
-                f"{seconds(group.timeout)} (joined: {ranks(joined)})"
+                f"{deadline} (joined: {ranks(joined)})"
             )
-            _fail_join(group, store, msg)
+            _fail_join(group, store, sealer, msg)
             raise JoinTimeoutError(msg)
-        time.sleep(delay)
-        delay = min(delay * 2, 0.05)
-    host_ids = [host_identity()]
+        time.sleep(0.005)
+    members = [me]
     for r, key in enumerate(member_keys, start=1):
-        member = json.loads(store.get(key))
-        if member["proof"] != _proof(group._token, nonce, str(r)):
-            msg = f"rank {r} (pid {member['pid']} on {member['hostname']}) does not hold this group's token"
-            _fail_join(group, store, msg)
-            raise GroupMismatchError(f"{group._where()}: {msg}")
-        host_ids.append(member["host_id"])
-    group.host_ids = host_ids
-    store.set(f"{group._ns}/ready", json.dumps({"host_ids": host_ids}))
+        raw = bytes(_call(group, "reading member records", lambda key=key: store.get(key)))  # type: ignore[misc]
+        try:
+            member = _parse(sealer.open(key, raw), key, {"rank": int, "pid": int, "host_id": str})
+            if member["rank"] != r:
+                raise ProtocolError(f"record {key!r} names rank {member['rank']}")
+        except (ForgedMessageError, ProtocolError) as e:
+            msg = f"rank {r}'s join record was refused: {e} (a member with another token, or a forgery)"
+            _fail_join(group, store, sealer, msg)
+            raise GroupMismatchError(f"{group._where()}: {msg}") from None
+        members.append(member)
+    ready = f"{ns}/ready"
+
+    def announce() -> None:
+        _set(store, ready, sealer.seal(ready, json.dumps({"members": members}).encode()))
+        store.check([ready])
+
+    _call(group, "announcing the members", announce)
+    return Joined(sealer, members)
 
 
-def _fail_join(group: StatelessGroup, store: Store, reason: str) -> None:
+def _read_reject(store: Any, ns: str) -> str:
+    key = _REJECT
     try:
-        store.set(f"{group._ns}/failed", reason)
+        d = _parse(bytes(store.get(key)), key, {"rank": int, "reason": str})
+        return f"refused rank {d['rank']}: {d['reason'][:2000]}"
+    except (ProtocolError, RuntimeError) as e:
+        return f"a member's refusal could not be read ({e})"
+
+
+def _fail_join(group: StatelessGroup, store: Any, sealer: Sealer, reason: str) -> None:
+    key = f"{group._ns}/failed"
+    try:
+        _set(store, key, sealer.seal(key, reason.encode()))
         # Let joiners read the verdict before the store goes away with this process's error.
         time.sleep(0.2)
-    except Exception:  # the verdict is best effort; the caller raises the real error
+    except RuntimeError:  # the verdict is best effort; the caller raises the real error
         logger.debug("could not publish join failure", exc_info=True)
 
 
-def _reject(group: StatelessGroup, store: Store, reason: str) -> GroupMismatchError:
-    n = store.add(_REJECTS, 1)
-    store.set(f"{ROOT_PREFIX}/reject/{n}", json.dumps({"rank": group.rank, "reason": reason}))
+def _reject(group: StatelessGroup, store: Any, reason: str) -> GroupMismatchError:
+    try:
+        _set(store, _REJECT, json.dumps({"rank": group.rank, "reason": reason}).encode())
+        store.add(_REJECTS, 1)
+    except RuntimeError:
+        logger.debug("could not publish the refusal", exc_info=True)
     return GroupMismatchError(f"rank {group.rank} refused to join {group._where()}: {reason}")
 
 
-def member_join(group: StatelessGroup, store: Store) -> None:
-    """Ranks > 0: check the group's description, claim a rank, prove the token, wait for the verdict."""
-    deadline = time.monotonic() + group.timeout.total_seconds()
-    group._poll(lambda: store.check([_META]), deadline, "the group description from rank 0", [0], live=False)
-    meta = json.loads(store.get(_META))
+def member_join(group: StatelessGroup, client: StoreClient) -> Joined:
+    """Ranks > 0: check the group's description, claim a rank, publish the record, wait for the verdict."""
+    store = client.get()
+    ns = group._ns
+    deadline = Deadline(group.timeout)
+    meta_key = _META
+    if not _call(group, "waiting for the group description", lambda: _wait(client, [meta_key], deadline)):
+        raise JoinTimeoutError(
+            f"rank {group.rank} waited {deadline} at {group._where()} for rank 0 to describe the group"
+        )
+    raw = bytes(_call(group, "reading the group description", lambda: store.get(meta_key)))
+    try:
+        outer = _parse(raw, meta_key, {"body": str, "mac": str})
+        meta = _parse(outer["body"].encode(), meta_key, {"nonce": str, "token": bool})
+    except ProtocolError as e:
+        raise _reject(group, store, f"the group description is malformed: {e}") from None
     mine = _meta(group)
     for field in ("protocol", "name", "generation", "world_size"):
         if meta.get(field) != mine[field]:
@@ -127,27 +237,50 @@ def member_join(group: StatelessGroup, store: Store) -> None:
             "requires a token this member lacks" if meta["token"] else "has no token but this member has one"
         )
         raise _reject(group, store, f"the group {which}")
-    if meta["proof"] != _proof(group._token, meta["nonce"], "host"):
+    sealer = Sealer(group._token, _context(group, meta["nonce"]))
+    if sealer.enabled and not hmac.compare_digest(
+        sealer.mac(meta_key, outer["body"].encode()).hex(), outer["mac"]
+    ):
         raise _reject(group, store, "the token differs from rank 0's")
-    if store.add(f"{group._ns}/claim/{group.rank}", 1) > 1:
+    claim = _call(group, "claiming a rank", lambda: store.add(f"{ns}/claim/{group.rank}", 1))
+    if claim > 1:
         raise _reject(group, store, f"rank {group.rank} is already taken by another member")
-    member = {
-        "pid": os.getpid(),
-        "hostname": os.uname().nodename,
-        "host_id": host_identity(),
-        "proof": _proof(group._token, meta["nonce"], str(group.rank)),
-    }
-    store.set(f"{group._ns}/member/{group.rank}", json.dumps(member))
-    ready, failed = f"{group._ns}/ready", f"{group._ns}/failed"
-    try:
-        group._poll(
-            lambda: store.check([ready]) or store.check([failed]), deadline, "the join", [0], live=False
-        )
-    except PeerTimeoutError as e:
-        raise JoinTimeoutError(
-            f"rank {group.rank} of {group.world_size} waited {seconds(group.timeout)} at {group._where()} "
-            "for every rank to join; rank 0 did not confirm"
-        ) from e
-    if store.check([failed]):
-        raise GroupMismatchError(f"{group._where()}: join failed: {store.get(failed).decode()}")
-    group.host_ids = json.loads(store.get(ready))["host_ids"]
+    st = f"{ns}/{status_key(group.rank)}"
+    member_key = f"{ns}/member/{group.rank}"
+    record = json.dumps(_member_record(group)).encode()
+
+    def publish() -> None:
+        _set(store, st, sealer.seal(st, encode_status(0, "live")))
+        _set(store, member_key, sealer.seal(member_key, record))
+
+    _call(group, "publishing this member", publish)
+    ready, failed = f"{ns}/ready", f"{ns}/failed"
+    while True:
+        if _call(group, "waiting for the join", lambda: store.check([failed])):
+            raw = bytes(_call(group, "reading the join verdict", lambda: store.get(failed)))
+            try:
+                reason = sealer.open(failed, raw).decode("utf-8", "replace")[:4000]
+            except ForgedMessageError:
+                reason = "(unsealed verdict, ignored)"
+            if not reason.startswith("(unsealed"):
+                raise GroupMismatchError(f"{group._where()}: join failed: {reason}")
+        if _call(group, "waiting for the join", lambda: store.check([ready])):
+            raw = bytes(_call(group, "reading the member list", lambda: store.get(ready)))
+            try:
+                members = _parse(sealer.open(ready, raw), ready, {"members": list})["members"]
+                if len(members) != group.world_size or not all(
+                    isinstance(m, dict)
+                    and isinstance(m.get("host_id"), str)
+                    and isinstance(m.get("pid"), int)
+                    for m in members
+                ):
+                    raise ProtocolError(f"record {ready!r} does not describe {group.world_size} members")
+                return Joined(sealer, members)
+            except ForgedMessageError:
+                pass  # someone without the token wrote it first; rank 0's own overwrites it
+        if deadline.expired():
+            raise JoinTimeoutError(
+                f"rank {group.rank} of {group.world_size} waited {deadline} at {group._where()} for every "
+                "rank to join; rank 0 did not confirm"
+            )
+        time.sleep(0.005)

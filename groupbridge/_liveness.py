@@ -1,76 +1,199 @@
-"""Liveness: every member publishes a heartbeat counter in the group's store and watches everyone else's.
+"""Liveness: every member publishes a status record (a beat counter, its state) and watches the others'.
 
-The watching runs on the heartbeat's own thread and connection, not on the caller's: under a saturated
-link one store round trip can take as long as a whole bucket of a weight sync, so the data path only reads
-what the watcher last saw. A peer whose counter has not moved for ``liveness_timeout`` is declared dead,
-long before the group timeout; an ``abort`` key written by a member that failed is seen the same way.
+The watching runs on the watcher's own thread and store connection, never on the caller's: under a saturated
+link one store round trip can take as long as a bucket of a weight sync, so the data path only reads what the
+watcher last saw. Three findings break the group, each stated with who and when:
+
+- a peer published ``aborted`` (it failed and says why);
+- a peer's counter has not moved for ``liveness_timeout`` while this watcher kept polling (dead or frozen);
+- the store did not answer for ``liveness_timeout`` (its host is dead, frozen or cut off).
+
+A gap in this watcher's own polling longer than the timeout means *this* process was stopped: it then
+restarts its clocks instead of blaming healthy peers. On a finding that concerns a wait in progress, the
+watcher shuts the caller's store connection down so that the wait returns at once.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
-from ._torch_private import Store
+from ._seal import ForgedMessageError, Sealer
+from .store import StoreClient
 
-__all__ = ["Heartbeat"]
+logger = logging.getLogger(__name__)
+
+__all__ = ["Finding", "Watcher", "status_key"]
 
 
-class Heartbeat:
-    """One member's heartbeat publisher and watcher of the others (see the module docstring)."""
+def status_key(rank: int) -> str:
+    return f"st/{rank}"
+
+
+class Finding:
+    """What broke the group: ``kind`` is "aborted", "silent" or "store"; ``rank`` whom it concerns."""
+
+    __slots__ = ("kind", "rank", "text")
+
+    def __init__(self, kind: str, rank: int, text: str) -> None:
+        self.kind = kind
+        self.rank = rank
+        self.text = text
+
+
+def encode_status(beat: int, state: str, reason: str | None = None) -> bytes:
+    return json.dumps({"n": beat, "state": state, "reason": reason}).encode()
+
+
+def decode_status(raw: bytes) -> dict[str, Any] | None:
+    """A peer's status record, or None when it is malformed (hostile or torn: treated as no news)."""
+    if len(raw) > 65536:
+        return None
+    try:
+        d = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if (
+        not isinstance(d, dict)
+        or type(d.get("n")) is not int
+        or d.get("state") not in ("live", "aborted", "closed")
+        or not isinstance(d.get("reason"), (str, type(None)))
+    ):
+        return None
+    return d
+
+
+class Watcher:
+    """One member's status publisher and watcher of the others (see the module docstring)."""
 
     def __init__(
-        self, store: Store, rank: int, world_size: int, liveness_timeout: timedelta, name: str
+        self,
+        client: StoreClient,
+        prefix: str,
+        sealer: Sealer,
+        rank: int,
+        world_size: int,
+        liveness_timeout: timedelta,
+        name: str,
+        wake: Callable[[], None],
+        collect: Callable[[StoreClient], None] | None = None,
     ) -> None:
-        self.store = store
+        self.client = client
+        self.prefix = prefix
+        self.sealer = sealer
         self.rank = rank
         self.limit = liveness_timeout.total_seconds()
         self.interval = max(0.05, self.limit / 5)
         self.peers = [r for r in range(world_size) if r != rank]
+        self._wake = wake
+        self._collect = collect
         now = time.monotonic()
         self.seen: dict[int, tuple[int, float]] = {r: (-1, now) for r in self.peers}
         """Per peer: its last counter and when (this clock) it last changed."""
-        self.error: str | None = None
-        """Why the store stopped answering the watcher, if it did."""
-        self.abort: bytes | None = None
-        """The ``abort`` record a failed member published, once seen."""
+        self.closed: set[int] = set()
+        self.finding: Finding | None = None
+        self.stopped_for = 0.0
+        """The longest gap in this watcher's own polling (this process stopped), in seconds."""
+        self.awaited: tuple[int, ...] = ()
+        """Ranks the caller's current wait depends on (set by the caller)."""
+        self._beat = 0
+        self._state: tuple[str, str | None] = ("live", None)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._beat, name=f"groupbridge-hb-{name}-{rank}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"groupbridge-live-{name}-{rank}", daemon=True)
+        self._last_ok = now
+
+    def _key(self, rank: int) -> str:
+        return f"{self.prefix}/{status_key(rank)}"
 
     def start(self) -> None:
-        self.store.add(f"hb/{self.rank}", 1)
         self._thread.start()
 
-    def _beat(self) -> None:
-        key = f"hb/{self.rank}"
-        peer_keys = [f"hb/{r}" for r in self.peers]
+    def publish(self, state: str, reason: str | None = None) -> None:
+        """Change this member's published state; the next beat carries it."""
+        self._state = (state, reason)
+
+    def _run(self) -> None:
+        store = self.client.get()
+        keys = [self._key(r) for r in self.peers]
+        mine = self._key(self.rank)
         while not self._stop.wait(self.interval):
+            self._beat += 1
+            state, reason = self._state
             try:
-                self.store.add(key, 1)
-                counts = [self.store.add(k, 0) for k in peer_keys]
-                aborted = self.store.get("abort") if self.store.check(["abort"]) else None
-            except Exception as e:  # the store host is gone: the caller's thread reports it
-                self.error = f"{type(e).__name__}: {e}"
+                store.set(mine, self.sealer.seal(mine, encode_status(self._beat, state, reason)))  # type: ignore[arg-type]
+                raws = store.multi_get(keys) if keys else []
+                if self._collect is not None:
+                    self._collect(self.client)
+            except RuntimeError as e:
+                if self._stop.is_set():
+                    return
+                silent = time.monotonic() - self._last_ok
+                self._found(
+                    Finding(
+                        "store", 0,
+                        f"the store at {self.client.address} (hosted by rank 0) did not answer rank "
+                        f"{self.rank}'s liveness check; last answer {silent:.1f}s ago ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0] if str(e) else ''})",
+                    )
+                )  # fmt: skip
                 return
             now = time.monotonic()
-            for peer, count in zip(self.peers, counts, strict=True):
-                if self.seen[peer][0] != count:
-                    self.seen[peer] = (count, now)
-            if aborted is not None:
-                self.abort = aborted
+            gap = now - self._last_ok
+            self._last_ok = now
+            if gap > self.limit:  # this process did not run: restart the clocks, blame nobody
+                self.stopped_for = max(self.stopped_for, gap)
+                self.seen = {r: (n, now) for r, (n, _) in self.seen.items()}
+            for peer, key, raw in zip(self.peers, keys, raws, strict=True):
+                try:
+                    status = decode_status(self.sealer.open(key, bytes(raw)))
+                except ForgedMessageError:
+                    status = None
+                if status is None:
+                    continue
+                if status["state"] == "aborted" and self.finding is None:
+                    self._found(Finding("aborted", peer, f"rank {peer} aborted: {status['reason']}"))
+                if status["state"] == "closed":
+                    self.closed.add(peer)
+                if self.seen[peer][0] != status["n"]:
+                    self.seen[peer] = (status["n"], now)
+            for peer in self.awaited:
+                failed = self.silent(peer) or self.gone(peer)
+                if failed is not None and self.finding is None:
+                    self._found(failed)
 
-    def stale(self, peers: Iterable[int]) -> tuple[int, float] | None:
-        """The first of ``peers`` silent for longer than the liveness timeout, and for how long."""
-        now = time.monotonic()
-        for peer in peers:
-            seen = self.seen.get(peer)
-            if peer != self.rank and seen is not None and now - seen[1] > self.limit:
-                return peer, now - seen[1]
+    def silent(self, peer: int) -> Finding | None:
+        seen = self.seen.get(peer)
+        if seen is None or peer in self.closed:
+            return None
+        quiet = time.monotonic() - seen[1]
+        if quiet <= self.limit:
+            return None
+        return Finding(
+            "silent", peer,
+            f"rank {peer} stopped its heartbeat: last heard {quiet:.1f}s ago (liveness timeout "
+            f"{self.limit:g}s; dead, stopped or cut off)",
+        )  # fmt: skip
+
+    def gone(self, peer: int) -> Finding | None:
+        if peer in self.closed:
+            return Finding("closed", peer, f"rank {peer} closed the group")
         return None
+
+    def _found(self, finding: Finding) -> None:
+        self.finding = finding
+        self._wake()
 
     def stop(self) -> None:
         self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=5)
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.limit + 5)
+
+    def last_beats(self) -> str:
+        """When each peer was last heard, for error messages."""
+        now = time.monotonic()
+        return ", ".join(f"rank {r}: {now - t:.1f}s ago" for r, (_, t) in sorted(self.seen.items()))

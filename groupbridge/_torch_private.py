@@ -7,7 +7,11 @@ changed between releases. Everything version-sensitive lives here, checked again
 
 from __future__ import annotations
 
+import os
 import socket
+import struct
+import threading
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -22,9 +26,16 @@ __all__ = [
     "TCPStore",
     "abort_backend",
     "as_default_pg_store",
+    "client_socket",
     "host_tcp_store",
     "new_device_group",
     "new_gloo_group",
+    "open_shared_cuda",
+    "set_backend_timeout",
+    "set_socket_timeouts",
+    "share_cuda",
+    "share_fd_cpu",
+    "shutdown_socket",
     "torch_version",
 ]
 
@@ -43,15 +54,19 @@ def _check_version() -> None:
         )
 
 
-def host_tcp_store(sock: socket.socket, timeout: timedelta, *, use_libuv: bool = True) -> TCPStore:
+def host_tcp_store(fd: int, timeout: timedelta, *, use_libuv: bool = True) -> TCPStore:
     """Serve a TCPStore on an already listening socket; the store takes ownership of its descriptor.
 
     Given a host name instead, TCPStore binds every interface; handed ``master_listen_fd`` it serves exactly
-    the socket it was given. On success the socket object is detached (the store closes the descriptor when
+    the socket it was given. On success the caller must give up the descriptor (the store closes it when
     it is destroyed); on failure the caller still owns it.
     """
     _check_version()
-    host, port = sock.getsockname()[:2]
+    sock = socket.socket(fileno=fd)
+    try:
+        host, port = sock.getsockname()[:2]
+    finally:
+        sock.detach()
     store = TCPStore(
         host,
         port,
@@ -59,10 +74,9 @@ def host_tcp_store(sock: socket.socket, timeout: timedelta, *, use_libuv: bool =
         True,
         timeout,
         wait_for_workers=False,
-        master_listen_fd=sock.fileno(),
+        master_listen_fd=fd,
         use_libuv=use_libuv,
     )
-    sock.detach()
     return store
 
 
@@ -74,6 +88,99 @@ def new_gloo_group(store: Store, rank: int, world_size: int, timeout: timedelta,
     options._devices = [ProcessGroupGloo.create_device(hostname=bind_host)]
     options._threads = 2
     return ProcessGroupGloo(store, rank, world_size, options)
+
+
+def set_backend_timeout(backend: Backend, timeout: timedelta) -> None:
+    """Change a built group's operation timeout (gloo takes one timeout for connecting and for every op)."""
+    setter = getattr(backend, "_set_default_timeout", None)
+    if setter is not None:
+        setter(timeout)
+
+
+_connect_lock = threading.Lock()
+
+
+def _socket_fds() -> set[int]:
+    out = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                out.add(int(name))
+        except OSError:  # closed meanwhile
+            continue
+    return out
+
+
+def _peer_port(fd: int) -> tuple[str, int] | None:
+    sock = socket.socket(fileno=fd)
+    try:
+        host, port = sock.getpeername()[:2]
+        return str(host).removeprefix("::ffff:"), int(port)
+    except OSError:
+        return None
+    finally:
+        sock.detach()
+
+
+def client_socket(connect: Callable[[], TCPStore], host: str, port: int) -> tuple[TCPStore, int | None]:
+    """Make a TCPStore client with ``connect`` and find the descriptor of its connection to host:port.
+
+    torch exposes neither the descriptor nor any bound on a reply from a frozen server: a ``check`` against a
+    stopped store host waits forever. Knowing the descriptor lets the caller set socket timeouts and shut
+    the connection down to wake a blocked call. TCPStore clients hold one connection each (torch >= 2.4),
+    found as the new socket whose peer is the store. None where /proc is missing (the caller then has no
+    interrupt and relies on the store's own timeouts).
+    """
+    if not os.path.isdir("/proc/self/fd"):
+        return connect(), None
+    with _connect_lock:
+        before = _socket_fds()
+        store = connect()
+        new = sorted(_socket_fds() - before)
+    host = host.removeprefix("::ffff:").split("%")[0]
+    matches = [fd for fd in new if (p := _peer_port(fd)) is not None and p[1] == port]
+    exact = [fd for fd in matches if _peer_port(fd) == (host, port)]
+    found = exact or matches
+    return store, (found[0] if len(found) == 1 else None)
+
+
+def set_socket_timeouts(fd: int, timeout: timedelta) -> None:
+    """Bound every blocking send and receive on ``fd`` (SO_RCVTIMEO / SO_SNDTIMEO)."""
+    secs = max(timeout.total_seconds(), 0.001)
+    packed = struct.pack("ll", int(secs), int((secs % 1) * 1e6))
+    sock = socket.socket(fileno=fd)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, packed)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, packed)
+    finally:
+        sock.detach()
+
+
+def shutdown_socket(fd: int) -> None:
+    """Shut a connection down (not close it: the descriptor stays its owner's), waking blocked calls."""
+    sock = socket.socket(fileno=fd)
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:  # already down
+        pass
+    finally:
+        sock.detach()
+
+
+def share_cuda(storage: torch.UntypedStorage) -> list[object]:
+    """The IPC handle of a CUDA storage, to rebuild it in another process with :func:`open_shared_cuda`."""
+    return list(storage._share_cuda_())  # type: ignore[attr-defined,no-untyped-call]
+
+
+def open_shared_cuda(handle: list[object]) -> torch.UntypedStorage:
+    return torch.UntypedStorage._new_shared_cuda(*handle)  # type: ignore[attr-defined,no-any-return]
+
+
+def share_fd_cpu(storage: torch.UntypedStorage) -> tuple[int, int]:
+    """(descriptor, size) of a CPU storage in shared memory (``share_memory_()`` with the file-descriptor
+    strategy): the storage keeps an unlinked file open; another process may reopen it via /proc."""
+    fd, size = storage._share_fd_cpu_()  # type: ignore[attr-defined]
+    return int(fd), int(size)
 
 
 def new_device_group(

@@ -21,6 +21,7 @@ __all__ = [
     "host_identity",
     "interface_for_address",
     "interface_toward",
+    "is_loopback",
     "listen",
     "source_address_for",
     "wait_connectable",
@@ -30,7 +31,7 @@ _HOST_LABEL = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?$")
 
 
 def _parse_port(text: str, original: str) -> int:
-    if not text.isdigit():
+    if not re.fullmatch(r"[0-9]{1,5}", text):
         raise ValueError(f"address {original!r}: port {text!r} is not a number")
     port = int(text)
     if port > 65535:
@@ -42,6 +43,8 @@ def _check_host(host: str, original: str) -> int:
     """Return the address family of ``host``, raising ``ValueError`` quoting ``original`` when invalid."""
     if not host:
         raise ValueError(f"address {original!r} has no host")
+    if not host.isascii() or not host.isprintable():
+        raise ValueError(f"address {original!r}: the host must be printable ASCII")
     if ":" in host:
         addr, _, scope = host.partition("%")
         try:
@@ -61,9 +64,16 @@ def _check_host(host: str, original: str) -> int:
             raise ValueError(f"address {original!r}: {host!r} is not a valid IPv4 address") from None
         return socket.AF_INET
     name = host[:-1] if host.endswith(".") else host
-    if len(name) > 253 or not all(_HOST_LABEL.match(label) for label in name.split(".")):
+    if len(name) > 253 or not all(_HOST_LABEL.fullmatch(label) for label in name.split(".")):
         raise ValueError(f"address {original!r}: {host!r} is not a valid host name")
-    return socket.AF_UNSPEC
+    try:
+        socket.inet_aton(name)
+    except OSError:
+        return socket.AF_UNSPEC
+    # "0x7f000001", "127.1", "2130706433": the resolver reads these as IPv4 addresses, not names.
+    raise ValueError(
+        f"address {original!r}: {host!r} is an ambiguous numeric host; write a dotted IPv4 address"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,6 +245,16 @@ def listen(host: str | Address, port: int = 0, *, backlog: int = 4096) -> Listen
         raise OSError(e.errno, f"cannot listen on {where}: {e.strerror}") from e
     real_port = sock.getsockname()[1]
     return Listener(sock, Address(addr.host, real_port))
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is a loopback address or ``localhost`` (a store there is reachable only locally)."""
+    if host in ("localhost", "localhost."):
+        return True
+    try:
+        return ipaddress.ip_address(host.split("%")[0]).is_loopback
+    except ValueError:
+        return False
 
 
 def source_address_for(peer: Address) -> str:

@@ -2,75 +2,104 @@
 
 Rank 0 serves a TCPStore on a socket it bound itself; the others connect, prove they belong (name,
 generation, world size, optional shared token), and wait until every rank has joined. Objects travel through
-the store in a safe encoding and are deleted as soon as every receiver has read them; tensors travel over a
-gloo ProcessGroup (CPU) or the device's own backend (created on first use), both built outside the global
-state. Every wait is bounded, and each member publishes a heartbeat so that survivors learn of a dead peer
-long before the group timeout.
+the group's control channel (:mod:`._control`) in a safe encoding, sealed when the group has a token, and are
+deleted once every receiver has read them; tensors travel over a gloo ProcessGroup (CPU) or the device's own
+backend (created on first use), both built outside the global state. Every wait is bounded, and each member
+publishes a status record so that survivors learn of a dead, frozen or failed peer within the liveness
+timeout, whatever the operation timeout.
 """
 
 from __future__ import annotations
 
-import json
 import logging
+import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from . import _torch_private, codec
+from ._control import ControlChannel, Deadline
 from ._fmt import ranks, seconds
 from ._join import host_join, member_join
-from ._liveness import Heartbeat
-from ._torch_private import PrefixStore, Store
+from ._liveness import Watcher, decode_status, encode_status, status_key
+from ._seal import Sealer
+from ._torch_private import PrefixStore, TCPStore
 from .errors import (
     GroupBridgeError,
     GroupClosedError,
     PeerDiedError,
     PeerTimeoutError,
+    ProtocolError,
     StoreUnreachableError,
 )
-from .net import Address, Listener, listen, source_address_for
-from .store import connect_store, host_store, namespace
+from .net import Address, Listener, is_loopback, listen, source_address_for
+from .store import StoreClient, host_store, namespace, open_client
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["StatelessGroup", "Work"]
-
-T = TypeVar("T")
-
-
-def _wait_into(work: Any, outcome: list[BaseException | None], finished: threading.Event) -> None:
-    try:
-        work.wait()
-        outcome.append(None)
-    except BaseException as e:  # handed to the waiting thread, which raises it
-        outcome.append(e)
-    finally:
-        finished.set()
+__all__ = ["Deadline", "StatelessGroup", "Work"]
 
 
 class Work:
     """A tensor operation in flight; :meth:`wait` is bounded and watches the peers' liveness."""
 
-    def __init__(self, group: StatelessGroup, work: Any, what: str, peers: list[int]) -> None:
+    def __init__(self, group: StatelessGroup, work: Any, what: str, peers: list[int], p2p: bool) -> None:
         self._group = group
         self._work = work
         self._what = what
         self._peers = peers
+        self._p2p = p2p
         self._done = False
 
     def is_completed(self) -> bool:
         return self._done or bool(self._work.is_completed())
 
-    def wait(self, timeout: timedelta | None = None) -> None:
+    def wait(self, timeout: timedelta | Deadline | None = None) -> None:
+        """Wait for the operation; ``timeout`` (default: the group's) or a shared :class:`Deadline`."""
         if self._done:
             return
-        self._group._wait_work(self._work, self._what, self._peers, timeout)
+        self._group._wait_work(self._work, self._what, self._peers, timeout, self._p2p)
         self._done = True
+
+
+class _Waiter:
+    """The group's own thread that calls ``wait()`` on gloo send/recv work (which reports completion only
+    from inside ``wait``), so that the caller's thread can watch the clock and the peers meanwhile. One per
+    group, started on first use and joined on close."""
+
+    def __init__(self, name: str) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Any, list[BaseException | None], threading.Event] | None] = (
+            queue.SimpleQueue()
+        )
+        self._thread = threading.Thread(target=self._run, name=f"groupbridge-wait-{name}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            work, outcome, finished = job
+            try:
+                work.wait()
+                outcome.append(None)
+            except BaseException as e:  # handed to the waiting thread, which raises it
+                outcome.append(e)
+            finally:
+                finished.set()
+
+    def submit(self, work: Any) -> tuple[list[BaseException | None], threading.Event]:
+        outcome: list[BaseException | None] = []
+        finished = threading.Event()
+        self._jobs.put((work, outcome, finished))
+        return outcome, finished
+
+    def stop(self, timeout: float) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout)
 
 
 class StatelessGroup:
@@ -85,9 +114,12 @@ class StatelessGroup:
     allow_pickle: bool
     address: Address
     host_ids: list[str]
-    """Each member's host identity (host name plus boot id), in rank order."""
+    """Each member's host identity (see :func:`groupbridge.net.host_identity`), in rank order."""
+    pids: list[int]
+    """Each member's process id, as it declared at join (sealed with a token)."""
+    control: ControlChannel
+    """The group's control channel: sealed, acknowledged, bounded keys (used by transports)."""
     _token: str | None
-    _nonce: str
     _ns: str
     _closed: bool
     _broken: str | None
@@ -96,10 +128,15 @@ class StatelessGroup:
     _coll_seq: int
     _send_seq: dict[tuple[int, str], int]
     _recv_seq: dict[tuple[int, str], int]
-    _heartbeat: Heartbeat | None
-    _raw_store: Store | None
-    _store: Store
+    _watcher: Watcher | None
+    _server: TCPStore | None
+    _client: StoreClient | None
+    _watch_client: StoreClient | None
     _owned_listener: Listener | None
+    _waiter: _Waiter | None
+    _garbage: deque[tuple[int, list[str]]]
+    _sealer: Sealer
+    _teardown_lock: threading.Lock
 
     def __init__(self) -> None:  # use create()
         raise TypeError("use StatelessGroup.create(...)")
@@ -135,16 +172,21 @@ class StatelessGroup:
             name, generation: the group's identity; members of another name or generation are refused, and
                 every key lives under that namespace.
             timeout: bound on the join and the default bound on every later operation.
-            token: a shared secret; members prove they hold it (HMAC over a fresh nonce, never sent).
+            token: a shared secret. Members prove they hold it at join, and every control message (objects,
+                sync headers, signals, acknowledgements, aborts) is sealed with a MAC keyed from it, so a
+                process that reaches the store port without the token can deny service but never make a
+                member accept anything. Without a token the group trusts whoever reaches the port: bind to
+                loopback or a private network (a warning is logged otherwise).
             allow_pickle: let objects outside the safe set travel pickled. Every member must agree.
-            liveness_timeout: a peer whose heartbeat does not advance for this long is declared dead.
+            liveness_timeout: a peer (or the store host) silent for this long is declared dead; failures
+                reach every member within about this long, whatever the operation timeout.
             use_libuv: the TCPStore implementation (torch's default: libuv).
 
         Raises:
             ValueError, TypeError: bad arguments.
             JoinTimeoutError: not every rank joined within ``timeout`` (the message names the missing ranks).
             GroupMismatchError: a member of another name, generation, world size or token; a duplicate rank.
-            StoreUnreachableError: a joiner could not reach the store.
+            StoreUnreachableError: a joiner could not reach the store, or a peer vanished while joining.
         """
         for label, value in (("rank", rank), ("world_size", world_size), ("generation", generation)):
             if isinstance(value, bool) or not isinstance(value, int):
@@ -155,27 +197,15 @@ class StatelessGroup:
             raise ValueError(f"rank={rank} is out of range for world_size={world_size}")
         if not isinstance(timeout, timedelta) or not isinstance(liveness_timeout, timedelta):
             raise TypeError("timeout and liveness_timeout must be datetime.timedelta")
-        if not name or "/" in name:
-            raise ValueError(f"name={name!r} must be non-empty and contain no '/'")
-        if token is not None and not isinstance(token, str):
-            raise TypeError("token must be a str")
+        if timeout.total_seconds() <= 0 or liveness_timeout.total_seconds() <= 0:
+            raise ValueError("timeout and liveness_timeout must be positive")
+        if not isinstance(name, str) or not name or "/" in name or not name.isprintable():
+            raise ValueError(f"name={name!r} must be non-empty, printable and contain no '/'")
+        if token is not None and (not isinstance(token, str) or not token):
+            raise TypeError("token must be a non-empty str")
         if listener is not None and rank != 0:
             raise ValueError(f"listener= is for rank 0, which hosts the store; this is rank {rank}")
-
-        if listener is not None:
-            address = listener.address
-        elif address_or_host is None:
-            raise ValueError("address_or_host is required (or, on rank 0, a listener)")
-        else:
-            address = (
-                address_or_host if isinstance(address_or_host, Address) else Address.parse(address_or_host)
-            )
-            if port is not None:
-                address = address.with_port(port)
-            if address.port is None:
-                raise ValueError(f"address {address} has no port; pass port= or host:port")
-            if rank != 0 and address.port == 0:
-                raise ValueError(f"rank {rank} cannot connect to port 0; pass the port rank 0 listens on")
+        address = cls._address(address_or_host, port, rank, listener)
 
         self = object.__new__(cls)
         self.rank = rank
@@ -194,40 +224,94 @@ class StatelessGroup:
         self._coll_seq = 0
         self._send_seq = {}
         self._recv_seq = {}
-        self._heartbeat = None
-        self._raw_store = None
+        self._watcher = None
+        self._server = None
+        self._client = None
+        self._watch_client = None
         self._owned_listener = None
+        self._waiter = None
+        self._garbage = deque()
+        self._teardown_lock = threading.Lock()
         self.host_ids = []
-
+        self.pids = []
         try:
-            if rank == 0:
-                if listener is None:
-                    listener = self._owned_listener = listen(address)
-                    address = listener.address
-                self.address = address
-                self._raw_store = host_store(listener, timeout, use_libuv=use_libuv)
-                host_join(self, self._raw_store)
-            else:
-                self.address = address
-                self._raw_store = connect_store(address, timeout, use_libuv=use_libuv)
-                member_join(self, self._raw_store)
-            self._store = PrefixStore(self._ns, self._raw_store)
-            self._start_heartbeat(use_libuv)
-            bind = self._bind_host()
-            try:
-                self._gloo = _torch_private.new_gloo_group(
-                    PrefixStore("gloo", self._store), rank, world_size, timeout, bind
-                )
-            except RuntimeError as e:
-                raise StoreUnreachableError(
-                    f"rank {rank}: connecting the gloo group of {self._where()} failed (a peer or the store "
-                    f"host is gone?): {e}"
-                ) from e
+            self._join(address, listener, use_libuv)
         except BaseException:
             self._teardown()
             raise
         logger.info("[%s] rank %d of %d joined at %s", name, rank, world_size, self.address)
         return self
+
+    @staticmethod
+    def _address(
+        address_or_host: str | Address | None, port: int | None, rank: int, listener: Listener | None
+    ) -> Address:
+        if listener is not None:
+            return listener.address
+        if address_or_host is None:
+            raise ValueError("address_or_host is required (or, on rank 0, a listener)")
+        address = address_or_host if isinstance(address_or_host, Address) else Address.parse(address_or_host)
+        if port is not None:
+            address = address.with_port(port)
+        if address.port is None:
+            raise ValueError(f"address {address} has no port; pass port= or host:port")
+        if rank != 0 and address.port == 0:
+            raise ValueError(f"rank {rank} cannot connect to port 0; pass the port rank 0 listens on")
+        return address
+
+    def _io_timeout(self) -> timedelta:
+        return max(self.liveness_timeout, timedelta(seconds=1))
+
+    def _join(self, address: Address, listener: Listener | None, use_libuv: bool) -> None:
+        if self.rank == 0:
+            if listener is None:
+                listener = self._owned_listener = listen(address)
+            address = listener.address
+            self._server = host_store(listener, self.timeout, use_libuv=use_libuv)
+            if self._token is None and not is_loopback(address.host):
+                logger.warning(
+                    "[%s] group without a token listens on %s: anyone who reaches that port can read and "
+                    "write its control messages; pass token= or bind to a private network",
+                    self.name, address,
+                )  # fmt: skip
+        self.address = address
+        self._client = open_client(address, self.timeout, self._io_timeout(), use_libuv=use_libuv)
+        joined = host_join(self, self._client) if self.rank == 0 else member_join(self, self._client)
+        self._sealer = joined.sealer
+        self.host_ids = [str(m["host_id"]) for m in joined.members]
+        self.pids = [int(m["pid"]) for m in joined.members]
+        self.control = ControlChannel(
+            self._client, self._ns, self._sealer, self.rank, self._where, self._failure, self._set_awaited
+        )
+        for r in range(self.world_size):
+            if r == self.rank:
+                self.control.put(f"wm/{r}", b"0", "joining")
+        self._watch_client = open_client(address, self.timeout, self.liveness_timeout, use_libuv=use_libuv)
+        self._watcher = Watcher(
+            self._watch_client, self._ns, self._sealer, self.rank, self.world_size, self.liveness_timeout,
+            self.name, self._wake, self._collect if self.rank == 0 else None,
+        )  # fmt: skip
+        self._watcher.start()
+        self._gloo = self._connect_gloo()
+
+    def _connect_gloo(self) -> Any:
+        # Every member has joined, so connecting the mesh takes well under a second; a peer that vanished
+        # meanwhile must not hold the others for the whole operation timeout. Connect under a short bound,
+        # then give the group the operation timeout.
+        bound = min(self.timeout, max(2 * self.liveness_timeout, timedelta(seconds=5)))
+        assert self._client is not None
+        store = PrefixStore(f"{self._ns}/gloo", self._client.get())
+        try:
+            pg = _torch_private.new_gloo_group(store, self.rank, self.world_size, bound, self._bind_host())
+        except RuntimeError as e:
+            failed = self._failure()
+            why = failed if failed is not None else "a peer or the store host is gone?"
+            raise StoreUnreachableError(
+                f"rank {self.rank}: connecting the gloo group of {self._where()} failed within "
+                f"{seconds(bound)} ({why}): {e}"
+            ) from e
+        _torch_private.set_backend_timeout(pg, self.timeout)
+        return pg
 
     def _where(self) -> str:
         return f"group '{self.name}' (generation {self.generation}) at {self.address}"
@@ -240,74 +324,44 @@ class StatelessGroup:
 
     # ------------------------------------------------------------------ liveness
 
-    def _start_heartbeat(self, use_libuv: bool) -> None:
-        store = PrefixStore(self._ns, connect_store(self.address, self.timeout, use_libuv=use_libuv))
-        self._heartbeat = Heartbeat(store, self.rank, self.world_size, self.liveness_timeout, self.name)
-        self._heartbeat.start()
+    def _set_awaited(self, peers: Iterable[int]) -> None:
+        if self._watcher is not None:
+            self._watcher.awaited = tuple(peers)
+
+    def _wake(self) -> None:
+        """Called by the watcher on a finding: wake the caller's wait (its connection is then spent)."""
+        with self._teardown_lock:
+            if self._client is not None:
+                self._client.interrupt()
+
+    def _failure(self, peers: Iterable[int] = ()) -> GroupBridgeError | None:
+        """The error that describes why the group broke (a watcher's finding), or None while it is healthy."""
+        w = self._watcher
+        if w is None:
+            return None
+        finding = w.finding
+        if finding is None:
+            for peer in peers:
+                finding = w.silent(peer) or w.gone(peer)
+                if finding is not None:
+                    break
+        if finding is None:
+            return None
+        suspended = (
+            f" (this process itself did not run for {w.stopped_for:.1f}s)" if w.stopped_for > w.limit else ""
+        )
+        if self._broken is None:
+            self._broken = finding.text
+        text = f"rank {self.rank} of {self._where()}: {finding.text}{suspended}"
+        if finding.kind == "store":
+            return StoreUnreachableError(text)
+        return PeerDiedError(text)
 
     def _check_peers(self, peers: Iterable[int]) -> None:
-        """Raise if a peer aborted or stopped beating, or the store host is gone (the watcher's findings)."""
-        hb = self._heartbeat
-        if hb is None:
-            return
-        if hb.error is not None:
-            raise StoreUnreachableError(
-                f"rank {self.rank}: the store of {self._where()} (hosted by rank 0) stopped answering: "
-                f"{hb.error}"
-            )
-        if hb.abort is not None:
-            info = json.loads(hb.abort)
-            self._broken = f"rank {info['rank']} aborted: {info['reason']}"
-            raise PeerDiedError(f"{self._where()}: {self._broken}")
-        stale = hb.stale(peers)
-        if stale is not None:
-            peer, silent = stale
-            try:
-                why = "closed the group" if self._store.check([f"closed/{peer}"]) else "stopped its heartbeat"
-            except RuntimeError:
-                why = "stopped its heartbeat"
-            self._broken = f"rank {peer} {why} ({silent:.1f}s without a sign of life)"
-            raise PeerDiedError(f"{self._where()}: {self._broken}")
-
-    def _poll(
-        self, ready: Callable[[], bool], deadline: float, what: str, peers: list[int], *, live: bool = True
-    ) -> None:
-        delay = 0.0002
-        try:
-            while not ready():
-                if live:
-                    self._check_peers(peers)
-                if time.monotonic() >= deadline:
-                    raise PeerTimeoutError(
-                        f"rank {self.rank} of {self._where()} waited {seconds(self.timeout)} for {what} "
-                        f"from rank(s) {ranks(peers)}"
-                    )
-                time.sleep(delay)
-                delay = min(delay * 2, 0.001)
-        except (GroupBridgeError, ValueError, TypeError):
-            raise
-        except RuntimeError as e:  # DistError and friends: the store connection broke
-            raise StoreUnreachableError(
-                f"rank {self.rank}: the store of {self._where()} (hosted by rank 0) stopped answering "
-                f"while waiting for {what}: {e}"
-            ) from e
-
-    def _store_call(self, fn: Callable[[], T], what: str) -> T:
-        try:
-            return fn()
-        except RuntimeError as e:
-            if isinstance(e, GroupBridgeError):
-                raise
-            raise StoreUnreachableError(
-                f"rank {self.rank}: the store of {self._where()} (hosted by rank 0) failed during {what}: {e}"
-            ) from e
-
-    def _put(self, key: str, data: bytes, what: str) -> None:
-        # Store.set is typed for str but takes bytes unchanged.
-        self._store_call(lambda: self._store.set(key, data), what)  # type: ignore[arg-type]
-
-    def _deadline(self, timeout: timedelta | None) -> float:
-        return time.monotonic() + (self.timeout if timeout is None else timeout).total_seconds()
+        """Raise if a peer aborted, went silent or closed, or the store host is gone (the watcher saw it)."""
+        failed = self._failure(peers)
+        if failed is not None:
+            raise failed
 
     def _check_open(self) -> None:
         if self._closed:
@@ -315,13 +369,24 @@ class StatelessGroup:
         if self._broken is not None:
             raise GroupClosedError(f"{self._where()} is broken and must be made again: {self._broken}")
 
+    def deadline(self, timeout: timedelta | Deadline | None = None) -> Deadline:
+        """A :class:`Deadline` from ``timeout`` (default: the group's); a Deadline passes through."""
+        if isinstance(timeout, Deadline):
+            return timeout
+        if timeout is not None and not isinstance(timeout, timedelta):
+            raise TypeError(f"timeout must be a datetime.timedelta, got {type(timeout).__name__}")
+        return Deadline(self.timeout if timeout is None else timeout)
+
     # ------------------------------------------------------------------ objects
 
     def _encode(self, obj: Any) -> bytes:
         return codec.encode(obj, allow_pickle=self.allow_pickle)
 
-    def _decode(self, data: bytes) -> Any:
-        return codec.decode(data, allow_pickle=self.allow_pickle)
+    def _decode(self, data: bytes, src: int) -> Any:
+        try:
+            return codec.decode(data, allow_pickle=self.allow_pickle)
+        except ProtocolError as e:
+            raise ProtocolError(f"rank {self.rank} of {self._where()}: object from rank {src}: {e}") from e
 
     def _peer(self, peer: int, label: str) -> None:
         if isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < self.world_size:
@@ -329,102 +394,124 @@ class StatelessGroup:
         if peer == self.rank:
             raise ValueError(f"{label}={peer} is this rank itself")
 
+    @staticmethod
+    def _tag(tag: str) -> None:
+        if not isinstance(tag, str) or "/" in tag:
+            raise ValueError(f"tag={tag!r} must be a str without '/'")
+
     def send_obj(self, obj: Any, dst: int, *, tag: str = "") -> None:
-        """Send ``obj`` to ``dst`` (returns at once; the store holds it until ``dst`` reads it).
+        """Send ``obj`` to ``dst``; returns once the store holds it (until ``dst`` reads it).
 
         ``tag`` names a separate channel: messages of one tag arrive in order, independently of other tags
         (a weight sync's acknowledgements travel on their own tag, so they never mix with the caller's).
         """
         self._check_open()
         self._peer(dst, "dst")
-        if "/" in tag:
-            raise ValueError(f"tag={tag!r} must not contain '/'")
+        self._tag(tag)
         data = self._encode(obj)
         seq = self._send_seq.get((dst, tag), 0)
-        self._put(f"p2p/{tag}/{self.rank}/{dst}/{seq}", data, "send_obj")
+        self.control.put(f"p2p/{tag}/{self.rank}/{dst}/{seq}", data, "send_obj")
         self._send_seq[(dst, tag)] = seq + 1
 
-    def recv_obj(self, src: int, timeout: timedelta | None = None, *, tag: str = "") -> Any:
+    def recv_obj(self, src: int, timeout: timedelta | Deadline | None = None, *, tag: str = "") -> Any:
         """Receive the next object ``src`` sent to this rank on ``tag``."""
         self._check_open()
         self._peer(src, "src")
+        self._tag(tag)
         seq = self._recv_seq.get((src, tag), 0)
         key = f"p2p/{tag}/{src}/{self.rank}/{seq}"
-        self._poll(lambda: self._store.check([key]), self._deadline(timeout), f"object #{seq}", [src])
-        data = self._store_call(lambda: self._store.get(key), "recv_obj")
-        self._store_call(lambda: self._store.delete_key(key), "recv_obj")
+        data = self.control.get_one(key, src, self.deadline(timeout), f"object #{seq} (tag {tag!r})")
         self._recv_seq[(src, tag)] = seq + 1
-        return self._decode(data)
+        self.control.delete([key], "recv_obj")
+        return self._decode(data, src)
 
     def _next_seq(self) -> int:
         self._coll_seq += 1
         return self._coll_seq
 
-    def broadcast_obj(self, obj: Any, src: int = 0, timeout: timedelta | None = None) -> Any:
-        """Every rank returns ``src``'s ``obj``; the key is deleted by the last reader."""
-        self._check_open()
-        if not 0 <= src < self.world_size:
-            raise ValueError(f"src={src} is not a rank of this group (0..{self.world_size - 1})")
-        key = f"bc/{self._next_seq()}"
-        if self.rank == src:
-            data = self._encode(obj)
-            if self.world_size > 1:
-                self._put(key, data, "broadcast_obj")
-            return obj
-        self._poll(lambda: self._store.check([key]), self._deadline(timeout), "a broadcast object", [src])
-        data = self._store_call(lambda: self._store.get(key), "broadcast_obj")
-        if self._store_call(lambda: self._store.add(f"{key}/n", 1), "broadcast_obj") == self.world_size - 1:
-            self._store.delete_key(key)
-            self._store.delete_key(f"{key}/n")
-        return self._decode(data)
+    def _done_collective(self, seq: int, keys: list[str]) -> None:
+        """Keys of a finished collective are deleted by rank 0's watcher once every rank has passed it."""
+        if self.rank == 0:
+            self._garbage.append((seq, keys))
+        self.control.post(f"wm/{self.rank}", str(seq).encode(), "a collective")
 
-    def all_gather_obj(self, obj: Any, timeout: timedelta | None = None) -> list[Any]:
+    def _collect(self, client: StoreClient) -> None:
+        """On rank 0's watcher thread: delete the keys of collectives every rank has finished."""
+        if not self._garbage:
+            return
+        store = client.get()
+        raws = store.multi_get([f"{self._ns}/wm/{r}" for r in range(self.world_size)])
+        try:
+            passed = min(
+                int(bytes(self._sealer.open(f"{self._ns}/wm/{r}", bytes(v)))) for r, v in enumerate(raws)
+            )
+        except (ValueError, ProtocolError):  # a forged or torn watermark: collect later
+            return
+        while self._garbage and self._garbage[0][0] <= passed:
+            for key in self._garbage.popleft()[1]:
+                store.delete_key(f"{self._ns}/{key}")
+
+    def broadcast_obj(self, obj: Any, src: int = 0, timeout: timedelta | Deadline | None = None) -> Any:
+        """Every rank returns ``src``'s ``obj``; ``src`` returns once the store holds it."""
+        self._check_open()
+        if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < self.world_size:
+            raise ValueError(f"src={src!r} is not a rank of this group (0..{self.world_size - 1})")
+        if self.world_size == 1:
+            self._encode(obj)
+            return obj
+        seq = self._next_seq()
+        key = f"bc/{seq}"
+        if self.rank == src:
+            self.control.put(key, self._encode(obj), "broadcast_obj")
+            out = obj
+        else:
+            out = self._decode(
+                self.control.get_one(key, src, self.deadline(timeout), "a broadcast object"), src
+            )
+        self._done_collective(seq, [key])
+        return out
+
+    def all_gather_obj(self, obj: Any, timeout: timedelta | Deadline | None = None) -> list[Any]:
         """Every rank returns the list of every rank's ``obj``, in rank order."""
         self._check_open()
         data = self._encode(obj)
-        base = f"ag/{self._next_seq()}"
-        keys = [f"{base}/{r}" for r in range(self.world_size)]
-        self._put(keys[self.rank], data, "all_gather_obj")
+        if self.world_size == 1:
+            return [obj]
+        seq = self._next_seq()
+        keys = [f"ag/{seq}/{r}" for r in range(self.world_size)]
+        self.control.post(keys[self.rank], data, "all_gather_obj")
         others = [r for r in range(self.world_size) if r != self.rank]
-        self._poll(lambda: self._store.check(keys), self._deadline(timeout), "all_gather_obj", others)
-        out = [
-            obj if r == self.rank else self._decode(self._store.get(keys[r])) for r in range(self.world_size)
-        ]
-        if self._store_call(lambda: self._store.add(f"{base}/n", 1), "all_gather_obj") == self.world_size:
-            for k in [*keys, f"{base}/n"]:
-                self._store.delete_key(k)
+        got = self.control.get([keys[r] for r in others], others, self.deadline(timeout), "all_gather_obj")
+        out = [obj] * self.world_size
+        for r, value in zip(others, got, strict=True):
+            out[r] = self._decode(value, r)
+        self._done_collective(seq, keys)
         return out
 
-    def barrier(self, timeout: timedelta | None = None) -> None:
+    def barrier(self, timeout: timedelta | Deadline | None = None) -> None:
         """Return once every rank has entered; a timeout names the ranks that did not."""
         self._check_open()
-        base = f"bar/{self._next_seq()}"
-        keys = [f"{base}/{r}" for r in range(self.world_size)]
-        self._store_call(lambda: self._store.set(keys[self.rank], "1"), "barrier")
-        deadline = self._deadline(timeout)
-        try:
-            others = [r for r in range(self.world_size) if r != self.rank]
-            self._poll(lambda: self._store.check(keys), deadline, "the barrier", others)
-        except PeerTimeoutError:
-            missing = [r for r in range(self.world_size) if not self._store.check([keys[r]])]
-            raise PeerTimeoutError(
-                f"rank {self.rank} of {self._where()} waited {seconds(timeout or self.timeout)} "
-                f"at a barrier; rank(s) {ranks(missing)} did not arrive"
-            ) from None
-        if self._store_call(lambda: self._store.add(f"{base}/n", 1), "barrier") == self.world_size:
-            for k in [*keys, f"{base}/n"]:
-                self._store.delete_key(k)
+        if self.world_size == 1:
+            return
+        seq = self._next_seq()
+        keys = [f"bar/{seq}/{r}" for r in range(self.world_size)]
+        self.control.post(keys[self.rank], b"", "barrier")
+        others = [r for r in range(self.world_size) if r != self.rank]
+        self.control.get([keys[r] for r in others], others, self.deadline(timeout), "the barrier")
+        self._done_collective(seq, keys)
 
     # ------------------------------------------------------------------ tensors
 
     def _backend_for(self, tensor: torch.Tensor) -> Any:
+        self._check_open()
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
         if not tensor.is_contiguous():
             raise ValueError("tensor must be contiguous (call .contiguous() and copy the result back)")
         kind = tensor.device.type
         if kind == "cpu":
-            assert self._gloo is not None
+            if self._gloo is None:
+                raise GroupClosedError(f"{self._where()} has no process group left (rank {self.rank})")
             return self._gloo
         group = self._device_groups.get(kind)
         if group is None:
@@ -433,23 +520,26 @@ class StatelessGroup:
             backend = BACKEND_FOR_DEVICE.get(kind)
             if backend is None or not backend_available(backend):
                 raise ValueError(f"no process-group backend for {kind} tensors in this torch build")
+            assert self._client is not None
             group = _torch_private.new_device_group(
-                kind, PrefixStore(f"dev/{kind}", self._store), self.rank, self.world_size, self.timeout
-            )
+                kind, PrefixStore(f"{self._ns}/dev/{kind}", self._client.get()), self.rank, self.world_size,
+                self.timeout,
+            )  # fmt: skip
             self._device_groups[kind] = group
         return group
 
-    def _wait_work(self, work: Any, what: str, peers: list[int], timeout: timedelta | None) -> None:
-        deadline = self._deadline(timeout)
+    def _wait_work(
+        self, work: Any, what: str, peers: list[int], timeout: timedelta | Deadline | None, p2p: bool
+    ) -> None:
+        deadline = self.deadline(timeout)
         try:
-            if self._p2p_work(what):
-                # gloo's send/recv work reports completion only from inside wait(), so wait in a helper
-                # thread (wait releases the GIL) while this thread watches the clock and the peers.
-                outcome: list[BaseException | None] = []
-                finished = threading.Event()
-                waiter = threading.Thread(target=_wait_into, args=(work, outcome, finished), daemon=True)
-                waiter.start()
-                self._wait_event(finished, deadline, what, peers, timeout)
+            if p2p:
+                # gloo's send/recv work reports completion only from inside wait(): the group's waiter
+                # thread calls it while this thread watches the clock and the peers.
+                if self._waiter is None:
+                    self._waiter = _Waiter(f"{self.name}-{self.rank}")
+                outcome, finished = self._waiter.submit(work)
+                self._wait_event(finished, deadline, what, peers)
                 if outcome[0] is not None:
                     raise outcome[0]
             else:
@@ -457,45 +547,59 @@ class StatelessGroup:
                 # interval to every bucket of a weight sync.
                 done = threading.Event()
                 work.get_future().add_done_callback(lambda _: done.set())
-                self._wait_event(done, deadline, what, peers, timeout)
+                self._wait_event(done, deadline, what, peers)
                 work.wait()
         except GroupBridgeError as e:
-            self._abort(str(e))
+            self.abort(str(e))
             raise
         except RuntimeError as e:
-            self._abort(f"{what} failed: {e}")
+            failed = self._failure(peers)
+            self.abort(f"{what} failed: {e}")
+            if failed is not None:
+                raise failed from e
             raise PeerDiedError(f"rank {self.rank} of {self._where()}: {what} failed: {e}") from e
 
-    def _wait_event(
-        self, event: threading.Event, deadline: float, what: str, peers: list[int], timeout: timedelta | None
-    ) -> None:
-        while not event.wait(0.2):
+    def _wait_event(self, event: threading.Event, deadline: Deadline, what: str, peers: list[int]) -> None:
+        while not event.wait(0.05):
             self._check_peers(peers)
-            if time.monotonic() >= deadline:
+            if deadline.expired():
                 raise PeerTimeoutError(
-                    f"rank {self.rank} of {self._where()} waited {seconds(timeout or self.timeout)} "
-                    f"for {what} from rank(s) {ranks(peers)}"
+                    f"rank {self.rank} of {self._where()} waited {deadline} for {what} from rank(s) "
+                    f"{ranks(peers)}"
                 )
 
-    @staticmethod
-    def _p2p_work(what: str) -> bool:
-        return what.startswith(("send ", "recv "))
+    def abort(self, reason: str) -> None:
+        """Break the group and tell every peer why, so that nobody waits out a timeout.
 
-    def _abort(self, reason: str) -> None:
-        """Mark the group broken and tell the others, so that nobody waits out the full timeout."""
-        if self._broken is None:
+        Peers blocked on this member raise within about ``liveness_timeout``, naming this rank and
+        ``reason``. Idempotent; the group must then be made again.
+        """
+        first = self._broken is None
+        if first:
             self._broken = reason
-        try:
-            if not self._store.check(["abort"]):
-                self._store.set("abort", json.dumps({"rank": self.rank, "reason": reason}))
-        except Exception:  # the store host may be the one that died
-            logger.debug("could not publish abort", exc_info=True)
+        if self._watcher is not None:
+            self._watcher.publish("aborted", reason[:2000])
+            if first and self._client is not None and not self._client.interrupted:
+                key = f"{self._ns}/{status_key(self.rank)}"
+                try:
+                    record = self._sealer.seal(key, encode_status(1 << 60, "aborted", reason[:2000]))
+                    self._client.get().set(key, record)  # type: ignore[arg-type]
+                except RuntimeError:  # the store may be what failed; the watcher's next beat retries
+                    logger.debug("could not publish abort", exc_info=True)
         # Closing our sockets fails peers blocked on us at once instead of at their gloo timeout.
         self._release_process_groups(abort=True)
 
-    def _start(self, what: str, peers: list[int], start: Callable[[], Any], async_op: bool) -> Work | None:
+    _abort = abort
+
+    def _start(
+        self, what: str, peers: list[int], start: Callable[[], Any], async_op: bool, p2p: bool
+    ) -> Work | None:
         self._check_open()
-        handle = Work(self, start(), what, peers)
+        try:
+            handle = Work(self, start(), what, peers, p2p)
+        except RuntimeError as e:  # e.g. "Too many open files" from gloo: the group cannot go on
+            self.abort(f"{what} could not start: {e}")
+            raise PeerDiedError(f"rank {self.rank} of {self._where()}: {what} could not start: {e}") from e
         if async_op:
             return handle
         handle.wait()
@@ -504,12 +608,14 @@ class StatelessGroup:
     def broadcast(self, tensor: torch.Tensor, src: int = 0, *, async_op: bool = False) -> Work | None:
         """Broadcast ``tensor`` in place from ``src`` (CPU: gloo; device tensors: NCCL, HCCL or XCCL)."""
         pg = self._backend_for(tensor)
+        if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < self.world_size:
+            raise ValueError(f"src={src!r} is not a rank of this group (0..{self.world_size - 1})")
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         opts.rootTensor = 0
         peers = [r for r in range(self.world_size) if r != self.rank] if self.rank == src else [src]
         return self._start(
-            f"broadcast from rank {src}", peers, lambda: pg.broadcast([tensor], opts), async_op
+            f"broadcast from rank {src}", peers, lambda: pg.broadcast([tensor], opts), async_op, False
         )
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", *, async_op: bool = False) -> Work | None:
@@ -522,25 +628,30 @@ class StatelessGroup:
         opts = dist.AllreduceOptions()
         opts.reduceOp = ops[op]  # type: ignore[assignment]
         others = [r for r in range(self.world_size) if r != self.rank]
-        return self._start("all_reduce", others, lambda: pg.allreduce([tensor], opts), async_op)
+        return self._start("all_reduce", others, lambda: pg.allreduce([tensor], opts), async_op, False)
 
     def send(self, tensor: torch.Tensor, dst: int, *, async_op: bool = False) -> Work | None:
         """Send ``tensor`` to ``dst``, which must post a matching :meth:`recv`."""
         self._peer(dst, "dst")
         pg = self._backend_for(tensor)
-        return self._start(f"send to rank {dst}", [dst], lambda: pg.send([tensor], dst, 0), async_op)
+        return self._start(f"send to rank {dst}", [dst], lambda: pg.send([tensor], dst, 0), async_op, True)
 
     def recv(self, tensor: torch.Tensor, src: int, *, async_op: bool = False) -> Work | None:
         """Receive into ``tensor`` from ``src``."""
         self._peer(src, "src")
         pg = self._backend_for(tensor)
-        return self._start(f"recv from rank {src}", [src], lambda: pg.recv([tensor], src, 0), async_op)
+        return self._start(f"recv from rank {src}", [src], lambda: pg.recv([tensor], src, 0), async_op, True)
 
     # ------------------------------------------------------------------ teardown
 
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def sealed(self) -> bool:
+        """Whether control messages carry a MAC (the group has a token)."""
+        return self._sealer.enabled
 
     def _release_process_groups(self, abort: bool = False) -> None:
         groups = [g for g in (self._gloo, *self._device_groups.values()) if g is not None]
@@ -554,16 +665,23 @@ class StatelessGroup:
                     logger.debug("abort of a process group failed", exc_info=True)
 
     def _teardown(self) -> None:
-        if self._heartbeat is not None:
-            self._heartbeat.stop()
-            self._heartbeat = None  # drops its store connection
-        self._release_process_groups()
-        self._raw_store = None
+        if self._watcher is not None:
+            self._watcher.stop()
+            self._watcher = None
+        self._release_process_groups(abort=self._broken is not None)
+        if self._waiter is not None:
+            self._waiter.stop(timeout=5)
+            self._waiter = None
+        with self._teardown_lock:
+            for client in (self._client, self._watch_client):
+                if client is not None:
+                    client.close()
+        self._server = None  # the last reference: the store stops serving and closes its port
         if self._owned_listener is not None:
             self._owned_listener.close()
 
     def close(self, timeout: timedelta = timedelta(seconds=5)) -> None:
-        """Release the process groups, the heartbeat, the store connection and (rank 0) the store.
+        """Release the process groups, the watcher, the store connections and (rank 0) the store.
 
         Idempotent. Rank 0 waits up to ``timeout`` for the others to close first, so that members still
         finishing their last operation do not lose the store under them.
@@ -571,18 +689,37 @@ class StatelessGroup:
         if self._closed:
             return
         self._closed = True
+        w = self._watcher
         try:
-            store = self._store
-            store.set(f"closed/{self.rank}", "1")
-            if self.rank == 0 and self._broken is None:
-                others = [f"closed/{r}" for r in range(1, self.world_size)]
-                deadline = time.monotonic() + timeout.total_seconds()
-                while others and not store.check(others) and time.monotonic() < deadline:
-                    time.sleep(0.01)
-        except Exception:  # closing must not fail because a peer or the store is gone
+            if w is not None and self._client is not None and not self._client.interrupted:
+                w.publish("closed")
+                key = f"{self._ns}/{status_key(self.rank)}"
+                self._client.get().set(key, self._sealer.seal(key, encode_status(1 << 59, "closed")))  # type: ignore[arg-type]
+                self._client.get().check([key])
+            if self.rank == 0 and self._broken is None and w is not None and self._client is not None:
+                self._await_closed(self._client.get(), Deadline(timeout))
+        except RuntimeError:  # closing must not fail because a peer or the store is gone
             logger.debug("close: could not coordinate with peers", exc_info=True)
         self._teardown()
         logger.info("[%s] rank %d closed", self.name, self.rank)
+
+    def _await_closed(self, store: TCPStore, deadline: Deadline) -> None:
+        """Rank 0: wait (bounded) until every other member has published that it closed."""
+        keys = [f"{self._ns}/{status_key(r)}" for r in range(1, self.world_size)]
+        store.set_timeout(self._io_timeout())
+        while keys and not deadline.expired():
+            raws = store.multi_get(keys)
+            open_ = []
+            for key, raw in zip(keys, raws, strict=True):
+                try:
+                    status = decode_status(self._sealer.open(key, bytes(raw)))
+                except ProtocolError:
+                    status = None
+                if status is None or status["state"] == "live":
+                    open_.append(key)
+            keys = open_
+            if keys:
+                time.sleep(0.01)
 
     def __enter__(self) -> StatelessGroup:
         return self

@@ -95,8 +95,9 @@ def test_four_processes_every_pattern(host: str) -> None:
 def _quiet_count(g: Any, rank: int, tag: str) -> int:
     """The store's key count at a quiet moment: every rank is out of a barrier and waits (no keys) for rank 0.
 
-    Each rank says it left the barrier only after barrier() returned, which is after the last one out deleted
-    the barrier's keys; rank 0 reads (and so deletes) those messages before counting.
+    Each rank says it left the barrier only after barrier() returned (and posted that it passed it); rank 0
+    reads (and so deletes) those messages, and waits for its watcher to delete the finished collectives'
+    keys, before counting.
     """
     g.barrier()
     if rank != 0:
@@ -105,7 +106,11 @@ def _quiet_count(g: Any, rank: int, tag: str) -> int:
         return -1
     for r in range(1, g.world_size):
         g.recv_obj(r, tag=f"{tag}-out")
-    count = int(g._store.num_keys())
+    deadline = time.monotonic() + 10  # every rank has passed every collective: the watcher collects them
+    while g._garbage and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not g._garbage, "rank 0's watcher did not delete the keys of finished collectives"
+    count = int(g.control.client.get().num_keys())
     for r in range(1, g.world_size):
         g.send_obj("go", r, tag=tag)
     return count

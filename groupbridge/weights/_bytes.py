@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from .plan import Plan
 
-__all__ = ["BufferCache", "byte_view", "checksum", "in_place_bucket", "new_buffer", "typed_view"]
+__all__ = ["BufferCache", "byte_view", "checksum", "digest", "in_place_bucket", "new_buffer", "typed_view"]
 
 MAX_GAP_BYTES = 8
 """Largest hole between two consecutive tensors that an in-place receive may write over: alignment padding
@@ -106,3 +107,15 @@ def checksum(buf: torch.Tensor) -> int:
     if buf.device.type != "cpu":
         buf = buf.cpu()
     return zlib.crc32(buf.numpy().data)
+
+
+def digest(buf: torch.Tensor, kind: str, group: Any) -> int | bytes:
+    """A bucket's digest: ``crc32`` (catches corruption) or ``hmac`` (HMAC-SHA256 keyed from the group's
+    token: catches forgery too; about 1.4 GB/s with SHA extensions). Both release the GIL while hashing."""
+    if kind == "crc32":
+        return checksum(buf)
+    if buf.device.type != "cpu":
+        buf = buf.cpu()
+    h = group._sealer.digest()
+    h.update(buf.numpy().data)
+    return bytes(h.digest())

@@ -14,7 +14,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ManifestMismatchError, TransportUnavailableError, WeightSyncError
+from .._control import Deadline
+from ..errors import ManifestMismatchError, ProtocolError, TransportUnavailableError, WeightSyncError
 from ..stateless import StatelessGroup
 from .manifest import Manifest
 from .plan import Plan
@@ -45,6 +46,10 @@ def make_renamer(rename: Callable[[str], str] | Mapping[str, str] | None) -> Ren
     raise TypeError(f"rename= must be a callable or a mapping, got {type(rename).__name__}")
 
 
+VERIFY = ("", "crc32", "hmac")
+MAX_BUCKET_BYTES = 1 << 40
+
+
 @dataclass(frozen=True, slots=True)
 class Header:
     version: int
@@ -52,7 +57,9 @@ class Header:
     bucket_bytes: int
     solo_bytes: int
     transport: str
-    checksum: bool
+    verify: str
+    """How receivers check the bytes before accepting them: "" (not at all), "crc32", or "hmac" (always
+    with a token: keyed from it, so bytes injected by anyone else are refused)."""
     total_bytes: int
     options: dict[str, Any]
     """Transport options: sync_id, and for relay the chain and chunk size."""
@@ -64,22 +71,36 @@ class Header:
             "bucket_bytes": self.bucket_bytes,
             "solo_bytes": self.solo_bytes,
             "transport": self.transport,
-            "checksum": self.checksum,
+            "verify": self.verify,
             "total_bytes": self.total_bytes,
             "options": self.options,
         }
 
     @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> Header:
+    def from_wire(cls, d: Any) -> Header:
+        """Parse a header from the wire; anything malformed is a :class:`ProtocolError`."""
+        if not isinstance(d, dict):
+            raise ProtocolError(f"sync header is a {type(d).__name__}, not a dict")
+
+        def field(name: str, kind: type, lo: int = 0, hi: int = 1 << 62) -> Any:
+            v: Any = d.get(name)
+            if type(v) is not kind or (isinstance(v, int) and not lo <= v <= hi):
+                raise ProtocolError(f"sync header field {name!r} is missing, mistyped or out of range")
+            return v
+
+        verify = field("verify", str)
+        if verify not in VERIFY:
+            raise ProtocolError(f"sync header: unknown verification {verify!r}")
+        options = field("options", dict)
         return cls(
-            int(d["version"]),
-            str(d["digest"]),
-            int(d["bucket_bytes"]),
-            int(d["solo_bytes"]),
-            str(d["transport"]),
-            bool(d["checksum"]),
-            int(d["total_bytes"]),
-            dict(d["options"]),
+            field("version", int, -(1 << 62)),
+            field("digest", str),
+            field("bucket_bytes", int, 1, MAX_BUCKET_BYTES),
+            field("solo_bytes", int, 1, MAX_BUCKET_BYTES),
+            field("transport", str),
+            verify,
+            field("total_bytes", int),
+            options,
         )
 
 
@@ -90,7 +111,8 @@ def settle(
     manifest: Manifest | None,
     known: dict[str, Manifest],
     check: Callable[[Header, Manifest], dict[str, Any] | None] | None,
-    in_place: Callable[[Header, Manifest], bool] | None = None,
+    in_place: Callable[[Header, Manifest], bool] | None,
+    deadline: Deadline,
 ) -> tuple[Header, Manifest, bool]:
     """Run steps 1-3 above; the sender passes ``header`` and ``manifest``, receivers ``check``.
 
@@ -101,33 +123,48 @@ def settle(
         ManifestMismatchError: some receiver's expectations differ (message lists every receiver's problems).
         WeightSyncError: some receiver refused the version.
     """
-    wire = group.broadcast_obj(header.to_wire() if header is not None else None, src=src)
-    if "error" in wire:
-        raise TransportUnavailableError(f"rank {src} cannot send: {wire['error']}")
+    wire = group.broadcast_obj(header.to_wire() if header is not None else None, src=src, timeout=deadline)
+    if isinstance(wire, dict) and "error" in wire:
+        kind = TransportUnavailableError if wire.get("kind") == "transport" else WeightSyncError
+        raise kind(f"rank {src} refused to send: {str(wire['error'])[:4000]}")
     header = Header.from_wire(wire)
-    have = group.all_gather_obj(manifest is not None or header.digest in known)
+    have = group.all_gather_obj(manifest is not None or header.digest in known, timeout=deadline)
     if not all(have):
-        items = group.broadcast_obj(manifest.to_wire() if manifest is not None else None, src=src)
+        items = group.broadcast_obj(
+            manifest.to_wire() if manifest is not None else None, src=src, timeout=deadline
+        )
         if manifest is None:
             manifest = Manifest.from_wire(items)
             if manifest.digest != header.digest:
-                raise WeightSyncError(f"manifest digest {manifest.digest[:12]} does not match the header's")
+                raise ProtocolError(f"manifest digest {manifest.digest[:12]} does not match the header's")
     if manifest is None:
         manifest = known[header.digest]
     known.clear()
     known[header.digest] = manifest
     verdict = check(header, manifest) if check is not None else None
     flat = verdict is None and in_place is not None and in_place(header, manifest)
-    gathered = group.all_gather_obj({"problem": verdict, "in_place": flat})
-    verdicts = [g["problem"] for g in gathered]
-    problems = [(r, v) for r, v in enumerate(verdicts) if v is not None]
+    gathered = group.all_gather_obj({"problem": verdict, "in_place": flat}, timeout=deadline)
+    for r, g in enumerate(gathered):
+        if not (
+            isinstance(g, dict)
+            and isinstance(g.get("in_place"), bool)
+            and (g.get("problem") is None or (
+                isinstance(g["problem"], dict)
+                and isinstance(g["problem"].get("message"), str)
+                and g["problem"].get("kind") in ("stale", "manifest", "other")
+            ))
+        ):  # fmt: skip
+            raise ProtocolError(f"rank {r}'s verdict on the sync is malformed")
+    problems = [(r, g["problem"]) for r, g in enumerate(gathered) if g["problem"] is not None]
     if problems:
-        text = "\n".join(f"rank {r}: {v['message']}" for r, v in problems)
+        text = "\n".join(f"rank {r}: {v['message'][:4000]}" for r, v in problems)
         kind = ManifestMismatchError if any(v["kind"] == "manifest" for _, v in problems) else WeightSyncError
-        raise kind(f"weight sync of version {header.version} refused before any bytes moved:\n{text}")
+        err = kind(f"weight sync of version {header.version} refused before any bytes moved:\n{text}")
+        err.agreed = True  # type: ignore[attr-defined]  # every member raises it: nothing to abort
+        raise err
     return header, manifest, header.transport == "broadcast" and all(g["in_place"] for g in gathered)
 
 
-def refuse(group: StatelessGroup, reason: str) -> None:
+def refuse(group: StatelessGroup, reason: str, deadline: Deadline, kind: str = "input") -> None:
     """The sender cannot make this sync: tell every receiver why instead of leaving them waiting."""
-    group.broadcast_obj({"error": reason}, src=group.rank)
+    group.broadcast_obj({"error": reason, "kind": kind}, src=group.rank, timeout=deadline)

@@ -17,11 +17,17 @@ from typing import Any
 import torch
 
 from ..codec import dtype_from_name, dtype_name
-from ..errors import ManifestMismatchError
+from ..errors import ProtocolError
 
 __all__ = ["Entry", "Manifest", "compare", "expected_specs", "mismatch_message", "tensors_of"]
 
 SHOW = 20
+MAX_ENTRIES = 1 << 20
+MAX_NAME = 4096
+MAX_DIMS = 16
+MAX_NUMEL = 1 << 40
+MAX_TOTAL_BYTES = 1 << 44
+"""Bounds on a manifest read from the wire (16 TiB, a million tensors): anything larger is hostile."""
 
 
 @functools.lru_cache(maxsize=64)
@@ -59,11 +65,29 @@ class Entry:
         return [self.name, list(self.shape), self.dtype, self.wire_dtype, self.alias_of]
 
     @classmethod
-    def from_wire(cls, item: list[Any]) -> Entry:
+    def from_wire(cls, item: Any) -> Entry:
+        """Parse one entry; anything malformed is a :class:`ProtocolError` naming what."""
+        if not isinstance(item, (list, tuple)) or len(item) != 5:
+            raise ProtocolError("manifest entry is not a list of 5 fields")
         name, shape, dtype, wire, alias = item
+        if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME:
+            raise ProtocolError(f"manifest entry name {str(name)[:80]!r} is not a str of 1-{MAX_NAME} chars")
+        if not isinstance(shape, (list, tuple)) or len(shape) > MAX_DIMS:
+            raise ProtocolError(f"{name}: shape is not a list of at most {MAX_DIMS} sizes")
+        numel = 1
+        for size in shape:
+            if type(size) is not int or size < 0:
+                raise ProtocolError(f"{name}: shape {str(shape)[:80]} holds a size that is not an int >= 0")
+            numel *= size
+        if numel > MAX_NUMEL:
+            raise ProtocolError(f"{name}: {numel} elements is more than {MAX_NUMEL}")
+        if not isinstance(dtype, str) or not isinstance(wire, str):
+            raise ProtocolError(f"{name}: dtypes are not strings")
         dtype_from_name(dtype)
         dtype_from_name(wire)
-        return cls(str(name), tuple(int(s) for s in shape), str(dtype), str(wire), alias)
+        if alias is not None and not isinstance(alias, str):
+            raise ProtocolError(f"{name}: alias_of is not a str")
+        return cls(name, tuple(shape), dtype, wire, alias)
 
 
 @dataclass(frozen=True)
@@ -89,8 +113,25 @@ class Manifest:
         return [e.to_wire() for e in self.entries]
 
     @classmethod
-    def from_wire(cls, items: list[list[Any]]) -> Manifest:
-        return cls(tuple(Entry.from_wire(i) for i in items))
+    def from_wire(cls, items: Any) -> Manifest:
+        """Parse a manifest from the wire: bounded, no duplicate names, aliases name an earlier tensor."""
+        if not isinstance(items, (list, tuple)) or len(items) > MAX_ENTRIES:
+            raise ProtocolError(f"manifest is not a list of at most {MAX_ENTRIES} entries")
+        entries = tuple(Entry.from_wire(i) for i in items)
+        seen: dict[str, Entry] = {}
+        total = 0
+        for e in entries:
+            if e.name in seen:
+                raise ProtocolError(f"manifest names {e.name!r} twice")
+            if e.alias_of is not None:
+                target = seen.get(e.alias_of)
+                if target is None or target.alias_of is not None:
+                    raise ProtocolError(f"{e.name}: alias_of {e.alias_of!r} is not an earlier tensor")
+            seen[e.name] = e
+            total += e.nbytes
+        if total > MAX_TOTAL_BYTES:
+            raise ProtocolError(f"manifest describes {total} bytes, more than {MAX_TOTAL_BYTES}")
+        return cls(entries)
 
     @classmethod
     def build(
@@ -181,8 +222,3 @@ def mismatch_message(problems: dict[str, list[str]], who: str) -> str:
             more = f" ... and {len(items) - SHOW} more" if len(items) > SHOW else ""
             parts.append(f"  {len(items)} {labels[kind]}: {shown}{more}")
     return "\n".join(parts)
-
-
-def raise_if_mismatch(problems: dict[str, list[str]], who: str) -> None:
-    if any(problems.values()):
-        raise ManifestMismatchError(mismatch_message(problems, who))

@@ -9,16 +9,23 @@ from typing import Any
 
 import torch
 
+from .._control import Deadline
 from ..codec import dtype_from_name
 from ..errors import GroupBridgeError, TornUpdateError, WeightSyncError
 from ..stateless import StatelessGroup
 from . import _bytes
+from ._copier import Copier
 from ._protocol import Header, make_renamer, merged_plan, settle
 from .manifest import Manifest, compare, expected_specs, mismatch_message, tensors_of
 from .plan import Plan
-from .sender import ACK_TAG, intra_op_threads
+from .sender import ACK_TAG
 from .transports import Land, RxTransport, make_rx
 from .transports.broadcast import IN_FLIGHT
+
+
+class _VerifyFailed(WeightSyncError):
+    """The bytes arrived but do not match the sender's digests (the group itself is fine)."""
+
 
 logger = logging.getLogger(__name__)
 
@@ -32,22 +39,27 @@ class WeightUpdate:
     valid only until the tensors of the next bucket are yielded: consume or copy it before asking for more
     (``load_weights`` copies each tensor at once). A tensor that spans buckets is yielded as its own copy.
     Tied names are yielded right after the tensor they share. The receiver's ``version`` becomes this
-    update's version only once iteration has finished and checksums (when on) matched. Stopping early
-    breaks the sync for everyone.
+    update's version only once iteration has finished and the digests (when on) matched: a consumer that
+    applies tensors as they come must treat a failure as a torn update. Stopping early (``break``, an
+    exception in the consumer, dropping the iterator) aborts the sync for everyone, since the sender cannot
+    finish it; the ``timeout`` given to :meth:`WeightReceiver.receive` bounds the whole update.
     """
 
-    def __init__(self, receiver: WeightReceiver, header: Header, manifest: Manifest) -> None:
+    def __init__(
+        self, receiver: WeightReceiver, header: Header, manifest: Manifest, deadline: Deadline
+    ) -> None:
         self.version = header.version
         self.manifest = manifest
         self._receiver = receiver
         self._header = header
+        self._deadline = deadline
         self._started = False
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         if self._started:
             raise RuntimeError("a WeightUpdate can be iterated once")
         self._started = True
-        return self._receiver._yield_tensors(self._header, self.manifest)
+        return self._receiver._yield_tensors(self._header, self.manifest, self._deadline)
 
 
 class WeightReceiver:
@@ -61,6 +73,8 @@ class WeightReceiver:
             when this is not given.
         rename: a callable or mapping from names on the wire to this receiver's names.
         device: where received buckets land for ``receive()`` (default: CPU).
+        intra_op_threads: accepted for compatibility and ignored: bulk copies run on a thread the library
+            owns (see :mod:`groupbridge.weights._copier`); the caller's thread settings are never changed.
     """
 
     def __init__(
@@ -81,7 +95,8 @@ class WeightReceiver:
         self.version: int | None = None
         """The version last applied in full (None before the first)."""
         self.device = torch.device(device)
-        self.threads = intra_op_threads
+        del intra_op_threads
+        self._copier = Copier(f"{group.name}-{group.rank}")
         self._rename = make_renamer(rename)
         self._known: dict[str, Manifest] = {}
         self._buffers = _bytes.BufferCache()
@@ -94,7 +109,8 @@ class WeightReceiver:
         self,
         expected: dict[str, tuple[tuple[int, ...], str]] | None,
         allow_stale: bool,
-        targets: dict[str, torch.Tensor] | None = None,
+        targets: dict[str, torch.Tensor] | None,
+        deadline: Deadline,
     ) -> tuple[Header, Manifest, bool]:
         def check(header: Header, manifest: Manifest) -> dict[str, Any] | None:
             if not allow_stale and self.version is not None and header.version <= self.version:
@@ -123,7 +139,7 @@ class WeightReceiver:
             return all(_bytes.in_place_bucket(plan, k, dest, receiving=True) is not None
                        for k in range(len(plan.buckets)))  # fmt: skip
 
-        return settle(self.group, self.src, None, None, self._known, check, in_place)
+        return settle(self.group, self.src, None, None, self._known, check, in_place, deadline)
 
     # ------------------------------------------------------------------ buckets
 
@@ -133,11 +149,11 @@ class WeightReceiver:
             self._plan_cache = (key, Plan.build(manifest, header.bucket_bytes, header.solo_bytes))
         return self._plan_cache[1]
 
-    def _transport(self, header: Header, plan: Plan, device: torch.device) -> RxTransport:
+    def _transport(self, header: Header, plan: Plan, device: torch.device, deadline: Deadline) -> RxTransport:
         rx = self._transports.get(header.transport)
         if rx is None:
             rx = self._transports[header.transport] = make_rx(header.transport, self.group, self.src)
-        rx.setup(plan, device, header.options)
+        rx.setup(plan, device, dict(header.options, deadline=deadline))
         return rx
 
     def _buckets(
@@ -146,22 +162,24 @@ class WeightReceiver:
         plan: Plan,
         rx: RxTransport,
         land: Land,
-        timeout: timedelta | None,
+        deadline: Deadline,
     ) -> Iterator[tuple[int, torch.Tensor, bool]]:
-        """Every bucket as it arrives, through the transport the sender announced; checksums checked."""
-        crcs = []
+        """Every bucket as it arrives, through the transport the sender announced; digests checked last."""
+        mine: list[int | bytes] = []
         n = len(plan.buckets)
-        for k, view, in_place in rx.buckets(plan, land, timeout):
-            if header.checksum:
-                crcs.append(_bytes.checksum(view))
+        for k, view, in_place in rx.buckets(plan, land, deadline):
+            if header.verify:
+                mine.append(_bytes.digest(view, header.verify, self.group))
             yield k, view, in_place
-        if header.checksum:
-            sent = self.group.broadcast_obj(None, src=self.src, timeout=timeout)
-            bad = [k for k, (a, b) in enumerate(zip(sent, crcs, strict=True)) if a != b]
+        if header.verify:
+            sent = self.group.broadcast_obj(None, src=self.src, timeout=deadline)
+            if not isinstance(sent, list) or len(sent) != n:
+                raise _VerifyFailed(f"the sender's digests are malformed ({type(sent).__name__})")
+            bad = [k for k, (a, b) in enumerate(zip(sent, mine, strict=True)) if a != b]
             if bad:
-                raise WeightSyncError(
-                    f"checksum mismatch in bucket(s) {', '.join(map(str, bad[:20]))} of {n}: "
-                    "the bytes that arrived are corrupted or short"
+                raise _VerifyFailed(
+                    f"{header.verify} mismatch in bucket(s) {', '.join(map(str, bad[:20]))} of {n}: the "
+                    "bytes that arrived are corrupted, short or were not sent by the group's sender"
                 )
 
     def _ring(self, plan: Plan, device: torch.device) -> Land:
@@ -177,20 +195,47 @@ class WeightReceiver:
         except GroupBridgeError:
             logger.debug("could not acknowledge to the sender", exc_info=True)
 
+    def _fail(self, e: BaseException, what: str) -> None:
+        """Tell the sender how this side failed: a digest mismatch by a negative acknowledgement (the group
+        stays usable), anything else by aborting the group (the sender cannot finish the sync)."""
+        if isinstance(e, _VerifyFailed):
+            self._ack(False, str(e))
+        else:
+            self.group.abort(f"rank {self.group.rank} gave up {what}: {type(e).__name__}: {e}")
+
+    def close(self) -> None:
+        """Release transport mappings, buffers and the copy thread. The group stays open."""
+        for rx in self._transports.values():
+            rx.close()
+        self._transports.clear()
+        self._buffers.clear()
+        self._copier.close()
+
+    def __enter__(self) -> WeightReceiver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     # ------------------------------------------------------------------ receive()
 
     def receive(self, *, allow_stale: bool = False, timeout: timedelta | None = None) -> WeightUpdate:
         """Start receiving the next version; the returned update yields (name, tensor) as buckets arrive.
 
+        ``timeout`` (default: the group's) bounds the whole update, the handshake here and the iteration.
+
         Raises:
             ManifestMismatchError: the manifest differs from ``expected``; nothing moved.
-            WeightSyncError: the version is not newer than the one held (unless ``allow_stale``).
+            WeightSyncError: the version is not newer than the one held (unless ``allow_stale``), or the
+                sender refused the sync.
         """
-        with intra_op_threads(self.threads):
-            header, manifest, _ = self._settle(self.expected, allow_stale)
-        return WeightUpdate(self, header, manifest)
+        deadline = self.group.deadline(timeout)
+        header, manifest, _ = self._settle(self.expected, allow_stale, None, deadline)
+        return WeightUpdate(self, header, manifest, deadline)
 
-    def _yield_tensors(self, header: Header, manifest: Manifest) -> Iterator[tuple[str, torch.Tensor]]:
+    def _yield_tensors(
+        self, header: Header, manifest: Manifest, deadline: Deadline
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         plan = self._plan(manifest, header)
         entries = manifest.entries
         aliases: dict[int, list[str]] = {}
@@ -198,42 +243,50 @@ class WeightReceiver:
             if e.alias_of is not None:
                 aliases.setdefault(manifest.sources[i], []).append(self._rename(e.name))
         assembling: dict[int, torch.Tensor] = {}
-        done = 0
+        yielded: list[str] = []
         try:
-            with intra_op_threads(self.threads):
-                rx = self._transport(header, plan, self.device)
-                for k, view, _ in self._buckets(header, plan, rx, self._ring(plan, self.device), None):
-                    for seg in plan.buckets[k]:
-                        e = entries[seg.index]
-                        dtype = dtype_from_name(e.wire_dtype)
-                        if seg.nbytes == e.nbytes:
-                            t = _bytes.typed_view(view, seg.bucket_offset, dtype, e.shape)
-                        else:
-                            full = assembling.setdefault(
-                                seg.index, torch.empty(e.shape, dtype=dtype, device=self.device)
-                            )
-                            _bytes.byte_view(full)[seg.tensor_offset : seg.tensor_offset + seg.nbytes].copy_(
-                                view[seg.bucket_offset : seg.bucket_offset + seg.nbytes]
-                            )
-                            if seg.tensor_offset + seg.nbytes < e.nbytes:
-                                continue
-                            t = assembling.pop(seg.index)
-                        done += 1
-                        yield self._rename(e.name), t
-                        for alias in aliases.get(seg.index, []):
-                            yield alias, t
+            rx = self._transport(header, plan, self.device, deadline)
+            for k, view, _ in self._buckets(header, plan, rx, self._ring(plan, self.device), deadline):
+                ready: list[tuple[int, torch.Tensor]] = []
+                for seg in plan.buckets[k]:
+                    e = entries[seg.index]
+                    dtype = dtype_from_name(e.wire_dtype)
+                    if seg.nbytes == e.nbytes:
+                        ready.append((seg.index, _bytes.typed_view(view, seg.bucket_offset, dtype, e.shape)))
+                        continue
+                    full = assembling.setdefault(
+                        seg.index, torch.empty(e.shape, dtype=dtype, device=self.device)
+                    )
+                    _bytes.byte_view(full)[seg.tensor_offset : seg.tensor_offset + seg.nbytes].copy_(
+                        view[seg.bucket_offset : seg.bucket_offset + seg.nbytes]
+                    )
+                    if seg.tensor_offset + seg.nbytes == e.nbytes:
+                        ready.append((seg.index, assembling.pop(seg.index)))
+                for index, t in ready:
+                    for name in (self._rename(entries[index].name), *aliases.get(index, [])):
+                        yielded.append(name)
+                        yield name, t
             for i, e in enumerate(entries):  # empty tensors have no bytes in any bucket
                 if e.alias_of is None and e.nbytes == 0:
                     t = torch.empty(e.shape, dtype=dtype_from_name(e.wire_dtype), device=self.device)
-                    yield self._rename(e.name), t
-                    for alias in aliases.get(i, []):
-                        yield alias, t
-        except GroupBridgeError as e:
-            self._ack(False, str(e))
+                    for name in (self._rename(e.name), *aliases.get(i, [])):
+                        yielded.append(name)
+                        yield name, t
+        except GeneratorExit:
+            self._fail(
+                RuntimeError(f"the consumer stopped after {len(yielded)} of {len(entries)} tensors"),
+                f"receiving version {header.version}",
+            )
+            raise
+        except BaseException as e:
+            self._fail(e, f"receiving version {header.version}")
+            if not isinstance(e, Exception):
+                raise
             raise TornUpdateError(
-                f"receiving version {header.version} failed after {done} tensors were yielded: {e}; "
-                f"whatever consumed them is torn; version held is still {self.version}",
-                written=[],
+                f"receiving version {header.version} failed after {len(yielded)} tensors were yielded: "
+                f"{type(e).__name__}: {e}; whatever consumed them is torn; version held is still "
+                f"{self.version}",
+                written=yielded,
             ) from e
         self.version = header.version
         self._ack(True)
@@ -251,26 +304,28 @@ class WeightReceiver:
         """Receive the next version into ``target`` (a module or state dict) and return the version held.
 
         ``atomic=True`` stages the whole update (one model-size buffer) and copies into ``target`` only after
-        every bucket (and checksum) arrived: on any failure ``target`` is bit-identical to before and
-        ``version`` unchanged. ``atomic=False`` writes bucket by bucket (receiving straight into the target's
-        storage where it is laid out as the plan is, e.g. after :func:`groupbridge.flatten_`); a failure then
-        raises :class:`TornUpdateError` naming the tensors already written.
+        every bucket arrived and the digests (when on) matched: on any failure ``target`` is bit-identical
+        to before and ``version`` unchanged. ``atomic=False`` writes bucket by bucket (receiving straight
+        into the target's storage where it is laid out as the plan is, e.g. after
+        :func:`groupbridge.flatten_`); a failure then raises :class:`TornUpdateError` naming the tensors
+        already written. ``timeout`` (default: the group's) bounds the whole sync.
         """
+        deadline = self.group.deadline(timeout)
         targets = tensors_of(target, "receive_into()")
         expected = self.expected if self.expected is not None else expected_specs(targets)
-        with intra_op_threads(self.threads):
-            header, manifest, merged = self._settle(expected, allow_stale, None if atomic else targets)
-            plan = merged_plan(manifest) if merged else self._plan(manifest, header)
-            entries = manifest.entries
-            dest = [targets.get(self._rename(e.name)) for e in entries]
-            missing = [self._rename(e.name) for e, d in zip(entries, dest, strict=True) if d is None]
-            if missing:  # only possible when expected= differs from the target
-                self._ack(False, f"target lacks {missing[:20]}")
-                raise WeightSyncError(f"target has no tensor named {', '.join(missing[:20])}")
-            if atomic:
-                self._receive_atomic(header, plan, manifest, dest, timeout)  # type: ignore[arg-type]
-            else:
-                self._receive_streaming(header, plan, manifest, dest, timeout)  # type: ignore[arg-type]
+        header, manifest, merged = self._settle(expected, allow_stale, None if atomic else targets, deadline)
+        plan = merged_plan(manifest) if merged else self._plan(manifest, header)
+        entries = manifest.entries
+        dest = [targets.get(self._rename(e.name)) for e in entries]
+        missing = [self._rename(e.name) for e, d in zip(entries, dest, strict=True) if d is None]
+        if missing:  # only possible when expected= differs from the target
+            err = WeightSyncError(f"target has no tensor named {', '.join(missing[:20])}")
+            self._fail(err, f"receiving version {header.version}")
+            raise err
+        if atomic:
+            self._receive_atomic(header, plan, manifest, dest, deadline)  # type: ignore[arg-type]
+        else:
+            self._receive_streaming(header, plan, manifest, dest, deadline)  # type: ignore[arg-type]
         self.version = header.version
         self._ack(True)
         return header.version
@@ -281,7 +336,7 @@ class WeightReceiver:
         plan: Plan,
         manifest: Manifest,
         dest: list[torch.Tensor],
-        timeout: timedelta | None,
+        deadline: Deadline,
     ) -> None:
         entries = manifest.entries
         device = next((d.device for d in dest), self.device)
@@ -292,25 +347,44 @@ class WeightReceiver:
             return staging[start:end], "staging"
 
         try:
-            rx = self._transport(header, plan, device)
-            for _ in self._buckets(header, plan, rx, land, timeout):
+            rx = self._transport(header, plan, device, deadline)
+            for _ in self._buckets(header, plan, rx, land, deadline):
                 pass
-        except GroupBridgeError as err:
-            self._ack(False, str(err))
+        except BaseException as err:
+            self._fail(err, f"receiving version {header.version}")
+            if not isinstance(err, Exception):
+                raise
             raise WeightSyncError(
-                f"receiving version {header.version} failed: {err}; the target is untouched and the version "
-                f"held is still {self.version}"
+                f"receiving version {header.version} failed: {type(err).__name__}: {err}; the target is "
+                f"untouched and the version held is still {self.version}"
             ) from err
-        with torch.no_grad():
-            for i, src_index in enumerate(manifest.sources):
-                src_entry = entries[src_index]
-                if src_entry.numel == 0:
-                    continue
-                src = _bytes.typed_view(
-                    staging, plan.offsets[src_index], dtype_from_name(src_entry.wire_dtype), src_entry.shape
-                )
-                if dest[i].data_ptr() != src.data_ptr():
-                    dest[i].copy_(src)
+
+        def apply() -> None:
+            with torch.no_grad():
+                for i, src_index in enumerate(manifest.sources):
+                    src_entry = entries[src_index]
+                    if src_entry.numel == 0:
+                        continue
+                    src = _bytes.typed_view(
+                        staging,
+                        plan.offsets[src_index],
+                        dtype_from_name(src_entry.wire_dtype),
+                        src_entry.shape,
+                    )
+                    if dest[i].data_ptr() != src.data_ptr():
+                        dest[i].copy_(src)
+
+        try:
+            self._copier.run(apply)
+        except BaseException as err:
+            self._fail(err, f"applying version {header.version}")
+            if not isinstance(err, Exception):
+                raise
+            raise TornUpdateError(
+                f"every byte of version {header.version} arrived, but copying it into the target failed: "
+                f"{type(err).__name__}: {err}; the target is TORN; the version held is still {self.version}",
+                written=[self._rename(e.name) for e in entries],
+            ) from err
 
     def _receive_streaming(
         self,
@@ -318,7 +392,7 @@ class WeightReceiver:
         plan: Plan,
         manifest: Manifest,
         dest: list[torch.Tensor],
-        timeout: timedelta | None,
+        deadline: Deadline,
     ) -> None:
         entries = manifest.entries
         device = next((d.device for d in dest), self.device)
@@ -335,42 +409,54 @@ class WeightReceiver:
 
         written: list[str] = []
         partial: dict[int, torch.Tensor] = {}
+
+        def unpack(k: int, view: torch.Tensor) -> None:
+            for seg in plan.buckets[k]:
+                e, d = entries[seg.index], dest[seg.index]
+                if wire_ok[seg.index]:
+                    out = _bytes.byte_view(d)
+                else:
+                    full = partial.setdefault(
+                        seg.index, torch.empty(e.shape, dtype=dtype_from_name(e.wire_dtype))
+                    )
+                    out = _bytes.byte_view(full)
+                if seg.tensor_offset == 0:
+                    written.append(self._rename(e.name))
+                out[seg.tensor_offset : seg.tensor_offset + seg.nbytes].copy_(
+                    view[seg.bucket_offset : seg.bucket_offset + seg.nbytes]
+                )
+                if seg.index in partial and seg.tensor_offset + seg.nbytes == e.nbytes:
+                    d.copy_(partial.pop(seg.index))
+
         try:
             with torch.no_grad():
-                rx = self._transport(header, plan, device)
-                for k, view, in_place in self._buckets(header, plan, rx, land, timeout):
-                    for seg in plan.buckets[k]:
-                        e, d = entries[seg.index], dest[seg.index]
-                        if not in_place:
-                            if wire_ok[seg.index]:
-                                out = _bytes.byte_view(d)
-                            else:
-                                full = partial.setdefault(
-                                    seg.index, torch.empty(e.shape, dtype=dtype_from_name(e.wire_dtype))
-                                )
-                                out = _bytes.byte_view(full)
-                            out[seg.tensor_offset : seg.tensor_offset + seg.nbytes].copy_(
-                                view[seg.bucket_offset : seg.bucket_offset + seg.nbytes]
-                            )
-                            if seg.index in partial and seg.tensor_offset + seg.nbytes == e.nbytes:
-                                d.copy_(partial.pop(seg.index))
-                        if seg.tensor_offset == 0:
-                            written.append(self._rename(e.name))
+                rx = self._transport(header, plan, device, deadline)
+                for k, view, in_place in self._buckets(header, plan, rx, land, deadline):
+                    if in_place:
+                        written.extend(
+                            self._rename(entries[seg.index].name)
+                            for seg in plan.buckets[k]
+                            if seg.tensor_offset == 0
+                        )
+                    else:
+                        self._copier.run(lambda k=k, view=view: unpack(k, view))  # type: ignore[misc]
                 for i, e in enumerate(entries):
                     if e.alias_of is not None:
                         j = manifest.sources[i]
                         if dest[i].data_ptr() != dest[j].data_ptr() and dest[j].numel():
                             dest[i].copy_(dest[j])
                         written.append(self._rename(e.name))
-        except GroupBridgeError as err:
-            self._ack(False, str(err))
+        except BaseException as err:
+            self._fail(err, f"receiving version {header.version}")
+            if not isinstance(err, Exception):
+                raise
             shown = ", ".join(written[:20]) + (
                 f" ... and {len(written) - 20} more" if len(written) > 20 else ""
             )
             raise TornUpdateError(
-                f"receiving version {header.version} failed: {err}; the target is TORN: {len(written)} of "
-                f"{len(entries)} tensors were (partly) overwritten ({shown or 'none'}); the version held is "
-                f"still {self.version}",
+                f"receiving version {header.version} failed: {type(err).__name__}: {err}; the target is "
+                f"TORN: {len(written)} of {len(entries)} tensors were (partly) overwritten "
+                f"({shown or 'none'}); the version held is still {self.version}",
                 written=written,
             ) from err
 

@@ -7,17 +7,18 @@ import logging
 import secrets
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
 
+from .._control import Deadline
 from ..codec import dtype_from_name
 from ..errors import GroupBridgeError, TransportUnavailableError, WeightSyncError
 from ..stateless import StatelessGroup
 from . import _bytes
+from ._copier import Copier
 from ._protocol import Header, make_renamer, merged_plan, refuse, settle
 from .manifest import Manifest, tensors_of
 from .plan import Plan
@@ -52,26 +53,6 @@ class SyncStats:
     receivers: int
 
 
-@contextmanager
-def intra_op_threads(n: int | None) -> Iterator[None]:
-    """Temporarily set torch's intra-op thread count (process-wide, restored afterwards).
-
-    On small machines the idle OpenMP workers of a packing copy spin and starve the transport's own threads;
-    one intra-op thread during a sync avoids it. ``None`` leaves the setting alone.
-    """
-    if n is None:
-        yield
-        return
-    old = torch.get_num_threads()
-    if old != n:
-        torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        if old != n:
-            torch.set_num_threads(old)
-
-
 def named_tensors_of(obj: Any) -> list[tuple[str, torch.Tensor]] | Iterator[tuple[str, torch.Tensor]]:
     """Normalise a module, mapping or iterable of pairs; iterators stay lazy."""
     if isinstance(obj, (torch.nn.Module, Mapping)):
@@ -101,8 +82,8 @@ class WeightSender:
         wire_dtype: cast floating tensors to this dtype for the wire (fp32 master weights sent as bf16).
         checksum: send a CRC32 of every bucket; receivers verify before applying.
         rename: a callable or mapping from the sender's names to the names on the wire.
-        intra_op_threads: torch intra-op threads during a sync (see :func:`intra_op_threads`); ``None``
-            leaves the process setting alone.
+        intra_op_threads: accepted for compatibility and ignored: bulk copies run on a thread the library
+            owns, with one intra-op thread (see :mod:`._copier`); the caller's setting is never changed.
     """
 
     def __init__(
@@ -141,7 +122,8 @@ class WeightSender:
         self._transports: dict[str, TxTransport] = {}
         self.wire_dtype = wire_dtype
         self.checksum = checksum
-        self.threads = intra_op_threads
+        del intra_op_threads
+        self._copier = Copier(f"{group.name}-{group.rank}")
         self._rename = make_renamer(rename)
         self._known: dict[str, Manifest] = {}
         self._manifest: Manifest | None = None
@@ -157,82 +139,132 @@ class WeightSender:
         timeout: timedelta | None = None,
         progress: Callable[[int, int], None] | None = None,
     ) -> SyncStats:
-        """Send ``named_tensors`` as ``version``; returns once every receiver confirmed.
+        """Send ``named_tensors`` as ``version``; returns once every receiver confirmed it applied it.
 
         ``named_tensors`` is a Mapping, an ``nn.Module`` or an iterable of (name, tensor) pairs. An iterator
         is consumed lazily, one tensor at a time, so a generator that gathers sharded parameters never holds
         the model: the manifest then comes from ``specs`` (name -> (shape, dtype), in order), or from the
         previous send; only a first send with neither collects the iterator once to describe it.
         ``progress(bytes_sent, total_bytes)`` is called after every bucket (for a progress bar).
+        ``timeout`` (default: the group's) bounds the whole sync, handshake to last acknowledgement.
+
+        One sync is one session: if anything fails on this side once receivers are engaged (a transport
+        error, the source iterator raising, ``progress`` raising, an interrupt), the group is aborted with
+        the reason, so every receiver raises within the group's liveness timeout instead of waiting. A
+        mistake found before the sync starts (bad names, an unusable transport) is told to the receivers as
+        a refusal and leaves the group usable.
 
         Raises:
+            ValueError, TypeError: bad arguments (receivers are told and raise WeightSyncError).
             ManifestMismatchError: a receiver expects other names, shapes or dtypes; nothing was sent.
-            WeightSyncError: the transfer failed or a receiver reported a failure.
+            WeightSyncError: the transfer failed or a receiver reported a failure (the cause is chained).
         """
         if isinstance(version, bool) or not isinstance(version, int):
             raise TypeError(f"version must be an int, got {type(version).__name__}")
-        items = named_tensors_of(named_tensors)
-        if isinstance(items, list):
-            items = [(self._rename(n), t) for n, t in items]
-            manifest = Manifest.build(items, self.wire_dtype)
-        elif specs is not None:
-            meta = [
-                (self._rename(n), torch.empty(tuple(s), dtype=d, device="meta"))
-                for n, (s, d) in specs.items()
-            ]
-            manifest = Manifest.build(meta, self.wire_dtype)
-            items = ((self._rename(n), t) for n, t in items)
-        elif self._manifest is not None:
-            manifest = self._manifest
-            items = ((self._rename(n), t) for n, t in items)
-        else:
-            logger.warning(
-                "first send of an iterator without specs=: collecting it once to build the manifest"
-            )
-            items = [(self._rename(n), t) for n, t in items]
-            manifest = Manifest.build(items, self.wire_dtype)
-        self._manifest = manifest
-        items, device = _peek_device(items)
+        deadline = self.group.deadline(timeout)
+        self.group._check_open()
         try:
-            kind = choose(self.transport, self.group, device)
-        except TransportUnavailableError as e:
-            refuse(self.group, str(e))
+            items, manifest = self._describe(named_tensors, specs)
+            items, device = _peek_device(items)
+            kind = self._choose(device, manifest)
+        except (ValueError, TypeError, TransportUnavailableError) as e:
+            kind = "transport" if isinstance(e, TransportUnavailableError) else "input"
+            refuse(self.group, f"{type(e).__name__}: {e}", deadline, kind)
             raise
+        self._manifest = manifest
         plan = self._plan(manifest)
         options: dict[str, Any] = {
             "sync_id": secrets.token_hex(6),
             "chain": self.chain,
             "chunk_bytes": self.relay_chunk_bytes,
         }
+        verify = "hmac" if self.group.sealed else ("crc32" if self.checksum else "")
         header = Header(
-            version, manifest.digest, self.bucket_bytes, self.solo_bytes, kind, self.checksum,
+            version, manifest.digest, self.bucket_bytes, self.solo_bytes, kind, verify,
             plan.total_bytes, options,
         )  # fmt: skip
         tx = self._transports.get(kind)
         if tx is None:
             tx = self._transports[kind] = make_tx(kind, self.group)
-
-        with intra_op_threads(self.threads):
-            _, _, merged = settle(
-                self.group, self.src, header, manifest, self._known, None, self._in_place(items)
-            )
-            if merged:
-                plan = merged_plan(manifest)
-            t0 = time.perf_counter()
-            try:
-                tx.setup(plan, device, dict(options, timeout=timeout))
-                in_place, crcs = self._transfer(tx, plan, manifest, iter(items), progress)
-                if self.checksum:
-                    self.group.broadcast_obj(crcs, src=self.src)
-            except GroupBridgeError as e:
+        try:
+            return self._session(header, manifest, plan, items, device, tx, deadline, progress)
+        except BaseException as e:
+            if getattr(e, "agreed", False):  # a refusal every member raised alike: the group is fine
+                raise
+            reason = f"rank {self.src} gave up sending version {version}: {type(e).__name__}: {e}"
+            self.group.abort(reason)
+            if isinstance(e, GroupBridgeError):
+                if isinstance(e, WeightSyncError):
+                    raise
                 raise WeightSyncError(f"sending version {version} failed: {e}") from e
-            failures = []
-            for r in range(self.group.world_size):
-                if r != self.src:
-                    ack = self.group.recv_obj(r, timeout=timeout, tag=ACK_TAG)
-                    if not ack.get("ok"):
-                        failures.append(f"rank {r}: {ack.get('error')}")
-            seconds = time.perf_counter() - t0
+            if isinstance(e, Exception):
+                raise WeightSyncError(
+                    f"sending version {version} failed: {type(e).__name__}: {e}; the group is aborted"
+                ) from e
+            raise
+
+    def _describe(self, named_tensors: Any, specs: Any) -> tuple[Any, Manifest]:
+        items = named_tensors_of(named_tensors)
+        if isinstance(items, list):
+            items = [(self._rename(n), t) for n, t in items]
+            return items, Manifest.build(items, self.wire_dtype)
+        if specs is not None:
+            meta = [
+                (self._rename(n), torch.empty(tuple(s), dtype=d, device="meta"))
+                for n, (s, d) in specs.items()
+            ]
+            return ((self._rename(n), t) for n, t in items), Manifest.build(meta, self.wire_dtype)
+        if self._manifest is not None:
+            return ((self._rename(n), t) for n, t in items), self._manifest
+        logger.warning("first send of an iterator without specs=: collecting it once to build the manifest")
+        items = [(self._rename(n), t) for n, t in items]
+        return items, Manifest.build(items, self.wire_dtype)
+
+    def _choose(self, device: torch.device, manifest: Manifest) -> str:
+        kind = choose(self.transport, self.group, device)
+        if kind == "shm":
+            tx = self._transports.get("shm") or make_tx("shm", self.group)
+            self._transports["shm"] = tx
+            try:
+                tx.reserve(self._plan(manifest), device)  # type: ignore[attr-defined]
+            except TransportUnavailableError as e:
+                if self.transport != "auto":
+                    raise
+                fallback = "broadcast" if self.group.world_size <= 3 else "relay"
+                logger.warning("[%s] %s; using %s instead", self.group.name, e, fallback)
+                return fallback
+        return kind
+
+    def _session(
+        self,
+        header: Header,
+        manifest: Manifest,
+        plan: Plan,
+        items: Any,
+        device: torch.device,
+        tx: TxTransport,
+        deadline: Deadline,
+        progress: Callable[[int, int], None] | None,
+    ) -> SyncStats:
+        version = header.version
+        _, _, merged = settle(
+            self.group, self.src, header, manifest, self._known, None, self._in_place(items), deadline
+        )
+        if merged:
+            plan = merged_plan(manifest)
+        t0 = time.perf_counter()
+        tx.setup(plan, device, dict(header.options, deadline=deadline))
+        in_place, digests = self._transfer(tx, plan, manifest, iter(items), progress, header.verify)
+        if header.verify:
+            self.group.broadcast_obj(digests, src=self.src, timeout=deadline)
+        failures = []
+        for r in range(self.group.world_size):
+            if r != self.src:
+                ack = self.group.recv_obj(r, timeout=deadline, tag=ACK_TAG)
+                if not isinstance(ack, dict) or ack.get("ok") is not True:
+                    error = ack.get("error") if isinstance(ack, dict) else repr(ack)[:200]
+                    failures.append(f"rank {r}: {error}")
+        seconds = time.perf_counter() - t0
         if failures:
             raise WeightSyncError(f"version {version} was not applied everywhere:\n" + "\n".join(failures))
         stats = SyncStats(
@@ -242,13 +274,13 @@ class WeightSender:
             gbps=plan.total_bytes / seconds / 1e9 if seconds > 0 else float("inf"),
             buckets=len(plan.buckets),
             in_place_buckets=in_place,
-            transport=kind,
+            transport=header.transport,
             receivers=self.group.world_size - 1,
         )
         logger.info(
             "[%s] sent version %d: %.1f MB in %.3fs (%.2f GB/s, %d buckets, %d in place, %s)",
             self.group.name, version, stats.bytes / 1e6, seconds, stats.gbps, stats.buckets,
-            in_place, kind,
+            in_place, header.transport,
         )  # fmt: skip
         return stats
 
@@ -271,10 +303,17 @@ class WeightSender:
         return self._plan_cache[1]
 
     def close(self) -> None:
-        """Release transport resources (shared slots, buffers). The group stays open."""
+        """Release transport resources (shared slots, buffers) and the copy thread. The group stays open."""
         for tx in self._transports.values():
             tx.close()
         self._transports.clear()
+        self._copier.close()
+
+    def __enter__(self) -> WeightSender:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _transfer(
         self,
@@ -283,7 +322,8 @@ class WeightSender:
         manifest: Manifest,
         items: Iterator[tuple[str, torch.Tensor]],
         progress: Callable[[int, int], None] | None,
-    ) -> tuple[int, list[int]]:
+        verify: str,
+    ) -> tuple[int, list[Any]]:
         entries = manifest.entries
         live: list[torch.Tensor | None] = [None] * len(entries)
         last_bucket = [-1] * len(entries)
@@ -319,7 +359,7 @@ class WeightSender:
                     live[pulled] = src.contiguous()
                 pulled += 1
 
-        crcs: list[int] = []
+        digests: list[Any] = []
         in_place = 0
         for k, segs in enumerate(plan.buckets):
             pull_through(max(seg.index for seg in segs))
@@ -330,13 +370,9 @@ class WeightSender:
             else:
                 device = live[segs[0].index].device  # type: ignore[union-attr]
                 view = tx.buffer(k, end - start, device)  # waits until the buffer is free again
-                for seg in segs:
-                    src = _bytes.byte_view(live[seg.index])  # type: ignore[arg-type]
-                    view[seg.bucket_offset : seg.bucket_offset + seg.nbytes].copy_(
-                        src[seg.tensor_offset : seg.tensor_offset + seg.nbytes]
-                    )
-            if self.checksum:
-                crcs.append(_bytes.checksum(view))
+                self._copier.run(lambda view=view, segs=segs: _pack(view, segs, live))  # type: ignore[misc]
+            if verify:
+                digests.append(_bytes.digest(view, verify, self.group))
             if self._fault is not None:
                 self._fault(k, view)
             tx.post(k, view)
@@ -347,7 +383,15 @@ class WeightSender:
                     live[seg.index] = None  # a lazy source's tensor is released as soon as it is sent
         tx.finish()
         pull_through(len(entries) - 1)  # trailing aliases and empty tensors
-        return in_place, crcs
+        return in_place, digests
+
+
+def _pack(view: torch.Tensor, segs: Any, live: list[torch.Tensor | None]) -> None:
+    for seg in segs:
+        src = _bytes.byte_view(live[seg.index])  # type: ignore[arg-type]
+        view[seg.bucket_offset : seg.bucket_offset + seg.nbytes].copy_(
+            src[seg.tensor_offset : seg.tensor_offset + seg.nbytes]
+        )
 
 
 def _peek_device(

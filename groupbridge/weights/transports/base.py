@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from datetime import timedelta
 from typing import Any, Protocol
 
 import torch
 
+from ..._control import Deadline
 from ...errors import TransportUnavailableError
 from ...stateless import StatelessGroup
 from ..plan import Plan
@@ -44,7 +44,7 @@ class RxTransport(Protocol):
     def setup(self, plan: Plan, device: torch.device, options: dict[str, Any]) -> None: ...
 
     def buckets(
-        self, plan: Plan, land: Land, timeout: timedelta | None
+        self, plan: Plan, land: Land, deadline: Deadline
     ) -> Iterator[tuple[int, torch.Tensor, bool]]: ...
 
     def close(self) -> None: ...

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator
-from datetime import timedelta
 from typing import Any
 
 import torch
 
+from ..._control import Deadline
 from ...env import tuning_int
 from ...stateless import StatelessGroup, Work
 from .. import _bytes
@@ -28,10 +28,10 @@ class BroadcastTx:
         self.group = group
         self._buffers = _bytes.BufferCache()
         self._pending: deque[Work] = deque()
-        self._timeout: timedelta | None = None
+        self._deadline: Deadline | None = None
 
     def setup(self, plan: Plan, device: torch.device, options: dict[str, Any]) -> None:
-        self._timeout = options.get("timeout")
+        self._deadline = options["deadline"]
 
     def buffer(self, k: int, nbytes: int, device: torch.device) -> torch.Tensor:
         self._make_room()
@@ -39,7 +39,7 @@ class BroadcastTx:
 
     def _make_room(self) -> None:
         if len(self._pending) >= IN_FLIGHT:
-            self._pending.popleft().wait(self._timeout)
+            self._pending.popleft().wait(self._deadline)
 
     def post(self, k: int, view: torch.Tensor) -> None:
         self._make_room()
@@ -49,7 +49,7 @@ class BroadcastTx:
 
     def finish(self) -> None:
         while self._pending:
-            self._pending.popleft().wait(self._timeout)
+            self._pending.popleft().wait(self._deadline)
 
     def close(self) -> None:
         self._pending.clear()
@@ -64,9 +64,7 @@ class BroadcastRx:
     def setup(self, plan: Plan, device: torch.device, options: dict[str, Any]) -> None:
         pass
 
-    def buckets(
-        self, plan: Plan, land: Land, timeout: timedelta | None
-    ) -> Iterator[tuple[int, torch.Tensor, bool]]:
+    def buckets(self, plan: Plan, land: Land, deadline: Deadline) -> Iterator[tuple[int, torch.Tensor, bool]]:
         n = len(plan.buckets)
         pending: deque[tuple[torch.Tensor, bool, Work]] = deque()
 
@@ -80,7 +78,7 @@ class BroadcastRx:
             post(k)
         for k in range(n):
             view, in_place, work = pending.popleft()
-            work.wait(timeout)
+            work.wait(deadline)
             yield k, view, in_place
             if k + IN_FLIGHT < n:
                 post(k + IN_FLIGHT)

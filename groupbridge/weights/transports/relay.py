@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator
-from datetime import timedelta
 from typing import Any
 
 import torch
 
+from ..._control import Deadline
 from ...env import relay_window
 from ...stateless import StatelessGroup, Work
 from .. import _bytes
@@ -46,18 +46,18 @@ class RelayTx:
         self.group = group
         self._buffers = _bytes.BufferCache()
         self._sends: deque[tuple[int, Work]] = deque()  # (bucket, work)
-        self._timeout: timedelta | None = None
+        self._deadline: Deadline | None = None
         self._succ: int | None = None
         self._chunk = DEFAULT_CHUNK_BYTES
 
     def setup(self, plan: Plan, device: torch.device, options: dict[str, Any]) -> None:
-        self._timeout = options.get("timeout")
+        self._deadline = options["deadline"]
         self._chunk = int(options["chunk_bytes"])
         _, self._succ = _neighbours(list(options["chain"]), self.group.rank)
 
     def buffer(self, k: int, nbytes: int, device: torch.device) -> torch.Tensor:
         while self._sends and self._sends[0][0] <= k - 2:  # the buffer bucket k reuses must be sent
-            self._sends.popleft()[1].wait(self._timeout)
+            self._sends.popleft()[1].wait(self._deadline)
         return self._buffers.get(f"bucket{k % 2}", nbytes, device)
 
     def post(self, k: int, view: torch.Tensor) -> None:
@@ -65,14 +65,14 @@ class RelayTx:
             return
         for start, end in _chunks(view.numel(), self._chunk):
             while len(self._sends) >= 2 * WINDOW:
-                self._sends.popleft()[1].wait(self._timeout)
+                self._sends.popleft()[1].wait(self._deadline)
             work = self.group.send(view[start:end], self._succ, async_op=True)
             assert work is not None
             self._sends.append((k, work))
 
     def finish(self) -> None:
         while self._sends:
-            self._sends.popleft()[1].wait(self._timeout)
+            self._sends.popleft()[1].wait(self._deadline)
 
     def close(self) -> None:
         self._sends.clear()
@@ -91,9 +91,7 @@ class RelayRx:
         self._chunk = int(options["chunk_bytes"])
         self._pred, self._succ = _neighbours(list(options["chain"]), self.group.rank)
 
-    def buckets(
-        self, plan: Plan, land: Land, timeout: timedelta | None
-    ) -> Iterator[tuple[int, torch.Tensor, bool]]:
+    def buckets(self, plan: Plan, land: Land, deadline: Deadline) -> Iterator[tuple[int, torch.Tensor, bool]]:
         assert self._pred is not None
         for k in range(len(plan.buckets)):
             view, kind = land(k)
@@ -105,7 +103,7 @@ class RelayRx:
             posted = min(WINDOW, len(chunks))
             while recvs:
                 s, e, work = recvs.popleft()
-                work.wait(timeout)
+                work.wait(deadline)
                 if posted < len(chunks):
                     ns, ne = chunks[posted]
                     recvs.append((ns, ne, self._recv(view, ns, ne)))
@@ -115,7 +113,7 @@ class RelayRx:
                     assert fwd is not None
                     sends.append(fwd)
             for fwd in sends:
-                fwd.wait(timeout)
+                fwd.wait(deadline)
             yield k, view, kind == "target"
 
     def _recv(self, view: torch.Tensor, start: int, end: int) -> Work:

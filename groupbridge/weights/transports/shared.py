@@ -1,82 +1,112 @@
-"""Shared buffers on one host: POSIX shared memory (``shm``) or CUDA IPC (``cuda_ipc``).
+"""Shared buffers on one host: anonymous shared memory (``shm``) or CUDA IPC (``cuda_ipc``).
 
 The sender owns a ring of bucket-sized slots that every receiver maps; for each bucket the sender fills a
-slot and says so through the group's store, the receivers copy out in parallel and say they are done, and the
-sender refills the slot two buckets later. Shared-memory segments are created private to the user (0600),
-faulted in before use, and unlinked as soon as every receiver has mapped them, so nothing is left in
-/dev/shm whoever is killed afterwards. CUDA IPC slots live as long as the sender's transport; receivers drop
-their mappings when the sender announces new slots or when they close.
+slot and says so through the group's control channel, the receivers copy out in parallel and say they are
+done, and the sender refills the slot two buckets later.
+
+Shared-memory slots are ``memfd_create`` files: they have no name in any file system, so nothing can be left
+in /dev/shm whoever is killed at whatever moment, and a small /dev/shm (Docker's 64 MiB) does not limit them.
+Their pages are reserved with ``posix_fallocate`` before use, so a host short of memory refuses the transport
+with an error instead of killing the sender with SIGBUS at the first write. Receivers open a slot through
+``/proc/<sender pid>/fd/<n>``, and only one the sender announced on the (sealed, with a token) control
+channel, from the pid the sender declared at join, with the inode it announced. CUDA IPC slots live as long as
+the sender's transport; receivers drop their mappings when the sender announces new slots or when they close.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import mmap
 import os
-import uuid
 import warnings
-from collections.abc import Callable, Iterator
-from datetime import timedelta
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from ...errors import GroupBridgeError, TransportUnavailableError, WeightSyncError
+from ... import _torch_private
+from ..._control import Deadline
+from ...errors import ProtocolError, TransportUnavailableError, WeightSyncError
 from ...stateless import StatelessGroup
 from ..plan import Plan
 from .base import Land
 
-__all__ = ["SHM_DIR", "SLOTS", "SharedRx", "SharedTx", "leftover_segments"]
+__all__ = ["SLOTS", "SharedRx", "SharedTx", "shm_available"]
 
 SLOTS = 2
-SHM_DIR = "/dev/shm"
-PREFIX = "groupbridge-"
 
 
 def _max_bucket(plan: Plan) -> int:
     return max((e - s for s, e in plan.bounds), default=0)
 
 
-def _shm_create(nbytes: int) -> tuple[str, torch.Tensor]:
-    if not os.path.isdir(SHM_DIR):
-        raise TransportUnavailableError(f"transport='shm' needs {SHM_DIR}, which this host lacks")
-    name = f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
-    path = os.path.join(SHM_DIR, name)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.ftruncate(fd, nbytes)
-        mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-    except BaseException:
-        os.close(fd)
-        os.unlink(path)
-        raise
-    os.close(fd)
-    t = torch.frombuffer(mm, dtype=torch.uint8)
-    t.fill_(0)  # fault every page in now, not inside a timed transfer
-    return name, t
+class _Segment:
+    """One anonymous shared-memory file and its mapping in this process."""
+
+    def __init__(self, nbytes: int) -> None:
+        if not hasattr(os, "memfd_create"):
+            raise TransportUnavailableError("transport='shm' needs memfd_create (Linux)")
+        self.fd = os.memfd_create("groupbridge-slot", os.MFD_CLOEXEC)
+        try:
+            os.posix_fallocate(self.fd, 0, max(nbytes, 1))  # reserve now: ENOSPC here, never SIGBUS later
+            mm = mmap.mmap(self.fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        except OSError as e:
+            os.close(self.fd)
+            raise TransportUnavailableError(
+                f"transport='shm' could not reserve {nbytes / 2**20:.0f} MiB of shared memory on this host: "
+                f"{e.strerror or e}"
+            ) from e
+        self.ino = os.fstat(self.fd).st_ino
+        self.tensor = torch.frombuffer(mm, dtype=torch.uint8)
+        self.tensor.fill_(0)  # fault every page in now, not inside a timed transfer
+
+    def describe(self) -> dict[str, int]:
+        return {"fd": self.fd, "ino": self.ino}
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
-def _shm_open(name: str, nbytes: int) -> torch.Tensor:
-    if not name.startswith(PREFIX) or "/" in name:
-        raise WeightSyncError(f"refusing shared-memory name {name!r}")
-    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+def shm_available(nbytes: int) -> str | None:
+    """Why ``nbytes`` of anonymous shared memory cannot be reserved here, or None if it can."""
     try:
-        mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        _Segment(nbytes).close()
+    except TransportUnavailableError as e:
+        return str(e)
+    return None
+
+
+def _open_peer_fd(pid: int, fd: int, ino: int, nbytes: int, *, writable: bool) -> torch.Tensor:
+    """Map another process's descriptor (same host, same pid namespace) after checking it is the one meant."""
+    path = f"/proc/{pid}/fd/{fd}"
+    opened = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
+    try:
+        st = os.fstat(opened)
+        if st.st_ino != ino:
+            raise WeightSyncError(f"{path} is not the announced shared memory (inode {st.st_ino}, not {ino})")
+        if st.st_size < nbytes:
+            raise WeightSyncError(f"{path} holds {st.st_size} bytes, fewer than the {nbytes} announced")
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        mm = mmap.mmap(opened, nbytes, flags=mmap.MAP_SHARED, prot=prot)
     finally:
-        os.close(fd)
-    return torch.frombuffer(mm, dtype=torch.uint8)
-
-
-def _unlink(names: list[str]) -> None:
-    for name in names:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(SHM_DIR, name))
+        os.close(opened)
+    with warnings.catch_warnings():  # read-only on purpose: this side only copies out of it
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(mm, dtype=torch.uint8)
 
 
 def _sync(t: torch.Tensor) -> None:
     if t.device.type == "cuda":
         torch.cuda.current_stream(t.device).synchronize()
+
+
+def _int(d: Any, key: str, limit: int = 1 << 62) -> int:
+    v = d.get(key) if isinstance(d, dict) else None
+    if type(v) is not int or not 0 <= v <= limit:
+        raise ProtocolError(f"bucket signal field {key!r} is missing or out of range")
+    return v
 
 
 class SharedTx:
@@ -85,49 +115,54 @@ class SharedTx:
         self.name = kind
         self.kind = kind
         self._slots: list[torch.Tensor] = []
+        self._segments: list[_Segment] = []
         self._gen = 0
         self._sid = ""
-        self._timeout: timedelta | None = None
+        self._deadline: Deadline | None = None
         self._posted = 0
+        self._receivers = [r for r in range(group.world_size) if r != group.rank]
         self.external = 0
         """Buckets of the last sync that receivers read from the sender's own shared memory (no copy)."""
 
+    def reserve(self, plan: Plan, device: torch.device) -> None:
+        """Make the slots now (before the sync is announced), so that a host short of memory is known
+        while another transport can still be chosen. Raises :class:`TransportUnavailableError`."""
+        need = _max_bucket(plan)
+        if self._slots and self._slots[0].numel() >= need and self._slots[0].device == device:
+            return
+        self._release()
+        self._gen += 1
+        for _ in range(SLOTS):
+            if self.kind == "shm":
+                seg = _Segment(need)
+                self._segments.append(seg)
+                self._slots.append(seg.tensor)
+            else:
+                self._slots.append(torch.zeros(need, dtype=torch.uint8, device=device))
+        self._announced = False
+
     def setup(self, plan: Plan, device: torch.device, options: dict[str, Any]) -> None:
-        self._timeout = options.get("timeout")
+        self._deadline = options["deadline"]
         self._sid = str(options["sync_id"])
         self._posted = 0
         self.external = 0
-        need = _max_bucket(plan)
-        names: list[str] = []
-        fresh = not self._slots or self._slots[0].numel() < need or self._slots[0].device != device
-        if fresh:
-            self._slots = []
-            self._gen += 1
-            try:
-                for _ in range(SLOTS):
-                    if self.kind == "shm":
-                        name, t = _shm_create(need)
-                        names.append(name)
-                        self._slots.append(t)
-                    else:
-                        self._slots.append(torch.zeros(need, dtype=torch.uint8, device=device))
-                descs: list[Any] = (
-                    names
-                    if self.kind == "shm"
-                    else [list(s.untyped_storage()._share_cuda_()) for s in self._slots]  # type: ignore[no-untyped-call]
-                )
-                announce = {"gen": self._gen, "nbytes": need, "slots": descs}
-                self.group.broadcast_obj(announce, src=self.group.rank)
-                verdicts = self.group.all_gather_obj(None)
-            finally:
-                _unlink(names)  # every receiver has mapped them (or failed): nothing stays in /dev/shm
+        self.reserve(plan, device)
+        if not self._announced:
+            descs: list[Any] = (
+                [seg.describe() for seg in self._segments]
+                if self.kind == "shm"
+                else [_torch_private.share_cuda(s.untyped_storage()) for s in self._slots]
+            )
+            announce = {"gen": self._gen, "nbytes": self._slots[0].numel(), "slots": descs}
         else:
-            self.group.broadcast_obj({"gen": self._gen}, src=self.group.rank)
-            verdicts = self.group.all_gather_obj(None)
+            announce = {"gen": self._gen}
+        self.group.broadcast_obj(announce, src=self.group.rank, timeout=self._deadline)
+        verdicts = self.group.all_gather_obj(None, timeout=self._deadline)
         errors = [f"rank {r}: {v}" for r, v in enumerate(verdicts) if v]
         if errors:
-            self._slots = []
+            self._release()
             raise TransportUnavailableError(f"{self.kind} slots could not be mapped:\n" + "\n".join(errors))
+        self._announced = True
 
     def _key(self, what: str, k: int) -> str:
         return f"wx/{self._sid}/{what}/{k}"
@@ -137,17 +172,11 @@ class SharedTx:
         prev = k - SLOTS
         if prev < 0:
             return
-        receivers = self.group.world_size - 1
-        key = self._key("done", prev)
-        store = self.group._store
-        deadline = self.group._deadline(self._timeout)
-        others = [r for r in range(self.group.world_size) if r != self.group.rank]
-        self.group._poll(
-            lambda: store.add(key, 0) >= receivers, deadline, f"receivers done with bucket {prev}", others
-        )
-        self.group._store_call(
-            lambda: store.delete_key(key) and store.delete_key(self._key("ready", prev)), "shm"
-        )
+        assert self._deadline is not None
+        keys = [f"{self._key('done', prev)}/{r}" for r in self._receivers]
+        ctl = self.group.control
+        ctl.get(keys, self._receivers, self._deadline, f"receivers done with bucket {prev}")
+        ctl.delete([*keys, self._key("ready", prev)], "freeing a shared slot")
 
     def buffer(self, k: int, nbytes: int, device: torch.device) -> torch.Tensor:
         self._wait_free(k)
@@ -155,25 +184,31 @@ class SharedTx:
 
     def post(self, k: int, view: torch.Tensor) -> None:
         slot = self._slots[k % SLOTS]
-        signal = "1"
+        signal: dict[str, Any] = {"slot": k % SLOTS, "nbytes": view.numel()}
         source = _shared_source(view) if self.kind == "shm" and view.data_ptr() != slot.data_ptr() else None
         if source is not None:
-            signal = json.dumps(source)  # receivers read the sender's own shared memory: no copy here
+            signal = source  # receivers read the sender's own shared memory: no copy here
             self.external += 1
         elif view.data_ptr() != slot.data_ptr():
             self._wait_free(k)
             slot[: view.numel()].copy_(view)
         _sync(slot)
-        ready = self._key("ready", k)
-        self.group._store_call(lambda: self.group._store.set(ready, signal), "signalling a bucket")
+        self.group.control.put(self._key("ready", k), json.dumps(signal).encode(), "signalling a bucket")
         self._posted = k + 1
 
     def finish(self) -> None:
         for k in range(max(0, self._posted - SLOTS), self._posted):
             self._wait_free(k + SLOTS)
 
-    def close(self) -> None:
+    def _release(self) -> None:
         self._slots = []
+        for seg in self._segments:
+            seg.close()
+        self._segments = []
+        self._announced = False
+
+    def close(self) -> None:
+        self._release()
 
 
 class SharedRx:
@@ -184,28 +219,32 @@ class SharedRx:
         self._slots: list[torch.Tensor] = []
         self._gen = 0
         self._sid = ""
-        self._sources: dict[tuple[int, int, int], torch.Tensor] = {}
+        self._sources: dict[tuple[int, int], torch.Tensor] = {}
+        """The sender's own shared storages mapped during the current sync (dropped at the next)."""
 
     def setup(self, plan: Plan, device: torch.device, options: dict[str, Any]) -> None:
         self._sid = str(options["sync_id"])
-        announce = self.group.broadcast_obj(None, src=self.src)
+        deadline: Deadline = options["deadline"]
+        self._sources.clear()
+        announce = self.group.broadcast_obj(None, src=self.src, timeout=deadline)
         error = None
-        if announce["gen"] != self._gen or not self._slots:
-            if "slots" not in announce:
-                error = f"holds no slots of generation {announce['gen']}"
-            else:
-                try:
-                    self._slots = [self._map(d, int(announce["nbytes"])) for d in announce["slots"]]
-                    self._gen = announce["gen"]
-                except (OSError, RuntimeError) as e:
-                    self._slots = []
-                    error = f"{type(e).__name__}: {e}"
         try:
-            self.group.all_gather_obj(error)
-        except GroupBridgeError:
-            if self.kind == "shm" and "slots" in announce:
-                _unlink(list(announce["slots"]))  # the sender died before it could unlink them
-            raise
+            gen = _int(announce, "gen")
+            if gen != self._gen or not self._slots:
+                if "slots" not in announce:
+                    error = f"holds no slots of generation {gen}"
+                else:
+                    nbytes = _int(announce, "nbytes")
+                    slots = announce["slots"]
+                    if not isinstance(slots, list) or len(slots) != SLOTS:
+                        raise ProtocolError(f"the announcement names {SLOTS} slots")
+                    self._slots = []
+                    self._slots = [self._map(d, nbytes) for d in slots]
+                    self._gen = gen
+        except (OSError, RuntimeError) as e:
+            self._slots = []
+            error = f"{type(e).__name__}: {e}"
+        self.group.all_gather_obj(error, timeout=deadline)
         if error:
             raise TransportUnavailableError(
                 f"rank {self.group.rank} could not map the sender's {self.kind} slots: {error}"
@@ -213,21 +252,21 @@ class SharedRx:
 
     def _map(self, desc: Any, nbytes: int) -> torch.Tensor:
         if self.kind == "shm":
-            return _shm_open(str(desc), nbytes)
-        storage = torch.UntypedStorage._new_shared_cuda(*desc)
+            pid = self.group.pids[self.src]
+            return _open_peer_fd(pid, _int(desc, "fd"), _int(desc, "ino"), nbytes, writable=False)
+        storage = _torch_private.open_shared_cuda(desc)
         return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (nbytes,), (1,))
 
-    def buckets(
-        self, plan: Plan, land: Land, timeout: timedelta | None
-    ) -> Iterator[tuple[int, torch.Tensor, bool]]:
-        store = self.group._store
+    def buckets(self, plan: Plan, land: Land, deadline: Deadline) -> Iterator[tuple[int, torch.Tensor, bool]]:
+        ctl = self.group.control
         for k in range(len(plan.buckets)):
             start, end = plan.bucket_range(k)
-            ready = f"wx/{self._sid}/ready/{k}"
-            deadline = self.group._deadline(timeout)
-            self.group._poll(_has(store, ready), deadline, f"bucket {k}", [self.src])
-            signal = self.group._store_call(_getter(store, ready), "reading a bucket signal")
-            slot = self._slots[k % SLOTS][: end - start] if signal == b"1" else self._external(signal)
+            raw = ctl.get_one(f"wx/{self._sid}/ready/{k}", self.src, deadline, f"bucket {k}")
+            try:
+                signal = json.loads(raw)
+            except ValueError as e:
+                raise ProtocolError(f"bucket {k}'s signal is not JSON: {e}") from None
+            slot = self._slot_for(signal, end - start)
             view, kind = land(k)
             if kind == "scratch" and view.device == slot.device:
                 yield k, slot, False
@@ -239,29 +278,30 @@ class SharedRx:
                 continue
             self._done(k)
 
-    def _external(self, signal: bytes) -> torch.Tensor:
-        """The sender's own shared-memory storage holding this bucket, mapped through /proc (cached)."""
-        d = json.loads(signal)
-        key = (int(d["pid"]), int(d["fd"]), int(d["ino"]))
-        mapped = self._sources.get(key)
+    def _slot_for(self, signal: Any, nbytes: int) -> torch.Tensor:
+        if _int(signal, "nbytes") != nbytes:
+            raise ProtocolError(f"a bucket signal announces {signal.get('nbytes')} bytes, the plan {nbytes}")
+        if "slot" in signal:
+            return self._slots[_int(signal, "slot", SLOTS - 1)][:nbytes]
+        return self._external(signal, nbytes)
+
+    def _external(self, d: Any, nbytes: int) -> torch.Tensor:
+        """The sender's own shared storage holding this bucket, mapped through /proc (this sync only)."""
+        if self.kind != "shm":
+            raise ProtocolError("an external source is announced outside transport 'shm'")
+        fd, ino, size, offset = _int(d, "fd"), _int(d, "ino"), _int(d, "size"), _int(d, "offset")
+        if offset + nbytes > size:
+            raise ProtocolError(
+                f"the announced bucket [{offset}, {offset + nbytes}) lies outside {size} bytes"
+            )
+        mapped = self._sources.get((fd, ino))
         if mapped is None:
-            fd = os.open(f"/proc/{key[0]}/fd/{key[1]}", os.O_RDONLY)
-            try:
-                if os.fstat(fd).st_ino != key[2]:
-                    raise WeightSyncError(f"the sender's shared storage {key} changed under this receiver")
-                mm = mmap.mmap(fd, int(d["size"]), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-            finally:
-                os.close(fd)
-            with warnings.catch_warnings():  # read-only on purpose: this side only copies out of it
-                warnings.simplefilter("ignore", UserWarning)
-                mapped = torch.frombuffer(mm, dtype=torch.uint8)
-            self._sources[key] = mapped
-        offset = int(d["offset"])
-        return mapped[offset : offset + int(d["nbytes"])]
+            mapped = _open_peer_fd(self.group.pids[self.src], fd, ino, size, writable=False)
+            self._sources[(fd, ino)] = mapped
+        return mapped[offset : offset + nbytes]
 
     def _done(self, k: int) -> None:
-        key = f"wx/{self._sid}/done/{k}"
-        self.group._store_call(lambda: self.group._store.add(key, 1), f"signalling bucket {k} done")
+        self.group.control.post(f"wx/{self._sid}/done/{k}/{self.group.rank}", b"", f"bucket {k} done")
 
     def close(self) -> None:
         self._slots = []
@@ -280,26 +320,9 @@ def _shared_source(view: torch.Tensor) -> dict[str, int] | None:
     if not storage.is_shared():
         return None
     try:
-        fd, size = storage._share_fd_cpu_()  # type: ignore[attr-defined]
+        fd, size = _torch_private.share_fd_cpu(storage)
         ino = os.fstat(fd).st_ino
     except (RuntimeError, OSError):
         return None
     offset = view.data_ptr() - storage.data_ptr()
-    return {"pid": os.getpid(), "fd": int(fd), "ino": int(ino), "size": int(size), "offset": offset,
-            "nbytes": view.numel()}  # fmt: skip
-
-
-def leftover_segments() -> list[str]:
-    """Names of groupbridge segments in /dev/shm (for tests and the doctor)."""
-    try:
-        return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(PREFIX))
-    except FileNotFoundError:
-        return []
-
-
-def _has(store: Any, key: str) -> Callable[[], bool]:
-    return lambda: bool(store.check([key]))
-
-
-def _getter(store: Any, key: str) -> Callable[[], bytes]:
-    return lambda: bytes(store.get(key))
+    return {"fd": fd, "ino": int(ino), "size": size, "offset": offset, "nbytes": view.numel()}

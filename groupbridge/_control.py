@@ -1,0 +1,218 @@
+"""The group's control channel: group-scoped keys in the store, sealed, acknowledged and bounded.
+
+Every control message of a group (objects, weight-sync headers, bucket signals, acknowledgements) goes
+through one :class:`ControlChannel`, so the rules hold in one place:
+
+- writes the caller relies on are acknowledged (TCPStore's ``set`` is not: a write into a dead store would
+  otherwise "succeed");
+- values are sealed with the group's token when it has one (see :mod:`groupbridge._seal`), and a value that
+  fails the check is never returned: the reader waits for the real one until its deadline;
+- every wait is one server-side wait bounded by the caller's deadline, woken early when the liveness
+  watcher sees a peer fail (it shuts the connection down), and a timeout names the ranks not heard from.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import TypeVar
+
+from ._fmt import ranks, seconds
+from ._seal import ForgedMessageError, Sealer
+from .errors import GroupBridgeError, PeerTimeoutError, StoreUnreachableError
+from .store import StoreClient
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ControlChannel", "Deadline"]
+
+T = TypeVar("T")
+
+_FORGED_RETRY_S = 0.005
+
+
+class Deadline:
+    """One deadline for a whole operation (a sync, a join): every wait inside takes what is left."""
+
+    __slots__ = ("at", "total")
+
+    def __init__(self, total: timedelta) -> None:
+        self.total = total
+        self.at = time.monotonic() + total.total_seconds()
+
+    def left(self) -> float:
+        return self.at - time.monotonic()
+
+    def expired(self) -> bool:
+        return time.monotonic() >= self.at
+
+    def __str__(self) -> str:
+        return seconds(self.total)
+
+
+class ControlChannel:
+    """Group-scoped keys for one member (see the module docstring); made by :class:`StatelessGroup`.
+
+    Args:
+        client: this member's store connection.
+        prefix: the group's namespace; every key is relative to it.
+        sealer: seals and opens values (a no-op without a token).
+        rank: this member's rank, for messages.
+        where: describes the group for messages.
+        failure: the group's failure, if the liveness watcher saw one (raised instead of a store error).
+        awaiting: called with the ranks a wait depends on, so the watcher wakes it if one of them fails.
+    """
+
+    def __init__(
+        self,
+        client: StoreClient,
+        prefix: str,
+        sealer: Sealer,
+        rank: int,
+        where: Callable[[], str],
+        failure: Callable[[], GroupBridgeError | None],
+        awaiting: Callable[[Sequence[int]], None],
+    ) -> None:
+        self.client = client
+        self.prefix = prefix
+        self.sealer = sealer
+        self.rank = rank
+        self._where = where
+        self._failure = failure
+        self._awaiting = awaiting
+        self._warned_forgery = False
+
+    def key(self, key: str) -> str:
+        return f"{self.prefix}/{key}"
+
+    # ------------------------------------------------------------------ plumbing
+
+    def call(self, fn: Callable[[], T], what: str) -> T:
+        """Run one store call, turning torch's errors into the group's (the watcher's finding first)."""
+        failed = self._failure()
+        if failed is not None:
+            raise failed
+        try:
+            return fn()
+        except GroupBridgeError:
+            raise
+        except (RuntimeError, OSError) as e:
+            failed = self._failure()
+            if failed is not None:
+                raise failed from e
+            raise StoreUnreachableError(
+                f"rank {self.rank}: the store of {self._where()} (hosted by rank 0) failed during {what}: {e}"
+            ) from e
+
+    def _open(self, key: str, raw: bytes) -> bytes:
+        return self.sealer.open(self.key(key), raw)
+
+    def _forged(self, key: str) -> None:
+        if not self._warned_forgery:
+            self._warned_forgery = True
+            logger.warning(
+                "rank %d of %s: the store holds a value for %r that is not sealed with the group's token "
+                "(someone without the token wrote it); ignoring it and waiting for the real one",
+                self.rank, self._where(), key,
+            )  # fmt: skip
+
+    # ------------------------------------------------------------------ writes
+
+    def put(self, key: str, payload: bytes, what: str) -> None:
+        """Write ``key`` and return once the store has it (one round trip)."""
+        full = self.key(key)
+        data = self.sealer.seal(full, payload)
+        store = self.client.get()
+
+        def write() -> None:
+            store.set(full, data)  # type: ignore[arg-type]
+            store.check([full])  # answered after the set was applied: the acknowledgement
+
+        self.call(write, what)
+
+    def post(self, key: str, payload: bytes, what: str) -> None:
+        """Write ``key`` without waiting for the store (for hints whose loss only costs time)."""
+        full = self.key(key)
+        data = self.sealer.seal(full, payload)
+        store = self.client.get()
+        self.call(lambda: store.set(full, data), what)  # type: ignore[arg-type]
+
+    def add(self, key: str, amount: int, what: str) -> int:
+        store = self.client.get()
+        return int(self.call(lambda: store.add(self.key(key), amount), what))
+
+    def check(self, keys: Sequence[str], what: str) -> bool:
+        store = self.client.get()
+        full = [self.key(k) for k in keys]
+        return bool(self.call(lambda: store.check(full), what))
+
+    def delete(self, keys: Sequence[str], what: str) -> None:
+        store = self.client.get()
+        for k in keys:
+            full = self.key(k)
+            self.call(lambda full=full: store.delete_key(full), what)  # type: ignore[misc]
+
+    # ------------------------------------------------------------------ reads
+
+    def get(self, keys: Sequence[str], owners: Sequence[int], deadline: Deadline, what: str) -> list[bytes]:
+        """The values of ``keys`` (written by ``owners``), waiting until all exist and are sealed right.
+
+        One server-side wait plus one read when nothing is forged. Bounded by ``deadline`` and woken early
+        when one of ``owners`` fails.
+
+        Raises:
+            PeerTimeoutError: the deadline passed; names the owners whose keys are missing.
+            PeerDiedError, StoreUnreachableError: a peer or the store failed meanwhile.
+        """
+        store = self.client.get()
+        full = [self.key(k) for k in keys]
+        out: list[bytes | None] = [None] * len(keys)
+        self._awaiting(owners)
+        try:
+            while True:
+                left = deadline.left()
+                if left <= 0:
+                    raise self._timeout(keys, owners, what, deadline)
+                wanted = [full[i] for i, v in enumerate(out) if v is None]
+                pending = [i for i, v in enumerate(out) if v is None]
+                try:
+                    store.set_timeout(timedelta(seconds=left))
+                    raw = self.call(lambda wanted=wanted: store.multi_get(wanted), what)  # type: ignore[misc]
+                except StoreUnreachableError as e:
+                    if deadline.left() < 0.01 and not self.client.interrupted:
+                        raise self._timeout(keys, owners, what, deadline) from e
+                    raise
+                forged = False
+                for i, value in zip(pending, raw, strict=True):
+                    try:
+                        out[i] = self.sealer.open(full[i], bytes(value))
+                    except ForgedMessageError:
+                        forged = True
+                        self._forged(keys[i])
+                if not forged:
+                    return [v for v in out if v is not None]
+                time.sleep(_FORGED_RETRY_S)
+        finally:
+            self._awaiting(())
+
+    def get_one(self, key: str, owner: int, deadline: Deadline, what: str) -> bytes:
+        return self.get([key], [owner], deadline, what)[0]
+
+    def _timeout(
+        self, keys: Sequence[str], owners: Sequence[int], what: str, deadline: Deadline
+    ) -> PeerTimeoutError:
+        missing: set[int] = set()
+        store = self.client.get()
+        try:
+            store.set_timeout(timedelta(seconds=5))
+            for k, r in zip(keys, owners, strict=True):
+                if not store.check([self.key(k)]):
+                    missing.add(r)
+        except RuntimeError:  # the store is gone too; name everyone waited for
+            missing = set(owners)
+        return PeerTimeoutError(
+            f"rank {self.rank} of {self._where()} waited {deadline} for {what} from rank(s) "
+            f"{ranks(missing or set(owners))}"
+        )

@@ -1,0 +1,62 @@
+"""Sealing control messages: a MAC keyed from the group's token, bound to the group and to the message's key.
+
+TCPStore has no authentication: whoever reaches the port reads and writes every key. With a token, every
+value a member acts on is written as ``MAC || payload`` where the MAC is HMAC-SHA256 under a key derived from
+the token, the group's name and generation, and the nonce rank 0 drew for this instance of the group; the
+MAC covers the store key (which carries the sequence number and the writer's rank) and the payload. A
+process without the token can therefore delete or overwrite keys (deny service) but cannot make a member
+accept a value: a replay from another key, another group or an earlier instance fails the check. Without a
+token values travel bare and the group trusts whoever reaches the port.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+
+from .errors import ProtocolError
+
+__all__ = ["MAC_BYTES", "ForgedMessageError", "Sealer"]
+
+MAC_BYTES = 32
+
+
+class ForgedMessageError(ProtocolError):
+    """A value in the store does not carry this group's MAC (written by a process without the token)."""
+
+
+class Sealer:
+    """Seals and opens values for one group instance; a no-op without a token."""
+
+    def __init__(self, token: str | None, context: str) -> None:
+        self.enabled = token is not None
+        self._key = (
+            hmac.new(token.encode(), f"groupbridge-seal/1/{context}".encode(), hashlib.sha256).digest()
+            if token is not None
+            else b""
+        )
+
+    def mac(self, key: str, payload: bytes | memoryview) -> bytes:
+        h = hmac.new(self._key, key.encode(), hashlib.sha256)
+        h.update(b"\0")
+        h.update(payload)
+        return h.digest()
+
+    def seal(self, key: str, payload: bytes) -> bytes:
+        if not self.enabled:
+            return payload
+        return self.mac(key, payload) + payload
+
+    def open(self, key: str, raw: bytes) -> bytes:
+        """The payload of ``raw`` read from ``key``; :class:`ForgedMessageError` if the MAC is wrong."""
+        if not self.enabled:
+            return raw
+        if len(raw) < MAC_BYTES or not hmac.compare_digest(
+            raw[:MAC_BYTES], self.mac(key, memoryview(raw)[MAC_BYTES:])
+        ):
+            raise ForgedMessageError(f"the value of key {key!r} is not sealed with this group's token")
+        return raw[MAC_BYTES:]
+
+    def digest(self) -> hashlib._Hash:
+        """A fresh keyed hash for bulk data (HMAC-SHA256: about 1.4 GB/s with SHA extensions)."""
+        return hmac.new(self._key, b"groupbridge-data/1", hashlib.sha256)  # type: ignore[return-value]
