@@ -121,7 +121,16 @@ class Watcher:
         store = self.client.get()
         keys = [self._key(r) for r in self.peers]
         mine = self._key(self.rank)
-        while not self._stop.wait(self.interval):
+        while True:
+            asleep = time.monotonic()
+            if self._stop.wait(self.interval):
+                return
+            late = time.monotonic() - asleep - self.interval
+            if late > self.limit:  # this process did not run (SIGSTOP, a VM pause): blame nobody for it
+                self.stopped_for = max(self.stopped_for, late)
+                now = time.monotonic()
+                self.seen = {r: (n, now) for r, (n, _) in self.seen.items()}
+                self._last_ok = now
             self._beat += 1
             state, reason = self._state
             try:

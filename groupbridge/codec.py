@@ -9,6 +9,7 @@ the decoding side opted in (``allow_pickle=True``).
 from __future__ import annotations
 
 import pickle
+import re
 import struct
 from typing import Any
 
@@ -19,6 +20,9 @@ from .errors import ProtocolError
 __all__ = ["MAX_DEPTH", "decode", "encode"]
 
 MAX_DEPTH = 64
+MAX_DIMS = 32
+MAX_INT_DIGITS = 4300  # Python's own limit on int() of a str
+_INT = re.compile(rb"-?[0-9]+")
 _MAGIC = b"GB1"
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -73,13 +77,16 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
 
 
 def tensor_from_bytes(data: bytes | memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    out = torch.empty(shape, dtype=dtype)
-    if out.numel() == 0:
-        return out
-    expected = out.numel() * out.element_size()
+    """A CPU tensor from its raw bytes; the byte count is checked against the shape before allocating."""
+    numel = 1
+    for size in shape:
+        numel *= size
+    expected = numel * torch.empty((), dtype=dtype).element_size()
     if len(data) != expected:
         raise ProtocolError(f"tensor of {dtype} {list(shape)} needs {expected} bytes, got {len(data)}")
-    out.reshape(-1).view(torch.uint8).copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    out = torch.empty(shape, dtype=dtype)
+    if numel:
+        out.reshape(-1).view(torch.uint8).copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
     return out
 
 
@@ -173,7 +180,17 @@ class _Reader:
         return out
 
     def length(self) -> int:
-        return int(struct.unpack("<Q", self.take(8))[0])
+        """A length or count; never more than the bytes left, so nothing is allocated for absent data."""
+        n = int(struct.unpack("<Q", self.take(8))[0])
+        if n > len(self.data) - self.pos:
+            raise ProtocolError(f"length {n} exceeds the {len(self.data) - self.pos} bytes left")
+        return n
+
+    def text(self) -> str:
+        try:
+            return bytes(self.take(self.length())).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ProtocolError(f"string is not valid UTF-8: {e}") from None
 
     def value(self, depth: int) -> Any:
         if depth > MAX_DEPTH:
@@ -186,11 +203,14 @@ class _Reader:
         if tag == b"F":
             return False
         if tag == b"i":
-            return int(bytes(self.take(self.length())).decode())
+            digits = bytes(self.take(self.length()))
+            if not 0 < len(digits) <= MAX_INT_DIGITS or not _INT.fullmatch(digits):
+                raise ProtocolError("malformed integer")
+            return int(digits)
         if tag == b"f":
             return struct.unpack("<d", self.take(8))[0]
         if tag == b"s":
-            return bytes(self.take(self.length())).decode("utf-8")
+            return self.text()
         if tag == b"b":
             return bytes(self.take(self.length()))
         if tag in (b"l", b"t"):
@@ -199,14 +219,17 @@ class _Reader:
         if tag == b"d":
             out = {}
             for _ in range(self.length()):
-                key = self.value(depth + 1)
-                if type(key) is not str:
-                    raise ProtocolError("dict key on the wire is not a str")
+                key = self.dict_key(depth + 1)
+                if key in out:
+                    raise ProtocolError(f"dict key {key[:80]!r} appears twice")
                 out[key] = self.value(depth + 1)
             return out
         if tag == b"x":
-            dtype = dtype_from_name(bytes(self.take(self.length())).decode())
-            shape = tuple(self.length() for _ in range(self.length()))
+            dtype = dtype_from_name(self.text())
+            dims = self.length()
+            if dims > MAX_DIMS:
+                raise ProtocolError(f"tensor with {dims} dimensions (at most {MAX_DIMS})")
+            shape = tuple(int(struct.unpack("<Q", self.take(8))[0]) for _ in range(dims))
             return tensor_from_bytes(self.take(self.length()), dtype, shape)
         if tag == b"P":
             data = bytes(self.take(self.length()))
@@ -217,9 +240,22 @@ class _Reader:
             return pickle.loads(data)
         raise ProtocolError(f"unknown tag {tag!r} in message")
 
+    def dict_key(self, depth: int) -> str:
+        key = self.value(depth)
+        if type(key) is not str:
+            raise ProtocolError("dict key on the wire is not a str")
+        return key
+
 
 def decode(data: bytes, *, allow_pickle: bool = False) -> Any:
-    """Decode what :func:`encode` produced; never runs code unless ``allow_pickle``."""
+    """Decode what :func:`encode` produced; never runs code unless ``allow_pickle``.
+
+    The input is treated as hostile: every length is checked against the bytes present before anything is
+    allocated, and anything malformed raises :class:`ProtocolError` (never a decoding, index or memory
+    error).
+    """
+    if not isinstance(data, (bytes, bytearray)):
+        raise ProtocolError(f"message is a {type(data).__name__}, not bytes")
     if not data.startswith(_MAGIC):
         raise ProtocolError("message does not start with the groupbridge codec header")
     reader = _Reader(data, allow_pickle)

@@ -357,6 +357,30 @@ class StatelessGroup:
             return StoreUnreachableError(text)
         return PeerDiedError(text)
 
+    def _peer_aborted(self) -> GroupBridgeError | None:
+        """After a data-plane failure: a peer that published why it aborted (read now, not at the next
+        beat), so the error names who gave up and why rather than "connection closed by peer"."""
+        if self._client is None or self._client.interrupted or self._watcher is None:
+            return None
+        keys = [f"{self._ns}/{status_key(r)}" for r in range(self.world_size) if r != self.rank]
+        try:
+            store = self._client.get()
+            store.set_timeout(self._io_timeout())
+            raws = store.multi_get(keys)
+        except RuntimeError:
+            return None
+        for key, raw in zip(keys, raws, strict=True):
+            try:
+                status = decode_status(self._sealer.open(key, bytes(raw)))
+            except ProtocolError:
+                continue
+            if status is not None and status["state"] == "aborted":
+                peer = int(key.rsplit("/", 1)[1])
+                if self._broken is None:
+                    self._broken = f"rank {peer} aborted: {status['reason']}"
+                return PeerDiedError(f"rank {self.rank} of {self._where()}: rank {peer} aborted: {status['reason']}")
+        return None
+
     def _check_peers(self, peers: Iterable[int]) -> None:
         """Raise if a peer aborted, went silent or closed, or the store host is gone (the watcher saw it)."""
         failed = self._failure(peers)
@@ -553,7 +577,7 @@ class StatelessGroup:
             self.abort(str(e))
             raise
         except RuntimeError as e:
-            failed = self._failure(peers)
+            failed = self._failure(peers) or self._peer_aborted()
             self.abort(f"{what} failed: {e}")
             if failed is not None:
                 raise failed from e
@@ -583,7 +607,9 @@ class StatelessGroup:
                 key = f"{self._ns}/{status_key(self.rank)}"
                 try:
                     record = self._sealer.seal(key, encode_status(1 << 60, "aborted", reason[:2000]))
-                    self._client.get().set(key, record)  # type: ignore[arg-type]
+                    store = self._client.get()
+                    store.set(key, record)  # type: ignore[arg-type]
+                    store.check([key])  # acknowledged before our sockets close: peers find the reason
                 except RuntimeError:  # the store may be what failed; the watcher's next beat retries
                     logger.debug("could not publish abort", exc_info=True)
         # Closing our sockets fails peers blocked on us at once instead of at their gloo timeout.

@@ -130,4 +130,7 @@ def open_client(
         ) from e
     if fd is not None:
         _torch_private.set_socket_timeouts(fd, io_timeout)
+    # Socket timeouts do not bound a server-side wait (the client polls for its reply): the store's own
+    # timeout does. Callers that wait longer set it per call.
+    store.set_timeout(io_timeout)
     return StoreClient(store, fd, address)
