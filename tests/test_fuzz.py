@@ -1,0 +1,213 @@
+"""Every decoder of wire data, fed hostile bytes (hypothesis, seeded): the documented error or a value."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, seed, settings
+from hypothesis import strategies as st
+
+import groupbridge as gb
+from groupbridge import codec
+from groupbridge._liveness import decode_status
+from groupbridge.weights._protocol import Header
+from groupbridge.weights.manifest import Manifest
+
+FUZZ = settings(
+    max_examples=int(os.environ.get("GROUPBRIDGE_FUZZ_EXAMPLES", "300")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+_leaf = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.floats(allow_nan=False),
+    st.text(max_size=20),
+    st.binary(max_size=20),
+)
+_values = st.recursive(
+    _leaf,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4),
+        st.tuples(inner, inner),
+        st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    ),
+    max_leaves=12,
+)
+
+
+@seed(1)
+@FUZZ
+@given(_values)
+def test_codec_round_trips_safe_values(value: Any) -> None:
+    assert codec.decode(codec.encode(value)) == value
+
+
+@seed(2)
+@FUZZ
+@given(st.binary(max_size=200))
+def test_codec_rejects_random_bytes_with_protocol_error(data: bytes) -> None:
+    for blob in (data, b"GB1" + data):
+        with contextlib.suppress(gb.ProtocolError):
+            codec.decode(blob)
+
+
+@seed(3)
+@FUZZ
+@given(_values, st.data())
+def test_codec_rejects_mutated_messages_with_protocol_error(value: Any, data: st.DataObject) -> None:
+    blob = bytearray(codec.encode({"v": value, "t": torch.arange(6, dtype=torch.int16).reshape(2, 3)}))
+    for _ in range(data.draw(st.integers(1, 4))):
+        blob[data.draw(st.integers(0, len(blob) - 1))] = data.draw(st.integers(0, 255))
+    cut = data.draw(st.integers(0, len(blob)))
+    with contextlib.suppress(gb.ProtocolError):
+        codec.decode(bytes(blob[:cut]))
+
+
+def test_codec_never_allocates_what_the_message_does_not_hold() -> None:
+    import struct
+
+    blob = b"GB1x" + struct.pack("<Q", 7) + b"float32" + struct.pack("<Q", 2)
+    blob += struct.pack("<Q", 1 << 20) + struct.pack("<Q", 1 << 20) + struct.pack("<Q", 0)
+    with pytest.raises(gb.ProtocolError, match="needs 4398046511104 bytes, got 0"):
+        codec.decode(blob)
+    with pytest.raises(gb.ProtocolError, match="exceeds"):
+        codec.decode(b"GB1s" + struct.pack("<Q", 1 << 40))
+    with pytest.raises(gb.ProtocolError, match="appears twice"):
+        codec.decode(b"GB1d" + struct.pack("<Q", 2) + (b"s" + struct.pack("<Q", 1) + b"k" + b"N") * 2)
+
+
+_json = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(-(1 << 70), 1 << 70), st.text(max_size=12)),
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=6), st.dictionaries(st.text(max_size=12), inner, max_size=6)
+    ),
+    max_leaves=20,
+)
+
+
+@seed(4)
+@FUZZ
+@given(_json)
+def test_header_decoder(value: Any) -> None:
+    with contextlib.suppress(gb.ProtocolError):
+        Header.from_wire(value)
+
+
+HEADER_FIELDS = [
+    "version",
+    "digest",
+    "bucket_bytes",
+    "solo_bytes",
+    "transport",
+    "verify",
+    "total_bytes",
+    "options",
+]
+
+
+HEADER_FIELDS = [
+    "version",
+    "digest",
+    "bucket_bytes",
+    "solo_bytes",
+    "transport",
+    "verify",
+    "total_bytes",
+    "options",
+]
+
+
+@seed(5)
+@FUZZ
+@given(st.dictionaries(st.sampled_from(HEADER_FIELDS), _json))
+def test_header_decoder_with_the_right_field_names(value: Any) -> None:
+    try:
+        h = Header.from_wire(value)
+    except gb.ProtocolError:
+        return
+    assert h.bucket_bytes >= 1 and h.verify in ("", "crc32", "hmac")
+
+
+_entry = st.one_of(
+    _json,
+    st.tuples(
+        st.text(max_size=6),
+        st.lists(st.integers(-2, 1 << 24), max_size=4),
+        st.sampled_from(["float32", "bfloat16", "int8", "nope"]),
+        st.sampled_from(["float32", "bfloat16", "int8", "nope"]),
+        st.one_of(st.none(), st.text(max_size=6)),
+    ).map(list),
+)
+
+
+@seed(6)
+@FUZZ
+@given(st.one_of(_json, st.lists(_entry, max_size=6)))
+def test_manifest_decoder(value: Any) -> None:
+    try:
+        m = Manifest.from_wire(value)
+    except gb.ProtocolError:
+        return
+    names = [e.name for e in m.entries]
+    assert len(set(names)) == len(names)
+    assert all(e.alias_of is None or e.alias_of in names[: names.index(e.name)] for e in m.entries)
+
+
+def test_manifest_decoder_refuses_the_known_attacks() -> None:
+    with pytest.raises(gb.ProtocolError, match="twice"):
+        Manifest.from_wire([["w", [2], "float32", "float32", None]] * 2)
+    with pytest.raises(gb.ProtocolError, match="elements"):
+        Manifest.from_wire([["w", [1 << 21, 1 << 20], "float32", "float32", None]])
+    with pytest.raises(gb.ProtocolError, match="earlier tensor"):
+        Manifest.from_wire(
+            [["w", [2], "float32", "float32", "later"], ["later", [2], "float32", "float32", None]]
+        )
+
+
+@seed(7)
+@FUZZ
+@given(st.binary(max_size=120))
+def test_status_decoder(data: bytes) -> None:
+    status = decode_status(data)
+    assert status is None or status["state"] in ("live", "aborted", "closed")
+
+
+@seed(8)
+@FUZZ
+@given(st.text(max_size=40))
+def test_address_parse_rejects_or_round_trips(text: str) -> None:
+    try:
+        a = gb.Address.parse(text)
+    except ValueError:
+        return
+    assert a.host.isascii() and a.host.isprintable()
+    assert gb.Address.parse(str(a)) == a
+
+
+@seed(9)
+@FUZZ
+@given(
+    st.from_regex(r"\A(\[[0-9a-f:]{2,20}\]|[a-z0-9.\-]{1,20})(:[0-9]{1,5})?\Z"),
+)
+def test_address_parse_on_address_like_text(text: str) -> None:
+    try:
+        a = gb.Address.parse(text)
+    except ValueError:
+        return
+    assert gb.Address.parse(str(a)) == a
+
+
+def test_address_known_attacks() -> None:
+    for bad in ("127.0.0.1:٢٩٥٠٠", "0x7f000001", "127.1", "2130706433:80", "host\u00a0name", "١٢٧.0.0.1"):
+        with pytest.raises(ValueError):
+            gb.Address.parse(bad)
+    with pytest.raises(ValueError):
+        gb.Address("evilhost\n")  # the constructor never strips: no value that does not round-trip
+    assert gb.Address.parse(" evilhost\n") == gb.Address("evilhost")  # parse strips surrounding space
