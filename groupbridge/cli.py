@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from . import _console
 from .doctor import diagnose
@@ -74,6 +75,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     if args.simulate_hosts:
         return _bench_hosts(args)
+    if args.control:
+        return _bench_control(args)
     shape = "tiny" if args.quick else args.shape
     rounds = 2 if args.quick else args.rounds
     receivers = [int(r) for r in args.receivers.split(",")]
@@ -107,6 +110,26 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_control(args: argparse.Namespace) -> int:
+    from .bench.control import run_control
+
+    if not args.json:
+        _console.echo("[bench] broadcast_obj of a small dict, rank 0 -> 2 receivers, interleaved rounds ...")
+    records = run_control(rounds=args.rounds + 2)
+    if args.json:
+        print(json.dumps(records, indent=1))
+        return 0
+    _console.table(
+        "control plane: microseconds per receive (median of rounds; ratio per round to the peer's)",
+        ["mode", "us per receive", "range over receivers", "vs peer", "keys freed"],
+        [
+            [r["mode"], r["us_per_receive"], r["us_range"], f"{r['vs_peer']:.2f}x", r["keys_freed"]]
+            for r in records
+        ],
+    )
+    return 0
+
+
 def _bench_hosts(args: argparse.Namespace) -> int:
     from .bench.hosts import HostsConfig, run_hosts
 
@@ -137,6 +160,36 @@ def _bench_hosts(args: argparse.Namespace) -> int:
         rows,
     )
     return 0
+
+
+def _cmd_chaos(args: argparse.Namespace) -> int:
+    from .chaos import run_chaos
+
+    _console.echo(
+        f"[chaos] {args.minutes:g} min: 1 sender + {args.receivers} receivers, faults (none, SIGKILL, "
+        f"SIGSTOP past the liveness timeout) at random moments, transports in turn (seed {args.seed})"
+    )
+
+    def show(ep: Any) -> None:
+        lat = ", ".join(f"{x:.1f}s" for x in ep.latencies) or "-"
+        bad = f" PROBLEMS: {ep.unbounded}" if ep.unbounded or ep.torn else ""
+        _console.echo(
+            f"  {ep.transport:9} {ep.fault:4} victim={ep.victim} syncs={ep.syncs} detected in {lat}{bad}"
+        )
+
+    report = run_chaos(args.minutes * 60, receivers=args.receivers, seed=args.seed, progress=show)
+    rows = report.rows()
+    if args.json:
+        print(json.dumps({"rows": rows, "leaked_shm": report.leaked_shm, "ok": report.ok}, indent=1))
+    else:
+        _console.table(
+            "chaos (detection latency: fault to each survivor's error)",
+            ["fault", "episodes", "syncs", "detect median s", "detect max s", "torn", "unbounded"],
+            [[r["fault"], r["episodes"], r["syncs"], r["detect_median_s"], r["detect_max_s"], r["torn"],
+              r["unbounded"]] for r in rows],
+        )  # fmt: skip
+        _console.echo(f"files left in /dev/shm: {report.leaked_shm}; {'OK' if report.ok else 'FAILED'}")
+    return 0 if report.ok else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -180,7 +233,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--link-rate", default="800mbit", help="link rate of simulated hosts (tc syntax)")
     p.add_argument("--payload-bytes", default="128MiB", help="payload for --simulate-hosts")
     p.add_argument("--plot", metavar="FILE.png", help="bandwidth against bucket size and receivers")
+    p.add_argument(
+        "--control", action="store_true", help="control-plane latency (broadcast_obj) beside vLLM's protocol"
+    )
     p.set_defaults(func=_cmd_bench)
+    p = sub.add_parser("chaos", help="sync in a loop while members are killed or frozen; check every promise")
+    p.add_argument("--minutes", type=float, default=5.0)
+    p.add_argument("--receivers", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_chaos)
     return parser
 
 

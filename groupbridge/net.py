@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import ipaddress
+import os
 import re
 import socket
 import time
@@ -297,13 +298,23 @@ def wait_connectable(peer: Address, timeout: timedelta) -> None:
 
 
 def host_identity() -> str:
-    """This machine's identity: host name plus kernel boot id (two members with the same one share memory)."""
+    """Who can share memory with whom: host name, kernel boot id and process (pid) namespace.
+
+    Two members with the same identity can open each other's anonymous shared memory through
+    /proc/<pid>/fd (what the ``shm`` transport does); containers that share a host name and kernel but not
+    a pid namespace cannot, so they get different identities. Mount namespaces do not matter (the slots are
+    ``memfd_create`` files, in no file system).
+    """
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
     except OSError:
         boot = "unknown-boot"
-    return f"{socket.gethostname()}/{boot}"
+    try:
+        pidns = str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        pidns = "unknown-pidns"
+    return f"{socket.gethostname()}/{boot}/pidns:{pidns}"
 
 
 def interface_for_address(ip: str) -> str | None:

@@ -378,7 +378,9 @@ class StatelessGroup:
                 peer = int(key.rsplit("/", 1)[1])
                 if self._broken is None:
                     self._broken = f"rank {peer} aborted: {status['reason']}"
-                return PeerDiedError(f"rank {self.rank} of {self._where()}: rank {peer} aborted: {status['reason']}")
+                return PeerDiedError(
+                    f"rank {self.rank} of {self._where()}: rank {peer} aborted: {status['reason']}"
+                )
         return None
 
     def _check_peers(self, peers: Iterable[int]) -> None:

@@ -257,3 +257,19 @@ def test_closed_group_errors_and_nothing_leaks() -> None:
         assert r["num_threads"] == 2, r  # the caller's intra-op setting is never changed
     assert res[1]["threads_while_consuming"] == [2], res[1]
     assert res[0]["port_after_close"] != 0, res[0]
+
+
+# ---------------------------------------------------------------- chaos, CI-sized
+
+
+@pytest.mark.chaos
+@pytest.mark.timeout(240)
+def test_chaos_short_run() -> None:
+    """A seeded run of the chaos loop (``groupbridge chaos`` runs it for minutes): every fault detected
+    within the bound, no torn receiver, nothing left in /dev/shm."""
+    from groupbridge.chaos import run_chaos
+
+    report = run_chaos(0, receivers=2, seed=7, min_episodes=3)  # none, kill, stop over broadcast
+    problems = [(e.fault, e.unbounded, e.torn) for e in report.episodes if e.unbounded or e.torn]
+    assert report.ok and not problems, (problems, report.leaked_shm)
+    assert {e.fault for e in report.episodes} == {"none", "kill", "stop"}
