@@ -103,7 +103,8 @@ class ControlChannel:
             if failed is not None:
                 raise failed from e
             raise StoreUnreachableError(
-                f"rank {self.rank}: the store of {self._where()} (hosted by rank 0) failed during {what}: {e}"
+                f"rank {self.rank}: the store of {self._where()} (hosted by rank 0) did not answer during "
+                f"{what}: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
             ) from e
 
     def _open(self, key: str, raw: bytes) -> bytes:

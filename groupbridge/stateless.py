@@ -137,6 +137,7 @@ class StatelessGroup:
     _garbage: deque[tuple[int, list[str]]]
     _sealer: Sealer
     _teardown_lock: threading.Lock
+    _aborted: bool
 
     def __init__(self) -> None:  # use create()
         raise TypeError("use StatelessGroup.create(...)")
@@ -230,6 +231,7 @@ class StatelessGroup:
         self._watch_client = None
         self._owned_listener = None
         self._waiter = None
+        self._aborted = False
         self._garbage = deque()
         self._teardown_lock = threading.Lock()
         self.host_ids = []
@@ -580,7 +582,14 @@ class StatelessGroup:
             raise
         except RuntimeError as e:
             failed = self._failure(peers) or self._peer_aborted()
-            self.abort(f"{what} failed: {e}")
+            if failed is None and self._watcher is not None:
+                # A peer that aborted closes its sockets right after publishing why; give the watcher a
+                # couple of beats to read it, so the error names who gave up and why.
+                end = time.monotonic() + min(2 * self._watcher.interval + 0.2, 2.0)
+                while failed is None and time.monotonic() < end:
+                    time.sleep(0.02)
+                    failed = self._failure(peers)
+            self.abort(str(failed) if failed is not None else f"{what} failed: {e}")
             if failed is not None:
                 raise failed from e
             raise PeerDiedError(f"rank {self.rank} of {self._where()}: {what} failed: {e}") from e
@@ -600,8 +609,9 @@ class StatelessGroup:
         Peers blocked on this member raise within about ``liveness_timeout``, naming this rank and
         ``reason``. Idempotent; the group must then be made again.
         """
-        first = self._broken is None
-        if first:
+        first = not self._aborted
+        self._aborted = True
+        if self._broken is None:
             self._broken = reason
         if self._watcher is not None:
             self._watcher.publish("aborted", reason[:2000])
@@ -616,8 +626,36 @@ class StatelessGroup:
                     logger.debug("could not publish abort", exc_info=True)
         # Closing our sockets fails peers blocked on us at once instead of at their gloo timeout.
         self._release_process_groups(abort=True)
+        if first and self.rank == 0:
+            self._linger()
 
     _abort = abort
+
+    def _linger(self) -> None:
+        """The store host, aborting: keep serving briefly so that peers read why before it may go away
+        (a process that fails usually exits next). Until every peer has published that it aborted or
+        closed, bounded by two of its beats."""
+        w, client = self._watcher, self._client
+        if w is None or client is None or client.interrupted or self.world_size == 1:
+            return
+        end = time.monotonic() + min(2 * w.interval + 0.5, 2.0)
+        keys = [f"{self._ns}/{status_key(r)}" for r in range(1, self.world_size)]
+        try:
+            store = client.get()
+            store.set_timeout(self._io_timeout())
+            while time.monotonic() < end:
+                states = []
+                for key, raw in zip(keys, store.multi_get(keys), strict=True):
+                    try:
+                        status = decode_status(self._sealer.open(key, bytes(raw)))
+                    except ProtocolError:
+                        status = None
+                    states.append(status["state"] if status is not None else "live")
+                if all(s != "live" for s in states):
+                    return
+                time.sleep(0.02)
+        except RuntimeError:
+            return
 
     def _start(
         self, what: str, peers: list[int], start: Callable[[], Any], async_op: bool, p2p: bool

