@@ -487,10 +487,11 @@ class StatelessGroup:
         if self.world_size == 1:
             self._encode(obj)
             return obj
+        data = self._encode(obj) if self.rank == src else b""  # a refused object consumes no sequence
         seq = self._next_seq()
         key = f"bc/{seq}"
         if self.rank == src:
-            self.control.put(key, self._encode(obj), "broadcast_obj")
+            self.control.put(key, data, "broadcast_obj")
             out = obj
         else:
             out = self._decode(

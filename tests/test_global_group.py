@@ -180,6 +180,12 @@ def test_timeout_must_be_timedelta(clean_env: pytest.MonkeyPatch) -> None:
         gb.init_global_group(timeout=30)  # type: ignore[arg-type]
 
 
-def test_destroy_without_group_is_a_no_op() -> None:
+def test_destroy_is_idempotent(clean_env: pytest.MonkeyPatch) -> None:
+    gb.destroy_global_group()  # nothing to destroy: no error
+    assert not dist.is_initialized()
+    g = gb.init_global_group()
+    assert dist.is_initialized() and g.world_size == 1
     gb.destroy_global_group()
+    assert not dist.is_initialized()
     gb.destroy_global_group()
+    assert not dist.is_initialized()

@@ -140,14 +140,51 @@ def test_keys_are_deleted_once_read(host: str) -> None:
     assert after == baseline, res  # none of the 1000 messages (nor their acknowledgement counters) is left
 
 
-def _pickle(rank: int, host: str, ports: Any) -> int:
-    with make_group(rank, 2, host, ports, allow_pickle=True) as g:
-        return int(g.broadcast_obj(Point(41) if rank == 0 else None, src=0).x) + 1
+def _pickle(rank: int, host: str, ports: Any, allowed: bool) -> Any:
+    with make_group(rank, 2, host, ports, allow_pickle=allowed) as g:
+        if allowed:
+            return int(g.broadcast_obj(Point(41) if rank == 0 else None, src=0).x) + 1
+        if rank == 1:
+            said = g.recv_obj(0)
+            g.barrier()
+            return said
+        try:
+            g.broadcast_obj(Point(41), src=0)
+            return "sent"
+        except TypeError as e:  # the sender refuses before anything is written
+            g.send_obj("refused", 1)
+            g.barrier()  # the failed call consumed no collective: the group is still in step
+            return f"TypeError: {e}"
 
 
 @pytest.mark.timeout(60)
 def test_pickle_only_when_allowed() -> None:
-    assert run_ranks(_pickle, 2, "127.0.0.1", CTX.Queue(), timeout=50) == [42, 42]
+    assert run_ranks(_pickle, 2, "127.0.0.1", CTX.Queue(), True, timeout=50) == [42, 42]
+
+
+def _pickled_by_a_peer(rank: int, ports: Any) -> str:
+    """A member that allows pickle sends to one that does not: the receiver refuses to unpickle."""
+    lis, port = share_port(rank, 2, ports, "127.0.0.1")
+    g = gb.StatelessGroup.create("127.0.0.1", port, rank=rank, world_size=2, listener=lis,
+                                 allow_pickle=(rank == 0))  # fmt: skip
+    try:
+        if rank == 0:
+            g.send_obj(Point(41), 1)
+            return "sent"
+        g.recv_obj(0)
+        return "unpickled"
+    except gb.ProtocolError as e:
+        return f"ProtocolError: {e}"
+    finally:
+        g.close()
+
+
+@pytest.mark.timeout(60)
+def test_pickle_refused_when_not_allowed() -> None:
+    res = run_ranks(_pickle, 2, "127.0.0.1", CTX.Queue(), False, timeout=50)
+    assert res[0].startswith("TypeError") and "allow_pickle=True" in res[0] and res[1] == "refused", res
+    res = run_ranks(_pickled_by_a_peer, 2, CTX.Queue(), timeout=50)
+    assert res == ["sent", res[1]] and res[1].startswith("ProtocolError") and "pickle" in res[1], res
 
 
 # ---------------------------------------------------------------- failures

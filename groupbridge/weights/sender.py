@@ -15,7 +15,7 @@ import torch
 
 from .._control import Deadline
 from ..codec import dtype_from_name
-from ..errors import GroupBridgeError, TransportUnavailableError, WeightSyncError
+from ..errors import GroupBridgeError, PeerTimeoutError, TransportUnavailableError, WeightSyncError
 from ..stateless import StatelessGroup
 from . import _bytes
 from ._copier import Copier
@@ -193,6 +193,8 @@ class WeightSender:
                 raise
             reason = f"rank {self.src} gave up sending version {version}: {type(e).__name__}: {e}"
             self.group.abort(reason)
+            if isinstance(e, PeerTimeoutError):  # stays a TimeoutError for generic handlers
+                raise PeerTimeoutError(f"sending version {version} timed out: {e}") from e
             if isinstance(e, GroupBridgeError):
                 if isinstance(e, WeightSyncError):
                     raise
