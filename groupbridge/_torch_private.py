@@ -112,7 +112,10 @@ def _socket_fds() -> set[int]:
 
 
 def _peer_port(fd: int) -> tuple[str, int] | None:
-    sock = socket.socket(fileno=fd)
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:  # closed by another thread meanwhile, or not a socket any more
+        return None
     try:
         host, port = sock.getpeername()[:2]
         return str(host).removeprefix("::ffff:"), int(port)
