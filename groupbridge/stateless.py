@@ -45,6 +45,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["Deadline", "StatelessGroup", "Work"]
 
+WATERMARK_EVERY = 16
+
 
 class Work:
     """A tensor operation in flight; :meth:`wait` is bounded and watches the peers' liveness."""
@@ -457,11 +459,17 @@ class StatelessGroup:
         self._coll_seq += 1
         return self._coll_seq
 
-    def _done_collective(self, seq: int, keys: list[str]) -> None:
-        """Keys of a finished collective are deleted by rank 0's watcher once every rank has passed it."""
+    def _done_collective(self, seq: int, keys: list[str], *, flush: bool = False) -> None:
+        """Keys of a finished collective are deleted by rank 0's watcher once every rank has passed it.
+
+        Each rank posts how far it got every ``WATERMARK_EVERY`` collectives (and at every barrier), not
+        after each: a store request per operation is a third of a small object's cost. At most that many
+        collectives' keys wait for deletion.
+        """
         if self.rank == 0:
             self._garbage.append((seq, keys))
-        self.control.post(f"wm/{self.rank}", str(seq).encode(), "a collective")
+        if flush or seq % WATERMARK_EVERY == 0:
+            self.control.post(f"wm/{self.rank}", str(seq).encode(), "a collective")
 
     def _collect(self, client: StoreClient) -> None:
         """On rank 0's watcher thread: delete the keys of collectives every rank has finished."""
@@ -527,7 +535,7 @@ class StatelessGroup:
         self.control.post(keys[self.rank], b"", "barrier")
         others = [r for r in range(self.world_size) if r != self.rank]
         self.control.get([keys[r] for r in others], others, self.deadline(timeout), "the barrier")
-        self._done_collective(seq, keys)
+        self._done_collective(seq, keys, flush=True)
 
     # ------------------------------------------------------------------ tensors
 
