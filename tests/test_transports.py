@@ -241,3 +241,63 @@ def test_shm_reads_a_shared_memory_sender_in_place() -> None:
     res = run_ranks(_shared_source, 3, "127.0.0.1", CTX.Queue(), 3, timeout=50)
     assert all(x > 0 for x in res[0]), res[0]  # buckets read straight from the sender's memory
     assert res[1] == [True, True] and res[2] == [True, True]
+
+
+def _own_mount_namespace(rank: int, ports: Any) -> Any:
+    """Rank 1 gets its own mount namespace with an empty 1 MiB /dev/shm: a container beside the sender."""
+    if rank == 1:
+        import ctypes
+        import subprocess
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.unshare(0x00020000) != 0:  # CLONE_NEWNS
+            return f"unshare failed: errno {ctypes.get_errno()}"
+        subprocess.run(["mount", "--make-rprivate", "/"], check=True)
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", "/dev/shm"], check=True)
+        assert os.listdir("/dev/shm") == []
+    with make_group(rank, 2, "127.0.0.1", ports) as g:
+        model = every_dtype(seed=5)
+        if rank == 0:
+            with gb.WeightSender(g, bucket_bytes=1 << 20, transport="auto") as snd:
+                return snd.send(model, version=1).transport
+        target = zeros_like_model(model)
+        gb.WeightReceiver(g, src=0).receive_into(target)
+        return all(bit_equal(target[k], model[k].contiguous()) for k in model)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make a mount namespace")
+def test_shm_across_mount_namespaces() -> None:
+    """Slots are memfd files, in no file system: another /dev/shm (or a tiny one) does not matter."""
+    res = run_ranks(_own_mount_namespace, 2, CTX.Queue(), timeout=50)
+    assert res == ["shm", True], res
+
+
+def _short_of_memory(rank: int, ports: Any, transport: str) -> Any:
+    """The sender may not make files past 1 MiB (RLIMIT_FSIZE): shared slots of 4 MiB cannot be reserved,
+    as on a host short of memory. Before memfd + posix_fallocate this was a SIGBUS at the first write."""
+    import resource
+
+    if rank == 0:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+    with make_group(rank, 2, "127.0.0.1", ports) as g:
+        model = {"w": torch.arange(1 << 20, dtype=torch.float32)}  # 4 MiB: one 4 MiB bucket
+        try:
+            if rank == 0:
+                with gb.WeightSender(g, bucket_bytes=4 << 20, transport=transport) as snd:
+                    return snd.send(model, version=1).transport
+            target = {"w": torch.zeros(1 << 20)}
+            gb.WeightReceiver(g, src=0).receive_into(target)
+            return bool(torch.equal(target["w"], model["w"]))
+        except gb.TransportUnavailableError as e:
+            return f"TransportUnavailableError: {e}"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", ["auto", "shm"])
+def test_shm_short_of_memory_falls_back_or_refuses(transport: str) -> None:
+    res = run_ranks(_short_of_memory, 2, CTX.Queue(), transport, timeout=50)
+    if transport == "auto":
+        assert res == ["broadcast", True], res  # auto falls back (and logs why)
+    else:
+        assert all(str(r).startswith("TransportUnavailableError") and "reserve" in str(r) for r in res), res
