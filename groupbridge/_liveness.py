@@ -176,10 +176,13 @@ class Watcher:
                     self._found(failed)
 
     def silent(self, peer: int) -> Finding | None:
+        """``peer``'s silence as this watcher *observed* it: from the peer's last change to this watcher's
+        last successful poll, not to now. If this process was stopped, its last poll predates the stop,
+        so nobody is blamed for it before the watcher has run again (and restarted its clocks)."""
         seen = self.seen.get(peer)
         if seen is None or peer in self.closed:
             return None
-        quiet = time.monotonic() - seen[1]
+        quiet = self._last_ok - seen[1]
         if quiet <= self.limit:
             return None
         return Finding(
