@@ -361,31 +361,51 @@ class StatelessGroup:
             return StoreUnreachableError(text)
         return PeerDiedError(text)
 
+    def _peer_statuses(self) -> dict[int, dict[str, Any] | None]:
+        """Every other member's status record, read now on the caller's connection (one round trip); a
+        malformed or forged record reads as None. Raises RuntimeError when the store does not answer."""
+        if self._client is None or self._client.interrupted:
+            raise StoreUnreachableError(f"rank {self.rank}: no usable store connection")
+        others = [r for r in range(self.world_size) if r != self.rank]
+        keys = [f"{self._ns}/{status_key(r)}" for r in others]
+        store = self._client.get()
+        store.set_timeout(self._io_timeout())
+        out: dict[int, dict[str, Any] | None] = {}
+        for r, key, raw in zip(others, keys, store.multi_get(keys), strict=True):
+            try:
+                out[r] = decode_status(self._sealer.open(key, bytes(raw)))
+            except ProtocolError:
+                out[r] = None
+        return out
+
     def _peer_aborted(self) -> GroupBridgeError | None:
         """After a data-plane failure: a peer that published why it aborted (read now, not at the next
         beat), so the error names who gave up and why rather than "connection closed by peer"."""
-        if self._client is None or self._client.interrupted or self._watcher is None:
+        if self._watcher is None:
             return None
-        keys = [f"{self._ns}/{status_key(r)}" for r in range(self.world_size) if r != self.rank]
         try:
-            store = self._client.get()
-            store.set_timeout(self._io_timeout())
-            raws = store.multi_get(keys)
+            statuses = self._peer_statuses()
         except RuntimeError:
             return None
-        for key, raw in zip(keys, raws, strict=True):
-            try:
-                status = decode_status(self._sealer.open(key, bytes(raw)))
-            except ProtocolError:
-                continue
+        for peer, status in statuses.items():
             if status is not None and status["state"] == "aborted":
-                peer = int(key.rsplit("/", 1)[1])
                 if self._broken is None:
                     self._broken = f"rank {peer} aborted: {status['reason']}"
                 return PeerDiedError(
                     f"rank {self.rank} of {self._where()}: rank {peer} aborted: {status['reason']}"
                 )
         return None
+
+    def _await_peers_done(self, deadline: Deadline) -> None:
+        """Wait (bounded) until every other member has published that it aborted or closed."""
+        try:
+            while not deadline.expired():
+                statuses = self._peer_statuses()
+                if all(st is not None and st["state"] != "live" for st in statuses.values()):
+                    return
+                time.sleep(0.01)
+        except RuntimeError:  # the store or our connection is gone: nobody is left to wait for
+            return
 
     def _check_peers(self, peers: Iterable[int]) -> None:
         """Raise if a peer aborted, went silent or closed, or the store host is gone (the watcher saw it)."""
@@ -638,33 +658,12 @@ class StatelessGroup:
         if first and self.rank == 0:
             self._linger()
 
-    _abort = abort
-
     def _linger(self) -> None:
         """The store host, aborting: keep serving briefly so that peers read why before it may go away
-        (a process that fails usually exits next). Until every peer has published that it aborted or
-        closed, bounded by two of its beats."""
-        w, client = self._watcher, self._client
-        if w is None or client is None or client.interrupted or self.world_size == 1:
-            return
-        end = time.monotonic() + min(2 * w.interval + 0.5, 2.0)
-        keys = [f"{self._ns}/{status_key(r)}" for r in range(1, self.world_size)]
-        try:
-            store = client.get()
-            store.set_timeout(self._io_timeout())
-            while time.monotonic() < end:
-                states = []
-                for key, raw in zip(keys, store.multi_get(keys), strict=True):
-                    try:
-                        status = decode_status(self._sealer.open(key, bytes(raw)))
-                    except ProtocolError:
-                        status = None
-                    states.append(status["state"] if status is not None else "live")
-                if all(s != "live" for s in states):
-                    return
-                time.sleep(0.02)
-        except RuntimeError:
-            return
+        (a process that fails usually exits next), bounded by two of its beats."""
+        w = self._watcher
+        if w is not None and self.world_size > 1:
+            self._await_peers_done(Deadline(timedelta(seconds=min(2 * w.interval + 0.5, 2.0))))
 
     def _start(
         self, what: str, peers: list[int], start: Callable[[], Any], async_op: bool, p2p: bool
@@ -771,30 +770,12 @@ class StatelessGroup:
                 key = f"{self._ns}/{status_key(self.rank)}"
                 self._client.get().set(key, self._sealer.seal(key, encode_status(1 << 59, "closed")))  # type: ignore[arg-type]
                 self._client.get().check([key])
-            if self.rank == 0 and self._broken is None and w is not None and self._client is not None:
-                self._await_closed(self._client.get(), Deadline(timeout))
+            if self.rank == 0 and self._broken is None and w is not None:
+                self._await_peers_done(Deadline(timeout))
         except RuntimeError:  # closing must not fail because a peer or the store is gone
             logger.debug("close: could not coordinate with peers", exc_info=True)
         self._teardown()
         logger.info("[%s] rank %d closed", self.name, self.rank)
-
-    def _await_closed(self, store: TCPStore, deadline: Deadline) -> None:
-        """Rank 0: wait (bounded) until every other member has published that it closed."""
-        keys = [f"{self._ns}/{status_key(r)}" for r in range(1, self.world_size)]
-        store.set_timeout(self._io_timeout())
-        while keys and not deadline.expired():
-            raws = store.multi_get(keys)
-            open_ = []
-            for key, raw in zip(keys, raws, strict=True):
-                try:
-                    status = decode_status(self._sealer.open(key, bytes(raw)))
-                except ProtocolError:
-                    status = None
-                if status is None or status["state"] == "live":
-                    open_.append(key)
-            keys = open_
-            if keys:
-                time.sleep(0.01)
 
     def __enter__(self) -> StatelessGroup:
         return self

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from typing import Any
 
@@ -100,28 +101,7 @@ def test_header_decoder(value: Any) -> None:
         Header.from_wire(value)
 
 
-HEADER_FIELDS = [
-    "version",
-    "digest",
-    "bucket_bytes",
-    "solo_bytes",
-    "transport",
-    "verify",
-    "total_bytes",
-    "options",
-]
-
-
-HEADER_FIELDS = [
-    "version",
-    "digest",
-    "bucket_bytes",
-    "solo_bytes",
-    "transport",
-    "verify",
-    "total_bytes",
-    "options",
-]
+HEADER_FIELDS = [f.name for f in dataclasses.fields(Header)]
 
 
 @seed(5)

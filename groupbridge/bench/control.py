@@ -36,34 +36,31 @@ def _role(rank: int, n: int, ports: Any, ops: int, rounds: int) -> dict[str, lis
 
     from .._torch_private import TCPStore
 
-    lis = gb.listen("127.0.0.1", 0) if rank == 0 else None
-    if rank == 0:
-        assert lis is not None
-        for _ in range(n - 1):
-            ports.put(lis.port)
-    port = lis.port if lis is not None else int(ports.get(timeout=30))
-    plain = gb.StatelessGroup.create("127.0.0.1", port, rank=rank, world_size=n, listener=lis, name="plain")
-    lis2 = gb.listen("127.0.0.1", 0) if rank == 0 else None
-    if rank == 0:
-        assert lis2 is not None
-        for _ in range(n - 1):
-            ports.put(lis2.port)
-    port2 = lis2.port if lis2 is not None else int(ports.get(timeout=30))
-    sealed = gb.StatelessGroup.create(
-        "127.0.0.1", port2, rank=rank, world_size=n, listener=lis2, name="sealed", token="bench"
-    )
+    def shared_port(lis: Any) -> int:
+        """Rank 0 publishes its listener's port to the others, who read it."""
+        if rank == 0:
+            for _ in range(n - 1):
+                ports.put(lis.port)
+            return int(lis.port)
+        return int(ports.get(timeout=30))
+
+    def new_group(name: str, token: str | None) -> Any:
+        lis = gb.listen("127.0.0.1", 0) if rank == 0 else None
+        return gb.StatelessGroup.create(
+            "127.0.0.1", shared_port(lis), rank=rank, world_size=n, listener=lis, name=name, token=token
+        )
+
+    plain = new_group("plain", None)
+    sealed = new_group("sealed", "bench")
+    port = plain.address.port
     peer_name = "vllm StatelessProcessGroup"
     try:
         from vllm.distributed.utils import StatelessProcessGroup  # type: ignore[import-not-found]
 
-        if rank == 0:  # vLLM binds the port itself: pick one (its own port race, not ours)
-            probe = gb.listen("127.0.0.1", 0)
-            vport = probe.port
+        probe = gb.listen("127.0.0.1", 0) if rank == 0 else None
+        vport = shared_port(probe)
+        if probe is not None:  # vLLM binds the port itself: pick one (its own port race, not ours)
             probe.close()
-            for _ in range(n - 1):
-                ports.put(vport)
-        else:
-            vport = int(ports.get(timeout=30))
         peer: Any = ("vllm", StatelessProcessGroup.create("127.0.0.1", vport, rank, n))
     except Exception:  # vLLM absent: the same protocol on a raw store
         peer_name = "raw TCPStore (vLLM's protocol)"
