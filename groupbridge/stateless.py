@@ -504,8 +504,9 @@ class StatelessGroup:
         except (ValueError, ProtocolError):  # a forged or torn watermark: collect later
             return
         while self._garbage and self._garbage[0][0] <= passed:
-            for key in self._garbage.popleft()[1]:
+            for key in self._garbage[0][1]:
                 store.delete_key(f"{self._ns}/{key}")
+            self._garbage.popleft()  # only once deleted: an empty deque means the keys are gone
 
     def broadcast_obj(self, obj: Any, src: int = 0, timeout: timedelta | Deadline | None = None) -> Any:
         """Every rank returns ``src``'s ``obj``; ``src`` returns once the store holds it."""
