@@ -361,14 +361,15 @@ class StatelessGroup:
             return StoreUnreachableError(text)
         return PeerDiedError(text)
 
-    def _peer_statuses(self) -> dict[int, dict[str, Any] | None]:
+    def _peer_statuses(self, store: TCPStore | None = None) -> dict[int, dict[str, Any] | None]:
         """Every other member's status record, read now on the caller's connection (one round trip); a
         malformed or forged record reads as None. Raises RuntimeError when the store does not answer."""
-        if self._client is None or self._client.interrupted:
-            raise StoreUnreachableError(f"rank {self.rank}: no usable store connection")
+        if store is None:
+            if self._client is None or self._client.interrupted:
+                raise StoreUnreachableError(f"rank {self.rank}: no usable store connection")
+            store = self._client.get()
         others = [r for r in range(self.world_size) if r != self.rank]
         keys = [f"{self._ns}/{status_key(r)}" for r in others]
-        store = self._client.get()
         store.set_timeout(self._io_timeout())
         out: dict[int, dict[str, Any] | None] = {}
         for r, key, raw in zip(others, keys, store.multi_get(keys), strict=True):
@@ -396,11 +397,11 @@ class StatelessGroup:
                 )
         return None
 
-    def _await_peers_done(self, deadline: Deadline) -> None:
+    def _await_peers_done(self, deadline: Deadline, store: TCPStore | None = None) -> None:
         """Wait (bounded) until every other member has published that it aborted or closed."""
         try:
             while not deadline.expired():
-                statuses = self._peer_statuses()
+                statuses = self._peer_statuses(store)
                 if all(st is not None and st["state"] != "live" for st in statuses.values()):
                     return
                 time.sleep(0.01)
@@ -664,7 +665,9 @@ class StatelessGroup:
         (a process that fails usually exits next), bounded by two of its beats."""
         w = self._watcher
         if w is not None and self.world_size > 1:
-            self._await_peers_done(Deadline(timedelta(seconds=min(2 * w.interval + 0.5, 2.0))))
+            # on the server's own connection: the caller's may already be shut down by the watcher
+            wait = Deadline(timedelta(seconds=min(2 * w.interval + 0.5, 2.0)))
+            self._await_peers_done(wait, self._server)
 
     def _start(
         self, what: str, peers: list[int], start: Callable[[], Any], async_op: bool, p2p: bool
