@@ -9,19 +9,26 @@ through one :class:`ControlChannel`, so the rules hold in one place:
   fails the check is never returned: the reader waits for the real one until its deadline;
 - every wait is one server-side wait bounded by the caller's deadline, woken early when the liveness
   watcher sees a peer fail (it shuts the connection down), and a timeout names the ranks not heard from.
+
+Two shapes of message: *keys* (``put``/``get``: read by several ranks, deleted by someone once all have
+read them) and *queues* (``push``/``pop``: one reader per queue; popping consumes the message, so nothing
+is left to delete and the reader usually needs one round trip, not two). Objects between members travel
+in queues; weight-sync signals, barriers and gathers use keys.
 """
 
 from __future__ import annotations
 
 import logging
+import struct
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
 from typing import TypeVar
 
 from ._fmt import ranks, seconds
 from ._seal import ForgedMessageError, Sealer
-from .errors import GroupBridgeError, PeerTimeoutError, StoreUnreachableError
+from ._torch_private import QueueEmptyError
+from .errors import GroupBridgeError, PeerTimeoutError, ProtocolError, StoreUnreachableError
 from .store import StoreClient
 
 logger = logging.getLogger(__name__)
@@ -31,6 +38,8 @@ __all__ = ["ControlChannel", "Deadline"]
 T = TypeVar("T")
 
 _FORGED_RETRY_S = 0.005
+_SEQ = struct.Struct("<Q")
+MAX_EARLY = 1024
 
 
 class Deadline:
@@ -83,6 +92,9 @@ class ControlChannel:
         self._failure = failure
         self._awaiting = awaiting
         self._warned_forgery = False
+        self._early: dict[tuple[str, int], bytes] = {}
+        """Messages popped ahead of their turn (a peer without the token may reorder a queue by popping and
+        pushing back), kept until their number comes up."""
 
     def key(self, key: str) -> str:
         return f"{self.prefix}/{key}"
@@ -139,6 +151,86 @@ class ControlChannel:
         data = self.sealer.seal(full, payload)
         store = self.client.get()
         self.call(lambda: store.set(full, data), what)  # type: ignore[arg-type]
+
+    def push(self, queues: Sequence[str], seq: int, payload: bytes, what: str, *, binding: str) -> None:
+        """Append message number ``seq`` to each of ``queues`` and return once the store has them (one
+        round trip, whatever the number of queues).
+
+        The seal covers ``binding`` (the channel, e.g. ``bc/<src>``) and ``seq``, so a message moved to
+        another channel fails the check and a stale or replayed one is recognised by its number.
+        """
+        item = self.sealer.seal(self.key(binding), _SEQ.pack(seq) + payload)
+        store = self.client.get()
+        full = [self.key(q) for q in queues]
+
+        def write() -> None:
+            for q in full:
+                store.queue_push(q, item)  # type: ignore[arg-type]
+            store.check(full[-1:])  # answered after the pushes were applied: the acknowledgement
+
+        self.call(write, what)
+
+    def pop(self, queue: str, seq: int, owner: int, deadline: Deadline, what: str, *, binding: str) -> bytes:
+        """Message number ``seq`` of ``queue`` (pushed by ``owner``), consumed.
+
+        One round trip when the message is already there, else one bounded server-side wait. Forged
+        messages and stale ones (numbered below ``seq``: left by a wait that gave up) are dropped.
+
+        Raises:
+            PeerTimeoutError: the deadline passed (names ``owner``).
+            ProtocolError: more than ``MAX_EARLY`` messages came ahead of their turn.
+            PeerDiedError, StoreUnreachableError: a peer or the store failed meanwhile.
+        """
+        early = self._early.pop((queue, seq), None)
+        if early is not None:
+            return early
+        store = self.client.get()
+        full = self.key(queue)
+        bound = self.key(binding)
+
+        def take(block: bool) -> bytes | None:
+            try:
+                return bytes(store.queue_pop(full, block=block))
+            except QueueEmptyError:
+                return None
+
+        self._awaiting((owner,))
+        try:
+            block = False
+            while True:
+                left = deadline.left()
+                if left <= 0:
+                    raise self._late(what, [owner], deadline)
+                if block:
+                    store.set_timeout(timedelta(seconds=left))
+                try:
+                    raw = self.call(lambda block=block: take(block), what)  # type: ignore[misc]
+                except StoreUnreachableError as e:
+                    if deadline.left() < 0.01 and not self.client.interrupted:
+                        raise self._late(what, [owner], deadline) from e
+                    raise
+                if raw is None:
+                    block = True
+                    continue
+                try:
+                    body = self.sealer.open(bound, raw)
+                except ForgedMessageError:
+                    self._forged(queue)
+                    continue
+                if len(body) < _SEQ.size:
+                    raise ProtocolError(f"rank {self.rank}: a message in {queue!r} has no sequence number")
+                (got,) = _SEQ.unpack_from(body)
+                if got == seq:
+                    return body[_SEQ.size :]
+                if got > seq:
+                    if len(self._early) >= MAX_EARLY:
+                        raise ProtocolError(
+                            f"rank {self.rank} of {self._where()}: waiting for message #{seq} of {what} from "
+                            f"rank {owner}, {len(self._early)} later ones arrived first"
+                        )
+                    self._early[(queue, got)] = body[_SEQ.size :]
+        finally:
+            self._awaiting(())
 
     def add(self, key: str, amount: int, what: str) -> int:
         store = self.client.get()
@@ -213,7 +305,9 @@ class ControlChannel:
                     missing.add(r)
         except RuntimeError:  # the store is gone too; name everyone waited for
             missing = set(owners)
+        return self._late(what, missing or set(owners), deadline)
+
+    def _late(self, what: str, owners: Iterable[int], deadline: Deadline) -> PeerTimeoutError:
         return PeerTimeoutError(
-            f"rank {self.rank} of {self._where()} waited {deadline} for {what} from rank(s) "
-            f"{ranks(missing or set(owners))}"
+            f"rank {self.rank} of {self._where()} waited {deadline} for {what} from rank(s) {ranks(owners)}"
         )

@@ -17,11 +17,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import Backend, PrefixStore, ProcessGroupGloo, Store, TCPStore
+from torch.distributed import QueueEmptyError
 
 __all__ = [
     "MIN_TORCH",
     "Backend",
     "PrefixStore",
+    "QueueEmptyError",
     "Store",
     "TCPStore",
     "abort_backend",
@@ -39,7 +41,7 @@ __all__ = [
     "torch_version",
 ]
 
-MIN_TORCH = (2, 4)
+MIN_TORCH = (2, 8)  # TCPStore queues (the libuv server has them since 2.8)
 
 
 def torch_version() -> tuple[int, int]:

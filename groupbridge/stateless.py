@@ -46,6 +46,10 @@ logger = logging.getLogger(__name__)
 __all__ = ["Deadline", "StatelessGroup", "Work"]
 
 WATERMARK_EVERY = 16
+INLINE_MAX = 64 << 10
+"""A broadcast object larger than this is stored once and read by every receiver, not queued to each."""
+_INLINE = b"v"
+_AT_KEY = b"k"
 
 
 class Work:
@@ -161,7 +165,6 @@ class StatelessGroup:
         token: str | None = None,
         allow_pickle: bool = False,
         liveness_timeout: timedelta = timedelta(seconds=10),
-        use_libuv: bool = True,
     ) -> StatelessGroup:
         """Join (rank > 0) or host (rank 0) a group; returns once all ``world_size`` ranks have joined.
 
@@ -183,7 +186,6 @@ class StatelessGroup:
             allow_pickle: let objects outside the safe set travel pickled. Every member must agree.
             liveness_timeout: a peer (or the store host) silent for this long is declared dead; failures
                 reach every member within about this long, whatever the operation timeout.
-            use_libuv: the TCPStore implementation (torch's default: libuv).
 
         Raises:
             ValueError, TypeError: bad arguments.
@@ -239,7 +241,7 @@ class StatelessGroup:
         self.host_ids = []
         self.pids = []
         try:
-            self._join(address, listener, use_libuv)
+            self._join(address, listener)
         except BaseException:
             self._teardown()
             raise
@@ -266,12 +268,12 @@ class StatelessGroup:
     def _io_timeout(self) -> timedelta:
         return max(self.liveness_timeout, timedelta(seconds=1))
 
-    def _join(self, address: Address, listener: Listener | None, use_libuv: bool) -> None:
+    def _join(self, address: Address, listener: Listener | None) -> None:
         if self.rank == 0:
             if listener is None:
                 listener = self._owned_listener = listen(address)
             address = listener.address
-            self._server = host_store(listener, self.timeout, use_libuv=use_libuv)
+            self._server = host_store(listener, self.timeout)
             if self._token is None and not is_loopback(address.host):
                 logger.warning(
                     "[%s] group without a token listens on %s: anyone who reaches that port can read and "
@@ -279,7 +281,7 @@ class StatelessGroup:
                     self.name, address,
                 )  # fmt: skip
         self.address = address
-        self._client = open_client(address, self.timeout, self._io_timeout(), use_libuv=use_libuv)
+        self._client = open_client(address, self.timeout, self._io_timeout())
         joined = host_join(self, self._client) if self.rank == 0 else member_join(self, self._client)
         self._sealer = joined.sealer
         self.host_ids = [str(m["host_id"]) for m in joined.members]
@@ -290,7 +292,7 @@ class StatelessGroup:
         for r in range(self.world_size):
             if r == self.rank:
                 self.control.put(f"wm/{r}", b"0", "joining")
-        self._watch_client = open_client(address, self.timeout, self.liveness_timeout, use_libuv=use_libuv)
+        self._watch_client = open_client(address, self.timeout, self.liveness_timeout)
         self._watcher = Watcher(
             self._watch_client, self._ns, self._sealer, self.rank, self.world_size, self.liveness_timeout,
             self.name, self._wake, self._collect if self.rank == 0 else None,
@@ -461,7 +463,8 @@ class StatelessGroup:
         self._tag(tag)
         data = self._encode(obj)
         seq = self._send_seq.get((dst, tag), 0)
-        self.control.put(f"p2p/{tag}/{self.rank}/{dst}/{seq}", data, "send_obj")
+        channel = f"p2p/{tag}/{self.rank}/{dst}"
+        self.control.push([channel], seq, data, "send_obj", binding=channel)
         self._send_seq[(dst, tag)] = seq + 1
 
     def recv_obj(self, src: int, timeout: timedelta | Deadline | None = None, *, tag: str = "") -> Any:
@@ -470,10 +473,11 @@ class StatelessGroup:
         self._peer(src, "src")
         self._tag(tag)
         seq = self._recv_seq.get((src, tag), 0)
-        key = f"p2p/{tag}/{src}/{self.rank}/{seq}"
-        data = self.control.get_one(key, src, self.deadline(timeout), f"object #{seq} (tag {tag!r})")
+        channel = f"p2p/{tag}/{src}/{self.rank}"
+        data = self.control.pop(
+            channel, seq, src, self.deadline(timeout), f"object #{seq} (tag {tag!r})", binding=channel
+        )
         self._recv_seq[(src, tag)] = seq + 1
-        self.control.delete([key], "recv_obj")
         return self._decode(data, src)
 
     def _next_seq(self) -> int:
@@ -487,7 +491,7 @@ class StatelessGroup:
         after each: a store request per operation is a third of a small object's cost. At most that many
         collectives' keys wait for deletion.
         """
-        if self.rank == 0:
+        if self.rank == 0 and keys:
             self._garbage.append((seq, keys))
         if flush or seq % WATERMARK_EVERY == 0:
             self.control.post(f"wm/{self.rank}", str(seq).encode(), "a collective")
@@ -519,16 +523,29 @@ class StatelessGroup:
             return obj
         data = self._encode(obj) if self.rank == src else b""  # a refused object consumes no sequence
         seq = self._next_seq()
-        key = f"bc/{seq}"
+        binding = f"bc/{src}"
         if self.rank == src:
-            self.control.put(key, data, "broadcast_obj")
-            out = obj
-        else:
-            out = self._decode(
-                self.control.get_one(key, src, self.deadline(timeout), "a broadcast object"), src
-            )
-        self._done_collective(seq, [key])
-        return out
+            queues = [f"{binding}/{r}" for r in range(self.world_size) if r != src]
+            keys = []
+            if len(data) > INLINE_MAX and len(queues) > 1:  # one copy in the store, read by everyone
+                keys = [f"bc/{seq}"]
+                self.control.put(keys[0], data, "broadcast_obj")
+                self.control.push(queues, seq, _AT_KEY, "broadcast_obj", binding=binding)
+            else:
+                self.control.push(queues, seq, _INLINE + data, "broadcast_obj", binding=binding)
+            self._done_collective(seq, keys)
+            return obj
+        deadline = self.deadline(timeout)
+        what = "a broadcast object"
+        msg = self.control.pop(f"{binding}/{self.rank}", seq, src, deadline, what, binding=binding)
+        keys = []
+        if msg == _AT_KEY:
+            keys = [f"bc/{seq}"]
+            msg = _INLINE + self.control.get_one(keys[0], src, deadline, what)
+        if not msg.startswith(_INLINE):
+            raise ProtocolError(f"rank {self.rank} of {self._where()}: malformed broadcast from rank {src}")
+        self._done_collective(seq, keys)
+        return self._decode(msg[1:], src)
 
     def all_gather_obj(self, obj: Any, timeout: timedelta | Deadline | None = None) -> list[Any]:
         """Every rank returns the list of every rank's ``obj``, in rank order."""

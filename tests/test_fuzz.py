@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import struct
 from typing import Any
 
 import pytest
@@ -54,7 +55,7 @@ def test_codec_round_trips_safe_values(value: Any) -> None:
 @FUZZ
 @given(st.binary(max_size=200))
 def test_codec_rejects_random_bytes_with_protocol_error(data: bytes) -> None:
-    for blob in (data, b"GB1" + data):
+    for blob in (data, b"GB2" + data):
         with contextlib.suppress(gb.ProtocolError):
             codec.decode(blob)
 
@@ -72,16 +73,36 @@ def test_codec_rejects_mutated_messages_with_protocol_error(value: Any, data: st
 
 
 def test_codec_never_allocates_what_the_message_does_not_hold() -> None:
-    import struct
+    import msgpack
 
-    blob = b"GB1x" + struct.pack("<Q", 7) + b"float32" + struct.pack("<Q", 2)
-    blob += struct.pack("<Q", 1 << 20) + struct.pack("<Q", 1 << 20) + struct.pack("<Q", 0)
+    head = msgpack.packb(["float32", [1 << 20, 1 << 20]])
+    tensor = msgpack.ExtType(2, struct.pack("<H", len(head)) + head)
     with pytest.raises(gb.ProtocolError, match="needs 4398046511104 bytes, got 0"):
-        codec.decode(blob)
-    with pytest.raises(gb.ProtocolError, match="exceeds"):
-        codec.decode(b"GB1s" + struct.pack("<Q", 1 << 40))
+        codec.decode(b"GB2" + msgpack.packb(tensor))
+    with pytest.raises(gb.ProtocolError, match="malformed message"):  # a 4 GiB string in 5 bytes
+        codec.decode(b"GB2\xdb\xff\xff\xff\xff")
     with pytest.raises(gb.ProtocolError, match="appears twice"):
-        codec.decode(b"GB1d" + struct.pack("<Q", 2) + (b"s" + struct.pack("<Q", 1) + b"k" + b"N") * 2)
+        codec.decode(b"GB2\x82\xa1k\xc0\xa1k\xc0")
+    with pytest.raises(gb.ProtocolError, match="not a str"):
+        codec.decode(b"GB2\x81\x01\xc0")
+    nested = b"\xc0"
+    for _ in range(codec.MAX_DEPTH + 1):
+        nested = msgpack.packb(msgpack.ExtType(1, b"\x91" + nested))
+    with pytest.raises(gb.ProtocolError, match="deeper"):
+        codec.decode(b"GB2" + nested)
+    with pytest.raises(gb.ProtocolError, match="malformed message"):
+        codec.decode(b"GB2" + b"\x91" * 100_000)
+
+
+def test_codec_keeps_types_the_wire_cannot_tell_apart() -> None:
+    value = {"t": (1, (2.5, "x")), "l": [b"raw", None], "big": -(1 << 200), "small": 1 << 63}
+    assert codec.decode(codec.encode(value)) == value
+    assert type(codec.decode(codec.encode(value))["t"][1]) is tuple
+    with pytest.raises(TypeError, match="dict keys must be str"):
+        codec.encode({1: "a"})
+    with pytest.raises(gb.ProtocolError, match="pickle"):
+        codec.decode(codec.encode({"s": {1, 2}}, allow_pickle=True))
+    assert codec.decode(codec.encode({"s": {1, 2}}, allow_pickle=True), allow_pickle=True) == {"s": {1, 2}}
 
 
 _json = st.recursive(

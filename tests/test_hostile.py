@@ -8,6 +8,7 @@ documented error, never a raw JSON, key or decoding error.
 from __future__ import annotations
 
 import json
+import struct
 import threading
 import time
 from datetime import timedelta
@@ -65,16 +66,21 @@ def _forge(store: Any, key: str, value: bytes) -> int:
 
 
 def _sync_ids(store: Any) -> list[str]:
-    """What an eavesdropper learns: the sync ids in the headers broadcast so far (readable, not secret)."""
+    """What an eavesdropper learns: the sync ids in the headers broadcast so far. Queued messages cannot be
+    read in place, so it pops each one, reads it and pushes it back (the receiver gets it late, intact)."""
     ids = []
-    for seq in range(1, 40):
-        key = f"{NS}/bc/{seq}"
-        if not store.check([key]):
+    for r in (1, 2):
+        queue = f"{NS}/bc/0/{r}"
+        if not store.check([queue]):
             continue
-        raw = bytes(store.get(key))
-        for body in (raw, raw[32:]):
+        try:
+            raw = bytes(store.queue_pop(queue, block=False))
+        except RuntimeError:
+            continue
+        store.queue_push(queue, raw)
+        for body in (raw, raw[32:]):  # unsealed, sealed
             try:
-                value = codec.decode(body)
+                value = codec.decode(body[9:])  # after the message number and the kind
             except gb.ProtocolError:
                 continue
             if isinstance(value, dict) and isinstance(value.get("options"), dict):
@@ -82,10 +88,25 @@ def _sync_ids(store: Any) -> list[str]:
     return ids
 
 
+_LEAKED: list[str] = []
+"""Sync ids handed to the attacker as if they had leaked (popping a header off a queue races the receiver,
+which usually takes it first): the MAC must hold against an attacker who knows everything but the token."""
+
+
+class _LeakingSecrets:
+    @staticmethod
+    def token_hex(n: int) -> str:
+        import secrets
+
+        value = secrets.token_hex(n)
+        _LEAKED.append(value)
+        return value
+
+
 def _forge_signals(store: Any) -> int:
     """B11: write every bucket's ready signal first, pointing at slot data the sender has not written."""
     n = 0
-    for sid in _sync_ids(store):
+    for sid in _sync_ids(store) + _LEAKED[-2:]:
         for k in range(16):
             n += _forge(
                 store, f"{NS}/wx/{sid}/ready/{k}", json.dumps({"slot": k % 2, "nbytes": 16384}).encode()
@@ -106,7 +127,12 @@ def _forge_aborts(store: Any) -> int:
 def _forge_objects(store: Any) -> int:
     n = 0
     for seq in range(0, 20):
-        n += _forge(store, f"{NS}/p2p//0/1/{seq}", codec.encode({"step": 666, "forged": True}))
+        if f"obj{seq}" not in _written:
+            _written.add(f"obj{seq}")
+            store.queue_push(
+                f"{NS}/p2p//0/1", struct.pack("<Q", seq) + codec.encode({"step": 666, "forged": True})
+            )
+            n += 1
     return n
 
 
@@ -119,6 +145,10 @@ def _attacked(rank: int, ports: Any, which: str, token: str | None) -> Any:
         "127.0.0.1", port, rank=rank, world_size=3, listener=lis, token=token,
         timeout=timedelta(seconds=20), liveness_timeout=timedelta(seconds=3),
     )  # fmt: skip
+    if rank == 0:
+        import groupbridge.weights.sender as sender_module
+
+        sender_module.secrets = _LeakingSecrets  # type: ignore[assignment]
     attacker = Attacker(port, ATTACKS[which]) if rank == 0 else None
     out: dict[str, Any] = {}
     try:
@@ -173,8 +203,8 @@ def _malformed(rank: int, ports: Any) -> list[str]:
     errors = []
     if rank == 1:
         raw = TCPStore("127.0.0.1", port, None, False, timedelta(seconds=5), wait_for_workers=False)
-        for blob in (b"\xff\xfe not ours", b"GB1x\x00", b"GB1s" + (1 << 40).to_bytes(8, "little")):
-            raw.set(f"{NS}/p2p//0/1/{len(errors)}", blob)
+        for blob in (b"\xff\xfe not ours", b"GB2\xc1", b"GB2\xdb\xff\xff\xff\xff"):  # 0xc1: never used
+            raw.queue_push(f"{NS}/p2p//0/1", struct.pack("<Q", len(errors)) + blob)
             try:
                 g.recv_obj(0, timeout=timedelta(seconds=5))
                 errors.append("accepted")

@@ -20,10 +20,15 @@ def test_ray_one_step_off_policy_example() -> None:
     root = Path(__file__).parent.parent
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
     env.pop("RAY_ADDRESS", None)
-    proc = subprocess.run(
-        [sys.executable, str(root / "examples" / "ray_one_step_off_policy.py"), "--steps", "3"],
-        capture_output=True, text=True, env=env, timeout=170, check=False,
-    )  # fmt: skip
+    try:
+        proc = subprocess.run(
+            [sys.executable, str(root / "examples" / "ray_one_step_off_policy.py"), "--steps", "3"],
+            capture_output=True, text=True, env=env, timeout=170, check=False,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired as e:  # show where it stood
+        out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        err = (e.stderr or b"").decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
+        pytest.fail(f"the example ran past 170 s; stdout:\n{out[-3000:]}\nstderr:\n{err[-5000:]}")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     out = proc.stdout
     assert "trainer world cpu:gloo x2" in out and "bridge 'weights' at 127.0.0.1:" in out
