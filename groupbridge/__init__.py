@@ -23,12 +23,22 @@ from .errors import (
 from .global_group import GlobalGroup, destroy_global_group, init_global_group
 from .net import Address, Listener, listen
 from .stateless import StatelessGroup, Work
-from .weights import SyncStats, WeightReceiver, WeightSender, WeightUpdate, flatten_
+from .weights import (
+    BroadcastOptions,
+    RelayOptions,
+    SharedOptions,
+    SyncStats,
+    WeightReceiver,
+    WeightSender,
+    WeightUpdate,
+    flatten_,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Address",
+    "BroadcastOptions",
     "GlobalGroup",
     "GroupBridgeError",
     "GroupClosedError",
@@ -39,6 +49,8 @@ __all__ = [
     "PeerDiedError",
     "PeerTimeoutError",
     "ProtocolError",
+    "RelayOptions",
+    "SharedOptions",
     "StatelessGroup",
     "StoreUnreachableError",
     "SyncStats",

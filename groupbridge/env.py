@@ -40,8 +40,6 @@ class DistEnv:
     master_addr: str | None = None
     master_port: int | None = None
     init_method: str | None = None
-    torchelastic: bool = False
-    """True under torchrun's agent, which hosts the store itself (TORCHELASTIC_USE_AGENT_STORE)."""
 
 
 def parse_int(name: str, value: object, *, minimum: int = 0) -> int:
@@ -98,7 +96,6 @@ def read_dist_env(environ: Mapping[str, str] | None = None) -> DistEnv:
         master_addr=get("MASTER_ADDR"),
         master_port=master_port,
         init_method=get("DIST_INIT_METHOD"),
-        torchelastic=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
     )
 
 

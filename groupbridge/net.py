@@ -139,10 +139,6 @@ class Address:
     def with_port(self, port: int) -> Address:
         return Address(self.host, port)
 
-    @property
-    def is_ipv6(self) -> bool:
-        return self.family == socket.AF_INET6
-
     def __str__(self) -> str:
         if self.port is None:
             return self.host

@@ -416,7 +416,8 @@ class StatelessGroup:
         if failed is not None:
             raise failed
 
-    def _check_open(self) -> None:
+    def check_open(self) -> None:
+        """Raise :class:`GroupClosedError` if this group was closed or broke (a peer failed, an abort)."""
         if self._closed:
             raise GroupClosedError(f"{self._where()} is closed (rank {self.rank})")
         if self._broken is not None:
@@ -458,7 +459,7 @@ class StatelessGroup:
         ``tag`` names a separate channel: messages of one tag arrive in order, independently of other tags
         (a weight sync's acknowledgements travel on their own tag, so they never mix with the caller's).
         """
-        self._check_open()
+        self.check_open()
         self._peer(dst, "dst")
         self._tag(tag)
         data = self._encode(obj)
@@ -469,7 +470,7 @@ class StatelessGroup:
 
     def recv_obj(self, src: int, timeout: timedelta | Deadline | None = None, *, tag: str = "") -> Any:
         """Receive the next object ``src`` sent to this rank on ``tag``."""
-        self._check_open()
+        self.check_open()
         self._peer(src, "src")
         self._tag(tag)
         seq = self._recv_seq.get((src, tag), 0)
@@ -515,7 +516,7 @@ class StatelessGroup:
 
     def broadcast_obj(self, obj: Any, src: int = 0, timeout: timedelta | Deadline | None = None) -> Any:
         """Every rank returns ``src``'s ``obj``; ``src`` returns once the store holds it."""
-        self._check_open()
+        self.check_open()
         if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < self.world_size:
             raise ValueError(f"src={src!r} is not a rank of this group (0..{self.world_size - 1})")
         if self.world_size == 1:
@@ -549,7 +550,7 @@ class StatelessGroup:
 
     def all_gather_obj(self, obj: Any, timeout: timedelta | Deadline | None = None) -> list[Any]:
         """Every rank returns the list of every rank's ``obj``, in rank order."""
-        self._check_open()
+        self.check_open()
         data = self._encode(obj)
         if self.world_size == 1:
             return [obj]
@@ -566,7 +567,7 @@ class StatelessGroup:
 
     def barrier(self, timeout: timedelta | Deadline | None = None) -> None:
         """Return once every rank has entered; a timeout names the ranks that did not."""
-        self._check_open()
+        self.check_open()
         if self.world_size == 1:
             return
         seq = self._next_seq()
@@ -579,7 +580,7 @@ class StatelessGroup:
     # ------------------------------------------------------------------ tensors
 
     def _backend_for(self, tensor: torch.Tensor) -> Any:
-        self._check_open()
+        self.check_open()
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
         if not tensor.is_contiguous():
@@ -689,7 +690,7 @@ class StatelessGroup:
     def _start(
         self, what: str, peers: list[int], start: Callable[[], Any], async_op: bool, p2p: bool
     ) -> Work | None:
-        self._check_open()
+        self.check_open()
         try:
             handle = Work(self, start(), what, peers, p2p)
         except RuntimeError as e:  # e.g. "Too many open files" from gloo: the group cannot go on

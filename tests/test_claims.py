@@ -1,4 +1,4 @@
-"""What the README says and nothing else tested: progress=, chain=, solo_bytes=, send timeout=,
+"""What the README says and nothing else tested: progress=, RelayOptions(chain=), solo_bytes=, send timeout=,
 DIST_INIT_METHOD, an explicit GLOO_SOCKET_IFNAME winning, timeouts being TimeoutError."""
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ def _options(rank: int, ports: Any) -> dict[str, Any]:
         model = make_model(SHAPES, seed=3)
         if rank == 0:
             seen: list[tuple[int, int]] = []
-            with gb.WeightSender(g, transport="relay", chain=[0, 2, 1], bucket_bytes=1 << 16,
-                                 relay_chunk_bytes=4096, solo_bytes=1 << 14) as snd:  # fmt: skip
+            relay = gb.RelayOptions(chain=[0, 2, 1], chunk_bytes=4096)
+            with gb.WeightSender(g, transport="relay", transport_options=relay, bucket_bytes=1 << 16,
+                                 solo_bytes=1 << 14) as snd:  # fmt: skip
                 stats = snd.send(model, version=1, progress=lambda done, total: seen.append((done, total)))
             with gb.WeightSender(g, transport="relay", bucket_bytes=1 << 16, solo_bytes=1 << 30) as snd:
                 packed = snd.send(model, version=2)
@@ -35,7 +36,11 @@ def _options(rank: int, ports: Any) -> dict[str, Any]:
             out["buckets"] = (stats.buckets, packed.buckets)
             out["total"] = stats.bytes
             with pytest.raises(ValueError, match="chain"):
-                gb.WeightSender(g, chain=[1, 0, 2])
+                gb.WeightSender(g, transport_options=gb.RelayOptions(chain=[1, 0, 2]))
+            with pytest.raises(ValueError, match="chunk_bytes"):
+                gb.RelayOptions(chunk_bytes=10)
+            with pytest.raises(TypeError, match="transport options"):
+                gb.WeightSender(g, transport_options={"chain": [0, 1, 2]})  # type: ignore[arg-type]
         else:
             rcv = gb.WeightReceiver(g, src=0)
             exact = []

@@ -212,3 +212,37 @@ def test_address_known_attacks() -> None:
     with pytest.raises(ValueError):
         gb.Address("evilhost\n")  # the constructor never strips: no value that does not round-trip
     assert gb.Address.parse(" evilhost\n") == gb.Address("evilhost")  # parse strips surrounding space
+
+
+_option_fields = st.sampled_from(["in_flight", "chain", "chunk_bytes", "window", "slots"])
+
+
+@seed(10)
+@FUZZ
+@given(st.one_of(_json, st.dictionaries(_option_fields, _json)), st.integers(1, 9))
+def test_transport_option_decoders(value: Any, world_size: int) -> None:
+    from groupbridge.weights.transports import TRANSPORTS
+
+    for spec in TRANSPORTS.values():
+        try:
+            options = spec.parse(value, world_size, 0)
+        except gb.ProtocolError:
+            continue
+        assert isinstance(options, spec.options)
+        assert spec.parse(options.to_wire(), world_size, 0) == options  # what was accepted round-trips
+
+
+def test_transport_options_from_the_wire_are_checked() -> None:
+    from groupbridge.weights.transports import TRANSPORTS
+
+    relay = TRANSPORTS["relay"]
+    wire = {"chain": [0, 2, 1], "chunk_bytes": 4096, "window": 4}
+    assert relay.parse(wire, 3, 0).chain == (0, 2, 1)
+    for bad in ({**wire, "chain": [0, 1, 1]}, {**wire, "chain": [1, 0, 2]}, {**wire, "chunk_bytes": 1},
+                {**wire, "window": 1 << 20}, {**wire, "chain": [0, True, 2]}):  # fmt: skip
+        with pytest.raises(gb.ProtocolError):
+            relay.parse(bad, 3, 0)
+    with pytest.raises(gb.ProtocolError):
+        TRANSPORTS["shm"].parse({"slots": 1 << 30}, 3, 0)
+    with pytest.raises(gb.ProtocolError):
+        TRANSPORTS["broadcast"].parse({"in_flight": 0}, 3, 0)

@@ -30,7 +30,11 @@ def _sync(rank: int, host: str, ports: Any, n: int, transport: str, mode: str, n
     with make_group(rank, n, host, ports) as g:
         if rank == 0:
             snd = gb.WeightSender(
-                g, bucket_bytes=4096, transport=transport, checksum=True, relay_chunk_bytes=1024
+                g,
+                bucket_bytes=4096,
+                transport=transport,
+                checksum=True,
+                transport_options=gb.RelayOptions(chunk_bytes=1024),
             )
             kinds = [snd.send(every_dtype(seed=v), version=v).transport for v in (1, 2)]
             snd.close()
@@ -138,9 +142,12 @@ def _relay_broken(rank: int, host: str, ports: Any, ns: list[str]) -> str:
     t0 = time.monotonic()
     try:
         if rank == 0:
-            gb.WeightSender(g, bucket_bytes=256 << 10, transport="relay", relay_chunk_bytes=64 << 10).send(
-                make_model(shapes, seed=1), version=1
-            )
+            gb.WeightSender(
+                g,
+                bucket_bytes=256 << 10,
+                transport="relay",
+                transport_options=gb.RelayOptions(chunk_bytes=64 << 10),
+            ).send(make_model(shapes, seed=1), version=1)
             return "finished"
         rcv = gb.WeightReceiver(g, src=0)
         if rank == 2:  # the middle of the chain 0 -> 1 -> 2 -> 3

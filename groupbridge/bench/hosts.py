@@ -13,7 +13,7 @@ from datetime import timedelta
 from typing import Any
 
 from ..stateless import StatelessGroup
-from ..weights import WeightReceiver, WeightSender
+from ..weights import RelayOptions, WeightReceiver, WeightSender
 from . import netns
 from ._procs import run_roles
 from .models import make_model
@@ -59,7 +59,8 @@ def _role(rank: int, cfg: HostsConfig, n: int, hosts: list[tuple[str, str]], por
     model = make_model([(f"w{i}", (cfg.payload_bytes // pieces // 2,)) for i in range(pieces)], seed=rank)
     times: dict[str, list[float]] = {t: [] for t in cfg.transports}
     senders = {
-        t: WeightSender(g, transport=t, bucket_bytes=cfg.bucket_bytes, relay_chunk_bytes=cfg.chunk_bytes)
+        t: WeightSender(g, transport=t, bucket_bytes=cfg.bucket_bytes,
+                        transport_options=RelayOptions(chunk_bytes=cfg.chunk_bytes))
         for t in cfg.transports
     } if rank == 0 else {}  # fmt: skip
     rcv = WeightReceiver(g, src=0) if rank else None

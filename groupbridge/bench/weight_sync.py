@@ -11,7 +11,7 @@ from __future__ import annotations
 import resource
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -193,7 +193,3 @@ def run_weight_sync(cfg: BenchConfig) -> list[dict[str, Any]]:
                 rec[f"ratio_vs_{anchor}"] = None
         records.append(rec)
     return records
-
-
-def config_dict(cfg: BenchConfig) -> dict[str, Any]:
-    return asdict(cfg)

@@ -7,11 +7,15 @@ from .manifest import Manifest
 from .plan import Plan
 from .receiver import WeightReceiver, WeightUpdate
 from .sender import DEFAULT_BUCKET_BYTES, SyncStats, WeightSender
+from .transports import BroadcastOptions, RelayOptions, SharedOptions
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
+    "BroadcastOptions",
     "Manifest",
     "Plan",
+    "RelayOptions",
+    "SharedOptions",
     "SyncStats",
     "WeightReceiver",
     "WeightSender",

@@ -116,6 +116,6 @@ def digest(buf: torch.Tensor, kind: str, group: Any) -> int | bytes:
         return checksum(buf)
     if buf.device.type != "cpu":
         buf = buf.cpu()
-    h = group._sealer.digest()
+    h = group.control.sealer.digest()
     h.update(buf.numpy().data)
     return bytes(h.digest())

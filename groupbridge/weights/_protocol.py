@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -19,13 +20,18 @@ from ..errors import ManifestMismatchError, ProtocolError, TransportUnavailableE
 from ..stateless import StatelessGroup
 from .manifest import Manifest
 from .plan import Plan
+from .transports import TRANSPORTS
 
-__all__ = ["MERGED_BYTES", "Header", "Renamer", "make_renamer", "merged_plan", "refuse", "settle"]
+__all__ = ["ACK_TAG", "MERGED_BYTES", "Header", "Renamer", "make_renamer", "merged_plan", "refuse", "settle"]
+
+ACK_TAG = "weights-ack"
+"""Receivers' acknowledgements travel on their own tag, never mixing with the caller's objects."""
 
 MERGED_BYTES = 1 << 30
-"""When every member's tensors lie in the plan's byte layout (both sides ``flatten_``-ed) and the transport is
-the group's broadcast, nothing is packed whatever the cut, and fewer, bigger operations are faster (each gloo
-operation costs a handshake): all members then cut the stream at this size instead of ``bucket_bytes``."""
+"""When every member's tensors lie in the plan's byte layout (both sides ``flatten_``-ed) and the transport
+can cut the stream anywhere (``TransportSpec.cut_anywhere``: the group's broadcast), nothing is packed
+whatever the cut, and fewer, bigger operations are faster (each gloo operation costs a handshake): all
+members then cut the stream at this size instead of ``bucket_bytes``."""
 
 
 def merged_plan(manifest: Manifest) -> Plan:
@@ -47,6 +53,7 @@ def make_renamer(rename: Callable[[str], str] | Mapping[str, str] | None) -> Ren
 
 
 VERIFY = ("", "crc32", "hmac")
+_SYNC_ID = re.compile(r"[0-9a-f]{1,64}")
 MAX_BUCKET_BYTES = 1 << 40
 
 
@@ -62,7 +69,15 @@ class Header:
     with a token: keyed from it, so bytes injected by anyone else are refused)."""
     total_bytes: int
     options: dict[str, Any]
-    """Transport options: sync_id, and for relay the chain and chunk size."""
+    """``sync_id`` (names this sync's control keys) and ``transport``: the transport's own options."""
+
+    @property
+    def sync_id(self) -> str:
+        return str(self.options["sync_id"])
+
+    @property
+    def transport_options(self) -> dict[str, Any]:
+        return dict(self.options["transport"])
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -92,6 +107,11 @@ class Header:
         if verify not in VERIFY:
             raise ProtocolError(f"sync header: unknown verification {verify!r}")
         options = field("options", dict)
+        sid = options.get("sync_id")
+        if not isinstance(sid, str) or not _SYNC_ID.fullmatch(sid):
+            raise ProtocolError("sync header: 'sync_id' is missing or malformed")
+        if not isinstance(options.get("transport"), dict):
+            raise ProtocolError("sync header: the transport's options are missing")
         return cls(
             field("version", int, -(1 << 62)),
             field("digest", str),
@@ -162,9 +182,14 @@ def settle(
         err = kind(f"weight sync of version {header.version} refused before any bytes moved:\n{text}")
         err.agreed = True  # type: ignore[attr-defined]  # every member raises it: nothing to abort
         raise err
-    return header, manifest, header.transport == "broadcast" and all(g["in_place"] for g in gathered)
+    return header, manifest, _cuts_anywhere(header.transport) and all(g["in_place"] for g in gathered)
 
 
 def refuse(group: StatelessGroup, reason: str, deadline: Deadline, kind: str = "input") -> None:
     """The sender cannot make this sync: tell every receiver why instead of leaving them waiting."""
     group.broadcast_obj({"error": reason, "kind": kind}, src=group.rank, timeout=deadline)
+
+
+def _cuts_anywhere(kind: str) -> bool:
+    spec = TRANSPORTS.get(kind)  # an unknown transport is refused when the receiver sets it up
+    return spec is not None and spec.cut_anywhere

@@ -15,12 +15,10 @@ from ..errors import GroupBridgeError, TornUpdateError, WeightSyncError
 from ..stateless import StatelessGroup
 from . import _bytes
 from ._copier import Copier
-from ._protocol import Header, make_renamer, merged_plan, settle
+from ._protocol import ACK_TAG, Header, make_renamer, merged_plan, settle
 from .manifest import Manifest, compare, expected_specs, mismatch_message, tensors_of
 from .plan import Plan
-from .sender import ACK_TAG
-from .transports import Land, RxTransport, make_rx
-from .transports.broadcast import IN_FLIGHT
+from .transports import Land, Landed, Landing, RxTransport, Sync, spec
 
 
 class _VerifyFailed(WeightSyncError):
@@ -102,6 +100,8 @@ class WeightReceiver:
         self._buffers = _bytes.BufferCache()
         self._transports: dict[str, RxTransport] = {}
         self._plan_cache: tuple[tuple[str, int, int], Plan] | None = None
+        self._scratch_buffers = 2
+        """The ring of scratch buffers the current transport needs (set when it is set up)."""
 
     # ------------------------------------------------------------------ handshake
 
@@ -150,10 +150,14 @@ class WeightReceiver:
         return self._plan_cache[1]
 
     def _transport(self, header: Header, plan: Plan, device: torch.device, deadline: Deadline) -> RxTransport:
+        """The transport the header names, set up with the options the sender announced."""
+        chosen = spec(header.transport)
+        options = chosen.parse(header.transport_options, self.group.world_size, self.src)
         rx = self._transports.get(header.transport)
         if rx is None:
-            rx = self._transports[header.transport] = make_rx(header.transport, self.group, self.src)
-        rx.setup(plan, device, dict(header.options, deadline=deadline))
+            rx = self._transports[header.transport] = chosen.make_rx(self.group, self.src)
+        rx.setup(plan, device, Sync(header.sync_id, deadline, options))
+        self._scratch_buffers = rx.scratch_buffers
         return rx
 
     def _buckets(
@@ -183,9 +187,10 @@ class WeightReceiver:
                 )
 
     def _ring(self, plan: Plan, device: torch.device) -> Land:
-        def land(k: int) -> tuple[torch.Tensor, str]:
+        def land(k: int) -> Landed:
             start, end = plan.bucket_range(k)
-            return self._buffers.get(f"bucket{k % IN_FLIGHT}", end - start, device), "scratch"
+            view = self._buffers.get(f"bucket{k % self._scratch_buffers}", end - start, device)
+            return Landed(view, Landing.SCRATCH)
 
         return land
 
@@ -342,9 +347,9 @@ class WeightReceiver:
         device = next((d.device for d in dest), self.device)
         staging = self._buffers.get("staging", plan.total_bytes, device)
 
-        def land(k: int) -> tuple[torch.Tensor, str]:
+        def land(k: int) -> Landed:
             start, end = plan.bucket_range(k)
-            return staging[start:end], "staging"
+            return Landed(staging[start:end], Landing.STAGING)
 
         try:
             rx = self._transport(header, plan, device, deadline)
@@ -403,9 +408,9 @@ class WeightReceiver:
         ]
         direct: list[torch.Tensor | None] = [d if ok else None for d, ok in zip(dest, wire_ok, strict=True)]
 
-        def land(k: int) -> tuple[torch.Tensor, str]:
+        def land(k: int) -> Landed:
             view = _bytes.in_place_bucket(plan, k, direct, receiving=True)
-            return (view, "target") if view is not None else ring(k)
+            return Landed(view, Landing.TARGET) if view is not None else ring(k)
 
         written: list[str] = []
         partial: dict[int, torch.Tensor] = {}

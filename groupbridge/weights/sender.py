@@ -6,7 +6,7 @@ import itertools
 import logging
 import secrets
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -19,12 +19,10 @@ from ..errors import GroupBridgeError, PeerTimeoutError, TransportUnavailableErr
 from ..stateless import StatelessGroup
 from . import _bytes
 from ._copier import Copier
-from ._protocol import Header, make_renamer, merged_plan, refuse, settle
+from ._protocol import ACK_TAG, Header, make_renamer, merged_plan, refuse, settle
 from .manifest import Manifest, tensors_of
 from .plan import Plan
-from .transports import TxTransport, choose, make_tx
-from .transports.base import KINDS
-from .transports.relay import DEFAULT_CHUNK_BYTES, default_chain
+from .transports import TRANSPORTS, Sync, TransportOptions, TxTransport, across_hosts, choose
 
 logger = logging.getLogger(__name__)
 
@@ -34,9 +32,6 @@ DEFAULT_BUCKET_BYTES = 64 << 20
 """Chosen by ``groupbridge bench --bucket-bytes 16MiB,64MiB,256MiB`` on 2 cores over gloo loopback: 16 MiB
 pays per-operation overhead; 256 MiB helps only flattened models with one receiver and holds four times the
 memory (two buckets on each side) while plain models with two receivers slowed; 64 MiB is the balance."""
-
-TRANSPORTS = ("auto", *KINDS)
-ACK_TAG = "weights-ack"
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,8 +72,9 @@ class WeightSender:
         transport: ``"auto"`` (same host: ``shm`` for CPU tensors, ``cuda_ipc`` for CUDA tensors; across
             hosts ``broadcast`` up to two receivers, ``relay`` beyond), or one of them by name. An explicit
             transport that cannot work between these members raises, never falls back.
-        chain: the relay order (a list of ranks starting with this one; default: by rank).
-        relay_chunk_bytes: chunk size the relay forwards at a time.
+        transport_options: options of one transport or several (``RelayOptions(chain=..., chunk_bytes=...)``,
+            ``BroadcastOptions(in_flight=...)``, ``SharedOptions(slots=...)``); each transport not named
+            here takes its defaults. Checked against the group now.
         wire_dtype: cast floating tensors to this dtype for the wire (fp32 master weights sent as bf16).
         checksum: send a CRC32 of every bucket; receivers verify before applying.
         rename: a callable or mapping from the sender's names to the names on the wire.
@@ -97,11 +93,10 @@ class WeightSender:
         checksum: bool = False,
         rename: Callable[[str], str] | Mapping[str, str] | None = None,
         intra_op_threads: int | None = 1,
-        chain: list[int] | None = None,
-        relay_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        transport_options: TransportOptions | Sequence[TransportOptions] | None = None,
     ) -> None:
-        if transport not in TRANSPORTS:
-            raise ValueError(f"transport={transport!r} is not one of {', '.join(TRANSPORTS)}")
+        if transport != "auto" and transport not in TRANSPORTS:
+            raise ValueError(f"transport={transport!r} is not one of auto, {', '.join(TRANSPORTS)}")
         if bucket_bytes is not None and (not isinstance(bucket_bytes, int) or bucket_bytes < 1024):
             raise ValueError(f"bucket_bytes={bucket_bytes!r} must be an int >= 1024")
         if wire_dtype is not None and not wire_dtype.is_floating_point:
@@ -113,12 +108,8 @@ class WeightSender:
             raise ValueError(f"solo_bytes={solo_bytes} must be >= 1")
         self.solo_bytes = solo_bytes if solo_bytes is not None else max(1, self.bucket_bytes // 8)
         self.transport = transport
-        self.chain = default_chain(group, self.src) if chain is None else list(chain)
-        if sorted(self.chain) != list(range(group.world_size)) or self.chain[0] != self.src:
-            raise ValueError(f"chain={chain} must start with this rank ({self.src}) and name every rank once")
-        if relay_chunk_bytes < 1024:
-            raise ValueError(f"relay_chunk_bytes={relay_chunk_bytes} must be >= 1024")
-        self.relay_chunk_bytes = relay_chunk_bytes
+        self.options = _options_by_transport(transport_options, group, self.src)
+        """Every transport's options, completed for this group (e.g. the relay chain)."""
         self._transports: dict[str, TxTransport] = {}
         self.wire_dtype = wire_dtype
         self.checksum = checksum
@@ -162,7 +153,7 @@ class WeightSender:
         if isinstance(version, bool) or not isinstance(version, int):
             raise TypeError(f"version must be an int, got {type(version).__name__}")
         deadline = self.group.deadline(timeout)
-        self.group._check_open()
+        self.group.check_open()
         try:
             items, manifest = self._describe(named_tensors, specs)
             items, device = _peek_device(items)
@@ -175,17 +166,14 @@ class WeightSender:
         plan = self._plan(manifest)
         options: dict[str, Any] = {
             "sync_id": secrets.token_hex(6),
-            "chain": self.chain,
-            "chunk_bytes": self.relay_chunk_bytes,
+            "transport": self.options[kind].to_wire(),
         }
         verify = "hmac" if self.group.sealed else ("crc32" if self.checksum else "")
         header = Header(
             version, manifest.digest, self.bucket_bytes, self.solo_bytes, kind, verify,
             plan.total_bytes, options,
         )  # fmt: skip
-        tx = self._transports.get(kind)
-        if tx is None:
-            tx = self._transports[kind] = make_tx(kind, self.group)
+        tx = self._tx(kind)
         try:
             return self._session(header, manifest, plan, items, device, tx, deadline, progress)
         except BaseException as e:
@@ -222,19 +210,24 @@ class WeightSender:
         items = [(self._rename(n), t) for n, t in items]
         return items, Manifest.build(items, self.wire_dtype)
 
+    def _tx(self, kind: str) -> TxTransport:
+        tx = self._transports.get(kind)
+        if tx is None:
+            tx = self._transports[kind] = TRANSPORTS[kind].make_tx(self.group, self.options[kind])
+        return tx
+
     def _choose(self, device: torch.device, manifest: Manifest) -> str:
+        """The transport for this sync, its resources claimed: ``auto`` falls back (and says why) when a
+        same-host transport cannot get them; an explicit choice raises instead."""
         kind = choose(self.transport, self.group, device)
-        if kind == "shm":
-            tx = self._transports.get("shm") or make_tx("shm", self.group)
-            self._transports["shm"] = tx
-            try:
-                tx.reserve(self._plan(manifest), device)  # type: ignore[attr-defined]
-            except TransportUnavailableError as e:
-                if self.transport != "auto":
-                    raise
-                fallback = "broadcast" if self.group.world_size <= 3 else "relay"
-                logger.warning("[%s] %s; using %s instead", self.group.name, e, fallback)
-                return fallback
+        try:
+            self._tx(kind).reserve(self._plan(manifest), device)
+        except TransportUnavailableError as e:
+            if self.transport != "auto":
+                raise
+            fallback = across_hosts(self.group)
+            logger.warning("[%s] %s; using %s instead", self.group.name, e, fallback)
+            return fallback
         return kind
 
     def _session(
@@ -255,7 +248,7 @@ class WeightSender:
         if merged:
             plan = merged_plan(manifest)
         t0 = time.perf_counter()
-        tx.setup(plan, device, dict(header.options, deadline=deadline))
+        tx.setup(plan, device, Sync(header.sync_id, deadline, self.options[header.transport]))
         in_place, digests = self._transfer(tx, plan, manifest, iter(items), progress, header.verify)
         if header.verify:
             self.group.broadcast_obj(digests, src=self.src, timeout=deadline)
@@ -408,3 +401,28 @@ def _peek_device(
     except StopIteration:
         return iter(()), torch.device("cpu")
     return itertools.chain([first], items), first[1].device
+
+
+def _options_by_transport(
+    given: TransportOptions | Sequence[TransportOptions] | None, group: StatelessGroup, src: int
+) -> dict[str, TransportOptions]:
+    """Each transport's options: the caller's where given, else its defaults; completed for ``group``."""
+    items = [] if given is None else [given] if not isinstance(given, Sequence) else list(given)
+    chosen: dict[str, TransportOptions] = {}
+    for opts in items:
+        names = getattr(type(opts), "transport", None)
+        if not isinstance(names, tuple) or not all(
+            TRANSPORTS.get(n) and TRANSPORTS[n].options is type(opts) for n in names
+        ):
+            raise TypeError(
+                f"transport_options takes transport options (RelayOptions, BroadcastOptions, SharedOptions), "
+                f"got {type(opts).__name__}"
+            )
+        for name in names:
+            if name in chosen:
+                raise ValueError(f"transport_options names {type(opts).__name__} twice")
+            chosen[name] = opts
+    out: dict[str, TransportOptions] = {}
+    for name, spec in TRANSPORTS.items():
+        out[name] = chosen.get(name, spec.options()).resolved(group.world_size, src)
+    return out

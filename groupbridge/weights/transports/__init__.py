@@ -5,12 +5,96 @@
 - ``shm``: a ring of shared-memory segments on one host; the sender fills, receivers copy out in parallel.
 - ``cuda_ipc``: the same over CUDA IPC buffers, for CUDA tensors on one host.
 
-The sender chooses (``auto``: same host -> shm or cuda_ipc; else broadcast up to two receivers, relay
-beyond) and announces the choice in the sync's header; receivers follow.
+Each states what it needs and can do in its :class:`TransportSpec`, and takes its own options dataclass
+(:class:`BroadcastOptions`, :class:`RelayOptions`, :class:`SharedOptions`), which the sender announces in
+the sync's header. The sender chooses (``auto``: same host -> shm or cuda_ipc; else broadcast up to two
+receivers, relay beyond); receivers follow the header.
 """
 
 from __future__ import annotations
 
-from .base import Land, RxTransport, TxTransport, choose, make_rx, make_tx
+import torch
 
-__all__ = ["Land", "RxTransport", "TxTransport", "choose", "make_rx", "make_tx"]
+from ...errors import TransportUnavailableError
+from ...stateless import StatelessGroup
+from .base import (
+    Land,
+    Landed,
+    Landing,
+    RxTransport,
+    Sync,
+    TransportOptions,
+    TransportSpec,
+    TxTransport,
+    unknown,
+)
+from .broadcast import SPEC as BROADCAST
+from .broadcast import BroadcastOptions
+from .relay import SPEC as RELAY
+from .relay import RelayOptions
+from .shared import CUDA_IPC, SHM, SharedOptions
+
+__all__ = [
+    "TRANSPORTS",
+    "BroadcastOptions",
+    "Land",
+    "Landed",
+    "Landing",
+    "RelayOptions",
+    "RxTransport",
+    "SharedOptions",
+    "Sync",
+    "TransportOptions",
+    "TransportSpec",
+    "TxTransport",
+    "across_hosts",
+    "choose",
+    "spec",
+]
+
+TRANSPORTS: dict[str, TransportSpec] = {s.name: s for s in (BROADCAST, RELAY, SHM, CUDA_IPC)}
+
+
+def spec(kind: str) -> TransportSpec:
+    """The transport a header names; TransportUnavailableError for one this version does not know."""
+    found = TRANSPORTS.get(kind)
+    if found is None:
+        raise unknown(kind)
+    return found
+
+
+def across_hosts(group: StatelessGroup) -> str:
+    """``auto``'s choice when the members cannot share memory: a star up to two receivers, a chain beyond."""
+    return "broadcast" if group.world_size <= 3 else "relay"
+
+
+def choose(requested: str, group: StatelessGroup, device: torch.device) -> str:
+    """The transport for this sync; an explicit one that cannot work here is an error, never a fallback.
+
+    Raises:
+        ValueError: an unknown name.
+        TransportUnavailableError: a one-host transport across hosts, or tensors on a device it does not
+            carry.
+    """
+    local = len(set(group.host_ids)) == 1
+    if requested == "auto":
+        for candidate in TRANSPORTS.values():
+            if candidate.one_host and local and device.type in candidate.devices:
+                return candidate.name
+        return across_hosts(group)
+    chosen = TRANSPORTS.get(requested)
+    if chosen is None:
+        raise ValueError(f"transport={requested!r} is not one of auto, {', '.join(TRANSPORTS)}")
+    if chosen.one_host and not local:
+        hosts = ", ".join(f"rank {r}: {h.split('/')[0]}" for r, h in enumerate(group.host_ids))
+        raise TransportUnavailableError(
+            f"transport={requested!r} needs every member on one host; members are on {hosts}"
+        )
+    if chosen.devices and device.type not in chosen.devices:
+        others = [s.name for s in TRANSPORTS.values() if s.one_host and device.type in s.devices]
+        hint = f"; use {others[0]!r}" if others else ""
+        raise TransportUnavailableError(
+            f"transport={requested!r} carries {'/'.join(d.upper() for d in chosen.devices)} "
+            f"tensors; these are on {device}{hint}"
+        )
+    return requested

@@ -1,33 +1,93 @@
-"""The transport contract and the sender's choice."""
+"""The transport contract: what a transport is told, what it must do, and what it states about itself.
+
+The sender, the handshake and the receiver never name a transport: they read its :class:`TransportSpec`
+(the options it takes, what it can carry, what it can do) from :data:`TRANSPORTS`.
+"""
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
 
 import torch
 
 from ..._control import Deadline
-from ...errors import TransportUnavailableError
+from ...errors import ProtocolError, TransportUnavailableError
 from ...stateless import StatelessGroup
 from ..plan import Plan
 
-__all__ = ["KINDS", "Land", "RxTransport", "TxTransport", "choose", "make_rx", "make_tx"]
+__all__ = [
+    "Land",
+    "Landed",
+    "Landing",
+    "RxTransport",
+    "Sync",
+    "TransportOptions",
+    "TransportSpec",
+    "TxTransport",
+    "wire_int",
+]
 
-KINDS = ("broadcast", "relay", "shm", "cuda_ipc")
 
-Land = Callable[[int], tuple[torch.Tensor, str]]
-"""Where bucket k should land on a receiver: (view, kind), kind one of "target" (the caller's own tensors,
-in place), "staging" (an atomic update's staging buffer) or "scratch" (a reusable buffer the caller only
-reads from; a transport with its own shared buffer may hand that out instead)."""
+class Landing(enum.Enum):
+    """What the buffer a bucket lands in is, on a receiver."""
+
+    TARGET = "target"
+    """The caller's own tensors, in place: nothing to copy afterwards."""
+    STAGING = "staging"
+    """An atomic update's staging buffer."""
+    SCRATCH = "scratch"
+    """A reusable buffer the caller only reads; a transport with a shared buffer may hand that out instead."""
+
+
+@dataclass(frozen=True, slots=True)
+class Landed:
+    view: torch.Tensor
+    landing: Landing
+
+    @property
+    def in_place(self) -> bool:
+        return self.landing is Landing.TARGET
+
+
+Land = Callable[[int], Landed]
+"""Where bucket k lands on a receiver."""
+
+
+class TransportOptions(Protocol):
+    """A transport's own options: a frozen dataclass, validated when made, carried in the sync header."""
+
+    transport: ClassVar[tuple[str, ...]]
+    """The transports that take these options."""
+
+    def resolved(self, world_size: int, src: int) -> TransportOptions:
+        """These options completed for a group of ``world_size`` sending from ``src`` (defaults that depend
+        on it); ValueError if they do not fit it."""
+        ...
+
+    def to_wire(self) -> dict[str, Any]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Sync:
+    """What a transport is told about one sync."""
+
+    sync_id: str
+    deadline: Deadline
+    options: Any
+    """The transport's own options (its ``TransportSpec.options`` type), as the sender announced them."""
 
 
 class TxTransport(Protocol):
     """Sender side. Per sync: ``setup``, then for every bucket ``buffer`` (where to pack) and ``post``."""
 
-    name: str
+    def reserve(self, plan: Plan, device: torch.device) -> None:
+        """Claim what the sync will need before it is announced; TransportUnavailableError if it cannot."""
+        ...
 
-    def setup(self, plan: Plan, device: torch.device, options: dict[str, Any]) -> None: ...
+    def setup(self, plan: Plan, device: torch.device, sync: Sync) -> None: ...
 
     def buffer(self, k: int, nbytes: int, device: torch.device) -> torch.Tensor: ...
 
@@ -41,7 +101,10 @@ class TxTransport(Protocol):
 class RxTransport(Protocol):
     """Receiver side: ``setup``, then iterate ``buckets`` for (k, view, in_place) as they arrive."""
 
-    def setup(self, plan: Plan, device: torch.device, options: dict[str, Any]) -> None: ...
+    scratch_buffers: int
+    """How many scratch landings may be in use at once (the receiver's ring of buffers)."""
+
+    def setup(self, plan: Plan, device: torch.device, sync: Sync) -> None: ...
 
     def buckets(
         self, plan: Plan, land: Land, deadline: Deadline
@@ -50,66 +113,35 @@ class RxTransport(Protocol):
     def close(self) -> None: ...
 
 
-def same_host(group: StatelessGroup) -> bool:
-    return len(set(group.host_ids)) == 1
+@dataclass(frozen=True)
+class TransportSpec:
+    """One transport, as data."""
+
+    name: str
+    options: Any
+    """Its options class (a :class:`TransportOptions`); ``options()`` gives the defaults."""
+    parse: Callable[[Any, int, int], Any]
+    """Options from the wire (hostile until checked: ProtocolError for anything malformed)."""
+    make_tx: Callable[[StatelessGroup, Any], TxTransport]
+    make_rx: Callable[[StatelessGroup, int], RxTransport]
+    one_host: bool = False
+    """Needs every member on one host."""
+    devices: tuple[str, ...] = ()
+    """The tensor device types it carries (empty: any)."""
+    cut_anywhere: bool = False
+    """When every member's tensors lie in the plan's byte layout, it can cut the stream at any size without
+    packing, so all members may use the merged plan (fewer, bigger operations)."""
 
 
-def choose(requested: str, group: StatelessGroup, device: torch.device) -> str:
-    """The transport for this sync; an explicit one that cannot work here is an error, never a fallback.
-
-    Raises:
-        TransportUnavailableError: ``shm`` or ``cuda_ipc`` across hosts, ``cuda_ipc`` for CPU tensors, or
-            ``shm`` for device tensors.
-    """
-    receivers = group.world_size - 1
-    local = same_host(group)
-    if requested == "auto":
-        if local and device.type == "cuda":
-            return "cuda_ipc"
-        if local and device.type == "cpu":
-            return "shm"
-        return "broadcast" if receivers <= 2 else "relay"
-    hosts = ", ".join(f"rank {r}: {h.split('/')[0]}" for r, h in enumerate(group.host_ids))
-    if requested in ("shm", "cuda_ipc") and not local:
-        raise TransportUnavailableError(
-            f"transport={requested!r} needs every member on one host; members are on {hosts}"
-        )
-    if requested == "shm" and device.type != "cpu":
-        raise TransportUnavailableError(
-            f"transport='shm' carries CPU tensors; these are on {device}; use 'cuda_ipc'"
-        )
-    if requested == "cuda_ipc" and device.type != "cuda":
-        raise TransportUnavailableError(
-            f"transport='cuda_ipc' carries CUDA tensors; these are on {device}; use 'shm'"
-        )
-    if requested not in KINDS:
-        raise ValueError(f"transport={requested!r} is not one of auto, {', '.join(KINDS)}")
-    return requested
+def wire_int(d: Any, key: str, what: str, lo: int = 0, hi: int = 1 << 62) -> int:
+    """An integer field of a dict that came off the wire, checked."""
+    v = d.get(key) if isinstance(d, dict) else None
+    if type(v) is not int or not lo <= v <= hi:
+        raise ProtocolError(f"{what} field {key!r} is missing or out of range")
+    return v
 
 
-def make_tx(kind: str, group: StatelessGroup) -> TxTransport:
-    from .broadcast import BroadcastTx
-    from .relay import RelayTx
-    from .shared import SharedTx
-
-    if kind == "broadcast":
-        return BroadcastTx(group)
-    if kind == "relay":
-        return RelayTx(group)
-    return SharedTx(group, kind)
-
-
-def make_rx(kind: str, group: StatelessGroup, src: int) -> RxTransport:
-    from .broadcast import BroadcastRx
-    from .relay import RelayRx
-    from .shared import SharedRx
-
-    if kind == "broadcast":
-        return BroadcastRx(group, src)
-    if kind == "relay":
-        return RelayRx(group, src)
-    if kind in ("shm", "cuda_ipc"):
-        return SharedRx(group, src, kind)
-    raise TransportUnavailableError(
+def unknown(kind: str) -> TransportUnavailableError:
+    return TransportUnavailableError(
         f"the sender announced transport {kind!r}, which this version does not know"
     )

@@ -20,7 +20,8 @@ import mmap
 import os
 import warnings
 from collections.abc import Iterator
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
@@ -29,11 +30,34 @@ from ..._control import Deadline
 from ...errors import ProtocolError, TransportUnavailableError, WeightSyncError
 from ...stateless import StatelessGroup
 from ..plan import Plan
-from .base import Land
+from .base import Land, Landing, Sync, TransportSpec, wire_int
 
-__all__ = ["SLOTS", "SharedRx", "SharedTx", "shm_available"]
+__all__ = ["CUDA_IPC", "SHM", "SharedOptions", "SharedRx", "SharedTx", "shm_available"]
 
-SLOTS = 2
+MAX_SLOTS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class SharedOptions:
+    """Options of transports ``shm`` and ``cuda_ipc``."""
+
+    transport: ClassVar[tuple[str, ...]] = ("shm", "cuda_ipc")
+    slots: int = 2
+    """Bucket-sized shared buffers in the ring: while receivers copy out of one, the sender fills the next."""
+
+    def __post_init__(self) -> None:
+        if type(self.slots) is not int or not 2 <= self.slots <= MAX_SLOTS:
+            raise ValueError(f"slots={self.slots!r} must be an int in 2..{MAX_SLOTS}")
+
+    def resolved(self, world_size: int, src: int) -> SharedOptions:
+        return self
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"slots": self.slots}
+
+    @classmethod
+    def parse(cls, d: Any, world_size: int, src: int) -> SharedOptions:
+        return cls(wire_int(d, "slots", "shared-buffer options", 2, MAX_SLOTS))
 
 
 def _max_bucket(plan: Plan) -> int:
@@ -103,17 +127,14 @@ def _sync(t: torch.Tensor) -> None:
 
 
 def _int(d: Any, key: str, limit: int = 1 << 62) -> int:
-    v = d.get(key) if isinstance(d, dict) else None
-    if type(v) is not int or not 0 <= v <= limit:
-        raise ProtocolError(f"bucket signal field {key!r} is missing or out of range")
-    return v
+    return wire_int(d, key, "bucket signal", 0, limit)
 
 
 class SharedTx:
-    def __init__(self, group: StatelessGroup, kind: str) -> None:
+    def __init__(self, group: StatelessGroup, options: SharedOptions, kind: str) -> None:
         self.group = group
-        self.name = kind
         self.kind = kind
+        self.slots = options.slots
         self._slots: list[torch.Tensor] = []
         self._segments: list[_Segment] = []
         self._gen = 0
@@ -132,7 +153,7 @@ class SharedTx:
             return
         self._release()
         self._gen += 1
-        for _ in range(SLOTS):
+        for _ in range(self.slots):
             if self.kind == "shm":
                 seg = _Segment(need)
                 self._segments.append(seg)
@@ -141,9 +162,9 @@ class SharedTx:
                 self._slots.append(torch.zeros(need, dtype=torch.uint8, device=device))
         self._announced = False
 
-    def setup(self, plan: Plan, device: torch.device, options: dict[str, Any]) -> None:
-        self._deadline = options["deadline"]
-        self._sid = str(options["sync_id"])
+    def setup(self, plan: Plan, device: torch.device, sync: Sync) -> None:
+        self._deadline = sync.deadline
+        self._sid = sync.sync_id
         self._posted = 0
         self.external = 0
         self.reserve(plan, device)
@@ -168,8 +189,8 @@ class SharedTx:
         return f"wx/{self._sid}/{what}/{k}"
 
     def _wait_free(self, k: int) -> None:
-        """Wait until every receiver is done with the bucket that used slot k % SLOTS before."""
-        prev = k - SLOTS
+        """Wait until every receiver is done with the bucket that used slot k % slots before."""
+        prev = k - self.slots
         if prev < 0:
             return
         assert self._deadline is not None
@@ -180,11 +201,11 @@ class SharedTx:
 
     def buffer(self, k: int, nbytes: int, device: torch.device) -> torch.Tensor:
         self._wait_free(k)
-        return self._slots[k % SLOTS][:nbytes]
+        return self._slots[k % self.slots][:nbytes]
 
     def post(self, k: int, view: torch.Tensor) -> None:
-        slot = self._slots[k % SLOTS]
-        signal: dict[str, Any] = {"slot": k % SLOTS, "nbytes": view.numel()}
+        slot = self._slots[k % self.slots]
+        signal: dict[str, Any] = {"slot": k % self.slots, "nbytes": view.numel()}
         source = _shared_source(view) if self.kind == "shm" and view.data_ptr() != slot.data_ptr() else None
         if source is not None:
             signal = source  # receivers read the sender's own shared memory: no copy here
@@ -197,8 +218,8 @@ class SharedTx:
         self._posted = k + 1
 
     def finish(self) -> None:
-        for k in range(max(0, self._posted - SLOTS), self._posted):
-            self._wait_free(k + SLOTS)
+        for k in range(max(0, self._posted - self.slots), self._posted):
+            self._wait_free(k + self.slots)
 
     def _release(self) -> None:
         self._slots = []
@@ -216,15 +237,17 @@ class SharedRx:
         self.group = group
         self.src = src
         self.kind = kind
+        self.scratch_buffers = 2
         self._slots: list[torch.Tensor] = []
         self._gen = 0
         self._sid = ""
         self._sources: dict[tuple[int, int], torch.Tensor] = {}
         """The sender's own shared storages mapped during the current sync (dropped at the next)."""
 
-    def setup(self, plan: Plan, device: torch.device, options: dict[str, Any]) -> None:
-        self._sid = str(options["sync_id"])
-        deadline: Deadline = options["deadline"]
+    def setup(self, plan: Plan, device: torch.device, sync: Sync) -> None:
+        self._sid = sync.sync_id
+        deadline = sync.deadline
+        n_slots = sync.options.slots
         self._sources.clear()
         announce = self.group.broadcast_obj(None, src=self.src, timeout=deadline)
         error = None
@@ -236,8 +259,8 @@ class SharedRx:
                 else:
                     nbytes = _int(announce, "nbytes")
                     slots = announce["slots"]
-                    if not isinstance(slots, list) or len(slots) != SLOTS:
-                        raise ProtocolError(f"the announcement names {SLOTS} slots")
+                    if not isinstance(slots, list) or len(slots) != n_slots:
+                        raise ProtocolError(f"the announcement does not name {n_slots} slots")
                     self._slots = []
                     self._slots = [self._map(d, nbytes) for d in slots]
                     self._gen = gen
@@ -267,14 +290,15 @@ class SharedRx:
             except ValueError as e:
                 raise ProtocolError(f"bucket {k}'s signal is not JSON: {e}") from None
             slot = self._slot_for(signal, end - start)
-            view, kind = land(k)
-            if kind == "scratch" and view.device == slot.device:
+            landed = land(k)
+            view = landed.view
+            if landed.landing is Landing.SCRATCH and view.device == slot.device:
                 yield k, slot, False
             else:
                 view.copy_(slot)
                 _sync(view)
                 self._done(k)
-                yield k, view, kind == "target"
+                yield k, view, landed.in_place
                 continue
             self._done(k)
 
@@ -282,7 +306,7 @@ class SharedRx:
         if _int(signal, "nbytes") != nbytes:
             raise ProtocolError(f"a bucket signal announces {signal.get('nbytes')} bytes, the plan {nbytes}")
         if "slot" in signal:
-            return self._slots[_int(signal, "slot", SLOTS - 1)][:nbytes]
+            return self._slots[_int(signal, "slot", len(self._slots) - 1)][:nbytes]
         return self._external(signal, nbytes)
 
     def _external(self, d: Any, nbytes: int) -> torch.Tensor:
@@ -326,3 +350,16 @@ def _shared_source(view: torch.Tensor) -> dict[str, int] | None:
         return None
     offset = view.data_ptr() - storage.data_ptr()
     return {"fd": fd, "ino": int(ino), "size": size, "offset": offset, "nbytes": view.numel()}
+
+
+def _spec(kind: str, device: str) -> TransportSpec:
+    return TransportSpec(
+        kind, SharedOptions, SharedOptions.parse,
+        lambda group, options: SharedTx(group, options, kind),
+        lambda group, src: SharedRx(group, src, kind),
+        one_host=True, devices=(device,),
+    )  # fmt: skip
+
+
+SHM = _spec("shm", "cpu")
+CUDA_IPC = _spec("cuda_ipc", "cuda")
