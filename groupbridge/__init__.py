@@ -5,6 +5,7 @@ Importing this package has no side effects: no logging setup, no environment cha
 
 from __future__ import annotations
 
+from .control import ControlChannel, Deadline
 from .devices import accelerator, split_backend
 from .errors import (
     GroupBridgeError,
@@ -39,6 +40,8 @@ __version__ = "0.1.0"
 __all__ = [
     "Address",
     "BroadcastOptions",
+    "ControlChannel",
+    "Deadline",
     "GlobalGroup",
     "GroupBridgeError",
     "GroupClosedError",

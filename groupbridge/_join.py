@@ -19,10 +19,10 @@ import secrets
 import time
 from typing import TYPE_CHECKING, Any
 
-from ._control import Deadline
 from ._fmt import ranks
 from ._liveness import encode_status, status_key
 from ._seal import ForgedMessageError, Sealer
+from .control import Deadline
 from .errors import GroupMismatchError, JoinTimeoutError, ProtocolError, StoreUnreachableError
 from .net import host_identity
 from .store import ROOT_PREFIX, StoreClient

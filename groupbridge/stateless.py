@@ -2,9 +2,9 @@
 
 Rank 0 serves a TCPStore on a socket it bound itself; the others connect, prove they belong (name,
 generation, world size, optional shared token), and wait until every rank has joined. Objects travel through
-the group's control channel (:mod:`._control`) in a safe encoding, sealed when the group has a token, and are
-deleted once every receiver has read them; tensors travel over a gloo ProcessGroup (CPU) or the device's own
-backend (created on first use), both built outside the global state. Every wait is bounded, and each member
+the group's control channel (:mod:`.control`) in a safe encoding, sealed when the group has a token, and
+nothing of them stays in the store once every receiver has read them; tensors travel over a gloo
+ProcessGroup (CPU) or the device's own backend (created on first use), both built outside the global state. Every wait is bounded, and each member
 publishes a status record so that survivors learn of a dead, frozen or failed peer within the liveness
 timeout, whatever the operation timeout.
 """
@@ -24,12 +24,12 @@ import torch
 import torch.distributed as dist
 
 from . import _torch_private, codec
-from ._control import ControlChannel, Deadline
 from ._fmt import ranks, seconds
 from ._join import host_join, member_join
 from ._liveness import Watcher, decode_status, encode_status, status_key
 from ._seal import Sealer
 from ._torch_private import PrefixStore, TCPStore
+from .control import ControlChannel, Deadline
 from .errors import (
     GroupBridgeError,
     GroupClosedError,
@@ -124,7 +124,10 @@ class StatelessGroup:
     pids: list[int]
     """Each member's process id, as it declared at join (sealed with a token)."""
     control: ControlChannel
-    """The group's control channel: sealed, acknowledged, bounded keys (used by transports)."""
+    """The group's control channel, public for protocols built on the group (the weight-sync transports are
+    such): group-scoped keys (``put``/``get``/``add``/``check``/``delete``) and queues (``push``/``pop``),
+    sealed with the token, acknowledged, every wait bounded by a :class:`Deadline` (``group.deadline()``)
+    and named by the ranks waited for."""
     _token: str | None
     _ns: str
     _closed: bool

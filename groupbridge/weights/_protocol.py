@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .._control import Deadline
+from ..control import Deadline
 from ..errors import ManifestMismatchError, ProtocolError, TransportUnavailableError, WeightSyncError
 from ..stateless import StatelessGroup
 from .manifest import Manifest

@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from .._control import Deadline
 from ..codec import dtype_from_name
+from ..control import Deadline
 from ..errors import GroupBridgeError, TornUpdateError, WeightSyncError
 from ..stateless import StatelessGroup
 from . import _bytes

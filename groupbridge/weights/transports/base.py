@@ -13,7 +13,7 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
-from ..._control import Deadline
+from ...control import Deadline
 from ...errors import ProtocolError, TransportUnavailableError
 from ...stateless import StatelessGroup
 from ..plan import Plan

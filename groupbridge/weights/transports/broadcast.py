@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..._control import Deadline
+from ...control import Deadline
 from ...env import tuning_int
 from ...stateless import StatelessGroup, Work
 from .. import _bytes

@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..._control import Deadline
+from ...control import Deadline
 from ...env import tuning_int
 from ...errors import ProtocolError
 from ...stateless import StatelessGroup, Work

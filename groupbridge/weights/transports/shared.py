@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 import torch
 
 from ... import _torch_private
-from ..._control import Deadline
+from ...control import Deadline
 from ...errors import ProtocolError, TransportUnavailableError, WeightSyncError
 from ...stateless import StatelessGroup
 from ..plan import Plan
