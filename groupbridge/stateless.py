@@ -4,9 +4,9 @@ Rank 0 serves a TCPStore on a socket it bound itself; the others connect, prove 
 generation, world size, optional shared token), and wait until every rank has joined. Objects travel through
 the group's control channel (:mod:`.control`) in a safe encoding, sealed when the group has a token, and
 nothing of them stays in the store once every receiver has read them; tensors travel over a gloo
-ProcessGroup (CPU) or the device's own backend (created on first use), both built outside the global state. Every wait is bounded, and each member
-publishes a status record so that survivors learn of a dead, frozen or failed peer within the liveness
-timeout, whatever the operation timeout.
+ProcessGroup (CPU) or the device's own backend (created on first use), both built outside the global state.
+Every wait is bounded, and each member publishes a status record so that survivors learn of a dead, frozen
+or failed peer within the liveness timeout, whatever the operation timeout.
 """
 
 from __future__ import annotations
