@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+from ._procs import Roles, publish_listener
+
 __all__ = ["ChaosReport", "run_chaos"]
 
 FAULTS = ("none", "kill", "stop")
@@ -45,13 +47,7 @@ def _member(rank: int, n: int, transport: str, ports: Any, out: Any, stop: Any) 
     torch.set_num_threads(1)
     result: dict[str, Any] = {"rank": rank, "pid": os.getpid(), "syncs": 0, "error": None, "t_error": None}
     try:
-        if rank == 0:
-            lis = gb.listen("127.0.0.1", 0)
-            for _ in range(n - 1):
-                ports.put(lis.port)
-            port = lis.port
-        else:
-            lis, port = None, int(ports.get(timeout=30))
+        lis, port = publish_listener(rank, n, ports, "127.0.0.1")
         g = gb.StatelessGroup.create(
             "127.0.0.1", port, rank=rank, world_size=n, listener=lis, timeout=timedelta(seconds=60),
             liveness_timeout=timedelta(seconds=LIVENESS_S),
@@ -136,11 +132,7 @@ def run_episode(rng: random.Random, receivers: int, transport: str, fault: str) 
     ctx = mp.get_context("spawn")
     ports, out, stop = ctx.Queue(), ctx.Queue(), ctx.Event()
     run_s = 3.0
-    procs = [
-        ctx.Process(target=_member, args=(r, n, transport, ports, out, stop), daemon=True) for r in range(n)
-    ]
-    for p in procs:
-        p.start()
+    members = Roles(_member, n, (n, transport, ports, out, stop), context=ctx)
     victim = rng.randrange(n) if fault != "none" else None
     ep = Episode(transport, fault, victim)
     results: dict[int, dict[str, Any]] = {}
@@ -193,11 +185,7 @@ def run_episode(rng: random.Random, receivers: int, transport: str, fault: str) 
                 ep.unbounded.append(f"rank {r} never noticed the fault")
     finally:
         stop.set()
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
+        members.reap()
     return ep
 
 

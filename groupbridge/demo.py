@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .bench._procs import run_roles
+from ._procs import publish_listener, run_roles
 from .global_group import GlobalGroup, destroy_global_group, init_global_group
 from .net import listen
 from .stateless import StatelessGroup
@@ -102,12 +102,9 @@ def _make_model(cfg: DemoConfig) -> TinyLM:
 
 def _join_world(rank: int, size: int, ports: Any, timeout: timedelta) -> GlobalGroup:
     """Start one of the demo's worlds: rank 0 binds the rendezvous socket and hands its port out."""
-    if rank == 0:
-        world = listen("127.0.0.1", 0)
-        for _ in range(size - 1):
-            ports.put(world.port)
+    world, port = publish_listener(rank, size, ports, "127.0.0.1")
+    if world is not None:
         return init_global_group(rank=0, world_size=size, listener=world, timeout=timeout)
-    port = ports.get(timeout=60)
     return init_global_group(
         rank=rank, world_size=size, init_method=f"tcp://127.0.0.1:{port}", timeout=timeout
     )

@@ -115,6 +115,41 @@ def init_global_group(
     if not isinstance(timeout, timedelta):
         raise TypeError(f"timeout must be a datetime.timedelta, got {type(timeout).__name__}")
     env = read_dist_env()
+    rank, world_size, local_rank = _ranks(env, rank, world_size, local_rank)
+    if backend is not None:
+        parse_backend(backend)  # validates before anything starts
+    kind = accelerator()
+    if dist.is_initialized():
+        return _check_live_world(backend, rank, world_size, local_rank, kind)
+    start = _plan(backend, kind, rank, world_size, local_rank, init_method, listener, env)
+    # Everything is checked; from here on things happen.
+    if start.world_size > 1:
+        _bind_gloo_toward(start.gloo_host)
+    kwargs: dict[str, object] = {"backend": start.backend, "timeout": timeout}
+    if kind != "cpu":
+        getattr(torch, kind).set_device(start.local_rank)
+        if "device_id" in inspect.signature(dist.init_process_group).parameters and ":" in start.backend:
+            kwargs["device_id"] = torch.device(start.device)
+    if start.url is not None:
+        dist.init_process_group(init_method=start.url, rank=start.rank, world_size=start.world_size, **kwargs)  # type: ignore[arg-type]
+    else:
+        own = start.listener or listen("127.0.0.1", 0)  # a world of one: on a port of its own
+        store = _torch_private.as_default_pg_store(host_store(own, timeout))
+        dist.init_process_group(store=store, rank=start.rank, world_size=start.world_size, **kwargs)  # type: ignore[arg-type]
+        if start.listener is None:
+            logger.info("started a world of one on %s", own.address)
+    logger.info(
+        "rank %d of %d joined the global group (backend %s)", start.rank, start.world_size, start.backend
+    )
+    return GlobalGroup(
+        start.rank, start.local_rank, start.world_size, str(dist.get_backend_config()), start.device
+    )
+
+
+def _ranks(
+    env: DistEnv, rank: int | None, world_size: int | None, local_rank: int | None
+) -> tuple[int | None, int | None, int]:
+    """Rank, world size and local rank from the arguments, else the launcher's variables; checked."""
     rank = env.rank if rank is None else parse_int("rank", rank)
     world_size = env.world_size if world_size is None else parse_int("world_size", world_size, minimum=1)
     local_rank = env.local_rank if local_rank is None else parse_int("local_rank", local_rank)
@@ -126,27 +161,41 @@ def init_global_group(
         raise ValueError(f"rank={rank} is set but world_size is not (set WORLD_SIZE or pass world_size=)")
     if rank is not None and world_size is not None and rank >= world_size:
         raise ValueError(f"rank={rank} must be < world_size={world_size}")
-    if local_rank is None:
-        local_rank = 0 if rank is None else rank
-    if backend is not None:
-        parse_backend(backend)  # validates before anything starts
-    kind = accelerator()
+    return rank, world_size, (0 if rank is None else rank) if local_rank is None else local_rank
 
-    if dist.is_initialized():
-        return _check_live_world(backend, rank, world_size, local_rank, kind)
 
-    chosen = backend if backend is not None else split_backend(kind)
-    device = _device_for(kind, local_rank)
-    kwargs: dict[str, object] = {"backend": chosen, "timeout": timeout}
+@dataclass(frozen=True, slots=True)
+class _Start:
+    """How this process will start its world, every argument checked (nothing has happened yet)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str
+    device: str
+    url: str | None
+    """The rendezvous URL, or None to serve the store on ``listener`` (or, for a world of one, a port of
+    this process's own)."""
+    listener: Listener | None
+    gloo_host: str | None
+    """The rendezvous host, toward which gloo binds in a world of several."""
+
+
+def _plan(
+    backend: str | None,
+    kind: str,
+    rank: int | None,
+    world_size: int | None,
+    local_rank: int,
+    init_method: str | None,
+    listener: Listener | None,
+    env: DistEnv,
+) -> _Start:
+    """Where the rendezvous comes from (first match wins: see :func:`init_global_group`), checked."""
     if kind != "cpu":
-        module = getattr(torch, kind)
-        count = int(module.device_count())
+        count = int(getattr(torch, kind).device_count())
         if local_rank >= count:
             raise ValueError(f"LOCAL_RANK={local_rank} but this host has {count} {kind} device(s)")
-        module.set_device(local_rank)
-        if "device_id" in inspect.signature(dist.init_process_group).parameters and ":" in chosen:
-            kwargs["device_id"] = torch.device(device)
-
     if rank is None or world_size is None:
         if any(v is not None for v in (init_method, listener, env.init_method, env.master_addr)):
             raise ValueError(
@@ -154,35 +203,29 @@ def init_global_group(
                 "but rank and world_size are not; set RANK and WORLD_SIZE or pass them"
             )
         rank, world_size = 0, 1
-
-    if world_size > 1:
-        _bind_gloo_toward(_rendezvous_host(init_method, listener, env))
+    url: str | None = None
     if init_method is not None:
-        dist.init_process_group(init_method=init_method, rank=rank, world_size=world_size, **kwargs)  # type: ignore[arg-type]
+        url = init_method
     elif listener is not None:
         if rank != 0:
             raise ValueError(f"listener= is for rank 0, which serves the rendezvous; this is rank {rank}")
-        store = _torch_private.as_default_pg_store(host_store(listener, timeout))
-        dist.init_process_group(store=store, rank=rank, world_size=world_size, **kwargs)  # type: ignore[arg-type]
     elif env.init_method is not None:
-        dist.init_process_group(init_method=env.init_method, rank=rank, world_size=world_size, **kwargs)  # type: ignore[arg-type]
+        url = env.init_method
     elif env.master_addr is not None or env.master_port is not None:
         if env.master_addr is None or env.master_port is None:
             missing = "MASTER_ADDR" if env.master_addr is None else "MASTER_PORT"
             raise ValueError(f"{missing} is not set; MASTER_ADDR and MASTER_PORT go together")
         url = Address.parse(env.master_addr).with_port(env.master_port).url("tcp")
-        dist.init_process_group(init_method=url, rank=rank, world_size=world_size, **kwargs)  # type: ignore[arg-type]
-    elif world_size == 1:
-        own = listen("127.0.0.1", 0)
-        dist.init_process_group(store=host_store(own, timeout), rank=0, world_size=1, **kwargs)  # type: ignore[arg-type]
-        logger.info("started a world of one on %s", own.address)
-    else:
+    elif world_size != 1:
         raise ValueError(
             f"world_size={world_size} needs a rendezvous: set MASTER_ADDR and MASTER_PORT, "
             "pass init_method=, or give rank 0 a listener= and the others its address"
         )
-    logger.info("rank %d of %d joined the global group (backend %s)", rank, world_size, chosen)
-    return GlobalGroup(rank, local_rank, world_size, str(dist.get_backend_config()), device)
+    chosen = backend if backend is not None else split_backend(kind)
+    return _Start(
+        rank, world_size, local_rank, chosen, _device_for(kind, local_rank), url, listener,
+        _rendezvous_host(init_method, listener, env),
+    )  # fmt: skip
 
 
 def _rendezvous_host(init_method: str | None, listener: Listener | None, env: DistEnv) -> str | None:

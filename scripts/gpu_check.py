@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import groupbridge as gb
-from groupbridge.bench._procs import run_roles
+from groupbridge._procs import publish_listener, run_roles
 from groupbridge.bench.models import bit_equal, dense_shapes, make_model
 
 SYNCS = 4
@@ -35,10 +35,11 @@ def _model(seed: int) -> dict[str, torch.Tensor]:
 
 def _role(rank: int, ports: Any) -> dict[str, Any]:
     torch.cuda.set_device(0)
+    lis, port = publish_listener(rank, 2, ports, "127.0.0.1")
+    g = gb.StatelessGroup.create(
+        "127.0.0.1", port, rank=rank, world_size=2, listener=lis, timeout=timedelta(seconds=120)
+    )
     if rank == 0:
-        lis = gb.listen("127.0.0.1", 0)
-        ports.put(lis.port)
-        g = gb.StatelessGroup.create(None, rank=0, world_size=2, listener=lis, timeout=timedelta(seconds=120))
         snd = gb.WeightSender(g, transport="auto")
         stats = []
         for v in range(1, SYNCS + 1):
@@ -62,8 +63,6 @@ def _role(rank: int, ports: Any) -> dict[str, Any]:
             "sync_gbps": [round(s.gbps, 2) for s in stats],
             "device_copy_gbps": round(statistics.median(copies), 1),
         }
-    port = ports.get(timeout=60)
-    g = gb.StatelessGroup.create("127.0.0.1", port, rank=1, world_size=2, timeout=timedelta(seconds=120))
     rcv = gb.WeightReceiver(g, src=0, device="cuda")
     target = _model(seed=0)
     checks = []

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
-import queue
-import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from groupbridge._procs import Roles, publish_listener, run_roles
 
 CTX = mp.get_context("forkserver")
 # Children fork from a server that imported torch once: a rank starts in milliseconds instead of the second
@@ -16,70 +15,14 @@ CTX = mp.get_context("forkserver")
 CTX.set_forkserver_preload(["torch", "groupbridge", "tests.helpers"])
 
 
-def _child(fn: Callable[..., Any], rank: int, args: tuple[Any, ...], out: Any) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    import torch
-
-    torch.set_num_threads(1)
-    try:
-        out.put((rank, "ok", fn(rank, *args)))
-    except BaseException as e:  # report everything to the parent, which decides
-        out.put((rank, "error", (type(e).__name__, str(e), traceback.format_exc())))
-
-
-class Ranks:
-    """Processes started together; ``results()`` waits (bounded) and always reaps."""
-
-    def __init__(self, fn: Callable[..., Any], n: int, args: Sequence[Any] = (), per_rank_args: Any = None):
-        self.out = CTX.Queue()
-        self.args = args  # keeps queues passed to the children alive until they have started
-        self.procs = []
-        for r in range(n):
-            a = tuple(args) if per_rank_args is None else tuple(per_rank_args[r])
-            p = CTX.Process(target=_child, args=(fn, r, a, self.out), daemon=True)
-            p.start()
-            self.procs.append(p)
-
-    def kill(self, rank: int) -> None:
-        self.procs[rank].kill()
-
-    def results(self, timeout: float, expect: Sequence[int] | None = None) -> dict[int, tuple[str, Any]]:
-        """Collect (status, value) per rank from ``expect`` (default all), within ``timeout`` seconds."""
-        want = set(range(len(self.procs)) if expect is None else expect)
-        got: dict[int, tuple[str, Any]] = {}
-        try:
-            import time
-
-            deadline = time.monotonic() + timeout
-            while want - set(got):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise AssertionError(f"ranks {sorted(want - set(got))} did not finish within {timeout}s")
-                try:
-                    rank, status, value = self.out.get(timeout=min(left, 1.0))
-                except queue.Empty:
-                    continue
-                got[rank] = (status, value)
-        finally:
-            self.reap()
-        return got
-
-    def reap(self) -> None:
-        for p in self.procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
+def Ranks(fn: Callable[..., Any], n: int, args: Sequence[Any] = (), per_rank_args: Any = None) -> Roles:
+    """Ranks started now from the forkserver; ``results(timeout)`` gives {rank: (ok, value or error)}."""
+    return Roles(fn, n, args, per_rank_args=per_rank_args, context=CTX, threads=1)
 
 
 def run_ranks(fn: Callable[..., Any], n: int, *args: Any, timeout: float = 60) -> list[Any]:
     """Run ``fn(rank, *args)`` in ``n`` processes; return their values, re-raising the first failure."""
-    res = Ranks(fn, n, args).results(timeout)
-    for r in sorted(res):
-        status, value = res[r]
-        if status != "ok":
-            raise AssertionError(f"rank {r} failed: {value[0]}: {value[1]}\n{value[2]}")
-    return [res[r][1] for r in range(n)]
+    return run_roles(fn, n, args, timeout, context=CTX, threads=1)
 
 
 def host_params() -> list[Any]:
@@ -97,16 +40,7 @@ def host_params() -> list[Any]:
     ]
 
 
-def share_port(rank: int, n: int, ports: Any, host: str) -> tuple[Any, int]:
-    """Rank 0 binds a port-0 listener and tells the others its port through ``ports`` (a Queue)."""
-    import groupbridge as gb
-
-    if rank == 0:
-        lis = gb.listen(host, 0)
-        for _ in range(n - 1):
-            ports.put(lis.port)
-        return lis, lis.port
-    return None, int(ports.get(timeout=30))
+share_port = publish_listener
 
 
 def make_group(rank: int, n: int, host: str, ports: Any, **kwargs: Any) -> Any:

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import groupbridge as gb
-from tests.helpers import CTX, run_ranks
+from tests.helpers import CTX, run_ranks, share_port
 
 LAUNCHER_VARS = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "DIST_INIT_METHOD"]
 
@@ -59,13 +59,10 @@ def test_torchrun_three_ranks_no_backend_named(tmp_path: Path) -> None:
 
 def _spawned_world(rank: int, world_size: int, ports: Any) -> dict[str, Any]:
     _clear_launcher_env()
-    if rank == 0:
-        lis = gb.listen("127.0.0.1", 0)
-        for _ in range(world_size - 1):
-            ports.put(lis.port)
+    lis, port = share_port(rank, world_size, ports, "127.0.0.1")
+    if lis is not None:
         g = gb.init_global_group(rank=0, world_size=world_size, listener=lis, timeout=timedelta(seconds=30))
     else:
-        port = ports.get(timeout=30)
         g = gb.init_global_group(
             rank=rank,
             world_size=world_size,

@@ -15,7 +15,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from ._procs import run_roles
+from .._procs import publish_listener, run_roles
 
 __all__ = ["run_control"]
 
@@ -36,18 +36,10 @@ def _role(rank: int, n: int, ports: Any, ops: int, rounds: int) -> dict[str, lis
 
     from .._torch_private import TCPStore
 
-    def shared_port(lis: Any) -> int:
-        """Rank 0 publishes its listener's port to the others, who read it."""
-        if rank == 0:
-            for _ in range(n - 1):
-                ports.put(lis.port)
-            return int(lis.port)
-        return int(ports.get(timeout=30))
-
     def new_group(name: str, token: str | None) -> Any:
-        lis = gb.listen("127.0.0.1", 0) if rank == 0 else None
+        lis, port = publish_listener(rank, n, ports, "127.0.0.1")
         return gb.StatelessGroup.create(
-            "127.0.0.1", shared_port(lis), rank=rank, world_size=n, listener=lis, name=name, token=token
+            "127.0.0.1", port, rank=rank, world_size=n, listener=lis, name=name, token=token
         )
 
     plain = new_group("plain", None)
@@ -57,8 +49,7 @@ def _role(rank: int, n: int, ports: Any, ops: int, rounds: int) -> dict[str, lis
     try:
         from vllm.distributed.utils import StatelessProcessGroup  # type: ignore[import-not-found]
 
-        probe = gb.listen("127.0.0.1", 0) if rank == 0 else None
-        vport = shared_port(probe)
+        probe, vport = publish_listener(rank, n, ports, "127.0.0.1")
         if probe is not None:  # vLLM binds the port itself: pick one (its own port race, not ours)
             probe.close()
         peer: Any = ("vllm", StatelessProcessGroup.create("127.0.0.1", vport, rank, n))

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from .._procs import publish_listener, run_roles
 from ..stateless import StatelessGroup
 from ..weights import RelayOptions, WeightReceiver, WeightSender
 from . import netns
-from ._procs import run_roles
 from .models import make_model
 
 __all__ = ["HostsConfig", "run_hosts"]
@@ -44,17 +44,8 @@ class HostsConfig:
 def _role(rank: int, cfg: HostsConfig, n: int, hosts: list[tuple[str, str]], ports: Any) -> dict[str, Any]:
     netns.enter(hosts[rank][0])
     timeout = timedelta(seconds=600)
-    if rank == 0:
-        from ..net import listen
-
-        lis = listen(hosts[0][1], 0)
-        for _ in range(n - 1):
-            ports.put(lis.port)
-        g = StatelessGroup.create(None, rank=0, world_size=n, listener=lis, timeout=timeout)
-    else:
-        g = StatelessGroup.create(
-            hosts[0][1], int(ports.get(timeout=60)), rank=rank, world_size=n, timeout=timeout
-        )
+    lis, port = publish_listener(rank, n, ports, hosts[0][1])
+    g = StatelessGroup.create(hosts[0][1], port, rank=rank, world_size=n, listener=lis, timeout=timeout)
     pieces = 32
     model = make_model([(f"w{i}", (cfg.payload_bytes // pieces // 2,)) for i in range(pieces)], seed=rank)
     times: dict[str, list[float]] = {t: [] for t in cfg.transports}

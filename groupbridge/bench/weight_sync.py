@@ -17,12 +17,11 @@ from typing import Any
 
 import torch
 
-from ..net import listen
+from .._procs import publish_listener, run_roles
 from ..stateless import StatelessGroup
 from ..weights import WeightReceiver, WeightSender, flatten_
 from ..weights.manifest import Manifest
 from ..weights.plan import stream_offsets
-from ._procs import run_roles
 from .models import dense_shapes, make_model, moe_shapes
 
 __all__ = ["BenchConfig", "run_weight_sync"]
@@ -69,18 +68,10 @@ def _mode_names(cfg: BenchConfig) -> list[str]:
 
 def _role(rank: int, cfg: BenchConfig, ports: Any) -> dict[str, Any]:
     n = cfg.receivers + 1
-    if rank == 0:
-        lis = listen(cfg.host, 0)
-        for _ in range(n - 1):
-            ports.put(lis.port)
-        g = StatelessGroup.create(
-            None, rank=0, world_size=n, listener=lis, timeout=timedelta(seconds=cfg.timeout_s)
-        )
-    else:
-        port = ports.get(timeout=120)
-        g = StatelessGroup.create(
-            cfg.host, port, rank=rank, world_size=n, timeout=timedelta(seconds=cfg.timeout_s)
-        )
+    lis, port = publish_listener(rank, n, ports, cfg.host, timeout=120)
+    g = StatelessGroup.create(
+        cfg.host, port, rank=rank, world_size=n, listener=lis, timeout=timedelta(seconds=cfg.timeout_s)
+    )
     shapes = shapes_for(cfg.shape)
     model = make_model(shapes, seed=0 if rank == 0 else 1)
     names = _mode_names(cfg)
