@@ -196,26 +196,31 @@ class StatelessGroup:
             GroupMismatchError: a member of another name, generation, world size or token; a duplicate rank.
             StoreUnreachableError: a joiner could not reach the store, or a peer vanished while joining.
         """
-        for label, value in (("rank", rank), ("world_size", world_size), ("generation", generation)):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{label} must be an int, got {type(value).__name__}")
-        if world_size < 1:
-            raise ValueError(f"world_size={world_size} must be >= 1")
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank={rank} is out of range for world_size={world_size}")
-        if not isinstance(timeout, timedelta) or not isinstance(liveness_timeout, timedelta):
-            raise TypeError("timeout and liveness_timeout must be datetime.timedelta")
-        if timeout.total_seconds() <= 0 or liveness_timeout.total_seconds() <= 0:
-            raise ValueError("timeout and liveness_timeout must be positive")
-        if not isinstance(name, str) or not name or "/" in name or not name.isprintable():
-            raise ValueError(f"name={name!r} must be non-empty, printable and contain no '/'")
-        if token is not None and (not isinstance(token, str) or not token):
-            raise TypeError("token must be a non-empty str")
-        if listener is not None and rank != 0:
-            raise ValueError(f"listener= is for rank 0, which hosts the store; this is rank {rank}")
+        _check_arguments(rank, world_size, generation, timeout, liveness_timeout, name, token, listener)
         address = cls._address(address_or_host, port, rank, listener)
 
         self = object.__new__(cls)
+        self._init(rank, world_size, name, generation, timeout, liveness_timeout, allow_pickle, token)
+        try:
+            self._join(address, listener)
+        except BaseException:
+            self._teardown()
+            raise
+        logger.info("[%s] rank %d of %d joined at %s", name, rank, world_size, self.address)
+        return self
+
+    def _init(
+        self,
+        rank: int,
+        world_size: int,
+        name: str,
+        generation: int,
+        timeout: timedelta,
+        liveness_timeout: timedelta,
+        allow_pickle: bool,
+        token: str | None,
+    ) -> None:
+        """Every attribute, before the join (so that teardown works whatever the join reached)."""
         self.rank = rank
         self.world_size = world_size
         self.name = name
@@ -243,13 +248,6 @@ class StatelessGroup:
         self._teardown_lock = threading.Lock()
         self.host_ids = []
         self.pids = []
-        try:
-            self._join(address, listener)
-        except BaseException:
-            self._teardown()
-            raise
-        logger.info("[%s] rank %d of %d joined at %s", name, rank, world_size, self.address)
-        return self
 
     @staticmethod
     def _address(
@@ -814,3 +812,33 @@ class StatelessGroup:
             f"StatelessGroup({self.name!r}, rank={self.rank}, world_size={self.world_size}, "
             f"{self.address}, {state})"
         )
+
+
+def _check_arguments(
+    rank: int,
+    world_size: int,
+    generation: int,
+    timeout: timedelta,
+    liveness_timeout: timedelta,
+    name: str,
+    token: str | None,
+    listener: Listener | None,
+) -> None:
+    """:meth:`StatelessGroup.create`'s checks, all made before anything happens."""
+    for label, value in (("rank", rank), ("world_size", world_size), ("generation", generation)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{label} must be an int, got {type(value).__name__}")
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size} must be >= 1")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank} is out of range for world_size={world_size}")
+    if not isinstance(timeout, timedelta) or not isinstance(liveness_timeout, timedelta):
+        raise TypeError("timeout and liveness_timeout must be datetime.timedelta")
+    if timeout.total_seconds() <= 0 or liveness_timeout.total_seconds() <= 0:
+        raise ValueError("timeout and liveness_timeout must be positive")
+    if not isinstance(name, str) or not name or "/" in name or not name.isprintable():
+        raise ValueError(f"name={name!r} must be non-empty, printable and contain no '/'")
+    if token is not None and (not isinstance(token, str) or not token):
+        raise TypeError("token must be a non-empty str")
+    if listener is not None and rank != 0:
+        raise ValueError(f"listener= is for rank 0, which hosts the store; this is rank {rank}")

@@ -15,14 +15,27 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from ..control import Deadline
 from ..errors import ManifestMismatchError, ProtocolError, TransportUnavailableError, WeightSyncError
 from ..stateless import StatelessGroup
+from . import _bytes
 from .manifest import Manifest
 from .plan import Plan
 from .transports import TRANSPORTS
 
-__all__ = ["ACK_TAG", "MERGED_BYTES", "Header", "Renamer", "make_renamer", "merged_plan", "refuse", "settle"]
+__all__ = [
+    "ACK_TAG",
+    "MERGED_BYTES",
+    "Header",
+    "Renamer",
+    "laid_out_in_place",
+    "make_renamer",
+    "merged_plan",
+    "refuse",
+    "settle",
+]
 
 ACK_TAG = "weights-ack"
 """Receivers' acknowledgements travel on their own tag, never mixing with the caller's objects."""
@@ -36,6 +49,16 @@ members then cut the stream at this size instead of ``bucket_bytes``."""
 
 def merged_plan(manifest: Manifest) -> Plan:
     return Plan.build(manifest, MERGED_BYTES, MERGED_BYTES)
+
+
+def laid_out_in_place(manifest: Manifest, tensors: list[torch.Tensor | None], *, receiving: bool) -> bool:
+    """Whether ``tensors`` (in manifest order) lie in the merged plan's byte layout, so that every bucket of
+    any cut is a view of their own storage (see :func:`._bytes.in_place_bucket`)."""
+    plan = merged_plan(manifest)
+    return all(
+        _bytes.in_place_bucket(plan, k, tensors, receiving=receiving) is not None
+        for k in range(len(plan.buckets))
+    )
 
 
 Renamer = Callable[[str], str]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple, NoReturn
 
 import torch
 
@@ -15,9 +15,9 @@ from ..errors import GroupBridgeError, TornUpdateError, WeightSyncError
 from ..stateless import StatelessGroup
 from . import _bytes
 from ._copier import Copier
-from ._protocol import ACK_TAG, Header, make_renamer, merged_plan, settle
+from ._protocol import ACK_TAG, Header, laid_out_in_place, make_renamer, merged_plan, settle
 from .manifest import Manifest, compare, expected_specs, mismatch_message, tensors_of
-from .plan import Plan
+from .plan import Plan, PlanCache
 from .transports import Land, Landed, Landing, RxTransport, Sync, spec
 
 
@@ -99,7 +99,7 @@ class WeightReceiver:
         self._known: dict[str, Manifest] = {}
         self._buffers = _bytes.BufferCache()
         self._transports: dict[str, RxTransport] = {}
-        self._plan_cache: tuple[tuple[str, int, int], Plan] | None = None
+        self._plans = PlanCache()
         self._scratch_buffers = 2
         """The ring of scratch buffers the current transport needs (set when it is set up)."""
 
@@ -131,23 +131,18 @@ class WeightReceiver:
         def in_place(header: Header, manifest: Manifest) -> bool:
             if targets is None:
                 return False
-            plan = merged_plan(manifest)
             dest: list[torch.Tensor | None] = []
             for e in manifest.entries:
                 d = targets.get(self._rename(e.name))
                 dest.append(d if d is not None and d.dtype == dtype_from_name(e.wire_dtype) else None)
-            return all(_bytes.in_place_bucket(plan, k, dest, receiving=True) is not None
-                       for k in range(len(plan.buckets)))  # fmt: skip
+            return laid_out_in_place(manifest, dest, receiving=True)
 
         return settle(self.group, self.src, None, None, self._known, check, in_place, deadline)
 
     # ------------------------------------------------------------------ buckets
 
     def _plan(self, manifest: Manifest, header: Header) -> Plan:
-        key = (manifest.digest, header.bucket_bytes, header.solo_bytes)
-        if self._plan_cache is None or self._plan_cache[0] != key:
-            self._plan_cache = (key, Plan.build(manifest, header.bucket_bytes, header.solo_bytes))
-        return self._plan_cache[1]
+        return self._plans.get(manifest, header.bucket_bytes, header.solo_bytes)
 
     def _transport(self, header: Header, plan: Plan, device: torch.device, deadline: Deadline) -> RxTransport:
         """The transport the header names, set up with the options the sender announced."""
@@ -207,6 +202,14 @@ class WeightReceiver:
             self._ack(False, str(e))
         else:
             self.group.abort(f"rank {self.group.rank} gave up {what}: {type(e).__name__}: {e}")
+
+    def _gave_up(self, cause: BaseException, what: str, error: Exception) -> NoReturn:
+        """Tell the peers how ``what`` failed (see :meth:`_fail`), then raise ``error`` from ``cause``; an
+        interrupt (a BaseException that is not an Exception) propagates unchanged."""
+        self._fail(cause, what)
+        if not isinstance(cause, Exception):
+            raise cause
+        raise error from cause
 
     def close(self) -> None:
         """Release transport mappings, buffers and the copy thread. The group stays open."""
@@ -284,15 +287,12 @@ class WeightReceiver:
             )
             raise
         except BaseException as e:
-            self._fail(e, f"receiving version {header.version}")
-            if not isinstance(e, Exception):
-                raise
-            raise TornUpdateError(
+            self._gave_up(e, f"receiving version {header.version}", TornUpdateError(
                 f"receiving version {header.version} failed after {len(yielded)} tensors were yielded: "
                 f"{type(e).__name__}: {e}; whatever consumed them is torn; version held is still "
                 f"{self.version}",
                 written=yielded,
-            ) from e
+            ))  # fmt: skip
         self.version = header.version
         self._ack(True)
 
@@ -327,24 +327,19 @@ class WeightReceiver:
             err = WeightSyncError(f"target has no tensor named {', '.join(missing[:20])}")
             self._fail(err, f"receiving version {header.version}")
             raise err
+        device = next((d.device for d in dest if d is not None), self.device)
+        into = _Into(header, plan, manifest, dest, device, deadline)  # type: ignore[arg-type]
         if atomic:
-            self._receive_atomic(header, plan, manifest, dest, deadline)  # type: ignore[arg-type]
+            self._receive_atomic(into)
         else:
-            self._receive_streaming(header, plan, manifest, dest, deadline)  # type: ignore[arg-type]
+            self._receive_streaming(into)
         self.version = header.version
         self._ack(True)
         return header.version
 
-    def _receive_atomic(
-        self,
-        header: Header,
-        plan: Plan,
-        manifest: Manifest,
-        dest: list[torch.Tensor],
-        deadline: Deadline,
-    ) -> None:
+    def _receive_atomic(self, into: _Into) -> None:
+        header, plan, manifest, dest, device, deadline = into
         entries = manifest.entries
-        device = next((d.device for d in dest), self.device)
         staging = self._buffers.get("staging", plan.total_bytes, device)
 
         def land(k: int) -> Landed:
@@ -356,13 +351,10 @@ class WeightReceiver:
             for _ in self._buckets(header, plan, rx, land, deadline):
                 pass
         except BaseException as err:
-            self._fail(err, f"receiving version {header.version}")
-            if not isinstance(err, Exception):
-                raise
-            raise WeightSyncError(
+            self._gave_up(err, f"receiving version {header.version}", WeightSyncError(
                 f"receiving version {header.version} failed: {type(err).__name__}: {err}; the target is "
                 f"untouched and the version held is still {self.version}"
-            ) from err
+            ))  # fmt: skip
 
         def apply() -> None:
             with torch.no_grad():
@@ -382,25 +374,15 @@ class WeightReceiver:
         try:
             self._copier.run(apply)
         except BaseException as err:
-            self._fail(err, f"applying version {header.version}")
-            if not isinstance(err, Exception):
-                raise
-            raise TornUpdateError(
+            self._gave_up(err, f"applying version {header.version}", TornUpdateError(
                 f"every byte of version {header.version} arrived, but copying it into the target failed: "
                 f"{type(err).__name__}: {err}; the target is TORN; the version held is still {self.version}",
                 written=[self._rename(e.name) for e in entries],
-            ) from err
+            ))  # fmt: skip
 
-    def _receive_streaming(
-        self,
-        header: Header,
-        plan: Plan,
-        manifest: Manifest,
-        dest: list[torch.Tensor],
-        deadline: Deadline,
-    ) -> None:
+    def _receive_streaming(self, into: _Into) -> None:
+        header, plan, manifest, dest, device, deadline = into
         entries = manifest.entries
-        device = next((d.device for d in dest), self.device)
         ring = self._ring(plan, device)
         wire_ok = [
             d.is_contiguous() and d.dtype == dtype_from_name(e.wire_dtype)
@@ -452,18 +434,26 @@ class WeightReceiver:
                             dest[i].copy_(dest[j])
                         written.append(self._rename(e.name))
         except BaseException as err:
-            self._fail(err, f"receiving version {header.version}")
-            if not isinstance(err, Exception):
-                raise
             shown = ", ".join(written[:20]) + (
                 f" ... and {len(written) - 20} more" if len(written) > 20 else ""
             )
-            raise TornUpdateError(
+            self._gave_up(err, f"receiving version {header.version}", TornUpdateError(
                 f"receiving version {header.version} failed: {type(err).__name__}: {err}; the target is "
                 f"TORN: {len(written)} of {len(entries)} tensors were (partly) overwritten "
                 f"({shown or 'none'}); the version held is still {self.version}",
                 written=written,
-            ) from err
+            ))  # fmt: skip
+
+
+class _Into(NamedTuple):
+    """One ``receive_into`` after the handshake: what arrives, by which plan, into which tensors."""
+
+    header: Header
+    plan: Plan
+    manifest: Manifest
+    dest: list[torch.Tensor]
+    device: torch.device
+    deadline: Deadline
 
 
 def _renamed(e: Any, rename: Callable[[str], str]) -> Any:

@@ -19,9 +19,9 @@ from ..errors import GroupBridgeError, PeerTimeoutError, TransportUnavailableErr
 from ..stateless import StatelessGroup
 from . import _bytes
 from ._copier import Copier
-from ._protocol import ACK_TAG, Header, make_renamer, merged_plan, refuse, settle
+from ._protocol import ACK_TAG, Header, laid_out_in_place, make_renamer, merged_plan, refuse, settle
 from .manifest import Manifest, tensors_of
-from .plan import Plan
+from .plan import Plan, PlanCache
 from .transports import TRANSPORTS, Sync, TransportOptions, TxTransport, across_hosts, choose
 
 logger = logging.getLogger(__name__)
@@ -118,7 +118,7 @@ class WeightSender:
         self._rename = make_renamer(rename)
         self._known: dict[str, Manifest] = {}
         self._manifest: Manifest | None = None
-        self._plan_cache: tuple[tuple[str, int, int], Plan] | None = None
+        self._plans = PlanCache()
         self._fault: Callable[[int, torch.Tensor], None] | None = None  # test hook: called per packed bucket
 
     def send(
@@ -179,19 +179,11 @@ class WeightSender:
         except BaseException as e:
             if getattr(e, "agreed", False):  # a refusal every member raised alike: the group is fine
                 raise
-            reason = f"rank {self.src} gave up sending version {version}: {type(e).__name__}: {e}"
-            self.group.abort(reason)
-            if isinstance(e, PeerTimeoutError):  # stays a TimeoutError for generic handlers
-                raise PeerTimeoutError(f"sending version {version} timed out: {e}") from e
-            if isinstance(e, GroupBridgeError):
-                if isinstance(e, WeightSyncError):
-                    raise
-                raise WeightSyncError(f"sending version {version} failed: {e}") from e
-            if isinstance(e, Exception):
-                raise WeightSyncError(
-                    f"sending version {version} failed: {type(e).__name__}: {e}; the group is aborted"
-                ) from e
-            raise
+            self.group.abort(f"rank {self.src} gave up sending version {version}: {type(e).__name__}: {e}")
+            err = _as_sync_error(e, version)
+            if err is e:
+                raise
+            raise err from e
 
     def _describe(self, named_tensors: Any, specs: Any) -> tuple[Any, Manifest]:
         items = named_tensors_of(named_tensors)
@@ -283,19 +275,13 @@ class WeightSender:
         def check(header: Header, manifest: Manifest) -> bool:
             if not isinstance(items, list) or any(e.dtype != e.wire_dtype for e in manifest.entries):
                 return False
-            plan = merged_plan(manifest)
-            tensors: list[torch.Tensor | None] = [t for _, t in items]
-            return all(_bytes.in_place_bucket(plan, k, tensors, receiving=False) is not None
-                       for k in range(len(plan.buckets)))  # fmt: skip
+            return laid_out_in_place(manifest, [t for _, t in items], receiving=False)
 
         return check
 
     def _plan(self, manifest: Manifest) -> Plan:
         """The bucket plan, reused while the manifest is unchanged (building it walks every tensor)."""
-        key = (manifest.digest, self.bucket_bytes, self.solo_bytes)
-        if self._plan_cache is None or self._plan_cache[0] != key:
-            self._plan_cache = (key, Plan.build(manifest, self.bucket_bytes, self.solo_bytes))
-        return self._plan_cache[1]
+        return self._plans.get(manifest, self.bucket_bytes, self.solo_bytes)
 
     def close(self) -> None:
         """Release transport resources (shared slots, buffers) and the copy thread. The group stays open."""
@@ -426,3 +412,16 @@ def _options_by_transport(
     for name, spec in TRANSPORTS.items():
         out[name] = chosen.get(name, spec.options()).resolved(group.world_size, src)
     return out
+
+
+def _as_sync_error(e: BaseException, version: int) -> BaseException:
+    """What a failed send raises (the group is aborted by then): a :class:`WeightSyncError`, except that a
+    timeout stays a :class:`PeerTimeoutError` (a ``TimeoutError`` for generic handlers) and an interrupt
+    propagates unchanged."""
+    if isinstance(e, PeerTimeoutError):
+        return PeerTimeoutError(f"sending version {version} timed out: {e}")
+    if isinstance(e, WeightSyncError) or not isinstance(e, Exception):
+        return e
+    if isinstance(e, GroupBridgeError):
+        return WeightSyncError(f"sending version {version} failed: {e}")
+    return WeightSyncError(f"sending version {version} failed: {type(e).__name__}: {e}; the group is aborted")
