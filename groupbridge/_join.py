@@ -112,13 +112,7 @@ def _call(group: StatelessGroup, what: str, fn: Any) -> Any:
 def _wait(client: StoreClient, keys: list[str], deadline: Deadline) -> bool:
     """Whether all ``keys`` exist before ``deadline`` (a few short server-side waits, no busy polling)."""
     store = client.get()
-    while True:
-        left = deadline.left()
-        if left <= 0:
-            return bool(store.check(keys))
-        if store.check(keys):
-            return True
-        time.sleep(min(0.02, max(left, 0)))
+    return deadline.poll(lambda: True if store.check(keys) else None, 0.02) is not None
 
 
 def host_join(group: StatelessGroup, client: StoreClient) -> Joined:
@@ -140,24 +134,25 @@ def host_join(group: StatelessGroup, client: StoreClient) -> Joined:
     _call(group, "describing the group", describe)
     member_keys = [f"{ns}/member/{r}" for r in range(1, group.world_size)]
     deadline = Deadline(group.timeout)
-    while True:
-        rejects = _call(group, "waiting for members", lambda: store.add(_REJECTS, 0))
-        if rejects:
+
+    def everyone_joined() -> bool | None:
+        if _call(group, "waiting for members", lambda: store.add(_REJECTS, 0)):
             reason = _read_reject(store, ns)
             _fail_join(group, store, sealer, reason)
             raise GroupMismatchError(f"{group._where()}: {reason}")
         if not member_keys or _call(group, "waiting for members", lambda: store.check(member_keys)):
-            break
-        if deadline.expired():
-            joined = [0] + [r for r in range(1, group.world_size) if store.check([member_keys[r - 1]])]
-            missing = sorted(set(range(group.world_size)) - set(joined))
-            msg = (
-                f"rank(s) {ranks(missing)} of {group.world_size} did not join {group._where()} within "
-                f"{deadline} (joined: {ranks(joined)})"
-            )
-            _fail_join(group, store, sealer, msg)
-            raise JoinTimeoutError(msg)
-        time.sleep(0.005)
+            return True
+        return None
+
+    if deadline.poll(everyone_joined, 0.005) is None:
+        joined = [0] + [r for r in range(1, group.world_size) if store.check([member_keys[r - 1]])]
+        missing = sorted(set(range(group.world_size)) - set(joined))
+        msg = (
+            f"rank(s) {ranks(missing)} of {group.world_size} did not join {group._where()} within "
+            f"{deadline} (joined: {ranks(joined)})"
+        )
+        _fail_join(group, store, sealer, msg)
+        raise JoinTimeoutError(msg)
     members = [me]
     for r, key in enumerate(member_keys, start=1):
         raw = bytes(_call(group, "reading member records", lambda key=key: store.get(key)))  # type: ignore[misc]
@@ -254,33 +249,36 @@ def member_join(group: StatelessGroup, client: StoreClient) -> Joined:
         _set(store, member_key, sealer.seal(member_key, record))
 
     _call(group, "publishing this member", publish)
-    ready, failed = f"{ns}/ready", f"{ns}/failed"
-    while True:
-        if _call(group, "waiting for the join", lambda: store.check([failed])):
-            raw = bytes(_call(group, "reading the join verdict", lambda: store.get(failed)))
-            try:
-                reason = sealer.open(failed, raw).decode("utf-8", "replace")[:4000]
-            except ForgedMessageError:
-                reason = "(unsealed verdict, ignored)"
-            if not reason.startswith("(unsealed"):
-                raise GroupMismatchError(f"{group._where()}: join failed: {reason}")
-        if _call(group, "waiting for the join", lambda: store.check([ready])):
-            raw = bytes(_call(group, "reading the member list", lambda: store.get(ready)))
-            try:
-                members = _parse(sealer.open(ready, raw), ready, {"members": list})["members"]
-                if len(members) != group.world_size or not all(
-                    isinstance(m, dict)
-                    and isinstance(m.get("host_id"), str)
-                    and isinstance(m.get("pid"), int)
-                    for m in members
-                ):
-                    raise ProtocolError(f"record {ready!r} does not describe {group.world_size} members")
-                return Joined(sealer, members)
-            except ForgedMessageError:
-                pass  # someone without the token wrote it first; rank 0's own overwrites it
-        if deadline.expired():
-            raise JoinTimeoutError(
-                f"rank {group.rank} of {group.world_size} waited {deadline} at {group._where()} for every "
-                "rank to join; rank 0 did not confirm"
-            )
-        time.sleep(0.005)
+    joined = deadline.poll(lambda: _verdict(group, store, sealer), 0.005)
+    if joined is None:
+        raise JoinTimeoutError(
+            f"rank {group.rank} of {group.world_size} waited {deadline} at {group._where()} for every "
+            "rank to join; rank 0 did not confirm"
+        )
+    return joined
+
+
+def _verdict(group: StatelessGroup, store: Any, sealer: Sealer) -> Joined | None:
+    """Rank 0's verdict on this join, once it is there: the member list, or a refusal (raised)."""
+    ready, failed = f"{group._ns}/ready", f"{group._ns}/failed"
+    if _call(group, "waiting for the join", lambda: store.check([failed])):
+        raw = bytes(_call(group, "reading the join verdict", lambda: store.get(failed)))
+        try:
+            reason = sealer.open(failed, raw).decode("utf-8", "replace")[:4000]
+        except ForgedMessageError:
+            reason = "(unsealed verdict, ignored)"
+        if not reason.startswith("(unsealed"):
+            raise GroupMismatchError(f"{group._where()}: join failed: {reason}")
+    if not _call(group, "waiting for the join", lambda: store.check([ready])):
+        return None
+    raw = bytes(_call(group, "reading the member list", lambda: store.get(ready)))
+    try:
+        members = _parse(sealer.open(ready, raw), ready, {"members": list})["members"]
+    except ForgedMessageError:
+        return None  # someone without the token wrote it first; rank 0's own overwrites it
+    if len(members) != group.world_size or not all(
+        isinstance(m, dict) and isinstance(m.get("host_id"), str) and isinstance(m.get("pid"), int)
+        for m in members
+    ):
+        raise ProtocolError(f"record {ready!r} does not describe {group.world_size} members")
+    return Joined(sealer, members)

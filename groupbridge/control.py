@@ -57,6 +57,18 @@ class Deadline:
     def expired(self) -> bool:
         return time.monotonic() >= self.at
 
+    def poll(self, ready: Callable[[], T | None], interval: float) -> T | None:
+        """Call ``ready`` until it returns something other than None, or this deadline passes (then None;
+        ``ready`` runs once more at the deadline). For the few checks that have no server-side wait."""
+        while True:
+            out = ready()
+            if out is not None:
+                return out
+            left = self.left()
+            if left <= 0:
+                return None
+            time.sleep(min(interval, left))
+
     def __str__(self) -> str:
         return seconds(self.total)
 

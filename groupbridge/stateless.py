@@ -283,8 +283,10 @@ class StatelessGroup:
                 )  # fmt: skip
         self.address = address
         self._client = open_client(address, self.timeout, self._io_timeout())
+        t0 = time.monotonic()
         joined = host_join(self, self._client) if self.rank == 0 else member_join(self, self._client)
         self._sealer = joined.sealer
+        logger.debug("[%s] rank %d: joined in %.2fs", self.name, self.rank, time.monotonic() - t0)
         self.host_ids = [str(m["host_id"]) for m in joined.members]
         self.pids = [int(m["pid"]) for m in joined.members]
         self.control = ControlChannel(
@@ -299,24 +301,46 @@ class StatelessGroup:
             self.name, self._wake, self._collect if self.rank == 0 else None,
         )  # fmt: skip
         self._watcher.start()
+        t0 = time.monotonic()
         self._gloo = self._connect_gloo()
+        logger.debug("[%s] rank %d: gloo connected in %.2fs", self.name, self.rank, time.monotonic() - t0)
 
     def _connect_gloo(self) -> Any:
         # Every member has joined, so connecting the mesh takes well under a second; a peer that vanished
         # meanwhile must not hold the others for the whole operation timeout. Connect under a short bound,
         # then give the group the operation timeout.
+        # gloo takes the bound for each step of its connect but not for the whole (a peer that vanished
+        # mid-connect was measured holding a rank for 20 s against a 5 s bound), so the connect runs on a
+        # thread of its own and this rank stops waiting at the bound; the abandoned connect ends on its own.
         bound = min(self.timeout, max(2 * self.liveness_timeout, timedelta(seconds=5)))
-        assert self._client is not None
-        store = PrefixStore(f"{self._ns}/gloo", self._client.get())
-        try:
-            pg = _torch_private.new_gloo_group(store, self.rank, self.world_size, bound, self._bind_host())
-        except RuntimeError as e:
+        client = self._client
+        assert client is not None
+        store = PrefixStore(f"{self._ns}/gloo", client.get())
+        done: list[Any] = []
+
+        def connect() -> None:
+            try:
+                done.append(
+                    _torch_private.new_gloo_group(store, self.rank, self.world_size, bound, self._bind_host())
+                )
+            except BaseException as e:  # handed to the waiting thread
+                done.append(e)
+
+        thread = threading.Thread(
+            target=connect, name=f"groupbridge-gloo-{self.name}-{self.rank}", daemon=True
+        )
+        thread.start()
+        thread.join(bound.total_seconds() + 1.0)
+        if not done or isinstance(done[0], BaseException):
+            cause = done[0] if done else None
             failed = self._failure()
             why = failed if failed is not None else "a peer or the store host is gone?"
+            detail = f": {cause}" if cause is not None else ""
             raise StoreUnreachableError(
                 f"rank {self.rank}: connecting the gloo group of {self._where()} failed within "
-                f"{seconds(bound)} ({why}): {e}"
-            ) from e
+                f"{seconds(bound)} ({why}){detail}"
+            ) from cause
+        pg = done[0]
         _torch_private.set_backend_timeout(pg, self.timeout)
         return pg
 
@@ -402,12 +426,13 @@ class StatelessGroup:
 
     def _await_peers_done(self, deadline: Deadline, store: TCPStore | None = None) -> None:
         """Wait (bounded) until every other member has published that it aborted or closed."""
+
+        def all_done() -> bool | None:
+            statuses = self._peer_statuses(store)
+            return True if all(st is not None and st["state"] != "live" for st in statuses.values()) else None
+
         try:
-            while not deadline.expired():
-                statuses = self._peer_statuses(store)
-                if all(st is not None and st["state"] != "live" for st in statuses.values()):
-                    return
-                time.sleep(0.01)
+            deadline.poll(all_done, 0.01)
         except RuntimeError:  # the store or our connection is gone: nobody is left to wait for
             return
 
@@ -635,10 +660,8 @@ class StatelessGroup:
             if failed is None and self._watcher is not None:
                 # A peer that aborted closes its sockets right after publishing why; give the watcher a
                 # couple of beats to read it, so the error names who gave up and why.
-                end = time.monotonic() + min(2 * self._watcher.interval + 0.2, 2.0)
-                while failed is None and time.monotonic() < end:
-                    time.sleep(0.02)
-                    failed = self._failure(peers)
+                grace = Deadline(timedelta(seconds=min(2 * self._watcher.interval + 0.2, 2.0)))
+                failed = grace.poll(lambda: self._failure(peers), 0.02)
             self.abort(str(failed) if failed is not None else f"{what} failed: {e}")
             if failed is not None:
                 raise failed from e

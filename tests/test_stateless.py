@@ -291,7 +291,7 @@ def test_store_host_dies(host: str) -> None:
     for r in (1, 2):
         status, value = res[r]
         assert status and value.startswith(("StoreUnreachableError", "PeerDiedError")), value
-        assert float(value.split(" after ")[1].split("s:")[0]) < 15
+        assert float(value.split(" after ")[1].split("s:")[0]) < 15, value
 
 
 def test_bad_arguments() -> None:
