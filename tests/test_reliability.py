@@ -277,3 +277,25 @@ def test_chaos_short_run() -> None:
     problems = [(e.fault, e.unbounded, e.torn) for e in report.episodes if e.unbounded or e.torn]
     assert report.ok and not problems, (problems, report.leaked_shm)
     assert {e.fault for e in report.episodes} == {"none", "kill", "stop"}
+
+
+@pytest.mark.chaos
+@pytest.mark.netns
+@pytest.mark.timeout(240)
+def test_chaos_on_simulated_hosts() -> None:
+    """Link cuts past the liveness timeout and lossy links, each member on a host of its own: every cut
+    detected within the bound, no false alarm under loss, no torn receiver."""
+    from groupbridge.bench import netns
+    from groupbridge.chaos import run_chaos
+
+    if (why := netns.unavailable_reason()) is not None:
+        pytest.skip(why)
+    report = run_chaos(0, receivers=2, seed=7, min_episodes=2, only_network=True)  # cut, loss: broadcast
+    problems = [(e.fault, e.unbounded, e.torn, e.errors) for e in report.episodes if not _clean(e)]
+    assert report.ok and not problems, problems
+    assert [e.fault for e in report.episodes] == ["cut", "loss"]
+    assert report.episodes[1].dropped and report.episodes[1].dropped > 0.001  # the links did drop packets
+
+
+def _clean(e: Any) -> bool:
+    return not (e.unbounded or e.torn or e.errors)

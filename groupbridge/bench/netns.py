@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import secrets
 import shutil
 import subprocess
@@ -117,6 +118,36 @@ class SimulatedHosts:
             self.close()
             raise
         return self
+
+    def cut(self, i: int, *, down: bool = True) -> None:
+        """Unplug host ``i``'s link from the bridge (``down=False`` plugs it back): its packets go nowhere
+        and nobody hears of it, like a pulled cable or a partition."""
+        self._ip("link", "set", f"p{i}", "down" if down else "up", ns=f"{self._tag}br")
+
+    def lossy(self, rate: str = "200mbit", queue: str = "64kb") -> None:
+        """Make every link drop packets: a token bucket of ``rate`` with a queue of only ``queue`` bytes
+        drops whatever overflows it (congestion loss, both ways). Random loss would need ``tc netem``,
+        which kernels without ``sch_netem`` lack; :meth:`drops` tells how much was dropped."""
+        for i in range(self.n):
+            for ns, dev in ((f"{self._tag}h{i}", "eth0"), (f"{self._tag}br", f"p{i}")):
+                cmd = ["ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf",
+                       "rate", rate, "burst", queue, "limit", queue]  # fmt: skip
+                r = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=30)
+                if r.returncode != 0:
+                    raise RuntimeError(f"{' '.join(cmd)} failed: {r.stderr.strip()}")
+
+    def drops(self) -> tuple[int, int]:
+        """(packets dropped, packets sent) by the links' queues so far."""
+        dropped = sent = 0
+        for i in range(self.n):
+            for ns, dev in ((f"{self._tag}h{i}", "eth0"), (f"{self._tag}br", f"p{i}")):
+                cmd = ["ip", "netns", "exec", ns, "tc", "-s", "qdisc", "show", "dev", dev]
+                out = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=30).stdout
+                m = re.search(r"Sent \d+ bytes (\d+) pkt \(dropped (\d+)", out)
+                if m:
+                    sent += int(m.group(1))
+                    dropped += int(m.group(2))
+        return dropped, sent
 
     def close(self) -> None:
         for ns in reversed(self._namespaces):
