@@ -4,6 +4,10 @@ Two processes on one GPU: the sender holds a dense (Qwen2.5-0.5B-like, 0.92 GiB 
 syncs it with ``transport="auto"`` (which must pick ``cuda_ipc``); the receiver checks every tensor bit for
 bit, atomic and streaming, and the sender reports GB/s against a same-process device-to-device copy of the
 same bytes. Run: ``python scripts/gpu_check.py [--json FILE]``.
+
+Needs torch >= 2.8 and ``msgpack``. On a machine without internet that lacks msgpack, copy the package
+folder from any Python's site-packages next to the checkout and put it on ``PYTHONPATH``: its pure-Python
+fallback works without the compiled extension.
 """
 
 from __future__ import annotations
