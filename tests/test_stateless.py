@@ -127,6 +127,9 @@ def _many_messages(rank: int, host: str, ports: Any) -> tuple[int, int]:
                 assert g.recv_obj(0) == i
         else:
             assert g.broadcast_obj(i if rank == 0 else None, src=0) == i
+    for i in range(5):  # above INLINE_MAX: stored once under a key, the queues carry a pointer
+        big = bytes([i]) * (200 << 10)
+        assert g.broadcast_obj(big if rank == 0 else None, src=0) == big
     after = _quiet_count(g, rank, "after")
     g.close()
     return baseline, after
