@@ -830,10 +830,14 @@ class StatelessGroup:
                 key = f"{self._ns}/{status_key(self.rank)}"
                 self._client.get().set(key, self._sealer.seal(key, encode_status(1 << 59, "closed")))  # type: ignore[arg-type]
                 self._client.get().check([key])
-            if self.rank == 0 and self._broken is None and w is not None:
-                self._await_peers_done(Deadline(timeout))
         except RuntimeError:  # closing must not fail because a peer or the store is gone
-            logger.debug("close: could not coordinate with peers", exc_info=True)
+            logger.debug("close: could not publish that this member closed", exc_info=True)
+        if self.rank == 0 and w is not None and self._server is not None:
+            # The store goes with this process: wait until the others closed, so that none loses a
+            # message it was about to read. On the server's own connection (the caller's may have been
+            # shut down by the watcher); a broken group waits only a couple of beats.
+            wait = timeout if self._broken is None else timedelta(seconds=min(2 * w.interval + 0.5, 2.0))
+            self._await_peers_done(Deadline(wait), self._server)
         self._teardown()
         logger.info("[%s] rank %d closed", self.name, self.rank)
 
