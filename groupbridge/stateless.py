@@ -11,6 +11,7 @@ or failed peer within the liveness timeout, whatever the operation timeout.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import threading
@@ -326,10 +327,7 @@ class StatelessGroup:
             except BaseException as e:  # handed to the waiting thread
                 done.append(e)
 
-        thread = threading.Thread(
-            target=connect, name=f"groupbridge-gloo-{self.name}-{self.rank}", daemon=True
-        )
-        thread.start()
+        thread = _background(connect, f"groupbridge-gloo-{self.name}-{self.rank}")
         thread.join(bound.total_seconds() + 1.0)
         if not done or isinstance(done[0], BaseException):
             cause = done[0] if done else None
@@ -793,9 +791,7 @@ class StatelessGroup:
             groups.clear()  # the last references: destroyed here, not on the caller's thread
             released.set()
 
-        threading.Thread(
-            target=release, name=f"groupbridge-abort-{self.name}-{self.rank}", daemon=True
-        ).start()
+        _background(release, f"groupbridge-abort-{self.name}-{self.rank}")
         released.wait(0.5)
 
     def _teardown(self) -> None:
@@ -853,6 +849,41 @@ class StatelessGroup:
             f"StatelessGroup({self.name!r}, rank={self.rank}, world_size={self.world_size}, "
             f"{self.address}, {state})"
         )
+
+
+_BACKGROUND: set[threading.Thread] = set()
+_BACKGROUND_LOCK = threading.Lock()
+EXIT_GRACE_S = 10.0
+"""How long interpreter exit waits for gloo work left running in the background (see :func:`_background`)."""
+
+
+def _background(fn: Callable[[], None], name: str) -> threading.Thread:
+    """Run ``fn`` (gloo connect or teardown, which can block for seconds on a vanished peer) on a daemon
+    thread the caller need not wait for. Interpreter exit waits for such threads (up to ``EXIT_GRACE_S``):
+    a process exiting while gloo's C++ teardown runs aborts with "terminate called without an active
+    exception" instead of exiting with its own status."""
+
+    def run() -> None:
+        try:
+            fn()
+        finally:
+            with _BACKGROUND_LOCK:
+                _BACKGROUND.discard(threading.current_thread())
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    with _BACKGROUND_LOCK:
+        _BACKGROUND.add(thread)
+    thread.start()
+    return thread
+
+
+@atexit.register
+def _await_background() -> None:
+    end = time.monotonic() + EXIT_GRACE_S
+    with _BACKGROUND_LOCK:
+        pending = list(_BACKGROUND)
+    for thread in pending:
+        thread.join(max(0.0, end - time.monotonic()))
 
 
 def _check_arguments(
