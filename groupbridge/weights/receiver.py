@@ -111,6 +111,7 @@ class WeightReceiver:
         allow_stale: bool,
         targets: dict[str, torch.Tensor] | None,
         deadline: Deadline,
+        accept: Callable[[Manifest], str | None] | None = None,
     ) -> tuple[Header, Manifest, bool]:
         def check(header: Header, manifest: Manifest) -> dict[str, Any] | None:
             if not allow_stale and self.version is not None and header.version <= self.version:
@@ -126,6 +127,11 @@ class WeightReceiver:
                         "kind": "manifest",
                         "message": mismatch_message(problems, f"rank {self.group.rank}"),
                     }
+            if accept is not None:
+                renamed = Manifest(tuple(_renamed(e, self._rename) for e in manifest.entries))
+                problem = accept(renamed)
+                if problem is not None:
+                    return {"kind": "manifest", "message": problem}
             return None
 
         def in_place(header: Header, manifest: Manifest) -> bool:
@@ -227,10 +233,19 @@ class WeightReceiver:
 
     # ------------------------------------------------------------------ receive()
 
-    def receive(self, *, allow_stale: bool = False, timeout: timedelta | None = None) -> WeightUpdate:
+    def receive(
+        self,
+        *,
+        allow_stale: bool = False,
+        timeout: timedelta | None = None,
+        accept: Callable[[Manifest], str | None] | None = None,
+    ) -> WeightUpdate:
         """Start receiving the next version; the returned update yields (name, tensor) as buckets arrive.
 
         ``timeout`` (default: the group's) bounds the whole update, the handshake here and the iteration.
+        ``accept`` sees the (renamed) manifest before any bytes move and returns None to take it, or a
+        message saying why this receiver cannot: every member then raises ManifestMismatchError with that
+        message and the group stays usable (an inference engine uses this to dry-run its own loader).
 
         Raises:
             ManifestMismatchError: the manifest differs from ``expected``; nothing moved.
@@ -238,7 +253,7 @@ class WeightReceiver:
                 sender refused the sync.
         """
         deadline = self.group.deadline(timeout)
-        header, manifest, _ = self._settle(self.expected, allow_stale, None, deadline)
+        header, manifest, _ = self._settle(self.expected, allow_stale, None, deadline, accept)
         return WeightUpdate(self, header, manifest, deadline)
 
     def _yield_tensors(

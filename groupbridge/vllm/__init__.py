@@ -1,0 +1,28 @@
+"""groupbridge as a vLLM weight-transfer backend (``pip install 'groupbridge[vllm]'``).
+
+The ``vllm.general_plugins`` entry point registers backend ``"groupbridge"`` in every vLLM process, so::
+
+    llm = vllm.LLM(model, weight_transfer_config={"backend": "groupbridge"})
+    # or: vllm serve MODEL --weight-transfer-config '{"backend": "groupbridge"}'
+
+and the trainer, on every rank::
+
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory, ModuleSource
+    from groupbridge.vllm import TrainerInitInfo, OfflineClient
+    engine = WeightTransferTrainerFactory.trainer_init(
+        TrainerInitInfo(rank=rank, host="::1"), client=OfflineClient(llm), source=ModuleSource(model))
+    engine.send_weights()  # every step; vLLM serves versions 1, 2, 3 ...
+
+Importing this module registers the backend too (a trainer talking to ``vllm serve`` over HTTP never loads
+vLLM's plugins itself).
+"""
+
+from __future__ import annotations
+
+from ._client import OfflineClient
+from ._plugin import BACKEND, register
+from ._trainer import TrainerEngine, TrainerInitInfo
+
+register()
+
+__all__ = ["BACKEND", "OfflineClient", "TrainerEngine", "TrainerInitInfo", "register"]

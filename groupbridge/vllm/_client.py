@@ -1,0 +1,31 @@
+"""A ``VLLMWeightSyncClient`` for an offline ``vllm.LLM`` in the trainer's own process.
+
+vLLM ships HTTP and Ray clients; an offline ``LLM`` takes requests shaped as ``{"init_info": ...}`` and
+``{"update_info": ...}``, so a trainer that holds one needs this small adapter.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class OfflineClient:
+    """Drives an offline ``vllm.LLM`` through vLLM's weight-sync client protocol."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.llm.start_weight_update()
+
+    def update_weights(self, update_info: Any) -> None:
+        self.llm.update_weights({"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.llm.finish_weight_update(weight_version=weight_version)
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self.llm.shutdown_weight_transfer_engine()

@@ -1,0 +1,130 @@
+"""Check an incoming manifest against what a vLLM model's ``load_weights`` accepts, before bytes move.
+
+vLLM models load checkpoint-format names (``q_proj``, per-expert ``gate_proj``) into fused, possibly sharded
+parameters through per-parameter weight loaders, and on CPU and with quantization the loaded parameters are
+then replaced by kernel-format tensors (oneDNN-packed, shape ``(0,)`` here). No static table says which
+names and shapes a model takes. So the check runs the model's own ``load_weights`` on meta tensors, against
+the model-format parameters vLLM recorded at load time for its layerwise reload (on the meta device, so
+nothing is allocated or written), then puts the kernel tensors back. The names, the shapes each weight
+loader checks and narrows, and that every parameter is fully covered are all checked by the same code
+that will load the real bytes.
+
+It swaps the model's parameters for a moment, so it must run where inference cannot (vLLM calls the
+weight-transfer engine from the worker's own thread, between model steps).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from ..codec import dtype_from_name
+from ..weights.manifest import Manifest
+
+
+@contextmanager
+def _model_format_on_meta(model: torch.nn.Module) -> Iterator[None]:
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+    from vllm.model_executor.model_loader.reload.meta import restore_layer_on_meta, to_meta_tensor
+    from vllm.model_executor.model_loader.reload.utils import get_layer_params_buffers, get_layer_tensors
+
+    saved: list[tuple[torch.nn.Module, Any, set[str]]] = []
+    try:
+        for layer in model.modules():
+            info = LAYERWISE_INFO.get(layer)
+            if info is None:
+                continue
+            if info.can_load():
+                raise RuntimeError("a layerwise reload is already in progress on this model")
+            saved.append((layer, get_layer_params_buffers(layer), set(layer._non_persistent_buffers_set)))
+            restore_layer_on_meta(layer, info)
+            for name, p in list(layer.named_parameters(recurse=False)):
+                if not p.is_meta:  # tensors vLLM never moves to meta (a bias): a meta stand-in for the run
+                    setattr(layer, name, to_meta_tensor(p))
+        yield
+    finally:
+        for layer, (params, buffers), non_persistent in saved:
+            for name in get_layer_tensors(layer):
+                delattr(layer, name)
+            for name, p in params.items():
+                layer.register_parameter(name, p)
+            for name, b in buffers.items():
+                layer.register_buffer(name, b, persistent=name not in non_persistent)
+
+
+@contextmanager
+def _counting_loaders(model: torch.nn.Module, counts: dict[int, int]) -> Iterator[None]:
+    """Wrap each (meta) parameter's weight loader to count the elements it copies in; the wrappers are
+    removed on exit (the meta parameters are vLLM's own reload records, reused by every reload)."""
+    from vllm.model_executor.model_loader.reload.meta import get_numel_loaded
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+    wrapped: list[tuple[torch.Tensor, Any]] = []
+    try:
+        for p in model.parameters():
+            # vLLM's parameter classes keep the loader behind a property (``_weight_loader``): go through it
+            loader = getattr(p, "weight_loader", None)
+            wrapped.append((p, loader))
+            while loader is not None and loader.__name__ == "online_process_loader":
+                loader = loader.__wrapped__  # a previous reload's wrapper: the loader it wraps
+            _wrap(p, counts, loader or default_weight_loader, get_numel_loaded)
+        yield
+    finally:
+        for p, loader in wrapped:
+            if loader is None:
+                p.__dict__.pop("weight_loader", None)
+            else:
+                p.weight_loader = loader  # type: ignore[attr-defined]
+
+
+def _wrap(p: torch.Tensor, counts: dict[int, int], loader: Callable[..., Any], numel_of: Any) -> None:
+    signature = inspect.signature(loader)
+
+    def counted(*args: Any, **kw: Any) -> Any:
+        bound = signature.bind(*args, **kw)
+        bound.apply_defaults()
+        n, ret = numel_of(loader, bound)
+        target = bound.arguments.get("param")
+        if isinstance(target, torch.Tensor):
+            counts[id(target)] = counts.get(id(target), 0) + n
+        return ret
+
+    p.weight_loader = counted  # type: ignore[attr-defined]
+
+
+def check_loadable(model: torch.nn.Module, manifest: Manifest, *, complete: bool = True) -> str | None:
+    """None if ``model.load_weights`` takes every entry of ``manifest`` (and, with ``complete``, the
+    entries fill every parameter), else a message saying which names or shapes it refuses."""
+    from vllm.model_executor.model_loader.reload.utils import get_tensor_load_numel
+
+    metas = [
+        (e.name, torch.empty(e.shape, dtype=dtype_from_name(e.wire_dtype), device="meta"))
+        for e in manifest.entries
+    ]
+    counts: dict[int, int] = {}
+    with _model_format_on_meta(model), _counting_loaders(model, counts):
+        params = dict(model.named_parameters())
+        for name, meta in metas:
+            try:
+                model.load_weights(iter([(name, meta)]))  # type: ignore[operator]
+            except Exception as e:
+                return (
+                    f"the model ({type(model).__name__}) cannot load {name!r} {tuple(meta.shape)} "
+                    f"{meta.dtype}: {type(e).__name__}: {str(e)[:300]}"
+                )
+        if complete:
+            short = [
+                f"{n} ({counts.get(id(p), 0)} of {get_tensor_load_numel(p)} elements)"
+                for n, p in params.items()
+                if counts.get(id(p), 0) < get_tensor_load_numel(p)
+            ]
+            if short:
+                return (
+                    f"the update leaves {len(short)} of the model's parameters not fully written: "
+                    f"{', '.join(short[:10])}{' ...' if len(short) > 10 else ''}"
+                )
+    return None

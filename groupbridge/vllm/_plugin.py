@@ -1,0 +1,23 @@
+"""vLLM plugin entry point: registers backend ``"groupbridge"`` with both weight-transfer factories.
+
+vLLM calls every ``vllm.general_plugins`` entry point in each of its processes (the API server, the engine
+core, every worker), possibly more than once per process, so registering must be idempotent and cheap: it
+records module paths only and imports the engines when a factory first builds one.
+"""
+
+from __future__ import annotations
+
+BACKEND = "groupbridge"
+
+
+def register() -> None:
+    """Register ``"groupbridge"`` with vLLM's worker and trainer factories (safe to call again)."""
+    from vllm.distributed.weight_transfer.factory import (
+        WeightTransferEngineFactory,
+        WeightTransferTrainerFactory,
+    )
+
+    if BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(BACKEND, "groupbridge.vllm._worker", "WorkerEngine")
+    if BACKEND not in WeightTransferTrainerFactory._registry:
+        WeightTransferTrainerFactory.register_engine(BACKEND, "groupbridge.vllm._trainer", "TrainerEngine")

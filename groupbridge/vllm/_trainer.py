@@ -1,0 +1,295 @@
+"""The trainer side of backend ``"groupbridge"``: host the bridge, send every step, drive vLLM's RPCs.
+
+``trainer_init`` and ``send_weights`` run on every trainer rank; rank 0 sends. Non-sender ranks iterate the
+source (its gathers are collectives) and drop what it yields. On the sender one ``send_weights`` is:
+
+1. on a side thread, ``client.start_weight_update()`` then ``client.update_weights({"version": v})``: each
+   vLLM worker enters the bridge's handshake, where it dry-runs the manifest through its model's loader;
+2. here, :meth:`groupbridge.WeightSender.send`, which returns once every worker acknowledged the bytes
+   (atomic: staged, the model untouched; streaming: loaded);
+3. ``client.finish_weight_update(weight_version=str(v))``: atomic workers load what they staged, and vLLM
+   starts serving version ``v``.
+
+A failure on either side ends both: a worker that refuses or fails makes ``send`` raise (a refusal before
+bytes move is the same ``ManifestMismatchError`` on every member and the bridge stays usable); a client call
+that fails while the workers are still away aborts the bridge so nothing waits out its timeout. After an
+abort the next ``send_weights`` opens a new bridge (a new generation) through
+``init_weight_transfer_engine``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, ClassVar, Self
+
+import torch
+from vllm.distributed.weight_transfer.base import TrainerInitInfo as _VllmTrainerInitInfo
+from vllm.distributed.weight_transfer.base import (
+    TrainerWeightTransferEngine,
+    VLLMWeightSyncClient,
+    WeightSource,
+)
+
+from ..errors import GroupBridgeError, WeightSyncError
+from ..net import listen
+from ..stateless import StatelessGroup
+from ..weights.sender import SyncStats, WeightSender
+from ..weights.transports import TRANSPORTS
+from ._plugin import BACKEND
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainerInitInfo(_VllmTrainerInitInfo):
+    """How the trainer hosts the bridge to vLLM (``backend = "groupbridge"``).
+
+    Attributes:
+        host: the address the trainer binds and the workers dial: IPv4, IPv6 or a host name (default
+            loopback). The socket is bound before its port is told to anyone.
+        port: 0 lets the kernel pick a free port.
+        workers: how many vLLM worker processes join: data parallel x tensor parallel x pipeline parallel,
+            summed over every engine the client drives.
+        transport: ``"auto"`` (shared memory on one CPU host, CUDA IPC on one GPU host, broadcast or relay
+            across hosts) or one by name.
+        atomic: stage the whole update and load it only once every worker has every byte (a trainer dying
+            midway leaves vLLM serving the old weights); False streams buckets into ``load_weights``.
+        token: a shared secret: members prove it at join and every bucket carries a MAC.
+        timeout: seconds that bound each whole update (and joining).
+        liveness: seconds after which a silent peer counts as gone.
+        checksum: CRC32 of every bucket, verified before the update is loaded (implied by a token).
+        bucket_bytes: bucket size (None: the library's default).
+        first_version: the version of the first ``send_weights`` (then +1 each time).
+    """
+
+    backend: ClassVar[str] = BACKEND
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    workers: int = 1
+    transport: str = "auto"
+    atomic: bool = True
+    token: str | None = None
+    timeout: float = 300.0
+    liveness: float = 10.0
+    checksum: bool = True
+    bucket_bytes: int | None = None
+    first_version: int = 1
+    name: str = field(default="vllm")
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.workers, int) or self.workers < 1:
+            raise ValueError(f"workers={self.workers!r} must be >= 1 (the number of vLLM worker processes)")
+        if self.transport != "auto" and self.transport not in TRANSPORTS:
+            raise ValueError(f"transport={self.transport!r} is not one of auto, {', '.join(TRANSPORTS)}")
+        if not self.timeout > 0 or not self.liveness > 0:
+            raise ValueError(f"timeout={self.timeout} and liveness={self.liveness} must be > 0 seconds")
+        if not isinstance(self.port, int) or not 0 <= self.port < 65536:
+            raise ValueError(f"port={self.port!r} is not a TCP port (0: the kernel picks one)")
+
+
+class TrainerEngine(TrainerWeightTransferEngine[TrainerInitInfo]):
+    """Trainer engine of backend ``"groupbridge"`` (see the module docstring)."""
+
+    init_info_cls = TrainerInitInfo
+
+    def __init__(
+        self,
+        *,
+        client: VLLMWeightSyncClient,
+        source: WeightSource | None = None,
+        is_sender: bool = True,
+        info: TrainerInitInfo | None = None,
+    ) -> None:
+        super().__init__(client=client, source=source, is_sender=is_sender)
+        self.info = info if info is not None else TrainerInitInfo(rank=0 if is_sender else 1)
+        self.group: StatelessGroup | None = None
+        self.sender: WeightSender | None = None
+        self.generation = 0
+        self.version: int | None = None
+        """The last version vLLM confirmed serving."""
+        self.last_stats: SyncStats | None = None
+        self.last_seconds: dict[str, float] = {}
+        """Wall time of the last ``send_weights``, split: ``transfer`` (to every worker's acknowledgement),
+        ``finish`` (``finish_weight_update``: the atomic load), ``total``."""
+
+    @classmethod
+    def trainer_init(
+        cls,
+        init_info: TrainerInitInfo,
+        *,
+        client: VLLMWeightSyncClient,
+        source: WeightSource | None = None,
+    ) -> Self:
+        if not isinstance(init_info, TrainerInitInfo):
+            raise TypeError(f"init_info must be groupbridge.vllm.TrainerInitInfo, got {type(init_info).__name__}")
+        if source is None:
+            raise ValueError("backend 'groupbridge' sends a WeightSource each step: pass source=")
+        engine = cls(client=client, source=source, is_sender=init_info.is_sender, info=init_info)
+        if engine.is_sender:
+            engine.connect()
+        return engine
+
+    # ------------------------------------------------------------------ session
+
+    def connect(self) -> None:
+        """Host a new bridge (the next generation) and have every vLLM worker join it."""
+        self.shutdown()
+        info = self.info
+        self.generation += 1
+        lis = listen(info.host, info.port)
+        worker_info = {
+            "host": lis.address.host,
+            "port": lis.address.port,
+            "world_size": info.workers + 1,
+            "name": info.name,
+            "generation": self.generation,
+            "token": info.token,
+            "atomic": info.atomic,
+            "timeout_s": info.timeout,
+            "liveness_s": info.liveness,
+        }
+        call = _Call("init_weight_transfer_engine", lambda: self.client.init_weight_transfer_engine(worker_info))
+        try:
+            self.group = StatelessGroup.create(
+                None,
+                rank=0,
+                world_size=info.workers + 1,
+                listener=lis,
+                name=info.name,
+                generation=self.generation,
+                timeout=timedelta(seconds=info.timeout),
+                liveness_timeout=timedelta(seconds=info.liveness),
+                token=info.token,
+            )
+        except BaseException as e:
+            lis.close()
+            call.join(info.liveness)
+            if call.error is not None:
+                raise WeightSyncError(f"vLLM's init_weight_transfer_engine failed: {call.error}") from e
+            raise
+        call.join(info.timeout)
+        call.result()
+        self.sender = WeightSender(
+            self.group, transport=info.transport, checksum=info.checksum, bucket_bytes=info.bucket_bytes
+        )
+
+    def shutdown(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
+            self.sender = None
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+
+    # ------------------------------------------------------------------ one step
+
+    def send_weights(self, version: int | None = None) -> None:
+        """Send the source's weights as the next version (or ``version``) and make vLLM serve them."""
+        assert self.source is not None
+        meta = self.source.metadata()
+        if not self.is_sender:
+            for _ in self.source:  # drive the source's gathers (collectives); the sender ships them
+                pass
+            return
+        v = version if version is not None else (self.version + 1 if self.version is not None else self.info.first_version)
+        if self.version is not None and v <= self.version:
+            raise ValueError(f"version {v} is not newer than the version vLLM serves ({self.version})")
+        if self.group is None or not _usable(self.group):
+            self.connect()
+        assert self.sender is not None and self.group is not None
+        specs = {m.name: (m.shape, m.dtype) for m in meta}
+        t0 = time.perf_counter()
+        group = self.group
+
+        def drive() -> None:
+            self.client.start_weight_update()
+            self.client.update_weights({"version": v})
+
+        call = _Call("start_weight_update/update_weights", drive, on_error=lambda e: _abort_later(group, e, self.info.liveness))
+        try:
+            stats = self.sender.send(_named(self.source), v, specs=specs, timeout=timedelta(seconds=self.info.timeout))
+        except GroupBridgeError as e:
+            call.join(self.info.liveness + 5)
+            if getattr(e, "agreed", False) or call.error is None:
+                raise
+            raise WeightSyncError(f"vLLM failed the update of version {v}: {call.error}") from e
+        finally:
+            call.cancel_abort()
+        call.join(self.info.timeout)
+        call.result()
+        t1 = time.perf_counter()
+        self.client.finish_weight_update(weight_version=str(v))
+        t2 = time.perf_counter()
+        self.version = v
+        self.last_stats = stats
+        self.last_seconds = {"transfer": t1 - t0, "finish": t2 - t1, "total": t2 - t0}
+
+
+def _usable(group: StatelessGroup) -> bool:
+    try:
+        group.check_open()
+    except GroupBridgeError:
+        return False
+    return True
+
+
+def _named(source: WeightSource) -> Iterator[tuple[str, torch.Tensor]]:
+    yield from source
+
+
+def _abort_later(group: StatelessGroup, error: BaseException, grace: float) -> Callable[[], None]:
+    """Abort ``group`` unless the sync ends on its own within ``grace`` seconds (a worker's refusal reaches
+    the sender through the bridge too, and must not be turned into an abort). Returns a canceller."""
+    cancelled = threading.Event()
+
+    def run() -> None:
+        if not cancelled.wait(grace):
+            group.abort(f"vLLM's side of the update failed: {type(error).__name__}: {error}")
+
+    threading.Thread(target=run, name="groupbridge-vllm-abort", daemon=True).start()
+    return cancelled.set
+
+
+class _Call:
+    """``fn`` on a daemon thread, so the trainer can send while vLLM's RPC waits for the bytes."""
+
+    def __init__(
+        self,
+        what: str,
+        fn: Callable[[], None],
+        on_error: Callable[[BaseException], Callable[[], None]] | None = None,
+    ) -> None:
+        self.what = what
+        self.error: BaseException | None = None
+        self._cancel: Callable[[], None] | None = None
+        self._on_error = on_error
+
+        def run() -> None:
+            try:
+                fn()
+            except BaseException as e:
+                self.error = e
+                if self._on_error is not None:
+                    self._cancel = self._on_error(e)
+
+        self._thread = threading.Thread(target=run, name=f"groupbridge-vllm-{what}", daemon=True)
+        self._thread.start()
+
+    def join(self, seconds: float) -> None:
+        self._thread.join(seconds)
+
+    def cancel_abort(self) -> None:
+        if self._cancel is not None:
+            self._cancel()
+
+    def result(self) -> None:
+        if self._thread.is_alive():
+            raise WeightSyncError(f"vLLM's {self.what} did not return within the bound")
+        if self.error is not None:
+            raise WeightSyncError(f"vLLM's {self.what} failed: {type(self.error).__name__}: {self.error}") from self.error

@@ -1,0 +1,213 @@
+"""The worker side of backend ``"groupbridge"``: each vLLM worker joins the trainer's bridge as a receiver.
+
+Lifecycle (vLLM calls these from the worker's own thread, between model steps):
+
+- ``init_transfer_engine(info)``: join the group the trainer hosts (a new trainer session replaces the old
+  one: its group is closed first). This worker's rank is ``1 + data_parallel_index * world_size +
+  rank_in_world``, from vLLM's own parallel state, so every TP/PP rank of every DP replica is one receiver.
+- ``update_weights({"version": v})``: run the handshake, where the sender's manifest is dry-run through the
+  model's ``load_weights`` on meta tensors (see :mod:`._dryrun`) so a name or shape the model cannot load is
+  refused before any bytes move, and every member raises the same error. Then receive:
+
+  * atomic: into staging tensors; the model is not touched. The staged update is loaded in
+    ``finish_weight_update``, which the trainer calls only once every worker acknowledged its bytes, so a
+    trainer that dies midway, or a worker that fails, leaves every worker serving the old weights.
+  * streaming: into ``load_weights`` inside vLLM's layerwise reload as buckets arrive; a failure midway
+    finalizes the reload (the model never stays on the meta device) and raises :class:`TornUpdateError`.
+
+- ``finish_weight_update()``: load the staged update (atomic) and record the version; vLLM then sets the
+  served ``weight_version``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from ..errors import TornUpdateError
+from ..stateless import StatelessGroup
+from ..weights.manifest import Manifest
+from ..weights.receiver import WeightReceiver
+from ._dryrun import check_loadable
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerInitInfo(WeightTransferInitInfo):
+    """What the trainer tells every worker at ``init_weight_transfer_engine`` (plain JSON)."""
+
+    host: str
+    port: int
+    world_size: int
+    name: str = "vllm"
+    generation: int = 0
+    token: str | None = None
+    atomic: bool = True
+    timeout_s: float = 300.0
+    liveness_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.port, int) or not 0 < self.port < 65536:
+            raise ValueError(f"port={self.port!r} is not a TCP port")
+        if not isinstance(self.world_size, int) or self.world_size < 2:
+            raise ValueError(f"world_size={self.world_size!r}: the trainer and at least one worker")
+        if not self.timeout_s > 0 or not self.liveness_s > 0:
+            raise ValueError(f"timeout_s={self.timeout_s} and liveness_s={self.liveness_s} must be > 0")
+
+
+@dataclass
+class UpdateInfo(WeightTransferUpdateInfo):
+    """One update (plain JSON): the version the trainer sends; the manifest comes over the bridge."""
+
+    version: int
+
+    def __post_init__(self) -> None:
+        if isinstance(self.version, bool) or not isinstance(self.version, int):
+            raise ValueError(f"version must be an int, got {self.version!r}")
+
+
+def worker_rank(parallel_config: Any) -> int:
+    """This worker's rank on the bridge (the trainer is rank 0)."""
+    from vllm.distributed.parallel_state import get_world_group
+
+    return 1 + parallel_config.data_parallel_index * parallel_config.world_size + get_world_group().rank_in_group
+
+
+class WorkerEngine(WeightTransferEngine[WorkerInitInfo, UpdateInfo]):
+    """vLLM worker engine of backend ``"groupbridge"`` (see the module docstring)."""
+
+    init_info_cls = WorkerInitInfo
+    update_info_cls = UpdateInfo
+    supports_draft_weight_update = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.group: StatelessGroup | None = None
+        self.receiver: WeightReceiver | None = None
+        self.info: WorkerInitInfo | None = None
+        self.version: int | None = None
+        """The version this worker's model holds (None: the weights it was started with)."""
+        self._staged: list[tuple[str, torch.Tensor]] | None = None
+        self._staging: dict[str, torch.Tensor] = {}
+        self._received: int | None = None
+
+    # ------------------------------------------------------------------ session
+
+    def init_transfer_engine(self, init_info: WorkerInitInfo) -> None:
+        self.shutdown()
+        rank = worker_rank(self.parallel_config)
+        if rank >= init_info.world_size:
+            raise ValueError(
+                f"this vLLM worker is bridge rank {rank} but the trainer expects world_size="
+                f"{init_info.world_size} (trainer + workers): give TrainerInitInfo(workers=) the number of "
+                "vLLM workers (data parallel x tensor parallel x pipeline parallel)"
+            )
+        self.group = StatelessGroup.create(
+            init_info.host,
+            init_info.port,
+            rank=rank,
+            world_size=init_info.world_size,
+            name=init_info.name,
+            generation=init_info.generation,
+            timeout=timedelta(seconds=init_info.timeout_s),
+            liveness_timeout=timedelta(seconds=init_info.liveness_s),
+            token=init_info.token,
+        )
+        self.receiver = WeightReceiver(self.group, src=0, device=self.device)
+        self.info = init_info
+        logger.info("groupbridge: worker joined %s as rank %d of %d", init_info.host, rank, init_info.world_size)
+
+    def shutdown(self) -> None:
+        self._staged = None
+        self._received = None
+        if self.receiver is not None:
+            self.receiver.close()
+            self.receiver = None
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+
+    # ------------------------------------------------------------------ one update
+
+    def start_weight_update(self) -> None:
+        self._staged = None
+        self._received = None
+
+    def receive_weights(self, update_info: UpdateInfo) -> None:
+        if self.receiver is None or self.info is None:
+            raise RuntimeError("init_weight_transfer_engine has not been called for backend 'groupbridge'")
+        timeout = timedelta(seconds=self.info.timeout_s)
+        update = self.receiver.receive(timeout=timeout, accept=self._accept)
+        if update.version != update_info.version:
+            logger.warning("groupbridge: update_info says version %d, the bridge %d", update_info.version,
+                           update.version)  # fmt: skip
+        if self.info.atomic:
+            self._staged = [(name, self._stage(name, t)) for name, t in update]
+        else:
+            self._stream(update)
+        self._received = update.version
+
+    def finish_weight_update(self) -> None:
+        if self._received is None:
+            raise RuntimeError("finish_weight_update: no update was received since start_weight_update")
+        if self._staged is not None:
+            staged, self._staged = self._staged, None
+            self._load(iter(staged), self._received)
+        self.version, self._received = self._received, None
+
+    # ------------------------------------------------------------------ helpers
+
+    def _accept(self, manifest: Manifest) -> str | None:
+        return check_loadable(self.model, manifest)
+
+    def _stage(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        buf = self._staging.get(name)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype or buf.device != t.device:
+            buf = self._staging[name] = torch.empty_like(t)
+        return buf.copy_(t)
+
+    def _stream(self, update: Any) -> None:
+        # the layerwise loader keeps tensors until their layer is complete: hand it copies, not bucket views
+        self._load(((name, t.clone()) for name, t in update), update.version)
+
+    def _load(self, weights: Any, version: int) -> None:
+        from vllm.model_executor.model_loader.reload import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+
+        loaded: list[str] = []
+
+        def counted() -> Any:
+            for name, t in weights:
+                loaded.append(name)
+                yield name, t
+
+        initialize_layerwise_reload(self.model)
+        try:
+            self.model.load_weights(counted())  # type: ignore[operator]
+        except BaseException as e:
+            try:
+                finalize_layerwise_reload(self.model, self.model_config)
+            except Exception:
+                logger.exception("groupbridge: finalizing the interrupted reload failed")
+            if isinstance(e, Exception):
+                raise TornUpdateError(
+                    f"loading version {version} into vLLM failed after {len(loaded)} tensors: "
+                    f"{type(e).__name__}: {e}; the model now holds a mix of two versions (weight_version "
+                    f"stays {self.version if self.version is not None else 'the initial one'}): send a full "
+                    "update before trusting its output",
+                    written=loaded,
+                ) from e
+            raise
+        finalize_layerwise_reload(self.model, self.model_config)
