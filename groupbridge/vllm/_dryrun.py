@@ -42,9 +42,10 @@ def _model_format_on_meta(model: torch.nn.Module) -> Iterator[None]:
                 raise RuntimeError("a layerwise reload is already in progress on this model")
             saved.append((layer, get_layer_params_buffers(layer), set(layer._non_persistent_buffers_set)))
             restore_layer_on_meta(layer, info)
-            for name, p in list(layer.named_parameters(recurse=False)):
-                if not p.is_meta:  # tensors vLLM never moves to meta (a bias): a meta stand-in for the run
-                    setattr(layer, name, to_meta_tensor(p))
+            # tensors vLLM never moves to meta (a bias) get a meta stand-in for the run
+            for name, param in list(layer.named_parameters(recurse=False)):
+                if not param.is_meta:
+                    setattr(layer, name, to_meta_tensor(param))
         yield
     finally:
         for layer, (params, buffers), non_persistent in saved:
@@ -74,11 +75,11 @@ def _counting_loaders(model: torch.nn.Module, counts: dict[int, int]) -> Iterato
             _wrap(p, counts, loader or default_weight_loader, get_numel_loaded)
         yield
     finally:
-        for p, loader in wrapped:
+        for t, loader in wrapped:
             if loader is None:
-                p.__dict__.pop("weight_loader", None)
+                t.__dict__.pop("weight_loader", None)
             else:
-                p.weight_loader = loader  # type: ignore[attr-defined]
+                t.weight_loader = loader  # type: ignore[attr-defined]
 
 
 def _wrap(p: torch.Tensor, counts: dict[int, int], loader: Callable[..., Any], numel_of: Any) -> None:

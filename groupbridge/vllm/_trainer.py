@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, ClassVar, Self
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from vllm.distributed.weight_transfer.base import TrainerInitInfo as _VllmTrainerInitInfo
@@ -41,6 +41,9 @@ from ..stateless import StatelessGroup
 from ..weights.sender import SyncStats, WeightSender
 from ..weights.transports import TRANSPORTS
 from ._plugin import BACKEND
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +130,9 @@ class TrainerEngine(TrainerWeightTransferEngine[TrainerInitInfo]):
         source: WeightSource | None = None,
     ) -> Self:
         if not isinstance(init_info, TrainerInitInfo):
-            raise TypeError(f"init_info must be groupbridge.vllm.TrainerInitInfo, got {type(init_info).__name__}")
+            raise TypeError(
+                f"init_info must be groupbridge.vllm.TrainerInitInfo, got {type(init_info).__name__}"
+            )
         if source is None:
             raise ValueError("backend 'groupbridge' sends a WeightSource each step: pass source=")
         engine = cls(client=client, source=source, is_sender=init_info.is_sender, info=init_info)
@@ -154,7 +159,9 @@ class TrainerEngine(TrainerWeightTransferEngine[TrainerInitInfo]):
             "timeout_s": info.timeout,
             "liveness_s": info.liveness,
         }
-        call = _Call("init_weight_transfer_engine", lambda: self.client.init_weight_transfer_engine(worker_info))
+        call = _Call(
+            "init_weight_transfer_engine", lambda: self.client.init_weight_transfer_engine(worker_info)
+        )
         try:
             self.group = StatelessGroup.create(
                 None,
@@ -197,7 +204,11 @@ class TrainerEngine(TrainerWeightTransferEngine[TrainerInitInfo]):
             for _ in self.source:  # drive the source's gathers (collectives); the sender ships them
                 pass
             return
-        v = version if version is not None else (self.version + 1 if self.version is not None else self.info.first_version)
+        v = (
+            version
+            if version is not None
+            else (self.version + 1 if self.version is not None else self.info.first_version)
+        )
         if self.version is not None and v <= self.version:
             raise ValueError(f"version {v} is not newer than the version vLLM serves ({self.version})")
         if self.group is None or not _usable(self.group):
@@ -211,9 +222,15 @@ class TrainerEngine(TrainerWeightTransferEngine[TrainerInitInfo]):
             self.client.start_weight_update()
             self.client.update_weights({"version": v})
 
-        call = _Call("start_weight_update/update_weights", drive, on_error=lambda e: _abort_later(group, e, self.info.liveness))
+        call = _Call(
+            "start_weight_update/update_weights",
+            drive,
+            on_error=lambda e: _abort_later(group, e, self.info.liveness),
+        )
         try:
-            stats = self.sender.send(_named(self.source), v, specs=specs, timeout=timedelta(seconds=self.info.timeout))
+            stats = self.sender.send(
+                _named(self.source), v, specs=specs, timeout=timedelta(seconds=self.info.timeout)
+            )
         except GroupBridgeError as e:
             call.join(self.info.liveness + 5)
             if getattr(e, "agreed", False) or call.error is None:
@@ -292,4 +309,6 @@ class _Call:
         if self._thread.is_alive():
             raise WeightSyncError(f"vLLM's {self.what} did not return within the bound")
         if self.error is not None:
-            raise WeightSyncError(f"vLLM's {self.what} failed: {type(self.error).__name__}: {self.error}") from self.error
+            raise WeightSyncError(
+                f"vLLM's {self.what} failed: {type(self.error).__name__}: {self.error}"
+            ) from self.error

