@@ -77,6 +77,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         return _bench_hosts(args)
     if args.control:
         return _bench_control(args)
+    if args.engine == "vllm":
+        return _bench_vllm(args)
     shape = "tiny" if args.quick else args.shape
     rounds = 2 if args.quick else args.rounds
     receivers = [int(r) for r in args.receivers.split(",")]
@@ -107,6 +109,36 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         plot(records, args.plot)
         if not args.json:
             _console.echo(f"plot written to {args.plot}")
+    return 0
+
+
+def _bench_vllm(args: argparse.Namespace) -> int:
+    from .bench.vllm_engine import run_vllm
+
+    size = "tiny" if args.quick else "bench"
+    if not args.json:
+        _console.echo(
+            f"[bench] one update into vLLM ({size} Qwen2, bf16), {args.rounds} interleaved rounds: "
+            "groupbridge (auto, broadcast), safetensors + reload_weights, the same sync into a plain "
+            "torch model ..."
+        )
+    records = run_vllm(size=size, rounds=args.rounds)
+    if args.json:
+        print(json.dumps(records, indent=1))
+        return 0
+    _console.table(
+        "one weight update into vLLM (seconds, median of rounds)",
+        ["mode", "bytes", "seconds", "min-max", "faster than reload", "vs engine-free", "vLLM load share"],
+        [
+            [
+                r["mode"], f"{r['bytes'] / 2**30:.2f} GiB", f"{r['seconds']:.2f}",
+                f"{r['min']:.2f}-{r['max']:.2f}",
+                f"{r['vs_reload']:.2f}x", f"{r['vs_engine_free']:.2f}x",
+                "-" if r["load_share"] is None else f"{100 * r['load_share']:.0f}%",
+            ]
+            for r in records
+        ],
+    )  # fmt: skip
     return 0
 
 
@@ -243,6 +275,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="FILE.png", help="bandwidth against bucket size and receivers")
     p.add_argument(
         "--control", action="store_true", help="control-plane latency (broadcast_obj) beside vLLM's protocol"
+    )
+    p.add_argument(
+        "--engine",
+        choices=["vllm"],
+        help="one update into a real vLLM (the CPU build here) beside its anchors",
     )
     p.set_defaults(func=_cmd_bench)
     p = sub.add_parser("chaos", help="sync in a loop while members are killed or frozen; check every promise")

@@ -142,7 +142,7 @@ def test_a_manifest_vllm_cannot_load_is_refused_on_both_sides(dense: tuple[Any, 
 
 def test_streaming_updates(dense: tuple[Any, Any]) -> None:
     llm, model = dense
-    eng = trainer(llm, model, atomic=False, first_version=200)
+    eng = trainer(llm, model, atomic=False, first_version=200, host="::1")  # IPv6 loopback
     try:
         for step in range(2):
             perturb(model, 20 + step)

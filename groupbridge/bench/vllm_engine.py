@@ -1,0 +1,122 @@
+"""One weight update into a real vLLM engine, beside the two anchors that say what it is worth.
+
+Modes, interleaved round by round in one run (the machine's noise hits them alike):
+
+- ``groupbridge/<transport>``: backend ``"groupbridge"`` into an offline ``vllm.LLM`` (atomic: staged, then
+  loaded in ``finish_weight_update``); wall time of ``send_weights()``, and the share of it spent in vLLM's
+  load (``finish``).
+- ``safetensors+reload``: what a CPU user does without us: the trainer writes safetensors
+  (``save_pretrained``) and vLLM reloads them (``collective_rpc("reload_weights", weights_path=...)``).
+- ``engine-free``: the same groupbridge sync (same transport, atomic) into a plain torch model in another
+  process: the ceiling for the engine path.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from .._procs import Roles, publish_listener
+
+__all__ = ["run_vllm"]
+
+
+def _plain_receiver(
+    rank: int, ports: Any, shapes: dict[str, tuple[tuple[int, ...], str]], rounds: int
+) -> float:
+    """The engine-free anchor's receiver: a plain torch model, ``rounds`` atomic updates."""
+    import groupbridge as gb
+
+    del rank
+    port = ports.get(timeout=120)
+    target = {n: torch.zeros(s, dtype=getattr(torch, d)) for n, (s, d) in shapes.items()}
+    with gb.StatelessGroup.create("127.0.0.1", port, rank=1, world_size=2, name="anchor") as grp:
+        rcv = gb.WeightReceiver(grp, src=0)
+        for _ in range(rounds):
+            rcv.receive_into(target, atomic=True, timeout=timedelta(seconds=300))
+        rcv.close()
+        grp.barrier()
+    return float(sum(t.float().sum().item() for t in target.values()))
+
+
+def run_vllm(
+    size: str = "bench", rounds: int = 3, transports: tuple[str, ...] = ("auto", "broadcast")
+) -> list[dict[str, Any]]:
+    """Time one update per mode per round; records carry seconds, ratios and vLLM's load share."""
+    import multiprocessing as mp
+
+    import vllm
+    from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
+
+    import groupbridge as gb
+
+    from ..vllm import OfflineClient, TrainerInitInfo
+    from ..vllm.models import make_model
+
+    tmp = tempfile.TemporaryDirectory(prefix="gb-bench-vllm-")
+    model = make_model(f"{tmp.name}/model", "qwen2", size, dtype="bfloat16")
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    llm = vllm.LLM(
+        f"{tmp.name}/model",
+        dtype="bfloat16",
+        skip_tokenizer_init=True,
+        max_model_len=256,
+        max_num_seqs=4,
+        enforce_eager=True,
+        weight_transfer_config={"backend": "groupbridge"},
+    )
+    shapes = {n: (tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in model.named_parameters()}
+    ports = mp.get_context("spawn").Queue()
+    anchor = Roles(_plain_receiver, 1, (ports, shapes, rounds), threads=1)
+    times: dict[str, list[float]] = {}
+    load_share: dict[str, list[float]] = {}
+    try:
+        lis, _ = publish_listener(0, 2, ports, "127.0.0.1")
+        grp = gb.StatelessGroup.create(None, rank=0, world_size=2, listener=lis, name="anchor")
+        snd = gb.WeightSender(grp, transport="auto")
+        for r in range(rounds):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(0.01)
+            for transport in transports:
+                info = TrainerInitInfo(rank=0, transport=transport, timeout=600, first_version=100 * (r + 1))
+                eng = WeightTransferTrainerFactory.trainer_init(
+                    info, client=OfflineClient(llm), source=ModuleSource(model)
+                )
+                eng.send_weights()
+                times.setdefault(f"groupbridge/{transport}", []).append(eng.last_seconds["total"])
+                load_share.setdefault(f"groupbridge/{transport}", []).append(
+                    eng.last_seconds["finish"] / eng.last_seconds["total"]
+                )
+                eng.shutdown()
+            t0 = time.perf_counter()
+            model.save_pretrained(f"{tmp.name}/step")
+            llm.collective_rpc("reload_weights", kwargs={"weights_path": f"{tmp.name}/step"})
+            times.setdefault("safetensors+reload", []).append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            snd.send(model, version=r + 1, timeout=timedelta(seconds=300))
+            times.setdefault("engine-free", []).append(time.perf_counter() - t0)
+        snd.close()
+        grp.barrier()
+        grp.close()
+        anchor.results(timeout=120)
+    finally:
+        anchor.reap()
+        del llm
+        tmp.cleanup()
+    ceiling = statistics.median(times["engine-free"])
+    baseline = statistics.median(times["safetensors+reload"])
+    records = []
+    for mode, ts in times.items():
+        med = statistics.median(ts)
+        records.append({
+            "mode": mode, "bytes": nbytes, "seconds": med, "min": min(ts), "max": max(ts), "rounds": len(ts),
+            "vs_reload": baseline / med, "vs_engine_free": med / ceiling,
+            "load_share": statistics.median(load_share[mode]) if mode in load_share else None,
+        })  # fmt: skip
+    return records
