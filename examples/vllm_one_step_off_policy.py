@@ -54,7 +54,9 @@ def train_step(model: Any, opt: Any, batch: list[tuple[list[int], list[int]]]) -
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--host", default="127.0.0.1", help="where the trainer hosts the bridge (IPv4, IPv6, name)")
+    ap.add_argument(
+        "--host", default="127.0.0.1", help="where the trainer hosts the bridge (IPv4, IPv6, name)"
+    )
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, for this small model on a CPU
     import vllm
@@ -77,7 +79,9 @@ def main() -> None:
         print(f"{'step':>4} {'version':>7} {'reward':>6} {'loss':>8} {'sync s':>6}  sample")
         for step in range(1, args.steps + 1):
             nxt: list[Any] = []
-            gen = threading.Thread(target=lambda s=step: nxt.extend(generate(llm, s)))  # batch t+1, weights t
+            gen = threading.Thread(
+                target=lambda s=step, out=nxt: out.extend(generate(llm, s))
+            )  # t+1, weights t
             gen.start()
             loss, mean_reward = train_step(model, opt, batch)  # learn from batch t meanwhile
             gen.join()
