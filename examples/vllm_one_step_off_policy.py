@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-PROMPT_LEN, NEW_TOKENS, BATCH = 4, 16, 8
+PROMPT_LEN, NEW_TOKENS, BATCH = 4, 16, 16
 
 
 def reward(tokens: list[int]) -> float:
@@ -48,7 +48,7 @@ def train_step(model: Any, opt: Any, batch: list[tuple[list[int], list[int]]]) -
     opt.zero_grad()
     loss.backward()
     opt.step()
-    return float(loss), float(rewards.mean())
+    return loss.item(), rewards.mean().item()
 
 
 def main() -> None:
@@ -74,7 +74,7 @@ def main() -> None:
         engine = WeightTransferTrainerFactory.trainer_init(
             TrainerInitInfo(rank=0, host=args.host), client=OfflineClient(llm), source=ModuleSource(model)
         )
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+        opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
         batch = generate(llm, 0)
         print(f"{'step':>4} {'version':>7} {'reward':>6} {'loss':>8} {'sync s':>6}  sample")
         for step in range(1, args.steps + 1):

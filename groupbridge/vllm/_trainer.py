@@ -187,12 +187,23 @@ class TrainerEngine(TrainerWeightTransferEngine[TrainerInitInfo]):
         )
 
     def shutdown(self) -> None:
+        """Close the bridge; vLLM's workers are told to leave it first (``shutdown_weight_transfer_engine``,
+        when the client has it), so that none is left holding a group whose host is gone."""
         if self.sender is not None:
             self.sender.close()
             self.sender = None
-        if self.group is not None:
-            self.group.close()
-            self.group = None
+        if self.group is None:
+            return
+        group, self.group = self.group, None
+        leave = getattr(self.client, "shutdown_weight_transfer_engine", None)
+        call = _Call("shutdown_weight_transfer_engine", leave) if callable(leave) and _usable(group) else None
+        group.close()  # the host waits (bounded) for the members to close theirs
+        if call is not None:
+            call.join(self.info.liveness)
+            if call.error is not None or call.running:
+                logger.warning(
+                    "groupbridge: vLLM's shutdown_weight_transfer_engine: %s", call.error or "no answer"
+                )
 
     # ------------------------------------------------------------------ one step
 
@@ -300,6 +311,10 @@ class _Call:
 
     def join(self, seconds: float) -> None:
         self._thread.join(seconds)
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
 
     def cancel_abort(self) -> None:
         if self._cancel is not None:

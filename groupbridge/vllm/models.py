@@ -54,6 +54,6 @@ def make_model(
         raise ValueError(f"arch={arch!r} is not one of qwen2, qwen3_moe")
     torch.manual_seed(seed)
     model = cls(config).to(getattr(torch, dtype))
-    model.config.torch_dtype = dtype
+    model.config.dtype = dtype
     model.save_pretrained(str(path))
     return model
