@@ -13,7 +13,6 @@ No download: the model is a small Qwen2 built from a ``transformers`` config wit
 from __future__ import annotations
 
 import argparse
-import os
 import tempfile
 import threading
 import time
@@ -58,7 +57,6 @@ def main() -> None:
         "--host", default="127.0.0.1", help="where the trainer hosts the bridge (IPv4, IPv6, name)"
     )
     args = ap.parse_args()
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, for this small model on a CPU
     import vllm
     from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
 
@@ -69,6 +67,7 @@ def main() -> None:
         model = make_model(tmp, "qwen2")
         llm = vllm.LLM(
             tmp, dtype="float32", skip_tokenizer_init=True, max_model_len=128, enforce_eager=True,
+        kv_cache_memory_bytes=1 << 30,
             weight_transfer_config={"backend": "groupbridge"},
         )  # fmt: skip
         engine = WeightTransferTrainerFactory.trainer_init(

@@ -41,6 +41,7 @@ def engine(path: Path, **kw: Any) -> Any:
         max_model_len=128,
         max_num_seqs=4,
         enforce_eager=True,
+        kv_cache_memory_bytes=1 << 30,  # vLLM's CPU default sizes it from free memory (slow to set up)
         weight_transfer_config={"backend": "groupbridge"},
         **kw,
     )
@@ -69,15 +70,41 @@ def perturb(model: Any, seed: int) -> None:
             p.add_(torch.randn(p.shape, generator=g) * 0.05)
 
 
-@pytest.fixture(scope="module")
-def small_kv_cache() -> Iterator[None]:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default sizes it from free memory (slow)
-        yield
+def test_the_plugin_registers_both_engines_once_however_often_it_loads() -> None:
+    from importlib.metadata import entry_points
+
+    from vllm.distributed.weight_transfer.factory import (
+        WeightTransferEngineFactory,
+        WeightTransferTrainerFactory,
+    )
+
+    from groupbridge.vllm import register
+
+    plugins = {e.name: e.value for e in entry_points(group="vllm.general_plugins")}
+    assert plugins.get("groupbridge") == "groupbridge.vllm._plugin:register"
+    register()
+    register()  # vLLM loads plugins in every process, sometimes twice
+    assert WeightTransferEngineFactory._registry["groupbridge"]().__name__ == "WorkerEngine"
+    assert WeightTransferTrainerFactory._registry["groupbridge"]().__name__ == "TrainerEngine"
+
+
+def test_trainer_init_info_is_checked_before_anything_starts() -> None:
+    from vllm.distributed.weight_transfer.base import TrainerInitInfo as VllmTrainerInitInfo
+
+    info = TrainerInitInfo(rank=3, host="::1")
+    assert isinstance(info, VllmTrainerInitInfo) and info.backend == "groupbridge" and not info.is_sender
+    with pytest.raises(ValueError, match="workers"):
+        TrainerInitInfo(rank=0, workers=0)
+    with pytest.raises(ValueError, match="transport"):
+        TrainerInitInfo(rank=0, transport="carrier-pigeon")
+    with pytest.raises(ValueError, match="TCP port"):
+        TrainerInitInfo(rank=0, port=70000)
+    with pytest.raises(ValueError, match="source"):
+        WeightTransferTrainerFactory.trainer_init(TrainerInitInfo(rank=0), client=None, source=None)
 
 
 @pytest.fixture(scope="module")
-def dense(tmp_path_factory: pytest.TempPathFactory, small_kv_cache: None) -> Iterator[tuple[Any, Any]]:
+def dense(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Any]]:
     path = tmp_path_factory.mktemp("qwen2")
     model = make_model(path, "qwen2")
     llm = engine(path)
@@ -158,7 +185,8 @@ from datetime import timedelta
 import groupbridge as gb
 lis = gb.listen("127.0.0.1", 0)
 print(json.dumps({"host": "127.0.0.1", "port": lis.address.port, "world_size": 2, "name": "vllm",
-                  "generation": 77, "atomic": True, "timeout_s": 60, "liveness_s": 2}), flush=True)
+                  "generation": 77, "atomic": sys.argv[2] == "atomic", "timeout_s": 60, "liveness_s": 2}),
+      flush=True)
 grp = gb.StatelessGroup.create(None, rank=0, world_size=2, listener=lis, name="vllm", generation=77,
                                timeout=timedelta(seconds=60), liveness_timeout=timedelta(seconds=2))
 sd = torch.load(sys.argv[1])
@@ -172,15 +200,21 @@ gb.WeightSender(grp, bucket_bytes=64 * 1024).send(slow(), version=999, specs=spe
 """
 
 
+@pytest.mark.parametrize("mode", ["atomic", "streaming"])
 def test_a_trainer_killed_midway_leaves_vllm_serving_the_old_weights(
-    dense: tuple[Any, Any], tmp_path: Path
+    dense: tuple[Any, Any], tmp_path: Path, mode: str
 ) -> None:
+    """Atomic: vLLM still serves the old weights. Streaming: the error names the update torn. Both: the old
+    weight_version, and a new trainer (a new bridge generation) then takes over."""
     llm, model = dense
     version, tokens = llm.get_weight_version(), served(llm)
     state = tmp_path / "state.pt"
     torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, state)
     proc = subprocess.Popen(
-        [sys.executable, "-c", KILLED_TRAINER, str(state)], stdout=subprocess.PIPE, text=True, env=os.environ
+        [sys.executable, "-c", KILLED_TRAINER, str(state), mode],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=os.environ,
     )
     try:
         assert proc.stdout is not None
@@ -207,7 +241,10 @@ def test_a_trainer_killed_midway_leaves_vllm_serving_the_old_weights(
         assert time.monotonic() - t0 < 20
         assert failed, "the update was reported applied although the trainer died midway"
         assert llm.get_weight_version() == version
-        assert served(llm) == tokens
+        if mode == "atomic":
+            assert served(llm) == tokens
+        else:
+            assert "mix of two versions" in str(failed[0]), failed[0]
     finally:
         proc.kill()
         proc.wait(10)
@@ -232,9 +269,7 @@ class _Dict(torch.nn.Module):
         yield from self._given.items()
 
 
-def test_moe_updates_serve_the_trainers_weights(
-    tmp_path_factory: pytest.TempPathFactory, small_kv_cache: None
-) -> None:
+def test_moe_updates_serve_the_trainers_weights(tmp_path_factory: pytest.TempPathFactory) -> None:
     path = tmp_path_factory.mktemp("qwen3moe")
     model = make_model(path, "qwen3_moe")
     llm = engine(path)
@@ -279,19 +314,17 @@ def test_vllm_serve_with_tensor_parallel_2_over_http(tmp_path_factory: pytest.Te
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
     path = tmp_path_factory.mktemp("qwen2-serve")
-    model = make_model(path, "qwen2", seed=1)
+    model = make_model(path, "qwen2", seed=1, tie=True)  # tied lm_head: one tensor, two names in vLLM
     log = path / "serve.log"
     # two CPU workers on one NUMA node need their cores named (vLLM refuses to guess)
-    env = dict(
-        os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0|1"
-    )
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_OMP_THREADS_BIND="0|1")
     # what `vllm serve` runs; the `vllm` command of vllm-cpu 0.32.0 fails looking up its own version
     # (importlib.metadata.version("vllm"): the distribution is named vllm-cpu)
     cmd = [
         sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", str(path),
         "--host", "127.0.0.1", "--port", "0",
         "--dtype", "float32", "--skip-tokenizer-init", "--max-model-len", "128", "--max-num-seqs", "4",
-        "--enforce-eager", "--tensor-parallel-size", "2",
+        "--enforce-eager", "--tensor-parallel-size", "2", "--kv-cache-memory-bytes", str(1 << 30),
         "--weight-transfer-config", json.dumps({"backend": "groupbridge"}),
     ]  # fmt: skip
     with open(log, "wb") as out:

@@ -68,6 +68,8 @@ def run_vllm(
         max_model_len=256,
         max_num_seqs=4,
         enforce_eager=True,
+        kv_cache_memory_bytes=1 << 30,
+        gpu_memory_utilization=0.5,  # on CPU: the share of host memory vLLM takes (the trainer is here too)
         weight_transfer_config={"backend": "groupbridge"},
     )
     shapes = {n: (tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in model.named_parameters()}
@@ -99,7 +101,7 @@ def run_vllm(
             llm.collective_rpc("reload_weights", kwargs={"weights_path": f"{tmp.name}/step"})
             times.setdefault("safetensors+reload", []).append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            snd.send(model, version=r + 1, timeout=timedelta(seconds=300))
+            snd.send(dict(model.named_parameters()), version=r + 1, timeout=timedelta(seconds=300))
             times.setdefault("engine-free", []).append(time.perf_counter() - t0)
         snd.close()
         grp.barrier()

@@ -106,22 +106,37 @@ def check_loadable(model: torch.nn.Module, manifest: Manifest, *, complete: bool
         (e.name, torch.empty(e.shape, dtype=dtype_from_name(e.wire_dtype), device="meta"))
         for e in manifest.entries
     ]
+    # tied parameters (an lm_head sharing the embedding) are one tensor in the served model but two in the
+    # meta view (vLLM records each layer's own): written through either name, both are
+    shared: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        shared.setdefault(id(p), []).append(n)
+    tied = [names for names in shared.values() if len(names) > 1]
     counts: dict[int, int] = {}
     with _model_format_on_meta(model), _counting_loaders(model, counts):
-        params = dict(model.named_parameters())
-        for name, meta in metas:
-            try:
-                model.load_weights(iter([(name, meta)]))  # type: ignore[operator]
-            except Exception as e:
-                return (
-                    f"the model ({type(model).__name__}) cannot load {name!r} {tuple(meta.shape)} "
-                    f"{meta.dtype}: {type(e).__name__}: {str(e)[:300]}"
-                )
+        params = dict(model.named_parameters(remove_duplicate=False))
+        try:
+            model.load_weights(iter(metas))  # type: ignore[operator]
+        except Exception:
+            counts.clear()
+            for name, meta in metas:  # again one by one, to name the entry the model refuses
+                try:
+                    model.load_weights(iter([(name, meta)]))  # type: ignore[operator]
+                except Exception as e:
+                    return (
+                        f"the model ({type(model).__name__}) cannot load {name!r} {tuple(meta.shape)} "
+                        f"{meta.dtype}: {type(e).__name__}: {str(e)[:300]}"
+                    )
+            return f"the model ({type(model).__name__}) cannot load the update as a whole"
         if complete:
+            missing = {n for n, p in params.items() if counts.get(id(p), 0) < get_tensor_load_numel(p)}
+            for names in tied:
+                if not all(n in missing for n in names):
+                    missing.difference_update(names)
             short = [
-                f"{n} ({counts.get(id(p), 0)} of {get_tensor_load_numel(p)} elements)"
-                for n, p in params.items()
-                if counts.get(id(p), 0) < get_tensor_load_numel(p)
+                f"{n} ({counts.get(id(params[n]), 0)} of {get_tensor_load_numel(params[n])} elements)"
+                for n in params
+                if n in missing
             ]
             if short:
                 return (

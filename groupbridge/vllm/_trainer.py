@@ -22,18 +22,19 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-from vllm.distributed.weight_transfer.base import TrainerInitInfo as _VllmTrainerInitInfo
 from vllm.distributed.weight_transfer.base import (
+    ModuleSource,
     TrainerWeightTransferEngine,
     VLLMWeightSyncClient,
     WeightSource,
 )
+from vllm.distributed.weight_transfer.base import TrainerInitInfo as _VllmTrainerInitInfo
 
 from ..errors import GroupBridgeError, WeightSyncError
 from ..net import listen
@@ -252,7 +253,13 @@ class TrainerEngine(TrainerWeightTransferEngine[TrainerInitInfo]):
         call.join(self.info.timeout)
         call.result()
         t1 = time.perf_counter()
-        self.client.finish_weight_update(weight_version=str(v))
+        try:
+            self.client.finish_weight_update(weight_version=str(v))
+        except Exception as e:
+            raise WeightSyncError(
+                f"vLLM's finish_weight_update failed for version {v}: {type(e).__name__}: {e}; vLLM still "
+                f"reports the version it served before"
+            ) from e
         t2 = time.perf_counter()
         self.version = v
         self.last_stats = stats
@@ -267,8 +274,17 @@ def _usable(group: StatelessGroup) -> bool:
     return True
 
 
-def _named(source: WeightSource) -> Iterator[tuple[str, torch.Tensor]]:
-    yield from source
+def _named(source: WeightSource) -> Any:
+    """What the sender takes from ``source``: a list when it costs nothing (a ``ModuleSource`` of plain
+    tensors: references; the sender can then plan around their storage), else the lazy iterator, so that a
+    source that gathers shards (FSDP ``full_tensor()``) never holds the whole model at once."""
+    module = getattr(source, "_module", None)
+    plain = isinstance(module, torch.nn.Module) and not any(
+        hasattr(p, "full_tensor") for p in module.parameters()
+    )
+    if isinstance(source, ModuleSource) and plain:
+        return list(source)
+    return iter(source)
 
 
 def _abort_later(group: StatelessGroup, error: BaseException, grace: float) -> Callable[[], None]:

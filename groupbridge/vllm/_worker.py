@@ -22,6 +22,7 @@ Lifecycle (vLLM calls these from the worker's own thread, between model steps):
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -39,7 +40,8 @@ from ..weights.manifest import Manifest
 from ..weights.receiver import WeightReceiver
 from ._dryrun import check_loadable
 
-logger = logging.getLogger(__name__)
+# under vLLM's logger tree, so these lines appear in vLLM's own log (a server's, a worker's) with its format
+logger = logging.getLogger("vllm.groupbridge")
 
 
 @dataclass
@@ -76,6 +78,10 @@ class UpdateInfo(WeightTransferUpdateInfo):
             raise ValueError(f"version must be an int, got {self.version!r}")
 
 
+def _seconds(timings: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:.3f} s" for k, v in timings.items())
+
+
 def worker_rank(parallel_config: Any) -> int:
     """This worker's rank on the bridge (the trainer is rank 0)."""
     from vllm.distributed.parallel_state import get_world_group
@@ -101,6 +107,10 @@ class WorkerEngine(WeightTransferEngine[WorkerInitInfo, UpdateInfo]):
         self._staged: list[tuple[str, torch.Tensor]] | None = None
         self._staging: dict[str, torch.Tensor] = {}
         self._received: int | None = None
+        self._check_seconds = 0.0
+        self.timings: dict[str, float] = {}
+        """Seconds of the last update: ``handshake`` (with ``check``, the manifest's dry run), ``receive``
+        (bytes in and staged, or streamed into the model), ``load`` (atomic: the staged update into vLLM)."""
 
     # ------------------------------------------------------------------ session
 
@@ -150,7 +160,9 @@ class WorkerEngine(WeightTransferEngine[WorkerInitInfo, UpdateInfo]):
         if self.receiver is None or self.info is None:
             raise RuntimeError("init_weight_transfer_engine has not been called for backend 'groupbridge'")
         timeout = timedelta(seconds=self.info.timeout_s)
+        t0 = time.perf_counter()
         update = self.receiver.receive(timeout=timeout, accept=self._accept)
+        t1 = time.perf_counter()
         if update.version != update_info.version:
             logger.warning("groupbridge: update_info says version %d, the bridge %d", update_info.version,
                            update.version)  # fmt: skip
@@ -159,19 +171,32 @@ class WorkerEngine(WeightTransferEngine[WorkerInitInfo, UpdateInfo]):
         else:
             self._stream(update)
         self._received = update.version
+        self.timings = {
+            "handshake": t1 - t0,
+            "receive": time.perf_counter() - t1,
+            "check": self._check_seconds,
+        }
+        logger.info("groupbridge: version %d received: %s", update.version, _seconds(self.timings))
 
     def finish_weight_update(self) -> None:
         if self._received is None:
             raise RuntimeError("finish_weight_update: no update was received since start_weight_update")
         if self._staged is not None:
             staged, self._staged = self._staged, None
+            t0 = time.perf_counter()
             self._load(iter(staged), self._received)
+            self.timings["load"] = time.perf_counter() - t0
+            logger.info("groupbridge: version %d loaded: %s", self._received, _seconds(self.timings))
         self.version, self._received = self._received, None
 
     # ------------------------------------------------------------------ helpers
 
     def _accept(self, manifest: Manifest) -> str | None:
-        return check_loadable(self.model, manifest)
+        t0 = time.perf_counter()
+        try:
+            return check_loadable(self.model, manifest)
+        finally:
+            self._check_seconds = time.perf_counter() - t0
 
     def _stage(self, name: str, t: torch.Tensor) -> torch.Tensor:
         buf = self._staging.get(name)

@@ -23,7 +23,13 @@ SHAPES: dict[str, dict[str, Any]] = {
 
 
 def make_model(
-    path: str | Path, arch: str = "qwen2", size: str = "tiny", *, dtype: str = "float32", seed: int = 0
+    path: str | Path,
+    arch: str = "qwen2",
+    size: str = "tiny",
+    *,
+    dtype: str = "float32",
+    seed: int = 0,
+    tie: bool | None = None,
 ) -> Any:
     """Build a random ``arch`` model (``"qwen2"``: dense, fused qkv and gate_up in vLLM; ``"qwen3_moe"``:
     fused experts) of ``size`` (see :data:`SHAPES`), save it at ``path`` and return the ``transformers``
@@ -35,6 +41,8 @@ def make_model(
     import transformers
 
     shape = dict(SHAPES[size])
+    if tie is not None:  # the output projection shares the embedding (as in Qwen2.5-0.5B)
+        shape["tie_word_embeddings"] = tie
     common = dict(head_dim=64, max_position_embeddings=512, initializer_range=0.2, **shape)
     if arch == "qwen2":
         config: Any = transformers.Qwen2Config(**common)
