@@ -239,19 +239,28 @@ class WorkerEngine(WeightTransferEngine[WorkerInitInfo, UpdateInfo]):
                 ) from e
             raise
         finalize_layerwise_reload(self.model, self.model_config)
-        repack_cpu_moe(self.model)
+        refresh_cpu_kernels(self.model)
 
 
-def repack_cpu_moe(model: torch.nn.Module) -> int:
-    """Redo the CPU MoE kernel's weight prepacking after a reload; returns how many layers it repacked.
+def refresh_cpu_kernels(model: torch.nn.Module) -> int:
+    """Redo CPU kernel set-up that vLLM 0.32 skips after a reload; returns how many layers were redone.
 
-    vLLM 0.32's unquantized MoE method runs its experts' ``process_weights_after_loading`` (on CPU: packing
-    ``w13``/``w2`` into the grouped-GEMM layout) only when the kernel is first built, not on a weight update,
-    so after any reload (its own ``reload_weights`` too) the CPU kernel reads unpacked weights and the model
-    answers wrongly. Measured here: reloading the very weights a Qwen3-MoE was started with changed its
-    greedy tokens. Until vLLM repacks on update, the engine does it for the layers that need it.
+    Both are vLLM bugs measured here (its own ``reload_weights`` has them too):
+
+    - the unquantized MoE method runs its experts' ``process_weights_after_loading`` (on CPU: packing
+      ``w13``/``w2`` into the grouped-GEMM layout) only when the kernel is first built, never on a weight
+      update: after a reload the kernel reads unpacked weights (reloading the very weights a Qwen3-MoE was
+      started with changed its greedy tokens);
+    - a layer whose weight is tied to another's (an ``lm_head`` sharing the embedding) receives nothing in
+      a reload, so its packed GEMM handle (``dispatch_cpu_unquantized_gemm``) is never rebuilt and keeps
+      the old weights' values although the shared tensor holds the new ones.
     """
-    repacked = 0
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return 0
+    redone = 0
+    owners: dict[int, list[torch.nn.Module]] = {}
     for layer in model.modules():
         kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
         experts = getattr(kernel, "fused_experts", None)
@@ -261,5 +270,13 @@ def repack_cpu_moe(model: torch.nn.Module) -> int:
             and hasattr(layer, "w13_weight")
         ):
             experts.process_weights_after_loading(layer)
-            repacked += 1
-    return repacked
+            redone += 1
+        weight = layer._parameters.get("weight")
+        if weight is not None and weight.numel() > 0 and getattr(layer, "quant_method", None) is not None:
+            owners.setdefault(weight.data_ptr(), []).append(layer)
+    for layers in owners.values():
+        if len(layers) > 1:  # tied
+            for layer in layers:
+                layer.quant_method.process_weights_after_loading(layer)  # type: ignore[union-attr,operator]
+                redone += 1
+    return redone
