@@ -225,8 +225,9 @@ class WorkerEngine(WeightTransferEngine[WorkerInitInfo, UpdateInfo]):
         try:
             self.model.load_weights(counted())  # type: ignore[operator]
         except BaseException as e:
-            try:
+            try:  # never leave the model on the meta device: the engine must keep serving
                 finalize_layerwise_reload(self.model, self.model_config)
+                refresh_cpu_kernels(self.model)
             except Exception:
                 logger.exception("groupbridge: finalizing the interrupted reload failed")
             if isinstance(e, Exception):
