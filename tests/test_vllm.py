@@ -122,7 +122,7 @@ def trainer(llm: Any, model: Any, **kw: Any) -> Any:
 def test_dense_updates_serve_the_trainers_weights(dense: tuple[Any, Any]) -> None:
     llm, model = dense
     assert served(llm) == reference(model)
-    eng = trainer(llm, model)
+    eng = trainer(llm, model, token="a-shared-secret")  # sealed bridge: HMAC of every bucket
     try:
         for step in range(3):
             perturb(model, step)
