@@ -7,8 +7,11 @@ Modes, interleaved round by round in one run (the machine's noise hits them alik
   load (``finish``).
 - ``safetensors+reload``: what a CPU user does without us: the trainer writes safetensors
   (``save_pretrained``) and vLLM reloads them (``collective_rpc("reload_weights", weights_path=...)``).
-- ``engine-free``: the same groupbridge sync (same transport, atomic) into a plain torch model in another
-  process: the ceiling for the engine path.
+- ``engine-free``: the same groupbridge sync (auto transport, atomic, CRC32) into a plain torch model in
+  another process: the ceiling for the engine path.
+
+Each round opens a new trainer session per transport (the two cannot share one vLLM engine at once), so
+the worker's receive buffers are new every time: steady-state training, one session, reuses them.
 """
 
 from __future__ import annotations
@@ -80,7 +83,7 @@ def run_vllm(
     try:
         lis, _ = publish_listener(0, 2, ports, "127.0.0.1")
         grp = gb.StatelessGroup.create(None, rank=0, world_size=2, listener=lis, name="anchor")
-        snd = gb.WeightSender(grp, transport="auto")
+        snd = gb.WeightSender(grp, transport="auto", checksum=True)  # as TrainerInitInfo(checksum=True)
         for r in range(rounds):
             with torch.no_grad():
                 for p in model.parameters():
