@@ -19,22 +19,21 @@ abort the next ``send_weights`` opens a new bridge (a new generation) through
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
-import torch
+from vllm.distributed.weight_transfer.base import TrainerInitInfo as _VllmTrainerInitInfo
 from vllm.distributed.weight_transfer.base import (
-    ModuleSource,
     TrainerWeightTransferEngine,
     VLLMWeightSyncClient,
     WeightSource,
 )
-from vllm.distributed.weight_transfer.base import TrainerInitInfo as _VllmTrainerInitInfo
 
 from ..errors import GroupBridgeError, WeightSyncError
 from ..net import listen
@@ -42,6 +41,7 @@ from ..stateless import StatelessGroup
 from ..weights.sender import SyncStats, WeightSender
 from ..weights.transports import TRANSPORTS
 from ._plugin import BACKEND
+from ._worker import WorkerInitInfo
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -149,17 +149,20 @@ class TrainerEngine(TrainerWeightTransferEngine[TrainerInitInfo]):
         info = self.info
         self.generation += 1
         lis = listen(info.host, info.port)
-        worker_info = {
-            "host": lis.address.host,
-            "port": lis.address.port,
-            "world_size": info.workers + 1,
-            "name": info.name,
-            "generation": self.generation,
-            "token": info.token,
-            "atomic": info.atomic,
-            "timeout_s": info.timeout,
-            "liveness_s": info.liveness,
-        }
+        # built (and checked) here, sent as plain JSON: the worker parses the same dataclass
+        worker_info = dataclasses.asdict(
+            WorkerInitInfo(
+                host=lis.address.host,
+                port=lis.port,
+                world_size=info.workers + 1,
+                name=info.name,
+                generation=self.generation,
+                token=info.token,
+                atomic=info.atomic,
+                timeout_s=info.timeout,
+                liveness_s=info.liveness,
+            )
+        )
         call = _Call(
             "init_weight_transfer_engine", lambda: self.client.init_weight_transfer_engine(worker_info)
         )
@@ -241,7 +244,7 @@ class TrainerEngine(TrainerWeightTransferEngine[TrainerInitInfo]):
         )
         try:
             stats = self.sender.send(
-                _named(self.source), v, specs=specs, timeout=timedelta(seconds=self.info.timeout)
+                iter(self.source), v, specs=specs, timeout=timedelta(seconds=self.info.timeout)
             )
         except GroupBridgeError as e:
             call.join(self.info.liveness + 5)
@@ -272,19 +275,6 @@ def _usable(group: StatelessGroup) -> bool:
     except GroupBridgeError:
         return False
     return True
-
-
-def _named(source: WeightSource) -> Any:
-    """What the sender takes from ``source``: a list when it costs nothing (a ``ModuleSource`` of plain
-    tensors: references; the sender can then plan around their storage), else the lazy iterator, so that a
-    source that gathers shards (FSDP ``full_tensor()``) never holds the whole model at once."""
-    module = getattr(source, "_module", None)
-    plain = isinstance(module, torch.nn.Module) and not any(
-        hasattr(p, "full_tensor") for p in module.parameters()
-    )
-    if isinstance(source, ModuleSource) and plain:
-        return list(source)
-    return iter(source)
 
 
 def _abort_later(group: StatelessGroup, error: BaseException, grace: float) -> Callable[[], None]:
