@@ -328,7 +328,7 @@ def _corrupt(rank: int, host: str, ports: Any) -> Any:
 def test_corrupted_bucket_detected() -> None:
     res = run_ranks(_corrupt, 2, "127.0.0.1", CTX.Queue(), timeout=50)
     msg, untouched, version = res[1]
-    assert "crc32 mismatch in bucket(s) 1" in msg and "corrupted, short" in msg
+    assert "xxh3 mismatch in bucket(s) 1" in msg and "corrupted, short" in msg
     assert untouched and version is None
     assert "not applied everywhere" in res[0] and "rank 1" in res[0]
 

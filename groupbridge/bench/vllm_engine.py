@@ -7,8 +7,8 @@ Modes, interleaved round by round in one run (the machine's noise hits them alik
   load (``finish``).
 - ``safetensors+reload``: what a CPU user does without us: the trainer writes safetensors
   (``save_pretrained``) and vLLM reloads them (``collective_rpc("reload_weights", weights_path=...)``).
-- ``engine-free``: the same groupbridge sync (auto transport, atomic, CRC32) into a plain torch model in
-  another process: the ceiling for the engine path.
+- ``engine-free``: the same groupbridge sync (auto transport, atomic, XXH3 checksum) into a plain torch model
+  in another process: the ceiling for the engine path.
 
 Each round opens a new trainer session per transport (the two cannot share one vLLM engine at once), so
 the worker's receive buffers are new every time: steady-state training, one session, reuses them.

@@ -66,7 +66,7 @@ class TrainerInitInfo(_VllmTrainerInitInfo):
         token: a shared secret: members prove it at join and every bucket carries a MAC.
         timeout: seconds that bound each whole update (and joining).
         liveness: seconds after which a silent peer counts as gone.
-        checksum: CRC32 of every bucket, verified before the update is loaded (implied by a token).
+        checksum: XXH3-64 checksum of every bucket, verified before the update is loaded (implied by a token).
         bucket_bytes: bucket size (None: the library's default).
         first_version: the version of the first ``send_weights`` (then +1 each time).
     """

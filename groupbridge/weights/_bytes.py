@@ -7,10 +7,21 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import xxhash
 
 from .plan import Plan
 
-__all__ = ["BufferCache", "byte_view", "checksum", "digest", "in_place_bucket", "new_buffer", "typed_view"]
+__all__ = [
+    "BufferCache",
+    "byte_view",
+    "checksum",
+    "digest",
+    "in_place_bucket",
+    "new_buffer",
+    "pack",
+    "typed_view",
+    "unpack",
+]
 
 MAX_GAP_BYTES = 8
 """Largest hole between two consecutive tensors that an in-place receive may write over: alignment padding
@@ -80,6 +91,31 @@ def in_place_bucket(
     return view.set_(storage, offset, (length,), (1,))
 
 
+def pack(view: torch.Tensor, segs: Sequence[Any], tensors: Sequence[torch.Tensor | None]) -> None:
+    """Pack a bucket's pieces from ``tensors`` (by manifest index) into ``view``; the alignment holes between
+    them are zeroed, so a bucket's bytes (and digest) depend on the tensors alone, not on what the buffer
+    held before."""
+    prev = 0
+    for seg in segs:
+        if seg.bucket_offset > prev:
+            view[prev : seg.bucket_offset].zero_()
+        src = byte_view(tensors[seg.index])  # type: ignore[arg-type]
+        view[seg.bucket_offset : seg.bucket_offset + seg.nbytes].copy_(
+            src[seg.tensor_offset : seg.tensor_offset + seg.nbytes]
+        )
+        prev = seg.bucket_offset + seg.nbytes
+    if view.numel() > prev:
+        view[prev:].zero_()
+
+
+def unpack(view: torch.Tensor, segs: Sequence[Any], tensors: Sequence[torch.Tensor]) -> None:
+    """The inverse of :func:`pack`: copy a bucket's pieces into ``tensors`` (contiguous, wire dtype)."""
+    for seg in segs:
+        byte_view(tensors[seg.index])[seg.tensor_offset : seg.tensor_offset + seg.nbytes].copy_(
+            view[seg.bucket_offset : seg.bucket_offset + seg.nbytes]
+        )
+
+
 class BufferCache:
     """Reusable, pre-touched buffers kept between syncs (a fresh buffer's first touch costs several fold)."""
 
@@ -110,12 +146,16 @@ def checksum(buf: torch.Tensor) -> int:
 
 
 def digest(buf: torch.Tensor, kind: str, group: Any) -> int | bytes:
-    """A bucket's digest: ``crc32`` (catches corruption) or ``hmac`` (HMAC-SHA256 keyed from the group's
-    token: catches forgery too; about 1.4 GB/s with SHA extensions). Both release the GIL while hashing."""
+    """A bucket's digest: ``xxh3`` (XXH3-64: catches corruption at about 16 GB/s on this machine kind),
+    ``crc32`` (the same job at about 4 GB/s; kept for peers that ask for it) or ``hmac`` (HMAC-SHA256 keyed
+    from the group's token: catches forgery too; about 1.4 GB/s with SHA extensions). All release the GIL
+    while hashing."""
     if kind == "crc32":
         return checksum(buf)
     if buf.device.type != "cpu":
         buf = buf.cpu()
+    if kind == "xxh3":
+        return xxhash.xxh3_64_intdigest(buf.numpy().data)
     h = group.control.sealer.digest()
     h.update(buf.numpy().data)
     return bytes(h.digest())

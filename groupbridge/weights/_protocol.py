@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -30,6 +30,7 @@ __all__ = [
     "MERGED_BYTES",
     "Header",
     "Renamer",
+    "Settled",
     "laid_out_in_place",
     "make_renamer",
     "merged_plan",
@@ -75,7 +76,7 @@ def make_renamer(rename: Callable[[str], str] | Mapping[str, str] | None) -> Ren
     raise TypeError(f"rename= must be a callable or a mapping, got {type(rename).__name__}")
 
 
-VERIFY = ("", "crc32", "hmac")
+VERIFY = ("", "crc32", "xxh3", "hmac")
 _SYNC_ID = re.compile(r"[0-9a-f]{1,64}")
 MAX_BUCKET_BYTES = 1 << 40
 
@@ -88,8 +89,8 @@ class Header:
     solo_bytes: int
     transport: str
     verify: str
-    """How receivers check the bytes before accepting them: "" (not at all), "crc32", or "hmac" (always
-    with a token: keyed from it, so bytes injected by anyone else are refused)."""
+    """How receivers check the bytes before accepting them: "" (not at all), "xxh3" or "crc32", or "hmac"
+    (always with a token: keyed from it, so bytes injected by anyone else are refused)."""
     total_bytes: int
     options: dict[str, Any]
     """``sync_id`` (names this sync's control keys) and ``transport``: the transport's own options."""
@@ -101,6 +102,17 @@ class Header:
     @property
     def transport_options(self) -> dict[str, Any]:
         return dict(self.options["transport"])
+
+    @property
+    def delta(self) -> bool:
+        """The sender keeps a base: receivers keep the version they get so that later syncs can be deltas."""
+        return "delta" in self.options
+
+    @property
+    def base(self) -> int | None:
+        """The version this sync is a delta against, when the sender offers one."""
+        d = self.options.get("delta")
+        return d.get("base") if isinstance(d, dict) else None
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -135,6 +147,11 @@ class Header:
             raise ProtocolError("sync header: 'sync_id' is missing or malformed")
         if not isinstance(options.get("transport"), dict):
             raise ProtocolError("sync header: the transport's options are missing")
+        if "delta" in options:
+            delta = options["delta"]
+            base = delta.get("base") if isinstance(delta, dict) else 0
+            if base is not None and type(base) is not int:
+                raise ProtocolError("sync header: the delta's base version is malformed")
         return cls(
             field("version", int, -(1 << 62)),
             field("digest", str),
@@ -156,11 +173,14 @@ def settle(
     check: Callable[[Header, Manifest], dict[str, Any] | None] | None,
     in_place: Callable[[Header, Manifest], bool] | None,
     deadline: Deadline,
-) -> tuple[Header, Manifest, bool]:
+    has_base: Callable[[Header, Manifest], bool] | None = None,
+) -> Settled:
     """Run steps 1-3 above; the sender passes ``header`` and ``manifest``, receivers ``check``.
 
-    Every member also says whether its tensors lie in the plan's byte layout (``in_place``); the third
-    value returned is True when all do, so that all may use the merged plan (see :data:`MERGED_BYTES`).
+    Every member also says whether its tensors lie in the plan's byte layout (``in_place``): ``merged`` is
+    True when all do, so that all may use the merged plan (see :data:`MERGED_BYTES`); and, when the header
+    offers a delta, whether it holds the base version (``has_base``): ``delta`` is True when every receiver
+    does.
 
     Raises:
         ManifestMismatchError: some receiver's expectations differ (message lists every receiver's problems).
@@ -186,11 +206,13 @@ def settle(
     known[header.digest] = manifest
     verdict = check(header, manifest) if check is not None else None
     flat = verdict is None and in_place is not None and in_place(header, manifest)
-    gathered = group.all_gather_obj({"problem": verdict, "in_place": flat}, timeout=deadline)
+    base = verdict is None and header.base is not None and has_base is not None and has_base(header, manifest)
+    gathered = group.all_gather_obj({"problem": verdict, "in_place": flat, "base": base}, timeout=deadline)
     for r, g in enumerate(gathered):
         if not (
             isinstance(g, dict)
             and isinstance(g.get("in_place"), bool)
+            and isinstance(g.get("base"), bool)
             and (g.get("problem") is None or (
                 isinstance(g["problem"], dict)
                 and isinstance(g["problem"].get("message"), str)
@@ -205,7 +227,18 @@ def settle(
         err = kind(f"weight sync of version {header.version} refused before any bytes moved:\n{text}")
         err.agreed = True  # type: ignore[attr-defined]  # every member raises it: nothing to abort
         raise err
-    return header, manifest, _cuts_anywhere(header.transport) and all(g["in_place"] for g in gathered)
+    merged = _cuts_anywhere(header.transport) and all(g["in_place"] for g in gathered)
+    delta = header.base is not None and all(g["base"] for r, g in enumerate(gathered) if r != src)
+    return Settled(header, manifest, merged, delta)
+
+
+class Settled(NamedTuple):
+    """The outcome of the handshake, the same on every member."""
+
+    header: Header
+    manifest: Manifest
+    merged: bool
+    delta: bool
 
 
 def refuse(group: StatelessGroup, reason: str, deadline: Deadline, kind: str = "input") -> None:

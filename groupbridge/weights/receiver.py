@@ -5,17 +5,19 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
+from functools import partial
 from typing import Any, NamedTuple, NoReturn
 
 import torch
 
 from ..codec import dtype_from_name
 from ..control import Deadline
-from ..errors import GroupBridgeError, TornUpdateError, WeightSyncError
+from ..errors import GroupBridgeError, ProtocolError, TornUpdateError, WeightSyncError
 from ..stateless import StatelessGroup
-from . import _bytes
+from . import _bytes, _delta
 from ._copier import Copier
-from ._protocol import ACK_TAG, Header, laid_out_in_place, make_renamer, merged_plan, settle
+from ._delta_sync import BufferStore, Description, TargetStore, wire_plan, word_counts
+from ._protocol import ACK_TAG, Header, Settled, laid_out_in_place, make_renamer, merged_plan, settle
 from .manifest import Manifest, compare, expected_specs, mismatch_message, tensors_of
 from .plan import Plan, PlanCache
 from .transports import Land, Landed, Landing, RxTransport, Sync, spec
@@ -41,15 +43,20 @@ class WeightUpdate:
     applies tensors as they come must treat a failure as a torn update. Stopping early (``break``, an
     exception in the consumer, dropping the iterator) aborts the sync for everyone, since the sender cannot
     finish it; the ``timeout`` given to :meth:`WeightReceiver.receive` bounds the whole update.
+
+    When the sender sends deltas (``WeightSender(delta=True)``) the receiver keeps the version it holds (one
+    copy of the model's wire bytes) and yields views of that copy instead, valid until the next sync and
+    not to be written to; a delta update (``delta`` True) yields only the tensors that changed, each whole,
+    so an engine's ``load_weights`` touches only them.
     """
 
-    def __init__(
-        self, receiver: WeightReceiver, header: Header, manifest: Manifest, deadline: Deadline
-    ) -> None:
-        self.version = header.version
-        self.manifest = manifest
+    def __init__(self, receiver: WeightReceiver, settled: Settled, deadline: Deadline) -> None:
+        self.version = settled.header.version
+        self.manifest = settled.manifest
+        self.delta = settled.delta
+        """Only the tensors that changed since the version held will be yielded."""
         self._receiver = receiver
-        self._header = header
+        self._settled = settled
         self._deadline = deadline
         self._started = False
 
@@ -57,7 +64,12 @@ class WeightUpdate:
         if self._started:
             raise RuntimeError("a WeightUpdate can be iterated once")
         self._started = True
-        return self._receiver._yield_tensors(self._header, self.manifest, self._deadline)
+        rcv, (header, manifest, _, delta) = self._receiver, self._settled
+        if header.delta:
+            pairs = rcv._kept_pairs(header, manifest, delta, self._deadline)
+        else:
+            pairs = rcv._scratch_pairs(header, manifest, self._deadline)
+        return rcv._yield_update(header, manifest, pairs, delta)
 
 
 class WeightReceiver:
@@ -102,6 +114,8 @@ class WeightReceiver:
         self._plans = PlanCache()
         self._scratch_buffers = 2
         """The ring of scratch buffers the current transport needs (set when it is set up)."""
+        self._held: tuple[Any, ...] | None = None
+        """For delta syncs: (how the base is kept, version, manifest digest) of the version held in full."""
 
     # ------------------------------------------------------------------ handshake
 
@@ -112,7 +126,8 @@ class WeightReceiver:
         targets: dict[str, torch.Tensor] | None,
         deadline: Deadline,
         accept: Callable[[Manifest], str | None] | None = None,
-    ) -> tuple[Header, Manifest, bool]:
+        keep: tuple[Any, ...] = (),
+    ) -> Settled:
         def check(header: Header, manifest: Manifest) -> dict[str, Any] | None:
             if not allow_stale and self.version is not None and header.version <= self.version:
                 return {
@@ -143,7 +158,55 @@ class WeightReceiver:
                 dest.append(d if d is not None and d.dtype == dtype_from_name(e.wire_dtype) else None)
             return laid_out_in_place(manifest, dest, receiving=True)
 
-        return settle(self.group, self.src, None, None, self._known, check, in_place, deadline)
+        def has_base(header: Header, manifest: Manifest) -> bool:
+            return bool(keep) and self._held == (keep, header.base, manifest.digest) == (
+                keep, self.version, manifest.digest
+            )  # fmt: skip
+
+        return settle(self.group, self.src, None, None, self._known, check, in_place, deadline, has_base)
+
+    def _delta_buckets(
+        self,
+        header: Header,
+        manifest: Manifest,
+        plan: Plan,
+        store: Any,
+        device: torch.device,
+        deadline: Deadline,
+    ) -> Iterator[tuple[int, list[int]]]:
+        """Receive a delta (see :mod:`._delta_sync`) and apply it to ``store``; yields every changed bucket
+        and the entries in it that changed. Each payload's digest is checked before it is applied, and every
+        bucket after; a mismatch drains the rest (the sender is still sending) and raises _VerifyFailed."""
+        if not header.verify:
+            raise ProtocolError("a delta sync must be verified, and the header names no digest")
+        sizes, words = word_counts(plan, manifest)
+        wire = self.group.broadcast_obj(None, src=self.src, timeout=deadline)
+        desc = Description.from_wire(wire, plan, words)
+        wplan, sources = wire_plan(desc, sizes, words)
+        if not sources:
+            return
+        rx = self._transport(header, wplan, device, deadline)
+        failed: str | None = None
+        for j, view, _ in rx.buckets(wplan, self._ring(wplan, device), deadline):
+            if failed is not None:
+                continue
+            k = sources[j]
+            if _bytes.digest(view, header.verify, self.group) != desc.wire_digests[j]:
+                failed = f"the delta of bucket {k} arrived corrupted (its {header.verify} does not match)"
+                continue
+            old = store.view(k)
+            code, count, w = desc.codes[k], desc.counts[k], sizes[k]
+            pos = self._copier.run(partial(_delta.apply, old, view, code, count, w))
+            if _bytes.digest(old, header.verify, self.group) != desc.digests[k]:
+                failed = (
+                    f"bucket {k} does not match the sender's version {header.version} after applying the "
+                    f"delta: this receiver's copy of version {header.base} differs from the sender's"
+                )
+                continue
+            store.write_back(k, old)
+            yield k, _delta.changed_entries(plan, k, pos, w)
+        if failed is not None:
+            raise _VerifyFailed(failed)
 
     # ------------------------------------------------------------------ buckets
 
@@ -253,44 +316,28 @@ class WeightReceiver:
                 sender refused the sync.
         """
         deadline = self.group.deadline(timeout)
-        header, manifest, _ = self._settle(self.expected, allow_stale, None, deadline, accept)
-        return WeightUpdate(self, header, manifest, deadline)
+        settled = self._settle(self.expected, allow_stale, None, deadline, accept, keep=("receive",))
+        return WeightUpdate(self, settled, deadline)
 
-    def _yield_tensors(
-        self, header: Header, manifest: Manifest, deadline: Deadline
+    def _yield_update(
+        self, header: Header, manifest: Manifest, pairs: Iterator[tuple[int, torch.Tensor]], delta: bool
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        plan = self._plan(manifest, header)
+        """Name the (entry, tensor) pairs that ``pairs`` produces (tied names right after their tensor; empty
+        tensors last, on a full sync); on success take the version, on any failure tell the peers."""
         entries = manifest.entries
         aliases: dict[int, list[str]] = {}
         for i, e in enumerate(entries):
             if e.alias_of is not None:
                 aliases.setdefault(manifest.sources[i], []).append(self._rename(e.name))
-        assembling: dict[int, torch.Tensor] = {}
         yielded: list[str] = []
+        self._held = None
         try:
-            rx = self._transport(header, plan, self.device, deadline)
-            for k, view, _ in self._buckets(header, plan, rx, self._ring(plan, self.device), deadline):
-                ready: list[tuple[int, torch.Tensor]] = []
-                for seg in plan.buckets[k]:
-                    e = entries[seg.index]
-                    dtype = dtype_from_name(e.wire_dtype)
-                    if seg.nbytes == e.nbytes:
-                        ready.append((seg.index, _bytes.typed_view(view, seg.bucket_offset, dtype, e.shape)))
-                        continue
-                    full = assembling.setdefault(
-                        seg.index, torch.empty(e.shape, dtype=dtype, device=self.device)
-                    )
-                    _bytes.byte_view(full)[seg.tensor_offset : seg.tensor_offset + seg.nbytes].copy_(
-                        view[seg.bucket_offset : seg.bucket_offset + seg.nbytes]
-                    )
-                    if seg.tensor_offset + seg.nbytes == e.nbytes:
-                        ready.append((seg.index, assembling.pop(seg.index)))
-                for index, t in ready:
-                    for name in (self._rename(entries[index].name), *aliases.get(index, [])):
-                        yielded.append(name)
-                        yield name, t
+            for index, t in pairs:
+                for name in (self._rename(entries[index].name), *aliases.get(index, [])):
+                    yielded.append(name)
+                    yield name, t
             for i, e in enumerate(entries):  # empty tensors have no bytes in any bucket
-                if e.alias_of is None and e.nbytes == 0:
+                if e.alias_of is None and e.nbytes == 0 and not delta:
                     t = torch.empty(e.shape, dtype=dtype_from_name(e.wire_dtype), device=self.device)
                     for name in (self._rename(e.name), *aliases.get(i, [])):
                         yielded.append(name)
@@ -309,7 +356,62 @@ class WeightReceiver:
                 written=yielded,
             ))  # fmt: skip
         self.version = header.version
+        if header.delta:
+            self._held = (("receive",), header.version, manifest.digest)
         self._ack(True)
+
+    def _scratch_pairs(
+        self, header: Header, manifest: Manifest, deadline: Deadline
+    ) -> Iterator[tuple[int, torch.Tensor]]:
+        """Every tensor as its buckets arrive in the scratch ring (a tensor spanning buckets: as a copy)."""
+        plan = self._plan(manifest, header)
+        entries = manifest.entries
+        assembling: dict[int, torch.Tensor] = {}
+        rx = self._transport(header, plan, self.device, deadline)
+        for k, view, _ in self._buckets(header, plan, rx, self._ring(plan, self.device), deadline):
+            ready: list[tuple[int, torch.Tensor]] = []
+            for seg in plan.buckets[k]:
+                e = entries[seg.index]
+                dtype = dtype_from_name(e.wire_dtype)
+                if seg.nbytes == e.nbytes:
+                    ready.append((seg.index, _bytes.typed_view(view, seg.bucket_offset, dtype, e.shape)))
+                    continue
+                full = assembling.setdefault(seg.index, torch.empty(e.shape, dtype=dtype, device=self.device))
+                _bytes.byte_view(full)[seg.tensor_offset : seg.tensor_offset + seg.nbytes].copy_(
+                    view[seg.bucket_offset : seg.bucket_offset + seg.nbytes]
+                )
+                if seg.tensor_offset + seg.nbytes == e.nbytes:
+                    ready.append((seg.index, assembling.pop(seg.index)))
+            yield from ready
+
+    def _kept_pairs(
+        self, header: Header, manifest: Manifest, delta: bool, deadline: Deadline
+    ) -> Iterator[tuple[int, torch.Tensor]]:
+        """When the sender keeps a base: every bucket lands in (or, a delta, is applied to) this receiver's
+        kept copy; tensors are views of it, all of them on a full sync, the changed ones on a delta."""
+        plan = self._plan(manifest, header)
+        entries = manifest.entries
+        store = BufferStore(self._buffers.get("base", plan.total_bytes, self.device), plan)
+        last = [-1] * len(entries)
+        for k, segs in enumerate(plan.buckets):
+            for seg in segs:
+                last[seg.index] = k
+        if delta:
+            landed = self._delta_buckets(header, manifest, plan, store, self.device, deadline)
+        else:
+            rx = self._transport(header, plan, self.device, deadline)
+            land = lambda k: Landed(store.view(k), Landing.STAGING)  # noqa: E731
+            landed = ((k, [s.index for s in plan.buckets[k]]) for k, _, _ in self._buckets(
+                header, plan, rx, land, deadline
+            ))  # fmt: skip
+        changed: set[int] = set()
+        for k, hit in landed:
+            changed.update(hit)
+            for seg in plan.buckets[k]:
+                i, e = seg.index, entries[seg.index]
+                if last[i] == k and i in changed:
+                    dtype = dtype_from_name(e.wire_dtype)
+                    yield i, _bytes.typed_view(store.buffer, plan.offsets[i], dtype, e.shape)
 
     # ------------------------------------------------------------------ receive_into()
 
@@ -324,17 +426,23 @@ class WeightReceiver:
         """Receive the next version into ``target`` (a module or state dict) and return the version held.
 
         ``atomic=True`` stages the whole update (one model-size buffer) and copies into ``target`` only after
-        every bucket arrived and the digests (when on) matched: on any failure ``target`` is bit-identical
-        to before and ``version`` unchanged. ``atomic=False`` writes bucket by bucket (receiving straight
-        into the target's storage where it is laid out as the plan is, e.g. after
+        every bucket arrived and the digests (when on) matched (a delta is applied to the staged copy of the
+        version held, and only the tensors that changed are copied): on any failure ``target`` is
+        bit-identical to before and ``version`` unchanged. ``atomic=False`` writes bucket by bucket
+        (receiving straight into the target's storage where it is laid out as the plan is, e.g. after
         :func:`groupbridge.flatten_`); a failure then raises :class:`TornUpdateError` naming the tensors
-        already written. ``timeout`` (default: the group's) bounds the whole sync.
+        already written; a delta is applied to the target itself when its tensors are contiguous and in the
+        wire dtype (otherwise every sync is a full one). ``timeout`` (default: the group's) bounds the whole
+        sync. With deltas, the target must not be changed between syncs: its unchanged tensors are taken to
+        hold the version last received (a target that differs is caught by the digests and raises).
         """
         deadline = self.group.deadline(timeout)
         targets = tensors_of(target, "receive_into()")
         expected = self.expected if self.expected is not None else expected_specs(targets)
-        header, manifest, merged = self._settle(expected, allow_stale, None if atomic else targets, deadline)
-        plan = merged_plan(manifest) if merged else self._plan(manifest, header)
+        keep = ("atomic" if atomic else "streaming", tuple(t.data_ptr() for t in targets.values()))
+        settled = self._settle(expected, allow_stale, None if atomic else targets, deadline, keep=keep)
+        header, manifest = settled.header, settled.manifest
+        plan = merged_plan(manifest) if settled.merged else self._plan(manifest, header)
         entries = manifest.entries
         dest = [targets.get(self._rename(e.name)) for e in entries]
         missing = [self._rename(e.name) for e, d in zip(entries, dest, strict=True) if d is None]
@@ -343,28 +451,36 @@ class WeightReceiver:
             self._fail(err, f"receiving version {header.version}")
             raise err
         device = next((d.device for d in dest if d is not None), self.device)
-        into = _Into(header, plan, manifest, dest, device, deadline)  # type: ignore[arg-type]
+        into = _Into(header, plan, manifest, dest, device, deadline, settled.delta)  # type: ignore[arg-type]
+        self._held = None
         if atomic:
             self._receive_atomic(into)
         else:
             self._receive_streaming(into)
         self.version = header.version
+        if header.delta and (
+            atomic or all(_wire_typed(d, e) for d, e in zip(dest, entries, strict=True) if d is not None)
+        ):
+            self._held = (keep, header.version, manifest.digest)
         self._ack(True)
         return header.version
 
     def _receive_atomic(self, into: _Into) -> None:
-        header, plan, manifest, dest, device, deadline = into
+        header, plan, manifest, dest, device, deadline, delta = into
         entries = manifest.entries
-        staging = self._buffers.get("staging", plan.total_bytes, device)
-
-        def land(k: int) -> Landed:
-            start, end = plan.bucket_range(k)
-            return Landed(staging[start:end], Landing.STAGING)
+        staging = self._buffers.get("base" if header.delta else "staging", plan.total_bytes, device)
+        store = BufferStore(staging, plan)
+        changed: set[int] | None = set() if delta else None
 
         try:
-            rx = self._transport(header, plan, device, deadline)
-            for _ in self._buckets(header, plan, rx, land, deadline):
-                pass
+            if changed is not None:
+                for _, hit in self._delta_buckets(header, manifest, plan, store, device, deadline):
+                    changed.update(hit)
+            else:
+                rx = self._transport(header, plan, device, deadline)
+                land = lambda k: Landed(store.view(k), Landing.STAGING)  # noqa: E731
+                for _ in self._buckets(header, plan, rx, land, deadline):
+                    pass
         except BaseException as err:
             self._gave_up(err, f"receiving version {header.version}", WeightSyncError(
                 f"receiving version {header.version} failed: {type(err).__name__}: {err}; the target is "
@@ -375,7 +491,7 @@ class WeightReceiver:
             with torch.no_grad():
                 for i, src_index in enumerate(manifest.sources):
                     src_entry = entries[src_index]
-                    if src_entry.numel == 0:
+                    if src_entry.numel == 0 or (changed is not None and src_index not in changed):
                         continue
                     src = _bytes.typed_view(
                         staging,
@@ -396,13 +512,13 @@ class WeightReceiver:
             ))  # fmt: skip
 
     def _receive_streaming(self, into: _Into) -> None:
-        header, plan, manifest, dest, device, deadline = into
+        header, plan, manifest, dest, device, deadline, delta = into
         entries = manifest.entries
+        if delta:
+            self._receive_delta_into(into)
+            return
         ring = self._ring(plan, device)
-        wire_ok = [
-            d.is_contiguous() and d.dtype == dtype_from_name(e.wire_dtype)
-            for d, e in zip(dest, entries, strict=True)
-        ]
+        wire_ok = [_wire_typed(d, e) for d, e in zip(dest, entries, strict=True)]
         direct: list[torch.Tensor | None] = [d if ok else None for d, ok in zip(dest, wire_ok, strict=True)]
 
         def land(k: int) -> Landed:
@@ -459,6 +575,36 @@ class WeightReceiver:
                 written=written,
             ))  # fmt: skip
 
+    def _receive_delta_into(self, into: _Into) -> None:
+        """A streaming delta: applied to the target tensors themselves, bucket by bucket."""
+        header, plan, manifest, dest, device, deadline, _ = into
+        entries = manifest.entries
+        written: list[str] = []
+        changed: set[int] = set()
+        try:
+            with torch.no_grad():
+                store = TargetStore(dest, plan, self._buffers)
+                for _, hit in self._delta_buckets(header, manifest, plan, store, device, deadline):
+                    written.extend(self._rename(entries[i].name) for i in hit if i not in changed)
+                    changed.update(hit)
+                for i, e in enumerate(entries):
+                    j = manifest.sources[i]
+                    if e.alias_of is not None and j in changed:
+                        if dest[i].data_ptr() != dest[j].data_ptr():
+                            dest[i].copy_(dest[j])
+                        written.append(self._rename(e.name))
+        except BaseException as err:
+            self._gave_up(err, f"receiving version {header.version}", TornUpdateError(
+                f"receiving version {header.version} as a delta failed: {type(err).__name__}: {err}; the "
+                f"target is TORN: {len(written)} tensors were changed ({', '.join(written[:20]) or 'none'}); "
+                f"the version held is still {self.version}",
+                written=written,
+            ))  # fmt: skip
+
+
+def _wire_typed(d: torch.Tensor, e: Any) -> bool:
+    return d.is_contiguous() and d.dtype == dtype_from_name(e.wire_dtype)
+
 
 class _Into(NamedTuple):
     """One ``receive_into`` after the handshake: what arrives, by which plan, into which tensors."""
@@ -469,6 +615,8 @@ class _Into(NamedTuple):
     dest: list[torch.Tensor]
     device: torch.device
     deadline: Deadline
+    delta: bool
+    """The bytes travel as a delta against the version held."""
 
 
 def _renamed(e: Any, rename: Callable[[str], str]) -> Any:

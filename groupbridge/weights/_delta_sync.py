@@ -1,0 +1,174 @@
+"""The delta-sync session shared by sender and receivers: what is announced, what travels, what is kept.
+
+A delta sync runs after the usual handshake (``_protocol.settle``), when the header names a base version and
+every receiver said it holds it:
+
+1. The sender diffs every bucket of the plan against its copy of the base (:mod:`._delta`), bringing that
+   copy up to the new version as it goes, and broadcasts a :class:`Description`: per bucket the encoding and
+   the changed-word count, the digest of the bucket's new bytes, and the digest of what will travel.
+2. The payloads travel through the sync's transport as a plan of their own (:func:`wire_plan`): one wire
+   bucket per bucket that changed, each as long as its encoding says (receivers compute the lengths from the
+   counts, never from a size off the wire).
+3. Every receiver checks each payload's digest before acting on it, applies it to its own copy of the base
+   and checks the result against the sender's digest of the new bucket: a receiver that did not hold exactly
+   the base (or applied it wrongly) raises instead of holding a silently different model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import ProtocolError
+from . import _bytes, _delta
+from ._bytes import BufferCache
+from ._delta import Code
+from .manifest import Manifest
+from .plan import Plan
+
+__all__ = ["BufferStore", "Description", "Policy", "TargetStore", "wire_plan", "word_counts"]
+
+
+@dataclass(frozen=True, slots=True)
+class Description:
+    codes: tuple[Code, ...]
+    counts: tuple[int, ...]
+    digests: tuple[Any, ...]
+    """Digest of every bucket's new bytes (the version after the sync)."""
+    wire_digests: tuple[Any, ...]
+    """Digest of every wire bucket's payload, in wire order."""
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "codes": [int(c) for c in self.codes],
+            "counts": list(self.counts),
+            "digests": list(self.digests),
+            "wire": list(self.wire_digests),
+        }
+
+    @classmethod
+    def from_wire(cls, d: Any, plan: Plan, words: list[int]) -> Description:
+        """Parse and check against ``plan`` (``words``: each bucket's word count); ProtocolError if
+        malformed."""
+        if not isinstance(d, dict):
+            raise ProtocolError(f"delta description is a {type(d).__name__}, not a dict")
+        n = len(plan.buckets)
+        fields = {}
+        for key in ("codes", "counts", "digests", "wire"):
+            v = d.get(key)
+            if not isinstance(v, list):
+                raise ProtocolError(f"delta description field {key!r} is missing")
+            fields[key] = v
+        codes, counts = fields["codes"], fields["counts"]
+        if len(codes) != n or len(counts) != n or len(fields["digests"]) != n:
+            raise ProtocolError(f"delta description does not describe the plan's {n} buckets")
+        valid = {int(c) for c in Code}
+        for k in range(n):
+            c, m = codes[k], counts[k]
+            if type(c) is not int or c not in valid or type(m) is not int or not 0 <= m <= words[k]:
+                raise ProtocolError(f"delta description of bucket {k} is malformed")
+        parsed = tuple(Code(c) for c in codes)
+        sent = sum(1 for c in parsed if c is not Code.SAME)
+        if len(fields["wire"]) != sent:
+            raise ProtocolError("delta description's payload digests do not match its buckets")
+        for digest in (*fields["digests"], *fields["wire"]):
+            if not isinstance(digest, (int, bytes)):
+                raise ProtocolError("delta description holds a malformed digest")
+        return cls(parsed, tuple(counts), tuple(fields["digests"]), tuple(fields["wire"]))
+
+
+def word_counts(plan: Plan, manifest: Manifest) -> tuple[list[int], list[int]]:
+    """Each bucket's comparison word size and word count."""
+    sizes = [_delta.word_size(plan, manifest, k) for k in range(len(plan.buckets))]
+    words = [(e - s) // w for (s, e), w in zip(plan.bounds, sizes, strict=True)]
+    return sizes, words
+
+
+def wire_plan(desc: Description, sizes: list[int], words: list[int]) -> tuple[Plan, list[int]]:
+    """The plan the payloads travel by, and for each wire bucket the bucket of the model plan it updates."""
+    bounds: list[tuple[int, int]] = []
+    sources: list[int] = []
+    pos = 0
+    for k, (code, count) in enumerate(zip(desc.codes, desc.counts, strict=True)):
+        if code is Code.SAME:
+            continue
+        nbytes = _delta.payload_nbytes(code, count, words[k], sizes[k])
+        bounds.append((pos, pos + nbytes))
+        sources.append(k)
+        pos += nbytes
+    biggest = max((e - s for s, e in bounds), default=1024)
+    plan = Plan((), pos, max(biggest, 1024), tuple(bounds), tuple(() for _ in bounds))
+    return plan, sources
+
+
+class Policy:
+    """Whether diffing pays on this link: the sender's choice between a delta and a full sync.
+
+    A delta sync costs a pass over the model on both sides (compare, encode, apply, digest) plus the changed
+    bytes on the wire; a full sync costs the model's bytes on the wire. On a slow link the first is far
+    cheaper; over loopback or shared memory the wire can be faster than the diff itself. The sender keeps
+    the measured seconds per model byte of its last full and its last delta sync and picks the cheaper; a
+    mode not measured for ``probe_every`` syncs is tried again (the changed fraction and the machine's load
+    drift), and a mode never measured is tried first.
+    """
+
+    def __init__(self, probe_every: int = 8, *, always: bool = False) -> None:
+        self.probe_every = probe_every
+        self.always = always
+        self._cost: dict[bool, float] = {}
+        self._age: dict[bool, int] = {}
+
+    def wants_delta(self) -> bool:
+        if self.always or True not in self._cost:
+            return True
+        if False not in self._cost:
+            return True
+        for mode in (True, False):
+            if self._age.get(mode, 0) >= self.probe_every:
+                return mode
+        return self._cost[True] < self._cost[False]
+
+    def record(self, delta: bool, seconds: float, model_bytes: int) -> None:
+        self._cost[delta] = seconds / max(model_bytes, 1)
+        self._age[delta] = 0
+        self._age[not delta] = self._age.get(not delta, 0) + 1
+
+
+class BufferStore:
+    """A receiver's base kept as one plan-layout buffer (``receive()``, atomic ``receive_into``)."""
+
+    def __init__(self, buffer: torch.Tensor, plan: Plan) -> None:
+        self.buffer = buffer
+        self.plan = plan
+
+    def view(self, k: int) -> torch.Tensor:
+        start, end = self.plan.bucket_range(k)
+        return self.buffer[start:end]
+
+    def write_back(self, k: int, view: torch.Tensor) -> None:
+        """Nothing to do: the view is the buffer."""
+
+
+class TargetStore:
+    """A streaming receiver's base: its target tensors themselves (contiguous, in the wire dtype). A bucket
+    is read in place when the target is laid out as the plan is, else packed into scratch and written back."""
+
+    def __init__(self, dest: list[torch.Tensor], plan: Plan, scratch: BufferCache) -> None:
+        self.dest = dest
+        self.plan = plan
+        self.scratch = scratch
+
+    def view(self, k: int) -> torch.Tensor:
+        view = _bytes.in_place_bucket(self.plan, k, self.dest, receiving=True)
+        if view is not None:
+            return view
+        start, end = self.plan.bucket_range(k)
+        view = self.scratch.get("delta-target", end - start, self.dest[0].device)
+        _bytes.pack(view, self.plan.buckets[k], self.dest)
+        return view
+
+    def write_back(self, k: int, view: torch.Tensor) -> None:
+        if _bytes.in_place_bucket(self.plan, k, self.dest, receiving=True) is None:
+            _bytes.unpack(view, self.plan.buckets[k], self.dest)

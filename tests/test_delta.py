@@ -1,0 +1,179 @@
+"""Delta sync: the bucket codec (one process) and whole syncs with real processes: bit-exactness for every
+dtype and receive mode, receivers that do not hold the base, corruption, a sender killed midway."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import groupbridge as gb
+from groupbridge.errors import ProtocolError
+from groupbridge.weights import _delta
+from groupbridge.weights._delta import Code
+from tests.helpers import CTX, make_group, run_ranks
+from tests.weights_models import bit_equal, every_dtype, zeros_like_model
+
+BUCKET = 4096
+_WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+# ---------------------------------------------------------------- the codec (one process)
+
+
+def _flip(t: torch.Tensor, frac: float, seed: int) -> torch.Tensor:
+    """A copy of ``t`` with the lowest bit of ``frac`` of its words flipped."""
+    out = t.detach().contiguous().clone()
+    words = out.reshape(-1).view(_WORDS[out.element_size()])
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randperm(words.numel(), generator=g)[: max(1, int(words.numel() * frac))]
+    words[idx] ^= 1
+    return out
+
+
+@pytest.mark.parametrize("impl", ["numpy", "torch"])
+@pytest.mark.parametrize("w", [1, 2, 4, 8])
+@pytest.mark.parametrize(("frac", "code"), [(0.0, Code.SAME), (1e-5, Code.INDEX), (0.01, Code.GAPS),
+                                            (0.2, Code.BITS), (0.999, Code.DENSE)])  # fmt: skip
+def test_codec_round_trip(impl: str, w: int, frac: float, code: Code) -> None:
+    n = 200_003 if code is not Code.INDEX else 1 << 20  # sparse enough that gaps overflow 16 bits
+    base = torch.randint(-(2**62), 2**62, (n * w // 8 + 1,), dtype=torch.int64).view(torch.uint8)[: n * w]
+    new = _flip(base.view(_WORDS[w]), frac, 1).view(torch.uint8) if frac else base.clone()
+    sender_base, receiver_base = base.clone(), base.clone()
+    if impl == "torch":  # the path taken for device tensors, run here on CPU
+        enc = _delta._encode_torch(new.view(_WORDS[w]), sender_base.view(_WORDS[w]), w, n)
+    else:
+        enc = _delta.encode(new, sender_base, w)
+    assert enc.code is code, enc.code
+    assert torch.equal(sender_base, new)  # the sender's base is brought up to the new version
+    payload = enc.payload if enc.payload is not None else (new if code is Code.DENSE else new[:0])
+    assert payload.numel() == _delta.payload_nbytes(code, enc.count, n, w)
+    if impl == "torch" and code not in (Code.SAME, Code.DENSE):
+        pos = _delta._apply_torch(receiver_base.view(_WORDS[w]), payload, code, enc.count, n, w)
+    else:
+        pos = _delta.apply(receiver_base, payload, code, enc.count, w)
+    assert torch.equal(receiver_base, new)
+    assert enc.count == int((new.view(_WORDS[w]) != base.view(_WORDS[w])).sum())
+    assert pos.numel() == (n if code is Code.DENSE else enc.count)  # dense: every word may have changed
+
+
+def test_codec_sees_bit_changes_that_compare_equal() -> None:
+    base = torch.tensor([0.0, float("nan"), 1.0, 2.0], dtype=torch.float32)
+    new = base.clone()
+    new[0] = -0.0  # == 0.0, but another bit pattern
+    new.view(torch.int32)[1] = 0x7FC00001  # another NaN
+    b = base.view(torch.uint8).clone()
+    enc = _delta.encode(new.view(torch.uint8), b, 4)
+    assert enc.count == 2 and bit_equal(b.view(torch.float32), new)
+
+
+@pytest.mark.parametrize(
+    ("code", "count", "mutate", "words"),
+    [
+        (Code.GAPS, 3, lambda p: p[:6].view(torch.int16).copy_(torch.tensor([1, 0, 1])), 100),  # repeated
+        (
+            Code.GAPS,
+            3,
+            lambda p: p[:6].view(torch.int16).copy_(torch.tensor([90, 9, 2])),
+            100,
+        ),  # 100: past end
+        (Code.INDEX, 2, lambda p: p[:8].view(torch.int32).copy_(torch.tensor([5, -1])), 100),
+        (Code.INDEX, 2, lambda p: p[:8].view(torch.int32).copy_(torch.tensor([7, 7])), 100),
+        (Code.BITS, 2, lambda p: p[:1].fill_(7), 100),  # three bits set, two values
+    ],
+)
+def test_codec_refuses_hostile_payloads(code: Code, count: int, mutate: Any, words: int) -> None:
+    base = torch.zeros(words * 2, dtype=torch.uint8)
+    payload = torch.zeros(_delta.payload_nbytes(code, count, words, 2), dtype=torch.uint8)
+    mutate(payload)
+    with pytest.raises(ProtocolError):
+        _delta.apply(base, payload, code, count, 2)
+    assert not base.any()  # nothing written
+    with pytest.raises(ProtocolError, match="needs"):
+        _delta.apply(base, payload[:-1], code, count, 2)  # a size that does not follow from the count
+    with pytest.raises(ProtocolError, match="claims"):
+        _delta.apply(base, payload, code, words + 1, 2)
+
+
+# ---------------------------------------------------------------- whole syncs
+
+
+def _versions() -> list[dict[str, torch.Tensor]]:
+    """Versions 1-4 of the every-dtype model: 2 and 3 change a few bits of every tensor (a -0.0 for a 0.0 and
+    another NaN among them), 4 changes nothing."""
+    v1 = every_dtype(seed=1)
+    for name, t in v1.items():
+        if t.is_floating_point() and t.is_contiguous() and t.numel() >= 2 and name != "tied":
+            t.view(-1)[0], t.view(-1)[1] = 0.0, float("nan")
+    out = [v1]
+    for seed in (2, 3):
+        prev = out[-1]
+        nxt: dict[str, torch.Tensor] = {}
+        for name, t in prev.items():
+            if name == "tied":
+                nxt[name] = nxt["big"]
+            elif t.numel() == 0:
+                nxt[name] = t.clone()
+            elif t.dtype == torch.bool:
+                nxt[name] = t.clone() if seed == 2 else ~t
+            else:
+                nxt[name] = _flip(t, 0.02, seed)
+        if seed == 2:
+            for t in nxt.values():
+                if t.is_floating_point() and t.numel() >= 2 and t.element_size() >= 2:
+                    t.view(-1)[0] = -0.0
+        out.append(nxt)
+    out.append({k: v for k, v in out[-1].items()})
+    return out
+
+
+def _delta_every_dtype(rank: int, host: str, ports: Any, n: int, mode: str, flat: bool) -> Any:
+    versions = _versions()
+    with make_group(rank, n, host, ports) as g:
+        if rank == 0:
+            snd = gb.WeightSender(g, transport="broadcast", bucket_bytes=BUCKET, delta="always")
+            stats = []
+            for v, sd in enumerate(versions, 1):
+                st = snd.send(sd, version=v)
+                stats.append((st.delta, st.bytes, st.wire_bytes, st.changed_fraction, st.base_bytes))
+            return stats
+        rcv = gb.WeightReceiver(g, src=0)
+        target = zeros_like_model(versions[0])
+        if flat:
+            gb.flatten_(target)
+        results = []
+        for v, want in enumerate(versions, 1):
+            if mode == "receive":
+                upd = rcv.receive()
+                got = {name: t.clone() for name, t in upd}
+                prev = versions[v - 2] if v > 1 else None
+                changed = {k for k in want if prev is None or not bit_equal(prev[k], want[k])}
+                results.append((set(got) == changed, upd.delta))
+                target.update({k: t for k, t in got.items() if k != "tied"})
+                target["tied"] = target["big"]
+            else:
+                assert rcv.receive_into(target, atomic=(mode == "atomic")) == v
+            results.append(all(bit_equal(target[k], want[k].contiguous()) for k in want))
+        return results, rcv.version
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(
+    ("n", "mode", "flat"),
+    [(3, "atomic", False), (2, "streaming", False), (2, "streaming", True), (3, "receive", False)],
+)
+def test_delta_bit_exact_every_dtype(n: int, mode: str, flat: bool) -> None:
+    res = run_ranks(_delta_every_dtype, n, "127.0.0.1", CTX.Queue(), n, mode, flat, timeout=80)
+    for r in range(1, n):
+        results, version = res[r]
+        assert all(x if isinstance(x, bool) else x[0] for x in results), results
+        assert version == 4
+        if mode == "receive":
+            assert [x[1] for x in results if isinstance(x, tuple)] == [False, True, True, True]
+    stats = res[0]
+    assert [s[0] for s in stats] == [False, True, True, True], stats
+    (_, size, wire, frac, base), *deltas = stats
+    assert wire == size and frac == 1.0 and base == size  # the first sync is a full one
+    for _, size2, wire2, frac2, _ in deltas[:2]:
+        assert size2 == size and 0 < wire2 < size / 2 and 0 < frac2 < 0.2, stats
+    assert deltas[2][2] == 0 and deltas[2][3] == 0.0  # nothing changed: nothing travels
