@@ -3,6 +3,9 @@ dtype and receive mode, receivers that do not hold the base, corruption, a sende
 
 from __future__ import annotations
 
+import os
+import time
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -12,7 +15,7 @@ import groupbridge as gb
 from groupbridge.errors import ProtocolError
 from groupbridge.weights import _delta
 from groupbridge.weights._delta import Code
-from tests.helpers import CTX, make_group, run_ranks
+from tests.helpers import CTX, Ranks, make_group, run_ranks
 from tests.weights_models import bit_equal, every_dtype, zeros_like_model
 
 BUCKET = 4096
@@ -177,3 +180,147 @@ def test_delta_bit_exact_every_dtype(n: int, mode: str, flat: bool) -> None:
     for _, size2, wire2, frac2, _ in deltas[:2]:
         assert size2 == size and 0 < wire2 < size / 2 and 0 < frac2 < 0.2, stats
     assert deltas[2][2] == 0 and deltas[2][3] == 0.0  # nothing changed: nothing travels
+
+
+def _layers(seed: int, step: int = 0, n: int = 64) -> dict[str, torch.Tensor]:
+    """64 fp32 tensors of 64x64 (1 MiB); ``step`` flips 5% of the words of every tensor ``step`` times."""
+    g = torch.Generator().manual_seed(seed)
+    sd = {f"w{i}": torch.randn(64, 64, generator=g) for i in range(n)}
+    for s in range(1, step + 1):
+        sd = {k: _flip(v, 0.05, s * 1000 + i) for i, (k, v) in enumerate(sd.items())}
+    return sd
+
+
+def _joiners(rank: int, host: str, ports: Any, transport: str) -> Any:
+    """Rank 2 starts a new receiver before version 3 (it holds nothing): version 3 is a full sync for both
+    receivers, version 4 a delta again."""
+    with make_group(rank, 3, host, ports) as g:
+        if rank == 0:
+            snd = gb.WeightSender(g, transport=transport, bucket_bytes=16 << 10, delta="always")
+            return [snd.send(_layers(1, v), version=v).delta for v in (1, 2, 3, 4)]
+        rcv = gb.WeightReceiver(g, src=0)
+        target = _layers(0)
+        ok = []
+        for v in (1, 2, 3, 4):
+            if rank == 2 and v == 3:
+                rcv.close()
+                rcv = gb.WeightReceiver(g, src=0)
+            if rank == 2:
+                got = dict((k, t.clone()) for k, t in rcv.receive())
+                target.update(got)
+                ok.append(len(got) == 64)  # every tensor changed (5% of each), each yielded whole
+            else:
+                rcv.receive_into(target)
+            ok.append(all(bit_equal(target[k], t) for k, t in _layers(1, v).items()))
+        return ok
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("transport", ["broadcast", "shm", "relay"])
+def test_new_receiver_gets_a_full_sync_and_the_others_too(transport: str) -> None:
+    res = run_ranks(_joiners, 3, "127.0.0.1", CTX.Queue(), transport, timeout=80)
+    assert res[0] == [False, True, False, True], res[0]
+    assert all(res[1]) and all(res[2]), res
+
+
+def _corrupted(rank: int, host: str, ports: Any, how: str) -> Any:
+    with make_group(rank, 2, host, ports) as g:
+        if rank == 0:
+            snd = gb.WeightSender(g, transport="broadcast", bucket_bytes=16 << 10, delta="always")
+            snd.send(_layers(1, 1), version=1)
+            if how == "wire":
+                snd._fault = lambda j, view: view[8:16].add_(1) if j == 3 else None
+            try:
+                snd.send(_layers(1, 2), version=2)
+                first = "no error"
+            except gb.WeightSyncError as e:
+                first = str(e)
+            snd._fault = None
+            return first, snd.send(_layers(1, 3), version=3).delta, snd.send(_layers(1, 4), version=4).delta
+        rcv = gb.WeightReceiver(g, src=0)
+        target = _layers(0)
+        rcv.receive_into(target, atomic=how == "wire")
+        before = {k: t.clone() for k, t in target.items()}
+        if how == "target":  # the target no longer holds version 1: the delta cannot apply to it
+            target["w7"][3, 3] += 1
+        try:
+            rcv.receive_into(target, atomic=how == "wire")
+            first: Any = "no error"
+        except gb.TornUpdateError as e:
+            first = ("torn", str(e))
+        except gb.WeightSyncError as e:
+            first = ("failed", str(e), all(torch.equal(before[k], t) for k, t in target.items()))
+        held = rcv.version
+        for _ in (3, 4):
+            rcv.receive_into(target, atomic=how == "wire")
+        return first, held, all(bit_equal(target[k], t) for k, t in _layers(1, 4).items())
+
+
+@pytest.mark.timeout(60)
+def test_corrupted_delta_detected_before_it_is_applied() -> None:
+    res = run_ranks(_corrupted, 2, "127.0.0.1", CTX.Queue(), "wire", timeout=50)
+    first, *later = res[0]
+    assert "not applied everywhere" in first and "arrived corrupted" in first, first
+    assert later == [False, True]  # after a failed sync the next one is full, then deltas again
+    (kind, msg, untouched), held, exact = res[1]
+    assert kind == "failed" and untouched and held == 1 and exact, res[1]
+    assert "bucket 3" not in msg or "corrupted" in msg
+
+
+@pytest.mark.timeout(60)
+def test_a_receiver_whose_copy_differs_raises_instead_of_holding_another_model() -> None:
+    res = run_ranks(_corrupted, 2, "127.0.0.1", CTX.Queue(), "target", timeout=50)
+    first, *later = res[0]
+    assert "not applied everywhere" in first and "differs from the sender's" in first, first
+    assert later == [False, True]
+    (kind, msg), held, exact = res[1]
+    assert kind == "torn" and "TORN" in msg and "differs from the sender's" in msg, msg
+    assert held == 1 and exact
+
+
+def _killed(rank: int, host: str, ports: Any, atomic: bool) -> Any:
+    g = make_group(rank, 3, host, ports, liveness_timeout=timedelta(seconds=2))
+    t0 = time.monotonic()
+    try:
+        if rank == 0:
+            snd = gb.WeightSender(g, transport="broadcast", bucket_bytes=16 << 10, delta="always")
+            snd.send(_layers(1, 1), version=1)
+            snd._fault = lambda j, view: os._exit(3) if j == 20 else time.sleep(0.02)
+            snd.send(_layers(1, 2), version=2)
+            return "finished"
+        target = _layers(0)
+        rcv = gb.WeightReceiver(g, src=0)
+        rcv.receive_into(target, atomic=atomic)
+        before = {k: v.clone() for k, v in target.items()}
+        try:
+            rcv.receive_into(target, atomic=atomic)
+            return "finished"
+        except gb.TornUpdateError as e:
+            changed = sorted(k for k in target if not torch.equal(before[k], target[k]))
+            return (
+                "torn",
+                str(e),
+                bool(changed) and set(changed) <= set(e.written),
+                rcv.version,
+                time.monotonic() - t0,
+            )
+        except gb.WeightSyncError as e:
+            same = all(torch.equal(before[k], target[k]) for k in target)
+            return "failed", str(e), same, rcv.version, time.monotonic() - t0
+    finally:
+        g.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("atomic", [True, False], ids=["atomic", "streaming"])
+def test_sender_killed_mid_delta(atomic: bool) -> None:
+    res = Ranks(_killed, 3, ("127.0.0.1", CTX.Queue(), atomic)).results(45, expect=[1, 2])
+    for r in (1, 2):
+        status, value = res[r]
+        assert status, value
+        kind, msg, check, version, took = value
+        if atomic:
+            assert kind == "failed" and check and "untouched" in msg and "still 1" in msg, value
+        else:
+            assert kind == "torn" and "TORN" in msg and check, value  # some tensors changed, all named
+        assert version == 1 and took < 20, value

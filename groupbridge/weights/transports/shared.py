@@ -60,6 +60,9 @@ class SharedOptions:
         return cls(wire_int(d, "slots", "shared-buffer options", 2, MAX_SLOTS))
 
 
+MISSING = "holds no slots of this generation (a receiver new to the group)"
+
+
 def _max_bucket(plan: Plan) -> int:
     return max((e - s for s, e in plan.bounds), default=0)
 
@@ -179,6 +182,15 @@ class SharedTx:
             announce = {"gen": self._gen}
         self.group.broadcast_obj(announce, src=self.group.rank, timeout=self._deadline)
         verdicts = self.group.all_gather_obj(None, timeout=self._deadline)
+        if self._announced and MISSING in verdicts:  # a receiver new to this group: describe the slots again
+            descs = (
+                [seg.describe() for seg in self._segments]
+                if self.kind == "shm"
+                else [_torch_private.share_cuda(s.untyped_storage()) for s in self._slots]
+            )
+            announce = {"gen": self._gen, "nbytes": self._slots[0].numel(), "slots": descs}
+            self.group.broadcast_obj(announce, src=self.group.rank, timeout=self._deadline)
+            verdicts = self.group.all_gather_obj(None, timeout=self._deadline)
         errors = [f"rank {r}: {v}" for r, v in enumerate(verdicts) if v]
         if errors:
             self._release()
@@ -250,12 +262,26 @@ class SharedRx:
         n_slots = sync.options.slots
         self._sources.clear()
         announce = self.group.broadcast_obj(None, src=self.src, timeout=deadline)
+        error = self._take(announce, n_slots)
+        verdicts = self.group.all_gather_obj(error, timeout=deadline)
+        if isinstance(announce, dict) and "slots" not in announce and MISSING in verdicts:
+            announce = self.group.broadcast_obj(None, src=self.src, timeout=deadline)  # described again
+            error = self._take(announce, n_slots)
+            self.group.all_gather_obj(error, timeout=deadline)
+        if error:
+            raise TransportUnavailableError(
+                f"rank {self.group.rank} could not map the sender's {self.kind} slots: {error}"
+            )
+
+    def _take(self, announce: Any, n_slots: int) -> str | None:
+        """Map the announced slots unless already mapped; the problem, if any (MISSING: announced by
+        generation only, and this receiver is new)."""
         error = None
         try:
             gen = _int(announce, "gen")
             if gen != self._gen or not self._slots:
                 if "slots" not in announce:
-                    error = f"holds no slots of generation {gen}"
+                    error = MISSING
                 else:
                     nbytes = _int(announce, "nbytes")
                     slots = announce["slots"]
@@ -267,11 +293,7 @@ class SharedRx:
         except (OSError, RuntimeError) as e:
             self._slots = []
             error = f"{type(e).__name__}: {e}"
-        self.group.all_gather_obj(error, timeout=deadline)
-        if error:
-            raise TransportUnavailableError(
-                f"rank {self.group.rank} could not map the sender's {self.kind} slots: {error}"
-            )
+        return error
 
     def _map(self, desc: Any, nbytes: int) -> torch.Tensor:
         if self.kind == "shm":
