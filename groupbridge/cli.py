@@ -73,6 +73,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from .bench.report import plot, table
     from .bench.weight_sync import BenchConfig, run_weight_sync
 
+    if args.delta:
+        return _bench_delta(args)
     if args.simulate_hosts:
         return _bench_hosts(args)
     if args.control:
@@ -158,6 +160,49 @@ def _bench_control(args: argparse.Namespace) -> int:
             [r["mode"], r["us_per_receive"], r["us_range"], f"{r['vs_peer']:.2f}x", r["keys_freed"]]
             for r in records
         ],
+    )
+    return 0
+
+
+def _bench_delta(args: argparse.Namespace) -> int:
+    from .bench.delta import DeltaConfig, run_delta
+
+    shape = "tiny" if args.quick else args.shape
+    rounds = 2 if args.quick else args.rounds
+    if args.simulate_hosts:
+        runs = [dict(transport="relay", receivers=args.simulate_hosts - 1, hosts_rate=args.link_rate)]
+    else:
+        transports = ["broadcast", "shm"] if args.transport in ("broadcast", "auto") else [args.transport]
+        runs = [dict(transport=t, receivers=1, hosts_rate=None) for t in transports]
+    records: list[dict[str, Any]] = []
+    for run in runs:
+        cfg = DeltaConfig(shape=shape, rounds=rounds, **run)  # type: ignore[arg-type]
+        if not args.json:
+            hosts = f"{run['receivers'] + 1} simulated hosts at {run['hosts_rate']}"
+            where = hosts if run["hosts_rate"] else "loopback"
+            _console.echo(
+                f"[bench] delta sync, {shape} fp32 master weights sent as bf16, one Adam step per sync at "
+                f"lr {', '.join(f'{x:g}' for x in cfg.lrs)}; {cfg.transport} over {where}, {rounds} steps "
+                "each ..."
+            )
+        records += run_delta(cfg)
+    if args.json:
+        print(json.dumps(records, indent=1))
+        return 0
+    rows = []
+    for r in records:
+        rows.append([
+            r["transport"], r["link"], f"{r['lr']:g}", r["mode"],
+            "-" if r["changed_fraction"] is None else f"{r['changed_fraction']:.2%}",
+            f"{r['wire_fraction']:.1%}",
+            f"{r['deltas']}/{r['steps']}", f"{r['seconds']:.2f}",
+            "-" if r["ratio_vs_full"] is None else f"{r['ratio_vs_full']:.2f}x",
+        ])  # fmt: skip
+    _console.table(
+        f"delta sync, {shape}: {records[0]['bytes'] / 2**30:.2f} GiB as bf16 (medians of the steps; ratio: "
+        "median of per-step ratios)",
+        ["transport", "link", "lr", "mode", "changed", "wire/bytes", "as delta", "seconds", "vs full"],
+        rows,
     )
     return 0
 
@@ -275,6 +320,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="FILE.png", help="bandwidth against bucket size and receivers")
     p.add_argument(
         "--control", action="store_true", help="control-plane latency (broadcast_obj) beside vLLM's protocol"
+    )
+    p.add_argument(
+        "--delta",
+        action="store_true",
+        help="delta sync beside a full one: fp32 master weights, one Adam step per sync, sent as bf16 "
+        "(loopback broadcast and shm; with --simulate-hosts N: relay over N hosts)",
     )
     p.add_argument(
         "--engine",

@@ -11,13 +11,28 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import torch
 
-__all__ = ["Copier"]
+__all__ = ["Copier", "Job"]
 
 T = TypeVar("T")
+
+
+class Job(Generic[T]):
+    """A callable queued on the copy thread."""
+
+    def __init__(self) -> None:
+        self.out: list[Any] = []
+        self.done = threading.Event()
+
+    def result(self) -> T:
+        self.done.wait()
+        ok, value = self.out[0]
+        if not ok:
+            raise value
+        return value  # type: ignore[no-any-return]
 
 
 class Copier:
@@ -42,19 +57,18 @@ class Copier:
                 done.set()
 
     def run(self, fn: Callable[[], T]) -> T:
+        return self.submit(fn).result()
+
+    def submit(self, fn: Callable[[], T]) -> Job[T]:
+        """Queue ``fn``; the caller works on meanwhile and collects it with ``result()``."""
         if self._thread is None:
             self._thread = threading.Thread(
                 target=self._run, name=f"groupbridge-copy-{self._name}", daemon=True
             )
             self._thread.start()
-        out: list[Any] = []
-        done = threading.Event()
-        self._jobs.put((fn, out, done))
-        done.wait()
-        ok, value = out[0]
-        if not ok:
-            raise value
-        return value  # type: ignore[no-any-return]
+        job: Job[T] = Job()
+        self._jobs.put((fn, job.out, job.done))
+        return job
 
     def close(self) -> None:
         if self._thread is not None:

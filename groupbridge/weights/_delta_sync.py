@@ -4,8 +4,9 @@ A delta sync runs after the usual handshake (``_protocol.settle``), when the hea
 every receiver said it holds it:
 
 1. The sender diffs every bucket of the plan against its copy of the base (:mod:`._delta`), bringing that
-   copy up to the new version as it goes, and broadcasts a :class:`Description`: per bucket the encoding and
-   the changed-word count, the digest of the bucket's new bytes, and the digest of what will travel.
+   copy up to the new version as it goes. Buckets go in groups (:func:`delta_groups`): for each, it
+   broadcasts a :class:`Description` (per bucket the encoding and the changed-word count, the digest of the
+   bucket's new bytes, and the digest of what will travel) while its diff threads go on with the next group.
 2. The payloads travel through the sync's transport as a plan of their own (:func:`wire_plan`): one wire
    bucket per bucket that changed, each as long as its encoding says (receivers compute the lengths from the
    counts, never from a size off the wire).
@@ -28,7 +29,7 @@ from ._delta import Code
 from .manifest import Manifest
 from .plan import Plan
 
-__all__ = ["BufferStore", "Description", "Policy", "TargetStore", "wire_plan", "word_counts"]
+__all__ = ["BufferStore", "Description", "Policy", "TargetStore", "delta_groups", "wire_plan", "word_counts"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,12 +50,12 @@ class Description:
         }
 
     @classmethod
-    def from_wire(cls, d: Any, plan: Plan, words: list[int]) -> Description:
-        """Parse and check against ``plan`` (``words``: each bucket's word count); ProtocolError if
-        malformed."""
+    def from_wire(cls, d: Any, words: list[int]) -> Description:
+        """Parse and check against the buckets it describes (``words``: each one's word count);
+        ProtocolError if malformed."""
         if not isinstance(d, dict):
             raise ProtocolError(f"delta description is a {type(d).__name__}, not a dict")
-        n = len(plan.buckets)
+        n = len(words)
         fields = {}
         for key in ("codes", "counts", "digests", "wire"):
             v = d.get(key)
@@ -77,6 +78,23 @@ class Description:
             if not isinstance(digest, (int, bytes)):
                 raise ProtocolError("delta description holds a malformed digest")
         return cls(parsed, tuple(counts), tuple(fields["digests"]), tuple(fields["wire"]))
+
+
+GROUPS = 8
+"""A delta travels in about this many groups of buckets, each described and sent as soon as it is diffed:
+the sender's diff of the next group overlaps the transfer (and the receivers' apply) of this one."""
+
+
+def delta_groups(plan: Plan) -> list[tuple[int, int]]:
+    """The groups of buckets [a, b) a delta is sent in (both sides compute them from the plan)."""
+    step = max(plan.bucket_bytes, plan.total_bytes // GROUPS)
+    groups: list[tuple[int, int]] = []
+    a = 0
+    for k, (_, end) in enumerate(plan.bounds):
+        if end - plan.bounds[a][0] >= step or k == len(plan.bounds) - 1:
+            groups.append((a, k + 1))
+            a = k + 1
+    return groups
 
 
 def word_counts(plan: Plan, manifest: Manifest) -> tuple[list[int], list[int]]:

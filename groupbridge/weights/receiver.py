@@ -16,7 +16,7 @@ from ..errors import GroupBridgeError, ProtocolError, TornUpdateError, WeightSyn
 from ..stateless import StatelessGroup
 from . import _bytes, _delta
 from ._copier import Copier
-from ._delta_sync import BufferStore, Description, TargetStore, wire_plan, word_counts
+from ._delta_sync import BufferStore, Description, TargetStore, delta_groups, wire_plan, word_counts
 from ._protocol import ACK_TAG, Header, Settled, laid_out_in_place, make_renamer, merged_plan, settle
 from .manifest import Manifest, compare, expected_specs, mismatch_message, tensors_of
 from .plan import Plan, PlanCache
@@ -180,31 +180,33 @@ class WeightReceiver:
         if not header.verify:
             raise ProtocolError("a delta sync must be verified, and the header names no digest")
         sizes, words = word_counts(plan, manifest)
-        wire = self.group.broadcast_obj(None, src=self.src, timeout=deadline)
-        desc = Description.from_wire(wire, plan, words)
-        wplan, sources = wire_plan(desc, sizes, words)
-        if not sources:
-            return
-        rx = self._transport(header, wplan, device, deadline)
         failed: str | None = None
-        for j, view, _ in rx.buckets(wplan, self._ring(wplan, device), deadline):
-            if failed is not None:
+        for a, b in delta_groups(plan):
+            wire = self.group.broadcast_obj(None, src=self.src, timeout=deadline)
+            desc = Description.from_wire(wire, words[a:b])
+            wplan, sources = wire_plan(desc, sizes[a:b], words[a:b])
+            if not sources:
                 continue
-            k = sources[j]
-            if _bytes.digest(view, header.verify, self.group) != desc.wire_digests[j]:
-                failed = f"the delta of bucket {k} arrived corrupted (its {header.verify} does not match)"
-                continue
-            old = store.view(k)
-            code, count, w = desc.codes[k], desc.counts[k], sizes[k]
-            pos = self._copier.run(partial(_delta.apply, old, view, code, count, w))
-            if _bytes.digest(old, header.verify, self.group) != desc.digests[k]:
-                failed = (
-                    f"bucket {k} does not match the sender's version {header.version} after applying the "
-                    f"delta: this receiver's copy of version {header.base} differs from the sender's"
-                )
-                continue
-            store.write_back(k, old)
-            yield k, _delta.changed_entries(plan, k, pos, w)
+            rx = self._transport(header, wplan, device, deadline)
+            for j, view, _ in rx.buckets(wplan, self._ring(wplan, device), deadline):
+                if failed is not None:
+                    continue  # the sender is still sending: take the rest, apply nothing
+                i = sources[j]
+                k = a + i
+                if _bytes.digest(view, header.verify, self.group) != desc.wire_digests[j]:
+                    failed = f"the delta of bucket {k} arrived corrupted (its {header.verify} does not match)"
+                    continue
+                old = store.view(k)
+                code, count, w = desc.codes[i], desc.counts[i], sizes[k]
+                pos = self._copier.run(partial(_delta.apply, old, view, code, count, w))
+                if _bytes.digest(old, header.verify, self.group) != desc.digests[i]:
+                    failed = (
+                        f"bucket {k} does not match the sender's version {header.version} after applying the "
+                        f"delta: this receiver's copy of version {header.base} differs from the sender's"
+                    )
+                    continue
+                store.write_back(k, old)
+                yield k, _delta.changed_entries(plan, k, pos, w)
         if failed is not None:
             raise _VerifyFailed(failed)
 

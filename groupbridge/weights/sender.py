@@ -6,9 +6,11 @@ import itertools
 import logging
 import secrets
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 import torch
@@ -18,8 +20,8 @@ from ..control import Deadline
 from ..errors import GroupBridgeError, PeerTimeoutError, TransportUnavailableError, WeightSyncError
 from ..stateless import StatelessGroup
 from . import _bytes, _delta
-from ._copier import Copier
-from ._delta_sync import Description, Policy, wire_plan, word_counts
+from ._copier import Copier, Job
+from ._delta_sync import Description, Policy, delta_groups, wire_plan, word_counts
 from ._protocol import ACK_TAG, Header, laid_out_in_place, make_renamer, merged_plan, refuse, settle
 from .manifest import Manifest, tensors_of
 from .plan import Plan, PlanCache
@@ -134,6 +136,7 @@ class WeightSender:
         self.checksum = checksum
         del intra_op_threads
         self._copier = Copier(f"{group.name}-{group.rank}")
+        self._second: Copier | None = None
         self._scratch = _bytes.BufferCache()
         self._rename = make_renamer(rename)
         self._known: dict[str, Manifest] = {}
@@ -346,54 +349,82 @@ class WeightSender:
         """Diff every bucket against the base (bringing it up to the new version), describe, then send the
         changed buckets' payloads; returns (in-place buckets, wire bytes, changed fraction)."""
         sizes, words = word_counts(plan, manifest)
-        encoded: list[_delta.Encoded] = []
-        digests: list[Any] = []
-        wire_digests: list[Any] = []
-        scratch = self._scratch
-        in_place = 0
-        for k, segs in enumerate(plan.buckets):
-            puller.pull_through(max(seg.index for seg in segs))
+        n = len(plan.buckets)
+        results: list[tuple[_delta.Encoded, Any, Any, bool] | None] = [None] * n
+        biggest = max((e - s for s, e in plan.bounds), default=0)
+
+        def diff(k: int, worker: int) -> tuple[_delta.Encoded, Any, Any, bool]:
+            """On a copy thread, while the other diffs the next bucket and the caller's thread sends."""
             start, end = plan.bucket_range(k)
-            new = _bytes.in_place_bucket(plan, k, puller.live, receiving=False)
+            new = _bytes.in_place_bucket(plan, k, puller.direct, receiving=False)
+            flat = new is not None
             if new is None:
-                new = scratch.get("delta-new", end - start, base.device)
-                self._copier.run(lambda new=new, segs=segs: _bytes.pack(new, segs, puller.live))  # type: ignore[misc]
-            else:
-                in_place += 1
+                new = self._scratch.get(f"delta-new{worker}", end - start, base.device)
+                _bytes.pack(new, plan.buckets[k], puller.live, puller.wire)
             old = base[start:end]
-            enc = self._copier.run(lambda new=new, old=old, w=sizes[k]: _delta.encode(new, old, w))  # type: ignore[misc]
-            encoded.append(enc)
-            digests.append(_bytes.digest(old, verify, self.group))
+            mask = self._scratch.get(f"delta-mask{worker}", biggest, base.device).view(torch.bool)
+            enc = _delta.encode(new, old, sizes[k], mask)
+            digest = _bytes.digest(old, verify, self.group)
             if enc.payload is not None:
-                wire_digests.append(_bytes.digest(enc.payload, verify, self.group))
-            elif enc.code is _delta.Code.DENSE:
-                wire_digests.append(digests[-1])
-            puller.release(plan, k)
-            if progress is not None:
-                progress(end, plan.total_bytes)
-        puller.pull_through(len(manifest.entries) - 1)
-        desc = Description(
-            tuple(e.code for e in encoded),
-            tuple(e.count for e in encoded),
-            tuple(digests),
-            tuple(wire_digests),
-        )
-        self.group.broadcast_obj(desc.to_wire(), src=self.src, timeout=sync.deadline)
-        wplan, sources = wire_plan(desc, sizes, words)
-        if sources:
+                return enc, digest, _bytes.digest(enc.payload, verify, self.group), flat
+            return enc, digest, digest if enc.code is _delta.Code.DENSE else None, flat
+
+        workers = self._diff_workers()
+        pending: deque[tuple[int, Job[Any]]] = deque()
+        submitted = 0
+
+        def result(k: int) -> tuple[_delta.Encoded, Any, Any, bool]:
+            """Bucket k's diff; the workers are kept a few buckets ahead of the caller (the source's tensors
+            are pulled here, on the caller's thread, and released once their buckets are diffed)."""
+            nonlocal submitted
+            while results[k] is None:
+                while submitted < n and len(pending) < 2 * len(workers):
+                    puller.pull_through(max(seg.index for seg in plan.buckets[submitted]))
+                    w = submitted % len(workers)
+                    pending.append((submitted, workers[w].submit(partial(diff, submitted, w))))
+                    submitted += 1
+                j, job = pending.popleft()
+                results[j] = job.result()
+                puller.release(plan, j)
+                if progress is not None:
+                    progress(plan.bucket_range(j)[1], plan.total_bytes)
+            r = results[k]
+            assert r is not None
+            return r
+
+        wire_bytes = changed = in_place = 0
+        set_up = False
+        for a, b in delta_groups(plan):
+            done = [result(k) for k in range(a, b)]
+            desc = Description(
+                tuple(r[0].code for r in done),
+                tuple(r[0].count for r in done),
+                tuple(r[1] for r in done),
+                tuple(r[2] for r in done if r[2] is not None),
+            )
+            self.group.broadcast_obj(desc.to_wire(), src=self.src, timeout=sync.deadline)
+            wplan, sources = wire_plan(desc, sizes[a:b], words[a:b])
+            changed += sum(r[0].count for r in done)
+            in_place += sum(r[3] for r in done)
+            wire_bytes += wplan.total_bytes
+            if not sources:
+                continue
+            if set_up:
+                tx.finish()  # the previous group's bytes are out; the diff workers kept going meanwhile
             tx.setup(wplan, base.device, sync)
-            for j, k in enumerate(sources):
-                payload = encoded[k].payload
-                if payload is None:
-                    start, end = plan.bucket_range(k)
-                    payload = base[start:end]
+            set_up = True
+            for j, i in enumerate(sources):
+                enc = done[i][0]
+                start, end = plan.bucket_range(a + i)
+                payload = enc.payload if enc.payload is not None else base[start:end]
                 if self._fault is not None:
-                    self._fault(j, payload)
+                    self._fault(a + i, payload)
                 tx.post(j, payload)
+        if set_up:
             tx.finish()
+        puller.pull_through(len(manifest.entries) - 1)
         compared = sum(words)
-        changed = sum(e.count for e in encoded) / compared if compared else 0.0
-        return in_place, wplan.total_bytes, changed
+        return in_place, wire_bytes, changed / compared if compared else 0.0
 
     def _in_place(self, items: Any) -> Callable[[Header, Manifest], bool]:
         def check(header: Header, manifest: Manifest) -> bool:
@@ -413,12 +444,23 @@ class WeightSender:
             tx.close()
         self._transports.clear()
         self._copier.close()
+        if self._second is not None:
+            self._second.close()
+        self._scratch.clear()
+        self._base = None
 
     def __enter__(self) -> WeightSender:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _diff_workers(self) -> list[Copier]:
+        """Two copy threads diff buckets side by side (the diff is the sender's bottleneck and nothing else
+        runs while it does: the transfer starts once every bucket is described)."""
+        if self._second is None:
+            self._second = Copier(f"{self.group.name}-{self.group.rank}-diff")
+        return [self._copier, self._second]
 
     def _transfer(
         self,
@@ -437,7 +479,7 @@ class WeightSender:
         for k, segs in enumerate(plan.buckets):
             puller.pull_through(max(seg.index for seg in segs))
             start, end = plan.bucket_range(k)
-            view = _bytes.in_place_bucket(plan, k, live, receiving=False)
+            view = _bytes.in_place_bucket(plan, k, puller.direct, receiving=False)
             if view is not None:
                 in_place += 1
                 if base is not None:
@@ -446,7 +488,7 @@ class WeightSender:
                 device = live[segs[0].index].device  # type: ignore[union-attr]
                 # a kept base is where the bucket is packed (one copy, not two); else the transport's buffer
                 view = base[start:end] if base is not None else tx.buffer(k, end - start, device)
-                self._copier.run(lambda view=view, segs=segs: _bytes.pack(view, segs, live))  # type: ignore[misc]
+                self._copier.run(partial(_bytes.pack, view, segs, live, puller.wire))
             if verify:
                 digests.append(_bytes.digest(view, verify, self.group))
             if self._fault is not None:
@@ -466,7 +508,11 @@ class _Puller:
 
     def __init__(self, manifest: Manifest, items: Iterator[tuple[str, torch.Tensor]]) -> None:
         self.entries = manifest.entries
+        self.wire = [dtype_from_name(e.wire_dtype) for e in self.entries]
         self.live: list[torch.Tensor | None] = [None] * len(self.entries)
+        """The source's tensors, as they are (cast to the wire dtype only when packed)."""
+        self.direct: list[torch.Tensor | None] = [None] * len(self.entries)
+        """The tensors already contiguous in their wire dtype: the ones a bucket may be sent from in place."""
         self._items = items
         self._pulled = 0
         self._last_bucket: list[int] | None = None
@@ -488,10 +534,10 @@ class _Puller:
                 )
             if e.alias_of is None and e.nbytes:
                 src = t.detach()
-                wire = dtype_from_name(e.wire_dtype)
-                if src.dtype != wire:
-                    src = src.to(wire)
-                self.live[self._pulled] = src.contiguous()
+                if src.dtype == self.wire[self._pulled]:
+                    src = src.contiguous()
+                    self.direct[self._pulled] = src
+                self.live[self._pulled] = src
             self._pulled += 1
 
     def release(self, plan: Plan, k: int) -> None:
@@ -502,7 +548,7 @@ class _Puller:
                     self._last_bucket[seg.index] = j
         for seg in plan.buckets[k]:
             if self._last_bucket[seg.index] == k:
-                self.live[seg.index] = None
+                self.live[seg.index] = self.direct[seg.index] = None
 
 
 def _peek_device(
