@@ -324,3 +324,23 @@ def test_sender_killed_mid_delta(atomic: bool) -> None:
         else:
             assert kind == "torn" and "TORN" in msg and check, value  # some tensors changed, all named
         assert version == 1 and took < 20, value
+
+
+def test_policy_takes_deltas_where_the_link_is_slower_than_the_diff() -> None:
+    from groupbridge.weights._delta_sync import Policy
+
+    fast, slow = Policy(), Policy()
+    for p, full_s in ((fast, 1.0), (slow, 10.0)):  # one GB: loopback, and an 800 Mbit link
+        assert not p.wants_delta()  # a base needs a full sync first
+        p.record_full(full_s * 3, 10**9)  # the first one is cold: not trusted
+        assert not p.wants_delta()
+        p.record_full(full_s, 10**9)
+        p.record_sample(0.0125, 8 << 20, 0.03)  # a diff at about 0.7 GB/s, 3% changed
+    assert slow.wants_delta() and not fast.wants_delta()
+    slow.record_delta(9.0, 10**9, 10**8, 0.03)  # deltas turned out slow (a loaded machine): learnt
+    assert not slow.wants_delta()
+    slow.record_delta(2.0, 10**9, 6 * 10**7, 0.03)
+    assert slow.wants_delta()
+    slow.record_delta(2.0, 10**9, 6 * 10**8, 0.3)  # most of the model changes: a full sync is cheaper
+    assert not slow.wants_delta()
+    assert Policy(always=True).wants_delta()

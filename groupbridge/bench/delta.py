@@ -10,8 +10,9 @@ rotates per step, and the sync is timed on the sender from its start to the last
 - ``delta``: ``WeightSender(wire_dtype=bf16, delta=True)``, which diffs only where that pays (its policy);
 - ``delta_always``: ``delta="always"``, which diffs every sync (the cost of the diff itself).
 
-The first sync of every learning rate is a full one for every mode (no receiver holds a base yet) and is not
-timed. Ratios are taken per step, then the median.
+The first two syncs of every learning rate (before any step) are not timed: the first is a full one for
+every mode (no receiver holds a base yet), and ``delta``'s policy decides from its second full sync on (the
+first is cold). Ratios are taken per step, then the median.
 """
 
 from __future__ import annotations
@@ -91,19 +92,21 @@ def _send_steps(
         for m in cfg.modes
     }  # fmt: skip
     records = []
-    for step in range(cfg.rounds + 1):
-        if step:
+    for step in range(-1, cfg.rounds + 1):
+        if step > 0:
             for p in params:
-                p.grad = torch.randn(p.shape, generator=gen)
+                if p.grad is None:
+                    p.grad = torch.empty_like(p)
+                p.grad.normal_(generator=gen)
             opt.step()
         order = list(cfg.modes[step % len(cfg.modes) :] + cfg.modes[: step % len(cfg.modes)])
         for mode in order:
             g.broadcast_obj(mode, src=0)
             g.barrier()
             t0 = time.perf_counter()
-            st = senders[mode].send(master, version=step + 1)
+            st = senders[mode].send(master, version=step + 2)
             seconds = time.perf_counter() - t0
-            if step:
+            if step > 0:
                 records.append({
                     "lr": lr, "step": step, "mode": mode, "seconds": seconds, "bytes": st.bytes,
                     "wire_bytes": st.wire_bytes, "changed_fraction": st.changed_fraction, "delta": st.delta,

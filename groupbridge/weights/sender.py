@@ -273,6 +273,7 @@ class WeightSender:
         if settled.merged:
             plan = merged_plan(manifest)
         t0 = time.perf_counter()
+        sample = self.delta and self._base_version is not None and not settled.delta
         base = self._keep_base(plan, device) if self.delta else None
         sync = Sync(header.sync_id, deadline, self.options[header.transport])
         if settled.delta:
@@ -283,7 +284,7 @@ class WeightSender:
         else:
             tx.setup(plan, device, sync)
             puller = _Puller(manifest, iter(items))
-            in_place, digests = self._transfer(tx, plan, puller, progress, header.verify, base)
+            in_place, digests = self._transfer(tx, plan, puller, progress, header.verify, base, sample)
             if header.verify:
                 self.group.broadcast_obj(digests, src=self.src, timeout=deadline)
             wire_bytes, changed = plan.total_bytes, 1.0
@@ -301,7 +302,10 @@ class WeightSender:
             raise err
         if self.delta:
             self._base_version, self._base_digest = version, manifest.digest
-            self._policy.record(settled.delta, seconds, plan.total_bytes)
+            if settled.delta:
+                self._policy.record_delta(seconds, plan.total_bytes, wire_bytes, changed)
+            else:
+                self._policy.record_full(seconds, plan.total_bytes)
         stats = SyncStats(
             version=version,
             bytes=plan.total_bytes,
@@ -455,6 +459,18 @@ class WeightSender:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _sample(self, old: torch.Tensor, plan: Plan, k: int, puller: _Puller) -> None:
+        """Pack bucket ``k`` into scratch and bring ``old`` (its base) up to it, diffing a slice on the
+        way."""
+        new = self._scratch.get("delta-new0", old.numel(), old.device)
+        _bytes.pack(new, plan.buckets[k], puller.live, puller.wire)
+        w = _delta.word_size(plan, puller.manifest, k)
+        m = min(old.numel(), Policy.SAMPLE_BYTES) // w * w
+        t0 = time.perf_counter()
+        enc = _delta.encode(new[:m], old[:m], w)
+        self._policy.record_sample(time.perf_counter() - t0, m, enc.count / max(enc.words, 1))
+        old[m:].copy_(new[m:])
+
     def _diff_workers(self) -> list[Copier]:
         """Two copy threads diff buckets side by side (the diff is the sender's bottleneck and nothing else
         runs while it does: the transfer starts once every bucket is described)."""
@@ -470,6 +486,7 @@ class WeightSender:
         progress: Callable[[int, int], None] | None,
         verify: str,
         base: torch.Tensor | None,
+        sample: bool = False,
     ) -> tuple[int, list[Any]]:
         """Pack and post every bucket (into ``base`` too, when one is kept); returns (in-place buckets,
         digests)."""
@@ -484,6 +501,10 @@ class WeightSender:
                 in_place += 1
                 if base is not None:
                     self._copier.run(lambda v=view, b=base[start:end]: b.copy_(v))  # type: ignore[misc]
+            elif base is not None and sample and end - start >= Policy.SAMPLE_BYTES // 2:
+                sample = False  # one bucket per full sync is diffed against the base, to time the diff
+                view = base[start:end]
+                self._copier.run(partial(self._sample, view, plan, k, puller))
             else:
                 device = live[segs[0].index].device  # type: ignore[union-attr]
                 # a kept base is where the bucket is packed (one copy, not two); else the transport's buffer
@@ -507,6 +528,7 @@ class _Puller:
     a lazy source's tensor is released as soon as its last bucket is sent."""
 
     def __init__(self, manifest: Manifest, items: Iterator[tuple[str, torch.Tensor]]) -> None:
+        self.manifest = manifest
         self.entries = manifest.entries
         self.wire = [dtype_from_name(e.wire_dtype) for e in self.entries]
         self.live: list[torch.Tensor | None] = [None] * len(self.entries)
