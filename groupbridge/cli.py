@@ -51,6 +51,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         host=host,
         size=args.size,
         json=args.json,
+        delta=args.delta,
     )
     result = run_demo(cfg)
     if args.json:
@@ -95,7 +96,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             rounds=rounds,
             modes=modes,
             host=args.host,
-            transport=args.transport,
+            transport=args.transport or "broadcast",
             threads=None if args.threads == "default" else int(args.threads),
         )
         if not args.json:
@@ -172,11 +173,13 @@ def _bench_delta(args: argparse.Namespace) -> int:
     if args.simulate_hosts:
         runs = [dict(transport="relay", receivers=args.simulate_hosts - 1, hosts_rate=args.link_rate)]
     else:
-        transports = ["broadcast", "shm"] if args.transport in ("broadcast", "auto") else [args.transport]
+        transports = ["broadcast", "shm"] if args.transport is None else [args.transport]
         runs = [dict(transport=t, receivers=1, hosts_rate=None) for t in transports]
     records: list[dict[str, Any]] = []
     for run in runs:
         cfg = DeltaConfig(shape=shape, rounds=rounds, **run)  # type: ignore[arg-type]
+        if args.quick:
+            cfg.lrs = [1e-6]
         if not args.json:
             hosts = f"{run['receivers'] + 1} simulated hosts at {run['hosts_rate']}"
             where = hosts if run["hosts_rate"] else "loopback"
@@ -292,6 +295,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--size", default="demo", choices=["demo", "tiny"], help="model size (tiny: for tests)")
     p.add_argument("--json", action="store_true", help="print the per-step records as JSON")
+    p.add_argument(
+        "--delta", action="store_true", help="send only what changed; the table shows how much did"
+    )
     p.set_defaults(func=_cmd_demo)
     p = sub.add_parser("bench", help="weight-sync speed beside its anchors (flat tensor, per-tensor, memcpy)")
     p.add_argument("--shape", default="dense", choices=["dense", "moe", "moe-half", "tiny"])
@@ -302,7 +308,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", default="ours,ours_flat,flat,per_tensor",
                    help="ours, ours_flat (both sides flatten_), ours_shared (shm: the sender's flattened "
                         "model in shared memory, read in place), ours_atomic, flat, per_tensor")  # fmt: skip
-    p.add_argument("--transport", default="broadcast", choices=["broadcast", "relay", "shm", "auto"])
+    p.add_argument(
+        "--transport",
+        default=None,
+        choices=["broadcast", "relay", "shm", "auto"],
+        help="default: broadcast (with --delta: broadcast and shm, one after the other)",
+    )
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", default="1", help="torch intra-op threads during a sync, or 'default'")
     p.add_argument("--host", default="127.0.0.1")

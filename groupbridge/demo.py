@@ -41,6 +41,9 @@ class DemoConfig:
     """demo (about 90 MB of fp32 weights) or tiny (for tests)."""
     json: bool = False
     trainers: int = 2
+    delta: bool = False
+    """Send only what changed (``WeightSender(delta="always")``: every step is diffed, so its changed
+    fraction shows; where most of a bucket changed, the bucket still travels dense)."""
 
 
 SIZES = {
@@ -128,7 +131,11 @@ def _trainer(rank: int, cfg: DemoConfig, q: dict[str, Any]) -> dict[str, Any]:
             None, rank=0, world_size=cfg.workers + 1, listener=lis, timeout=timeout
         )
     console = _Console(cfg) if rank == 0 else None
-    sender = WeightSender(bridge, transport=cfg.transport) if bridge is not None else None
+    sender = (
+        WeightSender(bridge, transport=cfg.transport, delta="always" if cfg.delta else False)
+        if bridge is not None
+        else None
+    )
     samples: dict[int, Any] = {}
     for step in range(1, cfg.steps + 1):
         tokens = _batch(vocab, gen)
@@ -156,6 +163,8 @@ def _trainer(rank: int, cfg: DemoConfig, q: dict[str, Any]) -> dict[str, Any]:
             "sync_seconds": round(stats.seconds, 4), "gbps": round(stats.gbps, 3), "bytes": stats.bytes,
             "transport": stats.transport,
             "verified": all(r["verified"] for r in reports),
+            "delta": stats.delta, "changed_fraction": round(stats.changed_fraction, 5),
+            "wire_bytes": stats.wire_bytes,
         }  # fmt: skip
         rows.append(row)
         console.row(row, samples.get(step - 1))
@@ -226,8 +235,9 @@ class _Console:
                 f"trainer world: {cfg.trainers} ranks | inference world: {cfg.workers} workers | bridge on "
                 f"{cfg.host} | {self.cfg.steps} steps, one step off-policy"
             )
+            extra = f" {'changed':>8} {'wire MB':>8}" if cfg.delta else ""
             self._print(f"{'step':>4} {'version':>7} {'loss':>7} {'sync s':>7} {'GB/s':>6} {'transport':>9} "
-                        f"{'verified':>8}  greedy (v-1)")  # fmt: skip
+                        f"{'verified':>8}{extra}  greedy (v-1)")  # fmt: skip
 
     def _print(self, text: str) -> None:
         if self.cfg.json:
@@ -261,17 +271,23 @@ class _Console:
         if sample:
             text = " ".join(map(str, sample[0]["prompt"])) + " -> " + " ".join(map(str, sample[0]["tokens"]))
         mark = "yes" if row["verified"] else "NO"
+        extra = ""
+        if self.cfg.delta:
+            changed = f"{row['changed_fraction']:.2%}" if row["delta"] else "full"
+            extra = f" {changed:>8} {row['wire_bytes'] / 1e6:>8.2f}"
         self._print(
             f"{row['step']:>4} {row['version']:>7} {row['loss']:>7.3f} {row['sync_seconds']:>7.3f} "
-            f"{row['gbps']:>6.2f} {row['transport']:>9} {mark:>8}  {text}"
+            f"{row['gbps']:>6.2f} {row['transport']:>9} {mark:>8}{extra}  {text}"
         )
 
     def finish(self, rows: list[dict[str, Any]], samples: dict[int, Any]) -> None:
         last = samples.get(self.cfg.steps) or []
         ok = all(r["verified"] for r in rows)
         mean_gbps = sum(r["gbps"] for r in rows) / max(1, len(rows))
+        wire = sum(r["wire_bytes"] for r in rows) / max(1, sum(r["bytes"] for r in rows))
         self._print(
-            f"{len(rows)} syncs of {rows[-1]['bytes'] / 1e6:.1f} MB, mean {mean_gbps:.2f} GB/s, "
+            f"{len(rows)} syncs of {rows[-1]['bytes'] / 1e6:.1f} MB ({wire:.1%} of it on the wire), mean "
+            f"{mean_gbps:.2f} GB/s, "
             f"all verified: {'yes' if ok else 'NO'}; loss {rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f}; "
             f"last samples: {' '.join(str(s['tokens']) for s in last)}; {time.monotonic() - self.t0:.1f}s"
         )

@@ -33,15 +33,34 @@ def test_doctor_json() -> None:
 
 
 @pytest.mark.timeout(120)
-def test_demo_end_to_end() -> None:
-    proc = _run("demo", "--steps", "2", "--size", "tiny", "--json", timeout=110)
+@pytest.mark.parametrize("delta", [False, True], ids=["full", "delta"])
+def test_demo_end_to_end(delta: bool) -> None:
+    proc = _run(
+        "demo", "--steps", "3", "--size", "tiny", "--json", *(["--delta"] if delta else []), timeout=110
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)
     assert result["verified"] is True
     rows = result["rows"]
-    assert [r["version"] for r in rows] == [1, 2]
+    assert [r["version"] for r in rows] == [1, 2, 3]
     assert all(r["verified"] and r["bytes"] > 0 and r["transport"] for r in rows)
-    assert set(result["samples"]) == {"1", "2"}
+    assert set(result["samples"]) == {"1", "2", "3"}
+    assert [r["delta"] for r in rows] == [False, delta, delta]
+    for r in rows[1:]:  # Adam moves almost every fp32 value: most buckets still travel dense
+        assert r["wire_bytes"] <= r["bytes"] and (
+            0 < r["changed_fraction"] <= 1 if delta else r["wire_bytes"] == r["bytes"]
+        )
+
+
+@pytest.mark.timeout(120)
+def test_bench_delta_quick() -> None:
+    proc = _run("bench", "--delta", "--quick", "--json", "--transport", "broadcast", timeout=110)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = json.loads(proc.stdout)
+    assert {r["mode"] for r in records} == {"full", "delta", "delta_always"}
+    always = next(r for r in records if r["mode"] == "delta_always")
+    assert always["deltas"] == always["steps"] and 0 < always["changed_fraction"] < 0.5, always
+    assert always["wire_fraction"] < 0.5 and always["ratio_vs_full"] > 0
 
 
 @pytest.mark.timeout(120)

@@ -179,6 +179,34 @@ def test_streaming_updates(dense: tuple[Any, Any]) -> None:
         eng.shutdown()
 
 
+def sparse_step(model: Any, seed: int, fraction: float = 0.03) -> None:
+    """Change ``fraction`` of every parameter's elements (a training step's worth of bf16 changes)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            flat = p.view(-1)
+            idx = torch.randperm(flat.numel(), generator=g)[: max(1, int(flat.numel() * fraction))]
+            flat[idx] += 0.05
+
+
+def test_delta_updates_serve_the_trainers_weights(dense: tuple[Any, Any]) -> None:
+    llm, model = dense
+    eng = trainer(llm, model, delta="always", first_version=300)
+    try:
+        stats = []
+        for step in range(3):
+            sparse_step(model, 40 + step)
+            eng.send_weights()
+            assert llm.get_weight_version() == str(300 + step) and served(llm) == reference(model), step
+            assert eng.last_stats is not None
+            stats.append(eng.last_stats)
+        assert [s.delta for s in stats] == [False, True, True]  # a new bridge starts with a full sync
+        for s in stats[1:]:
+            assert s.wire_bytes < s.bytes / 4 and 0 < s.changed_fraction < 0.1, s
+    finally:
+        eng.shutdown()
+
+
 KILLED_TRAINER = r"""
 import json, sys, time, torch
 from datetime import timedelta

@@ -10,9 +10,9 @@ rotates per step, and the sync is timed on the sender from its start to the last
 - ``delta``: ``WeightSender(wire_dtype=bf16, delta=True)``, which diffs only where that pays (its policy);
 - ``delta_always``: ``delta="always"``, which diffs every sync (the cost of the diff itself).
 
-The first two syncs of every learning rate (before any step) are not timed: the first is a full one for
-every mode (no receiver holds a base yet), and ``delta``'s policy decides from its second full sync on (the
-first is cold). Ratios are taken per step, then the median.
+The first two syncs of every learning rate are not timed: the first is a full one for every mode (no
+receiver holds a base yet), and ``delta``'s policy decides from its second full sync on (the first is
+cold). Ratios are taken per step, then the median.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def _send_steps(
     }  # fmt: skip
     records = []
     for step in range(-1, cfg.rounds + 1):
-        if step > 0:
+        if step >= 0:  # the second warm-up sync follows a step too, as every sync of a training run does
             for p in params:
                 if p.grad is None:
                     p.grad = torch.empty_like(p)

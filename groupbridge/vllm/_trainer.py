@@ -69,6 +69,9 @@ class TrainerInitInfo(_VllmTrainerInitInfo):
         checksum: XXH3-64 checksum of every bucket, verified before the update is loaded (implied by a token).
         bucket_bytes: bucket size (None: the library's default).
         first_version: the version of the first ``send_weights`` (then +1 each time).
+        delta: send only what changed since the version every worker holds, where that pays (``True``) or
+            always (``"always"``); see :class:`groupbridge.WeightSender`. Workers then keep one copy of the
+            model's wire bytes (the update is loaded from it, so atomic updates need no other staging).
     """
 
     backend: ClassVar[str] = BACKEND
@@ -85,6 +88,7 @@ class TrainerInitInfo(_VllmTrainerInitInfo):
     bucket_bytes: int | None = None
     first_version: int = 1
     name: str = field(default="vllm")
+    delta: bool | str = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.workers, int) or self.workers < 1:
@@ -95,6 +99,8 @@ class TrainerInitInfo(_VllmTrainerInitInfo):
             raise ValueError(f"timeout={self.timeout} and liveness={self.liveness} must be > 0 seconds")
         if not isinstance(self.port, int) or not 0 <= self.port < 65536:
             raise ValueError(f"port={self.port!r} is not a TCP port (0: the kernel picks one)")
+        if self.delta not in (False, True, "always"):
+            raise ValueError(f"delta={self.delta!r} must be False, True or 'always'")
 
 
 class TrainerEngine(TrainerWeightTransferEngine[TrainerInitInfo]):
@@ -187,7 +193,11 @@ class TrainerEngine(TrainerWeightTransferEngine[TrainerInitInfo]):
         call.join(info.timeout)
         call.result()
         self.sender = WeightSender(
-            self.group, transport=info.transport, checksum=info.checksum, bucket_bytes=info.bucket_bytes
+            self.group,
+            transport=info.transport,
+            checksum=info.checksum,
+            bucket_bytes=info.bucket_bytes,
+            delta=info.delta,
         )
 
     def shutdown(self) -> None:

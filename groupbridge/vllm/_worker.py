@@ -161,12 +161,16 @@ class WorkerEngine(WeightTransferEngine[WorkerInitInfo, UpdateInfo]):
             raise RuntimeError("init_weight_transfer_engine has not been called for backend 'groupbridge'")
         timeout = timedelta(seconds=self.info.timeout_s)
         t0 = time.perf_counter()
-        update = self.receiver.receive(timeout=timeout, accept=self._accept)
+        # vLLM's layerwise reload needs whole layers: a delta update still yields every tensor (only the
+        # changes travel); they are views of the receiver's kept copy then, valid until the next update
+        update = self.receiver.receive(timeout=timeout, accept=self._accept, only_changed=False)
         t1 = time.perf_counter()
         if update.version != update_info.version:
             logger.warning("groupbridge: update_info says version %d, the bridge %d", update_info.version,
                            update.version)  # fmt: skip
-        if self.info.atomic:
+        if self.info.atomic and update.kept:
+            self._staged = list(update)  # views of the kept copy: nothing to stage
+        elif self.info.atomic:
             self._staged = [(name, self._stage(name, t)) for name, t in update]
         else:
             self._stream(update)

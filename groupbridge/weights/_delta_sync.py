@@ -30,7 +30,16 @@ from ._delta import Code
 from .manifest import Manifest
 from .plan import Plan
 
-__all__ = ["BufferStore", "Description", "Policy", "TargetStore", "delta_groups", "wire_plan", "word_counts"]
+__all__ = [
+    "BufferStore",
+    "Description",
+    "Policy",
+    "TargetStore",
+    "delta_digest",
+    "delta_groups",
+    "wire_plan",
+    "word_counts",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +105,12 @@ def delta_groups(plan: Plan) -> list[tuple[int, int]]:
             groups.append((a, k + 1))
             a = k + 1
     return groups
+
+
+def delta_digest(header: Any) -> str:
+    """How a delta is verified: as the sync's header says, and with XXH3-64 where it says nothing (a delta
+    is always checked: a receiver whose copy differs from the sender's must not hold a third model)."""
+    return str(header.verify) or "xxh3"
 
 
 def word_counts(plan: Plan, manifest: Manifest) -> tuple[list[int], list[int]]:

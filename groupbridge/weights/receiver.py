@@ -12,11 +12,19 @@ import torch
 
 from ..codec import dtype_from_name
 from ..control import Deadline
-from ..errors import GroupBridgeError, ProtocolError, TornUpdateError, WeightSyncError
+from ..errors import GroupBridgeError, TornUpdateError, WeightSyncError
 from ..stateless import StatelessGroup
 from . import _bytes, _delta
 from ._copier import Copier
-from ._delta_sync import BufferStore, Description, TargetStore, delta_groups, wire_plan, word_counts
+from ._delta_sync import (
+    BufferStore,
+    Description,
+    TargetStore,
+    delta_digest,
+    delta_groups,
+    wire_plan,
+    word_counts,
+)
 from ._protocol import ACK_TAG, Header, Settled, laid_out_in_place, make_renamer, merged_plan, settle
 from .manifest import Manifest, compare, expected_specs, mismatch_message, tensors_of
 from .plan import Plan, PlanCache
@@ -50,11 +58,16 @@ class WeightUpdate:
     so an engine's ``load_weights`` touches only them.
     """
 
-    def __init__(self, receiver: WeightReceiver, settled: Settled, deadline: Deadline) -> None:
+    def __init__(
+        self, receiver: WeightReceiver, settled: Settled, deadline: Deadline, only_changed: bool = True
+    ) -> None:
         self.version = settled.header.version
         self.manifest = settled.manifest
         self.delta = settled.delta
-        """Only the tensors that changed since the version held will be yielded."""
+        """This update travels as a delta against the version held."""
+        self.kept = settled.header.delta
+        """The yielded tensors are views of the receiver's kept copy: valid until the next sync."""
+        self._only_changed = only_changed
         self._receiver = receiver
         self._settled = settled
         self._deadline = deadline
@@ -65,11 +78,12 @@ class WeightUpdate:
             raise RuntimeError("a WeightUpdate can be iterated once")
         self._started = True
         rcv, (header, manifest, _, delta) = self._receiver, self._settled
+        every = not (delta and self._only_changed)
         if header.delta:
-            pairs = rcv._kept_pairs(header, manifest, delta, self._deadline)
+            pairs = rcv._kept_pairs(header, manifest, delta, every, self._deadline)
         else:
             pairs = rcv._scratch_pairs(header, manifest, self._deadline)
-        return rcv._yield_update(header, manifest, pairs, delta)
+        return rcv._yield_update(header, manifest, pairs, every)
 
 
 class WeightReceiver:
@@ -177,8 +191,7 @@ class WeightReceiver:
         """Receive a delta (see :mod:`._delta_sync`) and apply it to ``store``; yields every changed bucket
         and the entries in it that changed. Each payload's digest is checked before it is applied, and every
         bucket after; a mismatch drains the rest (the sender is still sending) and raises _VerifyFailed."""
-        if not header.verify:
-            raise ProtocolError("a delta sync must be verified, and the header names no digest")
+        kind = delta_digest(header)
         sizes, words = word_counts(plan, manifest)
         failed: str | None = None
         for a, b in delta_groups(plan):
@@ -193,13 +206,13 @@ class WeightReceiver:
                     continue  # the sender is still sending: take the rest, apply nothing
                 i = sources[j]
                 k = a + i
-                if _bytes.digest(view, header.verify, self.group) != desc.wire_digests[j]:
-                    failed = f"the delta of bucket {k} arrived corrupted (its {header.verify} does not match)"
+                if _bytes.digest(view, kind, self.group) != desc.wire_digests[j]:
+                    failed = f"the delta of bucket {k} arrived corrupted (its {kind} does not match)"
                     continue
                 old = store.view(k)
                 code, count, w = desc.codes[i], desc.counts[i], sizes[k]
                 pos = self._copier.run(partial(_delta.apply, old, view, code, count, w))
-                if _bytes.digest(old, header.verify, self.group) != desc.digests[i]:
+                if _bytes.digest(old, kind, self.group) != desc.digests[i]:
                     failed = (
                         f"bucket {k} does not match the sender's version {header.version} after applying the "
                         f"delta: this receiver's copy of version {header.base} differs from the sender's"
@@ -304,6 +317,7 @@ class WeightReceiver:
         allow_stale: bool = False,
         timeout: timedelta | None = None,
         accept: Callable[[Manifest], str | None] | None = None,
+        only_changed: bool = True,
     ) -> WeightUpdate:
         """Start receiving the next version; the returned update yields (name, tensor) as buckets arrive.
 
@@ -311,6 +325,8 @@ class WeightReceiver:
         ``accept`` sees the (renamed) manifest before any bytes move and returns None to take it, or a
         message saying why this receiver cannot: every member then raises ManifestMismatchError with that
         message and the group stays usable (an inference engine uses this to dry-run its own loader).
+        ``only_changed=False``: a delta update yields every tensor too (of the kept copy, once the delta is
+        applied), for an engine whose loader needs whole layers; only the changes travel either way.
 
         Raises:
             ManifestMismatchError: the manifest differs from ``expected``; nothing moved.
@@ -319,10 +335,10 @@ class WeightReceiver:
         """
         deadline = self.group.deadline(timeout)
         settled = self._settle(self.expected, allow_stale, None, deadline, accept, keep=("receive",))
-        return WeightUpdate(self, settled, deadline)
+        return WeightUpdate(self, settled, deadline, only_changed)
 
     def _yield_update(
-        self, header: Header, manifest: Manifest, pairs: Iterator[tuple[int, torch.Tensor]], delta: bool
+        self, header: Header, manifest: Manifest, pairs: Iterator[tuple[int, torch.Tensor]], every: bool
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """Name the (entry, tensor) pairs that ``pairs`` produces (tied names right after their tensor; empty
         tensors last, on a full sync); on success take the version, on any failure tell the peers."""
@@ -339,7 +355,7 @@ class WeightReceiver:
                     yielded.append(name)
                     yield name, t
             for i, e in enumerate(entries):  # empty tensors have no bytes in any bucket
-                if e.alias_of is None and e.nbytes == 0 and not delta:
+                if e.alias_of is None and e.nbytes == 0 and every:
                     t = torch.empty(e.shape, dtype=dtype_from_name(e.wire_dtype), device=self.device)
                     for name in (self._rename(e.name), *aliases.get(i, [])):
                         yielded.append(name)
@@ -387,7 +403,7 @@ class WeightReceiver:
             yield from ready
 
     def _kept_pairs(
-        self, header: Header, manifest: Manifest, delta: bool, deadline: Deadline
+        self, header: Header, manifest: Manifest, delta: bool, every: bool, deadline: Deadline
     ) -> Iterator[tuple[int, torch.Tensor]]:
         """When the sender keeps a base: every bucket lands in (or, a delta, is applied to) this receiver's
         kept copy; tensors are views of it, all of them on a full sync, the changed ones on a delta."""
@@ -411,7 +427,7 @@ class WeightReceiver:
             changed.update(hit)
             for seg in plan.buckets[k]:
                 i, e = seg.index, entries[seg.index]
-                if last[i] == k and i in changed:
+                if last[i] == k and (every or i in changed):
                     dtype = dtype_from_name(e.wire_dtype)
                     yield i, _bytes.typed_view(store.buffer, plan.offsets[i], dtype, e.shape)
 

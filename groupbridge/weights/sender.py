@@ -21,7 +21,7 @@ from ..errors import GroupBridgeError, PeerTimeoutError, TransportUnavailableErr
 from ..stateless import StatelessGroup
 from . import _bytes, _delta
 from ._copier import Copier, Job
-from ._delta_sync import Description, Policy, delta_groups, wire_plan, word_counts
+from ._delta_sync import Description, Policy, delta_digest, delta_groups, wire_plan, word_counts
 from ._protocol import ACK_TAG, Header, laid_out_in_place, make_renamer, merged_plan, refuse, settle
 from .manifest import Manifest, tensors_of
 from .plan import Plan, PlanCache
@@ -92,11 +92,12 @@ class WeightSender:
         delta: send only what changed since the version every receiver acknowledged, when that pays (see
             :class:`._delta_sync.Policy`): buckets are compared bitwise and each travels as the smaller of
             its bytes and an encoding of its changed words; receivers apply it to the version they hold and
-            check the result against the sender's digest of the new bytes. Costs one copy of the model's
+            check the result against the sender's digest of the new bytes (XXH3-64, or the group's MAC;
+            full syncs are verified as ``checksum`` says). Costs one copy of the model's
             wire bytes on this rank (``SyncStats.base_bytes``) and, on receivers, one copy for ``receive()``
             and atomic ``receive_into`` (a streaming ``receive_into`` diffs against its target itself).
             A receiver that holds another version (it missed one, it is new) makes the sync a full one for
-            all; so does a new group. Every sync is verified (XXH3-64, or the group's MAC). ``"always"``
+            all; so does a new group. ``"always"``
             diffs every sync, even where the wire is faster than the diff (tests, benchmarks).
         intra_op_threads: accepted for compatibility and ignored: bulk copies run on a thread the library
             owns, with one intra-op thread (see :mod:`._copier`); the caller's setting is never changed.
@@ -199,7 +200,7 @@ class WeightSender:
             "sync_id": secrets.token_hex(6),
             "transport": self.options[kind].to_wire(),
         }
-        verify = "hmac" if self.group.sealed else ("xxh3" if self.checksum or self.delta else "")
+        verify = "hmac" if self.group.sealed else ("xxh3" if self.checksum else "")
         if self.delta:
             offer = self._base_version if self._base_digest == manifest.digest else None
             options["delta"] = {"base": offer if offer is not None and self._policy.wants_delta() else None}
@@ -279,7 +280,7 @@ class WeightSender:
         if settled.delta:
             assert base is not None
             in_place, wire_bytes, changed = self._transfer_delta(
-                tx, plan, manifest, _Puller(manifest, iter(items)), base, sync, progress, header.verify
+                tx, plan, manifest, _Puller(manifest, iter(items)), base, sync, progress, delta_digest(header)
             )
         else:
             tx.setup(plan, device, sync)
