@@ -166,15 +166,18 @@ def _bench_control(args: argparse.Namespace) -> int:
 
 
 def _bench_delta(args: argparse.Namespace) -> int:
-    from .bench.delta import DeltaConfig, run_delta
+    from .bench.delta import MODES, DeltaConfig, run_delta
 
     shape = "tiny" if args.quick else args.shape
     rounds = 2 if args.quick else args.rounds
     if args.simulate_hosts:
-        runs = [dict(transport="relay", receivers=args.simulate_hosts - 1, hosts_rate=args.link_rate)]
+        # every host lives on this one machine: receivers stream into their targets (no kept copy) and
+        # delta_always is left out, or the model's copies would not fit in memory
+        runs = [dict(transport="relay", receivers=args.simulate_hosts - 1, hosts_rate=args.link_rate,
+                     modes=("full", "delta"), atomic=False)]  # fmt: skip
     else:
         transports = ["broadcast", "shm"] if args.transport is None else [args.transport]
-        runs = [dict(transport=t, receivers=1, hosts_rate=None) for t in transports]
+        runs = [dict(transport=t, receivers=1, hosts_rate=None, modes=MODES, atomic=True) for t in transports]
     records: list[dict[str, Any]] = []
     for run in runs:
         cfg = DeltaConfig(shape=shape, rounds=rounds, **run)  # type: ignore[arg-type]

@@ -344,3 +344,19 @@ def test_policy_takes_deltas_where_the_link_is_slower_than_the_diff() -> None:
     slow.record_delta(2.0, 10**9, 6 * 10**8, 0.3)  # most of the model changes: a full sync is cheaper
     assert not slow.wants_delta()
     assert Policy(always=True).wants_delta()
+
+
+def test_policy_refreshes_the_base_now_and_then_while_full_syncs_win() -> None:
+    from groupbridge.weights._delta_sync import Policy
+
+    p = Policy()
+    kept = []
+    for _ in range(2):  # warm-up: full syncs that keep the base
+        p.wants_delta()
+        kept.append(p.keep_base())
+        p.record_full(1.0, 10**9)
+    p.record_sample(1.0, 10**8, 0.03)  # the diff is far slower than the link
+    for _ in range(16):
+        assert not p.wants_delta()
+        kept.append(p.keep_base())
+    assert kept[:2] == [True, True] and sum(kept[2:]) == 4, kept  # two in a row out of every eight

@@ -156,6 +156,7 @@ class Policy:
     """
 
     WARM_FULL_SYNCS = 2
+    REFRESH = 8
 
     SAMPLE_BYTES = 8 << 20
     """The slice of one bucket diffed during a full sync to measure the diff (about 1% of a sync here)."""
@@ -172,8 +173,14 @@ class Policy:
         self.factor = 1.5
         """A delta sync's time over its diff time alone, learnt from the deltas made."""
         self.full_syncs = 0
+        self.chose_delta = False
+        self._full_run = 0
 
     def wants_delta(self) -> bool:
+        self.chose_delta = self._wants_delta()
+        return self.chose_delta
+
+    def _wants_delta(self) -> bool:
         if self.always:
             return True
         if self.full_syncs < self.WARM_FULL_SYNCS or self.full_spb is None:
@@ -182,6 +189,16 @@ class Policy:
             self.diff_spb = _calibrate()
         predicted = self.diff_spb * self.factor + min(1.0, 3 * self.changed) * self.full_spb
         return predicted < self.margin * self.full_spb
+
+    def keep_base(self) -> bool:
+        """Whether this full sync refreshes the sender's base. Packing into the base costs nothing over the
+        network, but a copy more into shared memory (or from a ``flatten_``-ed model): while full syncs win,
+        the base is refreshed on two syncs in a row out of every :data:`REFRESH` (the second samples the
+        diff), so the policy keeps measuring at a fraction of the cost."""
+        self._full_run = 0 if self.chose_delta else self._full_run + 1
+        if self.always or self.chose_delta or self.full_syncs < self.WARM_FULL_SYNCS:
+            return True
+        return self._full_run % self.REFRESH in (0, self.REFRESH - 1)
 
     def record_full(self, seconds: float, model_bytes: int) -> None:
         self.full_spb = seconds / max(model_bytes, 1)

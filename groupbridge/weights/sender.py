@@ -203,7 +203,8 @@ class WeightSender:
         verify = "hmac" if self.group.sealed else ("xxh3" if self.checksum else "")
         if self.delta:
             offer = self._base_version if self._base_digest == manifest.digest else None
-            options["delta"] = {"base": offer if offer is not None and self._policy.wants_delta() else None}
+            wants = self._policy.wants_delta()
+            options["delta"] = {"base": offer if wants else None}
         header = Header(
             version, manifest.digest, self.bucket_bytes, self.solo_bytes, kind, verify,
             plan.total_bytes, options,
@@ -275,7 +276,11 @@ class WeightSender:
             plan = merged_plan(manifest)
         t0 = time.perf_counter()
         sample = self.delta and self._base_version is not None and not settled.delta
-        base = self._keep_base(plan, device) if self.delta else None
+        base = None
+        if self.delta and (settled.delta or self._policy.keep_base()):
+            base = self._keep_base(plan, device)
+        elif self.delta:  # a full sync that does not refresh the base: the next one cannot be a delta
+            self._base_version = None
         sync = Sync(header.sync_id, deadline, self.options[header.transport])
         if settled.delta:
             assert base is not None
@@ -302,7 +307,8 @@ class WeightSender:
             err.agreed = True  # type: ignore[attr-defined]
             raise err
         if self.delta:
-            self._base_version, self._base_digest = version, manifest.digest
+            if base is not None:
+                self._base_version, self._base_digest = version, manifest.digest
             if settled.delta:
                 self._policy.record_delta(seconds, plan.total_bytes, wire_bytes, changed)
             else:
