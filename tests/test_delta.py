@@ -224,7 +224,9 @@ def test_new_receiver_gets_a_full_sync_and_the_others_too(transport: str) -> Non
 
 
 def _corrupted(rank: int, host: str, ports: Any, how: str) -> Any:
-    with make_group(rank, 2, host, ports) as g:
+    """``wire``: one payload is corrupted on its way. ``target``: rank 2's target no longer holds version 1
+    (rank 1's does): rank 2 misses version 2, so version 3 is a full sync for both."""
+    with make_group(rank, 2 if how == "wire" else 3, host, ports) as g:
         if rank == 0:
             snd = gb.WeightSender(g, transport="broadcast", bucket_bytes=16 << 10, delta="always")
             snd.send(_layers(1, 1), version=1)
@@ -241,7 +243,7 @@ def _corrupted(rank: int, host: str, ports: Any, how: str) -> Any:
         target = _layers(0)
         rcv.receive_into(target, atomic=how == "wire")
         before = {k: t.clone() for k, t in target.items()}
-        if how == "target":  # the target no longer holds version 1: the delta cannot apply to it
+        if how == "target" and rank == 2:  # the target no longer holds version 1: the delta cannot apply
             target["w7"][3, 3] += 1
         try:
             rcv.receive_into(target, atomic=how == "wire")
@@ -268,12 +270,14 @@ def test_corrupted_delta_detected_before_it_is_applied() -> None:
 
 
 @pytest.mark.timeout(60)
-def test_a_receiver_whose_copy_differs_raises_instead_of_holding_another_model() -> None:
-    res = run_ranks(_corrupted, 2, "127.0.0.1", CTX.Queue(), "target", timeout=50)
+def test_a_receiver_whose_copy_differs_raises_and_the_next_sync_is_full() -> None:
+    res = run_ranks(_corrupted, 3, "127.0.0.1", CTX.Queue(), "target", timeout=50)
     first, *later = res[0]
-    assert "not applied everywhere" in first and "differs from the sender's" in first, first
-    assert later == [False, True]
-    (kind, msg), held, exact = res[1]
+    assert "not applied everywhere" in first and "rank 2:" in first and "rank 1:" not in first, first
+    assert "differs from the sender's" in first
+    assert later == [False, True]  # receivers on versions 1 and 2: a full sync for both, then deltas
+    assert res[1] == ("no error", 2, True)
+    (kind, msg), held, exact = res[2]
     assert kind == "torn" and "TORN" in msg and "differs from the sender's" in msg, msg
     assert held == 1 and exact
 
@@ -335,13 +339,13 @@ def test_policy_takes_deltas_where_the_link_is_slower_than_the_diff() -> None:
         p.record_full(full_s * 3, 10**9)  # the first one is cold: not trusted
         assert not p.wants_delta()
         p.record_full(full_s, 10**9)
-        p.record_sample(0.0125, 8 << 20, 0.03)  # a diff at about 0.7 GB/s, 3% changed
+        p.record_sample(0.0125, 8 << 20, 0.03, 6 << 18)  # a diff at about 0.7 GB/s, 3% changed
     assert slow.wants_delta() and not fast.wants_delta()
     slow.record_delta(9.0, 10**9, 10**8, 0.03)  # deltas turned out slow (a loaded machine): learnt
     assert not slow.wants_delta()
     slow.record_delta(2.0, 10**9, 6 * 10**7, 0.03)
     assert slow.wants_delta()
-    slow.record_delta(2.0, 10**9, 6 * 10**8, 0.3)  # most of the model changes: a full sync is cheaper
+    slow.record_delta(9.0, 10**9, 6 * 10**8, 0.3)  # most of the model changed: a full sync is cheaper
     assert not slow.wants_delta()
     assert Policy(always=True).wants_delta()
 
@@ -355,7 +359,7 @@ def test_policy_refreshes_the_base_now_and_then_while_full_syncs_win() -> None:
         p.wants_delta()
         kept.append(p.keep_base())
         p.record_full(1.0, 10**9)
-    p.record_sample(1.0, 10**8, 0.03)  # the diff is far slower than the link
+    p.record_sample(1.0, 10**8, 0.03, 6 * 10**6)  # the diff is far slower than the link
     for _ in range(16):
         assert not p.wants_delta()
         kept.append(p.keep_base())

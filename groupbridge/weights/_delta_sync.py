@@ -146,9 +146,10 @@ class Policy:
     both per model byte and takes the delta when it is clearly cheaper (under ``margin`` of a full sync):
 
     - full: the measured time of the last full sync;
-    - delta: the diff's measured speed (a small slice of one bucket is diffed during every full sync, and a
+    - delta: the diff's measured speed (a small slice of one bucket is diffed during full syncs, and a
       synthetic one before the first) times a factor learnt from the delta syncs made (receivers' apply and
-      everything else a delta adds), plus the changed bytes at the full sync's speed.
+      everything else a delta adds), plus the encoded bytes (as the slice or the last delta encoded) at the
+      full sync's speed.
 
     The first sync of a sender is always a full one, and a cold one (buffers touched for the first time on
     every member, transports set up): its time overstates the link's cost, so the policy decides from the
@@ -170,6 +171,8 @@ class Policy:
         """Seconds per byte of diffing one bucket on one thread."""
         self.changed = 0.05
         """Fraction of words changed, last seen (a guess until a sample or a delta says)."""
+        self.wire = 0.15
+        """A delta's bytes on the wire over the model's, last seen (the sample's encoding, or a delta's)."""
         self.factor = 1.5
         """A delta sync's time over its diff time alone, learnt from the deltas made."""
         self.full_syncs = 0
@@ -187,7 +190,7 @@ class Policy:
             return False
         if self.diff_spb is None:
             self.diff_spb = _calibrate()
-        predicted = self.diff_spb * self.factor + min(1.0, 3 * self.changed) * self.full_spb
+        predicted = self.diff_spb * self.factor + self.wire * self.full_spb
         return predicted < self.margin * self.full_spb
 
     def keep_base(self) -> bool:
@@ -204,12 +207,14 @@ class Policy:
         self.full_spb = seconds / max(model_bytes, 1)
         self.full_syncs += 1
 
-    def record_sample(self, seconds: float, nbytes: int, changed: float) -> None:
+    def record_sample(self, seconds: float, nbytes: int, changed: float, wire_bytes: int) -> None:
         self.diff_spb = seconds / max(nbytes, 1)
         self.changed = changed
+        self.wire = wire_bytes / max(nbytes, 1)
 
     def record_delta(self, seconds: float, model_bytes: int, wire_bytes: int, changed: float) -> None:
         self.changed = changed
+        self.wire = wire_bytes / max(model_bytes, 1)
         if self.diff_spb is not None and self.full_spb is not None:
             wire = wire_bytes * self.full_spb
             self.factor = max(0.5, (seconds - wire) / max(model_bytes, 1) / self.diff_spb)

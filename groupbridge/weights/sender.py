@@ -475,7 +475,9 @@ class WeightSender:
         m = min(old.numel(), Policy.SAMPLE_BYTES) // w * w
         t0 = time.perf_counter()
         enc = _delta.encode(new[:m], old[:m], w)
-        self._policy.record_sample(time.perf_counter() - t0, m, enc.count / max(enc.words, 1))
+        seconds = time.perf_counter() - t0
+        wire = _delta.payload_nbytes(enc.code, enc.count, enc.words, w)
+        self._policy.record_sample(seconds, m, enc.count / max(enc.words, 1), wire)
         old[m:].copy_(new[m:])
 
     def _diff_workers(self) -> list[Copier]:
