@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 
-from ..codec import dtype_from_name
 from ..control import Deadline
 from ..errors import GroupBridgeError, PeerTimeoutError, TransportUnavailableError, WeightSyncError
 from ..stateless import StatelessGroup
@@ -23,6 +22,7 @@ from . import _bytes, _delta
 from ._copier import Copier, Job
 from ._delta_sync import Description, Policy, delta_digest, delta_groups, wire_plan, word_counts
 from ._protocol import ACK_TAG, Header, laid_out_in_place, make_renamer, merged_plan, refuse, settle
+from ._source import Puller
 from .manifest import Manifest, tensors_of
 from .plan import Plan, PlanCache
 from .transports import TRANSPORTS, Sync, TransportOptions, TxTransport, across_hosts, choose
@@ -285,11 +285,11 @@ class WeightSender:
         if settled.delta:
             assert base is not None
             in_place, wire_bytes, changed = self._transfer_delta(
-                tx, plan, manifest, _Puller(manifest, iter(items)), base, sync, progress, delta_digest(header)
+                tx, plan, manifest, Puller(manifest, iter(items)), base, sync, progress, delta_digest(header)
             )
         else:
             tx.setup(plan, device, sync)
-            puller = _Puller(manifest, iter(items))
+            puller = Puller(manifest, iter(items))
             in_place, digests = self._transfer(tx, plan, puller, progress, header.verify, base, sample)
             if header.verify:
                 self.group.broadcast_obj(digests, src=self.src, timeout=deadline)
@@ -351,7 +351,7 @@ class WeightSender:
         tx: TxTransport,
         plan: Plan,
         manifest: Manifest,
-        puller: _Puller,
+        puller: Puller,
         base: torch.Tensor,
         sync: Sync,
         progress: Callable[[int, int], None] | None,
@@ -466,7 +466,7 @@ class WeightSender:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _sample(self, old: torch.Tensor, plan: Plan, k: int, puller: _Puller) -> None:
+    def _sample(self, old: torch.Tensor, plan: Plan, k: int, puller: Puller) -> None:
         """Pack bucket ``k`` into scratch and bring ``old`` (its base) up to it, diffing a slice on the
         way."""
         new = self._scratch.get("delta-new0", old.numel(), old.device)
@@ -491,7 +491,7 @@ class WeightSender:
         self,
         tx: TxTransport,
         plan: Plan,
-        puller: _Puller,
+        puller: Puller,
         progress: Callable[[int, int], None] | None,
         verify: str,
         base: torch.Tensor | None,
@@ -530,56 +530,6 @@ class WeightSender:
         tx.finish()
         puller.pull_through(len(puller.entries) - 1)  # trailing aliases and empty tensors
         return in_place, digests
-
-
-class _Puller:
-    """Pulls (name, tensor) pairs from the source as buckets need them, checking each against the manifest;
-    a lazy source's tensor is released as soon as its last bucket is sent."""
-
-    def __init__(self, manifest: Manifest, items: Iterator[tuple[str, torch.Tensor]]) -> None:
-        self.manifest = manifest
-        self.entries = manifest.entries
-        self.wire = [dtype_from_name(e.wire_dtype) for e in self.entries]
-        self.live: list[torch.Tensor | None] = [None] * len(self.entries)
-        """The source's tensors, as they are (cast to the wire dtype only when packed)."""
-        self.direct: list[torch.Tensor | None] = [None] * len(self.entries)
-        """The tensors already contiguous in their wire dtype: the ones a bucket may be sent from in place."""
-        self._items = items
-        self._pulled = 0
-        self._last_bucket: list[int] | None = None
-
-    def pull_through(self, index: int) -> None:
-        entries = self.entries
-        while self._pulled <= index:
-            try:
-                name, t = next(self._items)
-            except StopIteration:
-                raise ValueError(
-                    f"the named tensors ended after {self._pulled} of {len(entries)} entries of the manifest"
-                ) from None
-            e = entries[self._pulled]
-            if name != e.name or tuple(t.shape) != e.shape or str(t.dtype).removeprefix("torch.") != e.dtype:
-                raise ValueError(
-                    f"tensor #{self._pulled} is {name!r} {list(t.shape)} {t.dtype}; the manifest says "
-                    f"{e.name!r} {list(e.shape)} {e.dtype} (the order and shapes must not change)"
-                )
-            if e.alias_of is None and e.nbytes:
-                src = t.detach()
-                if src.dtype == self.wire[self._pulled]:
-                    src = src.contiguous()
-                    self.direct[self._pulled] = src
-                self.live[self._pulled] = src
-            self._pulled += 1
-
-    def release(self, plan: Plan, k: int) -> None:
-        if self._last_bucket is None:
-            self._last_bucket = [-1] * len(self.entries)
-            for j, segs in enumerate(plan.buckets):
-                for seg in segs:
-                    self._last_bucket[seg.index] = j
-        for seg in plan.buckets[k]:
-            if self._last_bucket[seg.index] == k:
-                self.live[seg.index] = self.direct[seg.index] = None
 
 
 def _peek_device(
