@@ -27,7 +27,6 @@ class Puller:
         """The tensors already contiguous in their wire dtype: the ones a bucket may be sent from in place."""
         self._items = items
         self._pulled = 0
-        self._last_bucket: list[int] | None = None
 
     def pull_through(self, index: int) -> None:
         entries = self.entries
@@ -53,11 +52,7 @@ class Puller:
             self._pulled += 1
 
     def release(self, plan: Plan, k: int) -> None:
-        if self._last_bucket is None:
-            self._last_bucket = [-1] * len(self.entries)
-            for j, segs in enumerate(plan.buckets):
-                for seg in segs:
-                    self._last_bucket[seg.index] = j
+        """Drop the tensors whose last bytes are in bucket ``k`` (sent or diffed by now)."""
         for seg in plan.buckets[k]:
-            if self._last_bucket[seg.index] == k:
+            if seg.tensor_offset + seg.nbytes == self.entries[seg.index].nbytes:
                 self.live[seg.index] = self.direct[seg.index] = None

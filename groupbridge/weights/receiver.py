@@ -410,10 +410,6 @@ class WeightReceiver:
         plan = self._plan(manifest, header)
         entries = manifest.entries
         store = BufferStore(self._buffers.get("base", plan.total_bytes, self.device), plan)
-        last = [-1] * len(entries)
-        for k, segs in enumerate(plan.buckets):
-            for seg in segs:
-                last[seg.index] = k
         if delta:
             landed = self._delta_buckets(header, manifest, plan, store, self.device, deadline)
         else:
@@ -427,7 +423,7 @@ class WeightReceiver:
             changed.update(hit)
             for seg in plan.buckets[k]:
                 i, e = seg.index, entries[seg.index]
-                if last[i] == k and (every or i in changed):
+                if seg.tensor_offset + seg.nbytes == e.nbytes and (every or i in changed):  # its last bytes
                     dtype = dtype_from_name(e.wire_dtype)
                     yield i, _bytes.typed_view(store.buffer, plan.offsets[i], dtype, e.shape)
 
@@ -576,12 +572,7 @@ class WeightReceiver:
                         )
                     else:
                         self._copier.run(lambda k=k, view=view: unpack(k, view))  # type: ignore[misc]
-                for i, e in enumerate(entries):
-                    if e.alias_of is not None:
-                        j = manifest.sources[i]
-                        if dest[i].data_ptr() != dest[j].data_ptr() and dest[j].numel():
-                            dest[i].copy_(dest[j])
-                        written.append(self._rename(e.name))
+                written += [self._rename(entries[i].name) for i in _fill_aliases(manifest, dest)]
         except BaseException as err:
             shown = ", ".join(written[:20]) + (
                 f" ... and {len(written) - 20} more" if len(written) > 20 else ""
@@ -605,12 +596,7 @@ class WeightReceiver:
                 for _, hit in self._delta_buckets(header, manifest, plan, store, device, deadline):
                     written.extend(self._rename(entries[i].name) for i in hit if i not in changed)
                     changed.update(hit)
-                for i, e in enumerate(entries):
-                    j = manifest.sources[i]
-                    if e.alias_of is not None and j in changed:
-                        if dest[i].data_ptr() != dest[j].data_ptr():
-                            dest[i].copy_(dest[j])
-                        written.append(self._rename(e.name))
+                written += [self._rename(entries[i].name) for i in _fill_aliases(manifest, dest, changed)]
         except BaseException as err:
             self._gave_up(err, f"receiving version {header.version}", TornUpdateError(
                 f"receiving version {header.version} as a delta failed: {type(err).__name__}: {err}; the "
@@ -618,6 +604,20 @@ class WeightReceiver:
                 f"the version held is still {self.version}",
                 written=written,
             ))  # fmt: skip
+
+
+def _fill_aliases(manifest: Manifest, dest: list[torch.Tensor], only: set[int] | None = None) -> list[int]:
+    """Copy each tied name's tensor into its own storage where the target keeps it apart (the sources in
+    ``only``, when given); returns the tied entries written."""
+    done = []
+    for i, e in enumerate(manifest.entries):
+        j = manifest.sources[i]
+        if e.alias_of is None or (only is not None and j not in only):
+            continue
+        if dest[i].data_ptr() != dest[j].data_ptr() and dest[j].numel():
+            dest[i].copy_(dest[j])
+        done.append(i)
+    return done
 
 
 def _wire_typed(d: torch.Tensor, e: Any) -> bool:
