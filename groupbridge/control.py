@@ -14,6 +14,16 @@ Two shapes of message: *keys* (``put``/``get``: read by several ranks, deleted b
 read them) and *queues* (``push``/``pop``: one reader per queue; popping consumes the message, so nothing
 is left to delete and the reader usually needs one round trip, not two). Objects between members travel
 in queues; weight-sync signals, barriers and gathers use keys.
+
+Two rules keep torch's store from waking a wait early (its server leaves a client registered on a queue it
+once waited on, and a later push to that queue ends whatever that client waits for next, after which a
+read of a key not yet written returns an empty value):
+
+- the channel never waits on a queue itself: a reader with nothing to pop waits on the queue's *bell*, a
+  key the pusher sets after every message; the reader deletes it before it looks again and waits (one
+  reader per queue, so no one else can take the ring meant for it);
+- no value written through the channel is empty, so an empty read means "not there yet" and the wait
+  goes on, whatever woke it.
 """
 
 from __future__ import annotations
@@ -111,6 +121,9 @@ class ControlChannel:
     def key(self, key: str) -> str:
         return f"{self.prefix}/{key}"
 
+    def _bell(self, queue: str) -> str:
+        return self.key(f"bell/{queue}")
+
     # ------------------------------------------------------------------ plumbing
 
     def call(self, fn: Callable[[], T], what: str) -> T:
@@ -145,10 +158,15 @@ class ControlChannel:
 
     # ------------------------------------------------------------------ writes
 
+    def _sealed(self, full: str, payload: bytes) -> bytes:
+        if not payload:
+            raise ValueError(f"an empty value for {full!r}: the store reads a missing key as empty")
+        return self.sealer.seal(full, payload)
+
     def put(self, key: str, payload: bytes, what: str) -> None:
-        """Write ``key`` and return once the store has it (one round trip)."""
+        """Write ``key`` (a non-empty ``payload``) and return once the store has it (one round trip)."""
         full = self.key(key)
-        data = self.sealer.seal(full, payload)
+        data = self._sealed(full, payload)
         store = self.client.get()
 
         def write() -> None:
@@ -158,9 +176,10 @@ class ControlChannel:
         self.call(write, what)
 
     def post(self, key: str, payload: bytes, what: str) -> None:
-        """Write ``key`` without waiting for the store (for hints whose loss only costs time)."""
+        """Write ``key`` (a non-empty ``payload``) without waiting for the store (the next acknowledged call
+        on this connection is answered after it)."""
         full = self.key(key)
-        data = self.sealer.seal(full, payload)
+        data = self._sealed(full, payload)
         store = self.client.get()
         self.call(lambda: store.set(full, data), what)  # type: ignore[arg-type]
 
@@ -169,15 +188,18 @@ class ControlChannel:
         round trip, whatever the number of queues).
 
         The seal covers ``binding`` (the channel, e.g. ``bc/<src>``) and ``seq``, so a message moved to
-        another channel fails the check and a stale or replayed one is recognised by its number.
+        another channel fails the check and a stale or replayed one is recognised by its number. Each
+        queue's bell rings after its message is in (see the module docstring).
         """
         item = self.sealer.seal(self.key(binding), _SEQ.pack(seq) + payload)
         store = self.client.get()
         full = [self.key(q) for q in queues]
+        bells = [self._bell(q) for q in queues]
 
         def write() -> None:
-            for q in full:
+            for q, bell in zip(full, bells, strict=True):
                 store.queue_push(q, item)  # type: ignore[arg-type]
+                store.set(bell, "1")
             store.check(full[-1:])  # answered after the pushes were applied: the acknowledgement
 
         self.call(write, what)
@@ -185,8 +207,9 @@ class ControlChannel:
     def pop(self, queue: str, seq: int, owner: int, deadline: Deadline, what: str, *, binding: str) -> bytes:
         """Message number ``seq`` of ``queue`` (pushed by ``owner``), consumed.
 
-        One round trip when the message is already there, else one bounded server-side wait. Forged
-        messages and stale ones (numbered below ``seq``: left by a wait that gave up) are dropped.
+        One round trip when the message is already there, else one bounded server-side wait on the
+        queue's bell. Forged messages and stale ones (numbered below ``seq``: left by a wait that gave up)
+        are dropped.
 
         Raises:
             PeerTimeoutError: the deadline passed (names ``owner``).
@@ -199,30 +222,39 @@ class ControlChannel:
         store = self.client.get()
         full = self.key(queue)
         bound = self.key(binding)
+        bell = self._bell(queue)
 
-        def take(block: bool) -> bytes | None:
+        def take() -> bytes | None:
             try:
-                return bytes(store.queue_pop(full, block=block))
+                return bytes(store.queue_pop(full, block=False))
             except QueueEmptyError:
                 return None
 
+        def wait_and_take() -> bytes | None:
+            store.delete_key(bell)  # rung for a message taken already, or for this one: look again
+            raw = take()
+            if raw is None:  # the push that comes next rings the bell after it
+                store.wait([bell])
+                raw = take()
+            return raw
+
         self._awaiting((owner,))
         try:
-            block = False
+            wait = False
             while True:
                 left = deadline.left()
                 if left <= 0:
                     raise self._late(what, [owner], deadline)
-                if block:
+                if wait:
                     store.set_timeout(timedelta(seconds=left))
                 try:
-                    raw = self.call(lambda block=block: take(block), what)  # type: ignore[misc]
+                    raw = self.call(wait_and_take if wait else take, what)
                 except StoreUnreachableError as e:
                     if deadline.left() < 0.01 and not self.client.interrupted:
                         raise self._late(what, [owner], deadline) from e
                     raise
+                wait = raw is None
                 if raw is None:
-                    block = True
                     continue
                 try:
                     body = self.sealer.open(bound, raw)
@@ -291,14 +323,17 @@ class ControlChannel:
                     raise
                 forged = False
                 for i, value in zip(pending, raw, strict=True):
+                    if not value:  # not written yet: the store's wait ended early (see the module docstring)
+                        continue
                     try:
                         out[i] = self.sealer.open(full[i], bytes(value))
                     except ForgedMessageError:
                         forged = True
                         self._forged(keys[i])
-                if not forged:
+                if all(v is not None for v in out):
                     return [v for v in out if v is not None]
-                time.sleep(_FORGED_RETRY_S)
+                if forged:
+                    time.sleep(_FORGED_RETRY_S)
         finally:
             self._awaiting(())
 

@@ -596,7 +596,7 @@ class StatelessGroup:
             return
         seq = self._next_seq()
         keys = [f"bar/{seq}/{r}" for r in range(self.world_size)]
-        self.control.post(keys[self.rank], b"", "barrier")
+        self.control.post(keys[self.rank], b"1", "barrier")
         others = [r for r in range(self.world_size) if r != self.rank]
         self.control.get([keys[r] for r in others], others, self.deadline(timeout), "the barrier")
         self._done_collective(seq, keys, flush=True)

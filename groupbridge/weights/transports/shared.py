@@ -347,7 +347,7 @@ class SharedRx:
         return mapped[offset : offset + nbytes]
 
     def _done(self, k: int) -> None:
-        self.group.control.post(f"wx/{self._sid}/done/{k}/{self.group.rank}", b"", f"bucket {k} done")
+        self.group.control.post(f"wx/{self._sid}/done/{k}/{self.group.rank}", b"1", f"bucket {k} done")
 
     def close(self) -> None:
         self._slots = []
