@@ -235,7 +235,7 @@ class WeightReceiver:
         rx = self._transports.get(header.transport)
         if rx is None:
             rx = self._transports[header.transport] = chosen.make_rx(self.group, self.src)
-        rx.setup(plan, device, Sync(header.sync_id, deadline, options))
+        rx.setup(plan, device, Sync(header.sync_id, deadline, options, self._copy))
         self._scratch_buffers = rx.scratch_buffers
         return rx
 
@@ -294,6 +294,10 @@ class WeightReceiver:
         if not isinstance(cause, Exception):
             raise cause
         raise error from cause
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """A transport's bulk copy, on the copy thread (see :attr:`.transports.base.Sync.copy`)."""
+        self._copier.run(lambda: dst.copy_(src))
 
     def close(self) -> None:
         """Release transport mappings, buffers and the copy thread. The group stays open."""
@@ -395,8 +399,9 @@ class WeightReceiver:
                     ready.append((seg.index, _bytes.typed_view(view, seg.bucket_offset, dtype, e.shape)))
                     continue
                 full = assembling.setdefault(seg.index, torch.empty(e.shape, dtype=dtype, device=self.device))
-                _bytes.byte_view(full)[seg.tensor_offset : seg.tensor_offset + seg.nbytes].copy_(
-                    view[seg.bucket_offset : seg.bucket_offset + seg.nbytes]
+                self._copy(
+                    _bytes.byte_view(full)[seg.tensor_offset : seg.tensor_offset + seg.nbytes],
+                    view[seg.bucket_offset : seg.bucket_offset + seg.nbytes],
                 )
                 if seg.tensor_offset + seg.nbytes == e.nbytes:
                     ready.append((seg.index, assembling.pop(seg.index)))

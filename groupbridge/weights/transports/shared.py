@@ -143,6 +143,7 @@ class SharedTx:
         self._gen = 0
         self._sid = ""
         self._deadline: Deadline | None = None
+        self._copy: Any = None
         self._posted = 0
         self._receivers = [r for r in range(group.world_size) if r != group.rank]
         self.external = 0
@@ -167,6 +168,7 @@ class SharedTx:
 
     def setup(self, plan: Plan, device: torch.device, sync: Sync) -> None:
         self._deadline = sync.deadline
+        self._copy = sync.copy
         self._sid = sync.sync_id
         self._posted = 0
         self.external = 0
@@ -224,7 +226,7 @@ class SharedTx:
             self.external += 1
         elif view.data_ptr() != slot.data_ptr():
             self._wait_free(k)
-            slot[: view.numel()].copy_(view)
+            self._copy(slot[: view.numel()], view)
         _sync(slot)
         self.group.control.put(self._key("ready", k), json.dumps(signal).encode(), "signalling a bucket")
         self._posted = k + 1
@@ -253,11 +255,13 @@ class SharedRx:
         self._slots: list[torch.Tensor] = []
         self._gen = 0
         self._sid = ""
+        self._copy: Any = None
         self._sources: dict[tuple[int, int], torch.Tensor] = {}
         """The sender's own shared storages mapped during the current sync (dropped at the next)."""
 
     def setup(self, plan: Plan, device: torch.device, sync: Sync) -> None:
         self._sid = sync.sync_id
+        self._copy = sync.copy
         deadline = sync.deadline
         n_slots = sync.options.slots
         self._sources.clear()
@@ -317,7 +321,7 @@ class SharedRx:
             if landed.landing is Landing.SCRATCH and view.device == slot.device:
                 yield k, slot, False
             else:
-                view.copy_(slot)
+                self._copy(view, slot)
                 _sync(view)
                 self._done(k)
                 yield k, view, landed.in_place
