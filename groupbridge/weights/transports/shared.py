@@ -129,6 +129,14 @@ def _sync(t: torch.Tensor) -> None:
         torch.cuda.current_stream(t.device).synchronize()
 
 
+def _stream_id(sync_id: str, previous: str) -> str:
+    """Names the signal keys of one ``setup``: ``<sync id>/<n>``, n counting the setups of that sync (a delta
+    sync sets up once per group). A key is never reused, so a signal sealed for one group or sync cannot pass
+    for another's."""
+    sid, _, n = previous.rpartition("/")
+    return f"{sync_id}/{int(n) + 1 if sid == sync_id else 0}"
+
+
 def _int(d: Any, key: str, limit: int = 1 << 62) -> int:
     return wire_int(d, key, "bucket signal", 0, limit)
 
@@ -169,7 +177,7 @@ class SharedTx:
     def setup(self, plan: Plan, device: torch.device, sync: Sync) -> None:
         self._deadline = sync.deadline
         self._copy = sync.copy
-        self._sid = sync.sync_id
+        self._sid = _stream_id(sync.sync_id, self._sid)
         self._posted = 0
         self.external = 0
         self.reserve(plan, device)
@@ -260,7 +268,7 @@ class SharedRx:
         """The sender's own shared storages mapped during the current sync (dropped at the next)."""
 
     def setup(self, plan: Plan, device: torch.device, sync: Sync) -> None:
-        self._sid = sync.sync_id
+        self._sid = _stream_id(sync.sync_id, self._sid)
         self._copy = sync.copy
         deadline = sync.deadline
         n_slots = sync.options.slots
