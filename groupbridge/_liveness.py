@@ -36,7 +36,8 @@ def status_key(rank: int) -> str:
 
 
 class Finding:
-    """What broke the group: ``kind`` is "aborted", "silent" or "store"; ``rank`` whom it concerns."""
+    """What broke the group: ``kind`` is "aborted", "silent", "closed", "store" or "crashed" (the watcher
+    itself failed); ``rank`` whom it concerns."""
 
     __slots__ = ("kind", "rank", "text")
 
@@ -97,6 +98,8 @@ class Watcher:
         """Per peer: its last counter and when (this clock) it last changed."""
         self.closed: set[int] = set()
         self.finding: Finding | None = None
+        self.error: BaseException | None = None
+        """What ended this watcher's thread, if anything but :meth:`stop` did."""
         self.stopped_for = 0.0
         """The longest gap in this watcher's own polling (this process stopped), in seconds."""
         self.awaited: tuple[int, ...] = ()
@@ -118,6 +121,23 @@ class Watcher:
         self._state = (state, reason)
 
     def _run(self) -> None:
+        """The watcher's loop; whatever ends it other than :meth:`stop` is a finding, never a silent exit."""
+        try:
+            self._loop()
+        except BaseException as e:  # recorded and reported on the next call on the group (errored())
+            if self._stop.is_set():
+                return
+            self.error = e
+            logger.error("rank %d: the liveness watcher failed", self.rank, exc_info=True)
+            self._found(
+                Finding(
+                    "crashed",
+                    self.rank,
+                    f"rank {self.rank}'s liveness watcher failed: {type(e).__name__}: {e}",
+                )
+            )
+
+    def _loop(self) -> None:
         store = self.client.get()
         keys = [self._key(r) for r in self.peers]
         mine = self._key(self.rank)
@@ -138,7 +158,7 @@ class Watcher:
                 raws = store.multi_get(keys) if keys else []
                 if self._collect is not None:
                     self._collect(self.client)
-            except RuntimeError as e:
+            except (RuntimeError, OSError) as e:  # torch's store errors, as they enter
                 if self._stop.is_set():
                     return
                 silent = time.monotonic() - self._last_ok

@@ -16,6 +16,7 @@ __all__ = [
     "PeerTimeoutError",
     "ProtocolError",
     "StoreUnreachableError",
+    "SyncRefusedError",
     "TornUpdateError",
     "TransportUnavailableError",
     "WeightSyncError",
@@ -58,7 +59,13 @@ class WeightSyncError(GroupBridgeError):
     """A weight sync failed; the receiver's held version is unchanged."""
 
 
-class ManifestMismatchError(WeightSyncError):
+class SyncRefusedError(WeightSyncError):
+    """A weight sync that every member ended the same way and knows it: refused before any byte moved (a
+    receiver's verdict), or finished with some receiver refusing the bytes it got. The group stays usable:
+    nobody aborts it, and the next sync may follow at once."""
+
+
+class ManifestMismatchError(SyncRefusedError):
     """The sender's manifest does not match what a receiver expects; nothing was sent."""
 
 

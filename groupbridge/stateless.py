@@ -384,7 +384,17 @@ class StatelessGroup:
         text = f"rank {self.rank} of {self._where()}: {finding.text}{suspended}"
         if finding.kind == "store":
             return StoreUnreachableError(text)
+        if finding.kind == "crashed":
+            err = GroupBridgeError(f"{text}; the group can no longer see its peers and must be made again")
+            err.__cause__ = w.error
+            return err
         return PeerDiedError(text)
+
+    def errored(self) -> BaseException | None:
+        """What went wrong on a thread this group owns (its liveness watcher), if anything; the next call on
+        the group raises it too. None while every such thread is healthy."""
+        w = self._watcher
+        return w.error if w is not None else None
 
     def _peer_statuses(self, store: TCPStore | None = None) -> dict[int, dict[str, Any] | None]:
         """Every other member's status record, read now on the caller's connection (one round trip); a

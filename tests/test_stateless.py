@@ -110,21 +110,23 @@ def _quiet_count(g: Any, rank: int, tag: str) -> int:
     while g._garbage and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not g._garbage, "rank 0's watcher did not delete the keys of finished collectives"
-    count = int(g.control.client.get().num_keys())
-    for r in range(1, g.world_size):
+    store = g.control.client.get()
+    # A queue's bell (one key per queue, rung by each push, deleted by a waiting reader) may be there or not,
+    # depending on who came first: not counted.
+    others = range(1, g.world_size)
+    queues = ["p2p//0/1", *(f"bc/0/{r}" for r in others)]
+    for t in ("before", "after"):
+        queues += [f"p2p/{t}-out/{r}/0" for r in others] + [f"p2p/{t}/0/{r}" for r in others]
+    bells = sum(bool(store.check([g.control._bell(q)])) for q in queues)
+    count = int(store.num_keys()) - bells
+    for r in others:
         g.send_obj("go", r, tag=tag)
     return count
 
 
 def _many_messages(rank: int, host: str, ports: Any) -> tuple[int, int]:
     g = make_group(rank, 3, host, ports)
-    for i in range(2):  # every channel used once: each keeps its last message's bell (one key per channel)
-        if rank == 0:
-            g.send_obj(i, 1)
-        elif rank == 1:
-            assert g.recv_obj(0) == i
-        assert g.broadcast_obj(i if rank == 0 else None, src=0) == i
-    baseline = _quiet_count(g, rank, "quiet")
+    baseline = _quiet_count(g, rank, "before")
     for i in range(1000):
         if i % 2 == 0:
             if rank == 0:
@@ -136,7 +138,7 @@ def _many_messages(rank: int, host: str, ports: Any) -> tuple[int, int]:
     for i in range(5):  # above INLINE_MAX: stored once under a key, the queues carry a pointer
         big = bytes([i]) * (200 << 10)
         assert g.broadcast_obj(big if rank == 0 else None, src=0) == big
-    after = _quiet_count(g, rank, "quiet")
+    after = _quiet_count(g, rank, "after")
     g.close()
     return baseline, after
 
@@ -350,3 +352,44 @@ def test_a_wait_is_not_ended_by_a_push_to_a_queue_once_waited_on() -> None:
     first, got, waited, second = res[1]
     assert (first, got, second) == ("first", [b"value"], "second")
     assert waited >= 0.25, waited
+
+
+def _watcher_fails(rank: int, ports: Any) -> Any:
+    g = make_group(rank, 2, "127.0.0.1", ports, liveness_timeout=timedelta(seconds=1))
+    try:
+        g.barrier()
+        if rank == 1:
+            t0 = time.monotonic()
+            try:
+                g.recv_obj(0, timeout=timedelta(seconds=20))
+            except gb.GroupBridgeError as e:
+                return type(e).__name__, time.monotonic() - t0
+            return "no error", 0.0
+
+        def boom(client: Any) -> None:
+            raise ZeroDivisionError("injected")
+
+        assert g.errored() is None
+        g._watcher._collect = boom  # the watcher's next beat fails inside the library's own thread
+        deadline = time.monotonic() + 10
+        while g.errored() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        seen = repr(g.errored())
+        try:
+            g.send_obj("late", 1)
+        except gb.GroupBridgeError as e:
+            return seen, str(e), repr(e.__cause__)
+        return seen, "no error", ""
+    finally:
+        g.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_watcher_that_fails_is_reported_not_silent() -> None:
+    res = run_ranks(_watcher_fails, 2, CTX.Queue(), timeout=50)
+    seen, error, cause = res[0]
+    assert "ZeroDivisionError('injected')" in seen
+    assert "liveness watcher failed: ZeroDivisionError: injected" in error, error
+    assert "ZeroDivisionError" in cause
+    # the peer learns it well before its own timeout: rank 0's heartbeat stopped, or its store closed
+    assert res[1][0] in ("PeerDiedError", "StoreUnreachableError") and res[1][1] < 10, res

@@ -35,7 +35,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightSource,
 )
 
-from ..errors import GroupBridgeError, WeightSyncError
+from ..errors import GroupBridgeError, SyncRefusedError, WeightSyncError
 from ..net import listen
 from ..stateless import StatelessGroup
 from ..weights.sender import SyncStats, WeightSender
@@ -258,7 +258,7 @@ class TrainerEngine(TrainerWeightTransferEngine[TrainerInitInfo]):
             )
         except GroupBridgeError as e:
             call.join(self.info.liveness + 5)
-            if getattr(e, "agreed", False) or call.error is None:
+            if isinstance(e, SyncRefusedError) or call.error is None:
                 raise
             raise WeightSyncError(f"vLLM failed the update of version {v}: {call.error}") from e
         finally:

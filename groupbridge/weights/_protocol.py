@@ -18,7 +18,13 @@ from typing import Any, NamedTuple
 import torch
 
 from ..control import Deadline
-from ..errors import ManifestMismatchError, ProtocolError, TransportUnavailableError, WeightSyncError
+from ..errors import (
+    ManifestMismatchError,
+    ProtocolError,
+    SyncRefusedError,
+    TransportUnavailableError,
+    WeightSyncError,
+)
 from ..stateless import StatelessGroup
 from . import _bytes
 from .manifest import Manifest
@@ -223,10 +229,10 @@ def settle(
     problems = [(r, g["problem"]) for r, g in enumerate(gathered) if g["problem"] is not None]
     if problems:
         text = "\n".join(f"rank {r}: {v['message'][:4000]}" for r, v in problems)
-        kind = ManifestMismatchError if any(v["kind"] == "manifest" for _, v in problems) else WeightSyncError
-        err = kind(f"weight sync of version {header.version} refused before any bytes moved:\n{text}")
-        err.agreed = True  # type: ignore[attr-defined]  # every member raises it: nothing to abort
-        raise err
+        kind = (
+            ManifestMismatchError if any(v["kind"] == "manifest" for _, v in problems) else SyncRefusedError
+        )
+        raise kind(f"weight sync of version {header.version} refused before any bytes moved:\n{text}")
     merged = _cuts_anywhere(header.transport) and all(g["in_place"] for g in gathered)
     delta = header.base is not None and all(g["base"] for r, g in enumerate(gathered) if r != src)
     return Settled(header, manifest, merged, delta)

@@ -274,16 +274,27 @@ class WeightReceiver:
         return land
 
     def _ack(self, ok: bool, error: str | None = None) -> None:
+        self.group.send_obj({"ok": ok, "error": error}, dst=self.src, tag=ACK_TAG)
+
+    def _commit(self, version: int) -> None:
+        """Tell the sender this receiver holds ``version``; a receive whose acknowledgement cannot be sent
+        fails (the sender could not know it succeeded and fails the sync)."""
         try:
-            self.group.send_obj({"ok": ok, "error": error}, dst=self.src, tag=ACK_TAG)
-        except GroupBridgeError:
-            logger.debug("could not acknowledge to the sender", exc_info=True)
+            self._ack(True)
+        except GroupBridgeError as e:
+            raise WeightSyncError(
+                f"rank {self.group.rank} holds version {version}, but could not acknowledge it to the sender "
+                f"(rank {self.src}): {e}; the sender fails this sync"
+            ) from e
 
     def _fail(self, e: BaseException, what: str) -> None:
         """Tell the sender how this side failed: a digest mismatch by a negative acknowledgement (the group
         stays usable), anything else by aborting the group (the sender cannot finish the sync)."""
         if isinstance(e, _VerifyFailed):
-            self._ack(False, str(e))
+            try:
+                self._ack(False, str(e))
+            except GroupBridgeError:  # the sender then times out on this rank; the caller gets ``e`` anyway
+                logger.warning("rank %d could not tell the sender it refused the bytes", self.group.rank)
         else:
             self.group.abort(f"rank {self.group.rank} gave up {what}: {type(e).__name__}: {e}")
 
@@ -380,7 +391,7 @@ class WeightReceiver:
         self.version = header.version
         if header.delta:
             self._held = (("receive",), header.version, manifest.digest)
-        self._ack(True)
+        self._commit(header.version)
 
     def _scratch_pairs(
         self, header: Header, manifest: Manifest, deadline: Deadline
@@ -481,7 +492,7 @@ class WeightReceiver:
             atomic or all(_wire_typed(d, e) for d, e in zip(dest, entries, strict=True) if d is not None)
         ):
             self._held = (keep, header.version, manifest.digest)
-        self._ack(True)
+        self._commit(header.version)
         return header.version
 
     def _receive_atomic(self, into: _Into) -> None:

@@ -16,7 +16,13 @@ from typing import Any
 import torch
 
 from ..control import Deadline
-from ..errors import GroupBridgeError, PeerTimeoutError, TransportUnavailableError, WeightSyncError
+from ..errors import (
+    GroupBridgeError,
+    PeerTimeoutError,
+    SyncRefusedError,
+    TransportUnavailableError,
+    WeightSyncError,
+)
 from ..stateless import StatelessGroup
 from . import _bytes, _delta
 from ._copier import Copier, Job
@@ -213,7 +219,7 @@ class WeightSender:
         try:
             return self._session(header, manifest, plan, items, device, tx, deadline, progress)
         except BaseException as e:
-            if getattr(e, "agreed", False):  # a refusal every member raised alike: the group is fine
+            if isinstance(e, SyncRefusedError):  # every member ended the sync alike: the group is fine
                 raise
             self.group.abort(f"rank {self.src} gave up sending version {version}: {type(e).__name__}: {e}")
             err = _as_sync_error(e, version)
@@ -303,9 +309,7 @@ class WeightSender:
                     failures.append(f"rank {r}: {error}")
         seconds = time.perf_counter() - t0
         if failures:  # every member finished the sync and said how: the group itself is fine
-            err = WeightSyncError(f"version {version} was not applied everywhere:\n" + "\n".join(failures))
-            err.agreed = True  # type: ignore[attr-defined]
-            raise err
+            raise SyncRefusedError(f"version {version} was not applied everywhere:\n" + "\n".join(failures))
         if self.delta:
             if base is not None:
                 self._base_version, self._base_digest = version, manifest.digest
