@@ -294,12 +294,13 @@ def wait_connectable(peer: Address, timeout: timedelta) -> None:
 
 
 def host_identity() -> str:
-    """Who can share memory with whom: host name, kernel boot id and process (pid) namespace.
+    """Who can share memory with whom: host name, kernel boot id, process (pid) namespace and user.
 
     Two members with the same identity can open each other's anonymous shared memory through
     /proc/<pid>/fd (what the ``shm`` transport does); containers that share a host name and kernel but not
-    a pid namespace cannot, so they get different identities. Mount namespaces do not matter (the slots are
-    ``memfd_create`` files, in no file system).
+    a pid namespace cannot, so they get different identities, and neither can processes of two users (the
+    kernel refuses the open: EACCES). Mount namespaces do not matter (the slots are ``memfd_create`` files,
+    in no file system).
     """
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
@@ -310,7 +311,7 @@ def host_identity() -> str:
         pidns = str(os.stat("/proc/self/ns/pid").st_ino)
     except OSError:
         pidns = "unknown-pidns"
-    return f"{socket.gethostname()}/{boot}/pidns:{pidns}"
+    return f"{socket.gethostname()}/{boot}/pidns:{pidns}/uid:{os.geteuid()}"
 
 
 def interface_for_address(ip: str) -> str | None:

@@ -280,18 +280,36 @@ def test_shm_across_mount_namespaces() -> None:
     assert res == ["shm", True], res
 
 
-def _short_of_memory(rank: int, ports: Any, transport: str) -> Any:
+def _short_of_memory(rank: int, ports: Any, transport: str, short: str = "memory") -> Any:
     """The sender may not make files past 1 MiB (RLIMIT_FSIZE): shared slots of 4 MiB cannot be reserved,
-    as on a host short of memory. Before memfd + posix_fallocate this was a SIGBUS at the first write."""
+    as on a host short of memory. Before memfd + posix_fallocate this was a SIGBUS at the first write.
+    ``short="fds"``: the sender is at its descriptor limit instead (RLIMIT_NOFILE), which escaped as a raw
+    OSError before."""
     import resource
 
-    if rank == 0:
+    if rank == 0 and short == "memory":
         resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
     with make_group(rank, 2, "127.0.0.1", ports) as g:
         model = {"w": torch.arange(1 << 20, dtype=torch.float32)}  # 4 MiB: one 4 MiB bucket
         try:
             if rank == 0:
                 with gb.WeightSender(g, bucket_bytes=4 << 20, transport=transport) as snd:
+                    if short == "fds":  # every descriptor below the limit taken: memfd_create gets EMFILE
+                        hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+                        resource.setrlimit(
+                            resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 16, hard)
+                        )
+                        filler = []
+                        try:
+                            while True:
+                                filler.append(os.open(os.devnull, os.O_RDONLY))
+                        except OSError:
+                            pass
+                        try:
+                            return snd.send(model, version=1).transport
+                        finally:
+                            for fd in filler:
+                                os.close(fd)
                     return snd.send(model, version=1).transport
             target = {"w": torch.zeros(1 << 20)}
             gb.WeightReceiver(g, src=0).receive_into(target)
@@ -301,13 +319,46 @@ def _short_of_memory(rank: int, ports: Any, transport: str) -> Any:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("short", ["memory", "fds"])
 @pytest.mark.parametrize("transport", ["auto", "shm"])
-def test_shm_short_of_memory_falls_back_or_refuses(transport: str) -> None:
-    res = run_ranks(_short_of_memory, 2, CTX.Queue(), transport, timeout=50)
+def test_shm_short_of_memory_falls_back_or_refuses(transport: str, short: str) -> None:
+    res = run_ranks(_short_of_memory, 2, CTX.Queue(), transport, short, timeout=50)
     if transport == "auto":
         assert res == ["broadcast", True], res  # auto falls back (and logs why)
     else:
-        assert all(str(r).startswith("TransportUnavailableError") and "reserve" in str(r) for r in res), res
+        why = "reserve" if short == "memory" else "could not make a shared-memory file"
+        assert all(str(r).startswith("TransportUnavailableError") and why in str(r) for r in res), res
+
+
+def _other_user(rank: int, ports: Any, transport: str) -> Any:
+    """Rank 1 runs as another user (nobody): it could not open the sender's shared memory (EACCES)."""
+    if rank == 1:
+        import encodings.idna  # noqa: F401  # imported while the files under /root are still readable
+
+        os.setgid(65534)
+        os.setuid(65534)
+    with make_group(rank, 2, "127.0.0.1", ports) as g:
+        model = {"w": torch.arange(4096, dtype=torch.float32)}
+        try:
+            if rank == 0:
+                with gb.WeightSender(g, transport=transport) as snd:
+                    return [snd.send(model, version=v).transport for v in (1, 2)]
+            target = {"w": torch.zeros(4096)}
+            rcv = gb.WeightReceiver(g, src=0)
+            return [rcv.receive_into(target) for _ in (1, 2)] + [bool(torch.equal(target["w"], model["w"]))]
+        except gb.TransportUnavailableError as e:
+            return f"TransportUnavailableError: {e}"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a rank as another user")
+@pytest.mark.parametrize("transport", ["auto", "shm"])
+def test_shm_to_another_user_falls_back_or_refuses(transport: str) -> None:
+    res = run_ranks(_other_user, 2, CTX.Queue(), transport, timeout=50)
+    if transport == "auto":
+        assert res == [["broadcast", "broadcast"], [1, 2, True]], res  # every sync, not a failure each time
+    else:
+        assert all("as one user" in str(r) and "uid:65534" in str(r) for r in res), res
 
 
 def _uneven(rank: int, ports: Any, n: int, syncs: int, delta: Any) -> Any:

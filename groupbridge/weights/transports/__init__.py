@@ -68,6 +68,13 @@ def across_hosts(group: StatelessGroup) -> str:
     return "broadcast" if group.world_size <= 3 else "relay"
 
 
+def _where(host_id: str) -> str:
+    """A member's host identity for a message: host name, and its user when the identity names one."""
+    parts = host_id.split("/")
+    user = next((p for p in parts if p.startswith("uid:")), None)
+    return f"{parts[0]} ({user})" if user else parts[0]
+
+
 def choose(requested: str, group: StatelessGroup, device: torch.device) -> str:
     """The transport for this sync; an explicit one that cannot work here is an error, never a fallback.
 
@@ -86,9 +93,10 @@ def choose(requested: str, group: StatelessGroup, device: torch.device) -> str:
     if chosen is None:
         raise ValueError(f"transport={requested!r} is not one of auto, {', '.join(TRANSPORTS)}")
     if chosen.one_host and not local:
-        hosts = ", ".join(f"rank {r}: {h.split('/')[0]}" for r, h in enumerate(group.host_ids))
+        hosts = ", ".join(f"rank {r}: {_where(h)}" for r, h in enumerate(group.host_ids))
         raise TransportUnavailableError(
-            f"transport={requested!r} needs every member on one host; members are on {hosts}"
+            f"transport={requested!r} needs every member on one host, in one pid namespace, as one user; "
+            f"members are on {hosts}"
         )
     if chosen.devices and device.type not in chosen.devices:
         others = [s.name for s in TRANSPORTS.values() if s.one_host and device.type in s.devices]

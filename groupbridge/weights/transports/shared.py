@@ -73,7 +73,12 @@ class _Segment:
     def __init__(self, nbytes: int) -> None:
         if not hasattr(os, "memfd_create"):
             raise TransportUnavailableError("transport='shm' needs memfd_create (Linux)")
-        self.fd = os.memfd_create("groupbridge-slot", os.MFD_CLOEXEC)
+        try:
+            self.fd = os.memfd_create("groupbridge-slot", os.MFD_CLOEXEC)
+        except OSError as e:  # EMFILE/ENFILE at the descriptor limit, ENOMEM
+            raise TransportUnavailableError(
+                f"transport='shm' could not make a shared-memory file on this host: {e.strerror or e}"
+            ) from e
         try:
             os.posix_fallocate(self.fd, 0, max(nbytes, 1))  # reserve now: ENOSPC here, never SIGBUS later
             mm = mmap.mmap(self.fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
@@ -165,13 +170,17 @@ class SharedTx:
             return
         self._release()
         self._gen += 1
-        for _ in range(self.slots):
-            if self.kind == "shm":
-                seg = _Segment(need)
-                self._segments.append(seg)
-                self._slots.append(seg.tensor)
-            else:
-                self._slots.append(torch.zeros(need, dtype=torch.uint8, device=device))
+        try:
+            for _ in range(self.slots):
+                if self.kind == "shm":
+                    seg = _Segment(need)
+                    self._segments.append(seg)
+                    self._slots.append(seg.tensor)
+                else:
+                    self._slots.append(torch.zeros(need, dtype=torch.uint8, device=device))
+        except BaseException:
+            self._release()  # all slots or none: never a ring short of a slot
+            raise
         self._announced = False
 
     def setup(self, plan: Plan, device: torch.device, sync: Sync) -> None:
