@@ -101,6 +101,22 @@ def test_trainer_init_info_is_checked_before_anything_starts() -> None:
         TrainerInitInfo(rank=0, port=70000)
     with pytest.raises(ValueError, match="source"):
         WeightTransferTrainerFactory.trainer_init(TrainerInitInfo(rank=0), client=None, source=None)
+    for bad in (0, -1, 1e9, 1e300, float("inf"), float("nan"), True, "60"):
+        with pytest.raises(ValueError, match="timeout"):
+            TrainerInitInfo(rank=0, timeout=bad)  # type: ignore[arg-type]
+
+
+def test_worker_init_info_is_bounded_before_anything_is_shut_down() -> None:
+    """A worker waits inside vLLM's engine: an unbounded timeout would stop serving with no error, and inf
+    once raised a raw OverflowError after the previous session was already shut down."""
+    from groupbridge.vllm._worker import WorkerInitInfo
+
+    ok = WorkerInitInfo(host="::1", port=1234, world_size=2, timeout_s=3600, liveness_s=300)
+    assert ok.timeout_s == 3600
+    for field in ("timeout_s", "liveness_s"):
+        for bad in (0, -5, 1e9, 1e300, float("inf"), float("nan"), False, None):
+            with pytest.raises(ValueError, match=field):
+                WorkerInitInfo(host="::1", port=1234, world_size=2, **{field: bad})
 
 
 @pytest.fixture(scope="module")

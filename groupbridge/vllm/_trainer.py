@@ -41,7 +41,7 @@ from ..stateless import StatelessGroup
 from ..weights.sender import SyncStats, WeightSender
 from ..weights.transports import TRANSPORTS
 from ._plugin import BACKEND
-from ._worker import WorkerInitInfo
+from ._worker import WorkerInitInfo, check_seconds
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -95,8 +95,7 @@ class TrainerInitInfo(_VllmTrainerInitInfo):
             raise ValueError(f"workers={self.workers!r} must be >= 1 (the number of vLLM worker processes)")
         if self.transport != "auto" and self.transport not in TRANSPORTS:
             raise ValueError(f"transport={self.transport!r} is not one of auto, {', '.join(TRANSPORTS)}")
-        if not self.timeout > 0 or not self.liveness > 0:
-            raise ValueError(f"timeout={self.timeout} and liveness={self.liveness} must be > 0 seconds")
+        check_seconds(timeout=self.timeout, liveness=self.liveness)
         if not isinstance(self.port, int) or not 0 <= self.port < 65536:
             raise ValueError(f"port={self.port!r} is not a TCP port (0: the kernel picks one)")
         if self.delta not in (False, True, "always"):

@@ -44,6 +44,22 @@ from ._dryrun import check_loadable
 logger = logging.getLogger("vllm.groupbridge")
 
 
+MAX_TIMEOUT_S = 3600.0
+"""The longest an update (or a worker's join) may be allowed to take: vLLM's engine answers nothing else
+while a worker waits, so an unbounded or absurd value would stop serving without an error."""
+MAX_LIVENESS_S = 300.0
+
+
+def check_seconds(**values: Any) -> None:
+    """Each value is a number of seconds in (0, its maximum]: ``timeout*`` up to :data:`MAX_TIMEOUT_S`,
+    ``liveness*`` up to :data:`MAX_LIVENESS_S`. Raises ValueError naming the field (inf, nan, bools and
+    strings included), before anything is started or shut down."""
+    for name, v in values.items():
+        limit = MAX_LIVENESS_S if name.startswith("liveness") else MAX_TIMEOUT_S
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= limit:
+            raise ValueError(f"{name}={v!r} must be a number of seconds in (0, {limit:g}]")
+
+
 @dataclass
 class WorkerInitInfo(WeightTransferInitInfo):
     """What the trainer tells every worker at ``init_weight_transfer_engine`` (plain JSON)."""
@@ -63,8 +79,7 @@ class WorkerInitInfo(WeightTransferInitInfo):
             raise ValueError(f"port={self.port!r} is not a TCP port")
         if not isinstance(self.world_size, int) or self.world_size < 2:
             raise ValueError(f"world_size={self.world_size!r}: the trainer and at least one worker")
-        if not self.timeout_s > 0 or not self.liveness_s > 0:
-            raise ValueError(f"timeout_s={self.timeout_s} and liveness_s={self.liveness_s} must be > 0")
+        check_seconds(timeout_s=self.timeout_s, liveness_s=self.liveness_s)
 
 
 @dataclass
