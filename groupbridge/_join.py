@@ -2,9 +2,13 @@
 
 Rank 0 draws a fresh nonce and writes the group's description (protocol, name, generation, world size,
 whether a token is needed, the nonce); every other rank checks it, claims its rank (a second claim is
-refused), publishes its first status record and its member record, and waits for rank 0's verdict. With a
-token, every record is sealed under a key derived from the token and the nonce (see :mod:`._seal`), so the
-token never travels and a record written by anyone else is refused. Any refusal is published so that both
+refused), publishes its first status record and its member record (with a fresh nonce of its own), and
+waits for rank 0's verdict, the member list, which must carry that nonce. With a token, join records are
+sealed under a key derived from the token and rank 0's nonce (see :mod:`._seal`), so the token never
+travels and a record written by anyone else is refused; everything after the join is sealed under a session
+key derived from the token and every member's nonce. A recording of an earlier instance of the group (its
+description, member list, messages) is therefore worthless: a joiner refuses a member list without its own
+fresh nonce, and no earlier message opens under the new session key. Any refusal is published so that both
 sides raise with the same reason. Everything read is parsed as hostile: a malformed record is a
 :class:`ProtocolError` naming the key, never a raw JSON or key error.
 """
@@ -44,10 +48,11 @@ _MAX_RECORD = 1 << 16
 
 
 class Joined:
-    """What a member learns by joining: the sealer for this instance and every member's record."""
+    """What a member learns by joining: the session's sealer and every member's record."""
 
-    def __init__(self, sealer: Sealer, members: list[dict[str, Any]]) -> None:
-        self.sealer = sealer
+    def __init__(self, group: StatelessGroup, nonce: str, members: list[dict[str, Any]]) -> None:
+        nonces = ",".join(str(m["nonce"]) for m in members)
+        self.sealer = Sealer(group._token, f"{_context(group, nonce)}/session/{nonces}")
         self.members = members
 
 
@@ -93,6 +98,7 @@ def _member_record(group: StatelessGroup) -> dict[str, Any]:
         "pid": os.getpid(),
         "hostname": os.uname().nodename,
         "host_id": host_identity(),
+        "nonce": secrets.token_hex(16),
     }
 
 
@@ -157,7 +163,9 @@ def host_join(group: StatelessGroup, client: StoreClient) -> Joined:
     for r, key in enumerate(member_keys, start=1):
         raw = bytes(_call(group, "reading member records", lambda key=key: store.get(key)))  # type: ignore[misc]
         try:
-            member = _parse(sealer.open(key, raw), key, {"rank": int, "pid": int, "host_id": str})
+            member = _parse(
+                sealer.open(key, raw), key, {"rank": int, "pid": int, "host_id": str, "nonce": str}
+            )
             if member["rank"] != r:
                 raise ProtocolError(f"record {key!r} names rank {member['rank']}")
         except (ForgedMessageError, ProtocolError) as e:
@@ -172,7 +180,7 @@ def host_join(group: StatelessGroup, client: StoreClient) -> Joined:
         store.check([ready])
 
     _call(group, "announcing the members", announce)
-    return Joined(sealer, members)
+    return Joined(group, nonce, members)
 
 
 def _read_reject(store: Any, ns: str) -> str:
@@ -242,14 +250,17 @@ def member_join(group: StatelessGroup, client: StoreClient) -> Joined:
         raise _reject(group, store, f"rank {group.rank} is already taken by another member")
     st = f"{ns}/{status_key(group.rank)}"
     member_key = f"{ns}/member/{group.rank}"
-    record = json.dumps(_member_record(group)).encode()
+    mine_record = _member_record(group)
+    record = json.dumps(mine_record).encode()
 
     def publish() -> None:
         _set(store, st, sealer.seal(st, encode_status(0, "live")))
         _set(store, member_key, sealer.seal(member_key, record))
 
     _call(group, "publishing this member", publish)
-    joined = deadline.poll(lambda: _verdict(group, store, sealer), 0.005)
+    replays: list[bool] = []
+    verdict = lambda: _verdict(group, store, sealer, meta["nonce"], mine_record["nonce"], replays)  # noqa: E731
+    joined = deadline.poll(verdict, 0.005)
     if joined is None:
         raise JoinTimeoutError(
             f"rank {group.rank} of {group.world_size} waited {deadline} at {group._where()} for every "
@@ -258,8 +269,11 @@ def member_join(group: StatelessGroup, client: StoreClient) -> Joined:
     return joined
 
 
-def _verdict(group: StatelessGroup, store: Any, sealer: Sealer) -> Joined | None:
-    """Rank 0's verdict on this join, once it is there: the member list, or a refusal (raised)."""
+def _verdict(
+    group: StatelessGroup, store: Any, sealer: Sealer, nonce: str, mine: str, replays: list[bool]
+) -> Joined | None:
+    """Rank 0's verdict on this join, once it is there: the member list, or a refusal (raised). A member
+    list without this member's fresh nonce ``mine`` is a replay of an earlier instance: ignored."""
     ready, failed = f"{group._ns}/ready", f"{group._ns}/failed"
     if _call(group, "waiting for the join", lambda: store.check([failed])):
         raw = bytes(_call(group, "reading the join verdict", lambda: store.get(failed)))
@@ -277,8 +291,20 @@ def _verdict(group: StatelessGroup, store: Any, sealer: Sealer) -> Joined | None
     except ForgedMessageError:
         return None  # someone without the token wrote it first; rank 0's own overwrites it
     if len(members) != group.world_size or not all(
-        isinstance(m, dict) and isinstance(m.get("host_id"), str) and isinstance(m.get("pid"), int)
+        isinstance(m, dict)
+        and isinstance(m.get("host_id"), str)
+        and isinstance(m.get("pid"), int)
+        and isinstance(m.get("nonce"), str)
         for m in members
     ):
         raise ProtocolError(f"record {ready!r} does not describe {group.world_size} members")
-    return Joined(sealer, members)
+    if not hmac.compare_digest(str(members[group.rank]["nonce"]), mine):
+        if not replays:
+            logger.warning(
+                "rank %d of %s: the member list in the store is not this join's (a replay of an earlier "
+                "instance of the group?); ignoring it and waiting for rank 0's",
+                group.rank, group._where(),
+            )  # fmt: skip
+            replays.append(True)
+        return None
+    return Joined(group, nonce, members)

@@ -20,7 +20,7 @@ from torch._C._distributed_c10d import TCPStore
 
 import groupbridge as gb
 from groupbridge import codec
-from tests.helpers import CTX, run_ranks, share_port
+from tests.helpers import CTX, Ranks, make_group, run_ranks, share_port
 
 TOKEN = "s3cret"
 NS = "groupbridge/bridge/0"
@@ -109,7 +109,7 @@ def _forge_signals(store: Any) -> int:
     for sid in _sync_ids(store) + _LEAKED[-2:]:
         for k in range(16):
             n += _forge(
-                store, f"{NS}/wx/{sid}/ready/{k}", json.dumps({"slot": k % 2, "nbytes": 16384}).encode()
+                store, f"{NS}/wx/{sid}/0/ready/{k}", json.dumps({"slot": k % 2, "nbytes": 16384}).encode()
             )
     return n
 
@@ -246,3 +246,71 @@ def test_join_sabotage_gives_library_errors(what: str) -> None:
     res = run_ranks(_sabotaged_join, 2, CTX.Queue(), what, timeout=50)
     # a sabotaged join may fail (denial of service) but only with the library's own errors
     assert all(r in ("joined", "GroupMismatchError", "JoinTimeoutError") for r in res), res
+
+
+def _instance_a(rank: int, ports: Any, to_test: Any, go: Any) -> str:
+    """Instance A of a sealed group: rank 0 queues one object for rank 1, which never reads it."""
+    with make_group(rank, 2, "127.0.0.1", ports, token=TOKEN) as g:
+        if rank == 0:
+            g.send_obj("from instance A", 1)
+            to_test.put(g.address.port)
+            go.get(timeout=30)  # the attacker has recorded what it wanted
+        g.barrier()
+    return "done"
+
+
+def _joins_instance_b(rank: int, port: int) -> str:
+    """Rank 1 of instance B (same name, generation and token), joining the store the attacker answers on."""
+    try:
+        with gb.StatelessGroup.create(
+            "127.0.0.1", port, rank=1, world_size=2, token=TOKEN, timeout=timedelta(seconds=4)
+        ) as g:
+            return f"joined, received {g.recv_obj(0, timeout=timedelta(seconds=4))!r}"
+    except gb.GroupBridgeError as e:
+        return f"{type(e).__name__}: {e}"
+
+
+@pytest.mark.timeout(90)
+def test_an_earlier_instance_recorded_and_replayed_is_refused() -> None:
+    """G1: a process without the token records instance A (its description, member list, rank 0's status,
+    a queued object), then answers a joiner of instance B with all of it and plays rank 0's gloo side
+    (gloo does not authenticate). The joiner's fresh nonce is in no recorded member list, and nothing
+    recorded opens under B's session key: the join times out, nothing of A's is received."""
+    from torch.distributed import PrefixStore
+
+    from groupbridge import _torch_private
+
+    to_test, go = CTX.Queue(), CTX.Queue()
+    a = Ranks(_instance_a, 2, (CTX.Queue(), to_test, go))
+    try:
+        spy = TCPStore("127.0.0.1", to_test.get(timeout=30), None, False, timedelta(seconds=10))
+        queue = f"{NS}/p2p//0/1"
+        recorded = {k: bytes(spy.get(k)) for k in ("groupbridge/meta", f"{NS}/ready", f"{NS}/st/0")}
+        message = bytes(spy.queue_pop(queue, block=False))
+        go.put(True)
+        assert [ok for ok, _ in a.results(40).values()] == [True, True]
+    finally:
+        a.reap()
+    fake = TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30), wait_for_workers=False)
+    for key, value in recorded.items():
+        fake.set(key, value)
+    fake.add(f"{NS}/claim/0", 1)
+    fake.queue_push(queue, message)
+    fake.set(f"{NS}/bell/p2p//0/1", "1")
+    played: list[Any] = []
+
+    def play_rank_0() -> None:  # gloo's side of rank 0, for a joiner that gets that far
+        try:
+            played.append(
+                _torch_private.new_gloo_group(
+                    PrefixStore(f"{NS}/gloo", fake), 0, 2, timedelta(seconds=8), "127.0.0.1"
+                )
+            )
+        except RuntimeError as e:  # nobody came (the join was refused): the expected end
+            played.append(e)
+
+    gloo = threading.Thread(target=play_rank_0, daemon=True)
+    gloo.start()
+    [outcome] = run_ranks(_joins_instance_b, 1, fake.port, timeout=40)
+    assert "from instance A" not in outcome, outcome
+    assert outcome.startswith("JoinTimeoutError"), outcome
