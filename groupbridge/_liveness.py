@@ -97,6 +97,9 @@ class Watcher:
         self.seen: dict[int, tuple[int, float]] = {r: (-1, now) for r in self.peers}
         """Per peer: its last counter and when (this clock) it last changed."""
         self.closed: set[int] = set()
+        self.replayed: dict[int, tuple[int, int]] = {}
+        """Peers whose record went back to an older beat (newest seen, older read): someone without the
+        token writes recorded records over theirs. Those are never taken for life."""
         self.finding: Finding | None = None
         self.error: BaseException | None = None
         """What ended this watcher's thread, if anything but :meth:`stop` did."""
@@ -188,8 +191,10 @@ class Watcher:
                     self._found(Finding("aborted", peer, f"rank {peer} aborted: {status['reason']}"))
                 if status["state"] == "closed":
                     self.closed.add(peer)
-                if self.seen[peer][0] != status["n"]:
+                if status["n"] > self.seen[peer][0]:  # only a newer beat is life
                     self.seen[peer] = (status["n"], now)
+                elif status["n"] < self.seen[peer][0]:  # sealed but older: a replay of its own record
+                    self.replayed[peer] = (self.seen[peer][0], status["n"])
             for peer in self.awaited:
                 failed = self.silent(peer) or self.gone(peer)
                 if failed is not None and self.finding is None:
@@ -205,6 +210,14 @@ class Watcher:
         quiet = self._last_ok - seen[1]
         if quiet <= self.limit:
             return None
+        replayed = self.replayed.get(peer)
+        if replayed is not None:
+            return Finding(
+                "silent", peer,
+                f"rank {peer} sent no new heartbeat for {quiet:.1f}s (liveness timeout {self.limit:g}s), and "
+                f"its status record went back from beat {replayed[0]} to {replayed[1]}: someone replays its "
+                "old records over it (a process without the token reaches the store), or it is dead",
+            )  # fmt: skip
         return Finding(
             "silent", peer,
             f"rank {peer} stopped its heartbeat: last heard {quiet:.1f}s ago (liveness timeout "

@@ -8,6 +8,7 @@ documented error, never a raw JSON, key or decoding error.
 from __future__ import annotations
 
 import json
+import os
 import struct
 import threading
 import time
@@ -314,3 +315,45 @@ def test_an_earlier_instance_recorded_and_replayed_is_refused() -> None:
     [outcome] = run_ranks(_joins_instance_b, 1, fake.port, timeout=40)
     assert "from instance A" not in outcome, outcome
     assert outcome.startswith("JoinTimeoutError"), outcome
+
+
+def _replayed_beats(rank: int, ports: Any) -> Any:
+    """Rank 1 dies; a process without the token keeps cycling rank 1's recorded status records."""
+    g = make_group(rank, 2, "127.0.0.1", ports, token=TOKEN, liveness_timeout=timedelta(seconds=1))
+    if rank == 1:
+        time.sleep(1.5)
+        os._exit(0)  # killed: no goodbye
+    recorded: list[bytes] = []
+
+    def record_then_replay(store: Any) -> int:
+        raw = bytes(store.get(f"{NS}/st/1"))
+        if len(recorded) < 20 and raw not in recorded:
+            recorded.append(raw)  # rank 1's beats while it lives
+            return 0
+        store.set(f"{NS}/st/1", recorded[int(time.monotonic() * 20) % len(recorded)])  # a "changing" record
+        return 1
+
+    attacker = Attacker(g.address.port, record_then_replay)
+    t0 = time.monotonic()
+    try:
+        g.recv_obj(1, timeout=timedelta(seconds=20))
+        return "received", 0.0, 0
+    except gb.GroupBridgeError as e:
+        return f"{type(e).__name__}: {e}", time.monotonic() - t0, attacker.stop()
+    finally:
+        attacker.stop()
+        g.close()
+
+
+@pytest.mark.timeout(60)
+def test_replayed_heartbeats_are_not_life() -> None:
+    """G3: a dead peer's own recorded beats, cycled by a process without the token, kept it "alive" until
+    the whole timeout; only a newer beat counts, and the error says what was seen."""
+    r = Ranks(_replayed_beats, 2, (CTX.Queue(),))
+    try:
+        outcome, waited, writes = r.results(50, expect=[0])[0][1]
+    finally:
+        r.reap()
+    assert writes > 0
+    assert outcome.startswith("PeerDiedError") and "went back from beat" in outcome, outcome
+    assert waited < 8, (waited, outcome)  # liveness (1 s) after the death, not the 20 s timeout
