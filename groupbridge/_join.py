@@ -140,12 +140,20 @@ def host_join(group: StatelessGroup, client: StoreClient) -> Joined:
     _call(group, "describing the group", describe)
     member_keys = [f"{ns}/member/{r}" for r in range(1, group.world_size)]
     deadline = Deadline(group.timeout)
+    unverified: list[str] = []
 
     def everyone_joined() -> bool | None:
         if _call(group, "waiting for members", lambda: store.add(_REJECTS, 0)):
-            reason = _read_reject(store, ns)
-            _fail_join(group, store, sealer, reason)
-            raise GroupMismatchError(f"{group._where()}: {reason}")
+            verified, reason = _read_reject(group, store)
+            if verified:
+                _fail_join(group, store, sealer, reason)
+                raise GroupMismatchError(f"{group._where()}: {reason}")
+            if reason not in unverified:
+                unverified.append(reason)
+                logger.warning(
+                    "%s: a refusal to join not sealed with the group's token (a member with another token "
+                    "or none, or someone without the token); not acted on: %s", group._where(), reason,
+                )  # fmt: skip
         if not member_keys or _call(group, "waiting for members", lambda: store.check(member_keys)):
             return True
         return None
@@ -157,6 +165,8 @@ def host_join(group: StatelessGroup, client: StoreClient) -> Joined:
             f"rank(s) {ranks(missing)} of {group.world_size} did not join {group._where()} within "
             f"{deadline} (joined: {ranks(joined)})"
         )
+        if unverified:
+            msg += f"; an unverified refusal (not sealed with this group's token) said: {unverified[-1]}"
         _fail_join(group, store, sealer, msg)
         raise JoinTimeoutError(msg)
     members = [me]
@@ -183,13 +193,28 @@ def host_join(group: StatelessGroup, client: StoreClient) -> Joined:
     return Joined(group, nonce, members)
 
 
-def _read_reject(store: Any, ns: str) -> str:
+def _refusal_sealer(group: StatelessGroup) -> Sealer:
+    """Seals a refusal. Keyed from the token alone: a member of another name or generation, which refuses
+    because of that, holds the token too (or it would be refused for the token); a process without the
+    token cannot fail a sealed join with a reason of its choosing."""
+    return Sealer(group._token, "join-refusal")
+
+
+def _read_reject(group: StatelessGroup, store: Any) -> tuple[bool, str]:
+    """A member's refusal, and whether it is to be acted on: with a token, only when sealed with it (a
+    member with another token or none is refused too, but cannot prove it: its words only explain a join
+    that then times out)."""
     key = _REJECT
     try:
-        d = _parse(bytes(store.get(key)), key, {"rank": int, "reason": str})
-        return f"refused rank {d['rank']}: {d['reason'][:2000]}"
+        d = _parse(bytes(store.get(key)), key, {"rank": int, "reason": str, "mac": str})
     except (ProtocolError, RuntimeError) as e:
-        return f"a member's refusal could not be read ({e})"
+        return group._token is None, f"a member's refusal could not be read ({e})"
+    text = f"refused rank {d['rank']}: {d['reason'][:2000]}"
+    sealer = _refusal_sealer(group)
+    verified = not sealer.enabled or hmac.compare_digest(
+        sealer.mac(key, f"{d['rank']}/{d['reason']}".encode()).hex(), d["mac"]
+    )
+    return verified, text
 
 
 def _fail_join(group: StatelessGroup, store: Any, sealer: Sealer, reason: str) -> None:
@@ -203,8 +228,10 @@ def _fail_join(group: StatelessGroup, store: Any, sealer: Sealer, reason: str) -
 
 
 def _reject(group: StatelessGroup, store: Any, reason: str) -> GroupMismatchError:
+    sealer = _refusal_sealer(group)
+    mac = sealer.mac(_REJECT, f"{group.rank}/{reason}".encode()).hex() if sealer.enabled else ""
     try:
-        _set(store, _REJECT, json.dumps({"rank": group.rank, "reason": reason}).encode())
+        _set(store, _REJECT, json.dumps({"rank": group.rank, "reason": reason, "mac": mac}).encode())
         store.add(_REJECTS, 1)
     except RuntimeError:
         logger.debug("could not publish the refusal", exc_info=True)

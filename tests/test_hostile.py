@@ -229,12 +229,22 @@ def _sabotaged_join(rank: int, ports: Any, what: str) -> str:
         raw = TCPStore("127.0.0.1", port, None, False, timedelta(seconds=5), wait_for_workers=False)
         if what == "meta":
             raw.set("groupbridge/meta", b"\x00garbage")
-        else:
+        elif what == "reject":
             raw.set("groupbridge/reject", b"{]")
             raw.add("groupbridge/rejects", 1)
+        else:  # a well-formed refusal with a reason of the attacker's choosing, without the token's MAC
+            raw.set("groupbridge/reject", json.dumps({"rank": 1, "reason": "go away", "mac": "00"}))
+            raw.add("groupbridge/rejects", 1)
+    token = TOKEN if what == "forged-refusal" else None
     try:
         gb.StatelessGroup.create(
-            "127.0.0.1", port, rank=rank, world_size=2, listener=lis, timeout=timedelta(seconds=4)
+            "127.0.0.1",
+            port,
+            rank=rank,
+            world_size=2,
+            listener=lis,
+            timeout=timedelta(seconds=4),
+            token=token,
         ).close()
         return "joined"
     except gb.GroupBridgeError as e:
@@ -242,9 +252,12 @@ def _sabotaged_join(rank: int, ports: Any, what: str) -> str:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("what", ["meta", "reject"])
+@pytest.mark.parametrize("what", ["meta", "reject", "forged-refusal"])
 def test_join_sabotage_gives_library_errors(what: str) -> None:
     res = run_ranks(_sabotaged_join, 2, CTX.Queue(), what, timeout=50)
+    if what == "forged-refusal":  # G8: with a token, a refusal needs the token's MAC to be acted on
+        assert res == ["joined", "joined"], res
+        return
     # a sabotaged join may fail (denial of service) but only with the library's own errors
     assert all(r in ("joined", "GroupMismatchError", "JoinTimeoutError") for r in res), res
 
