@@ -330,20 +330,27 @@ def test_an_earlier_instance_recorded_and_replayed_is_refused() -> None:
     assert outcome.startswith("JoinTimeoutError"), outcome
 
 
-def _replayed_beats(rank: int, ports: Any) -> Any:
-    """Rank 1 dies; a process without the token keeps cycling rank 1's recorded status records."""
+def _replayed_beats(rank: int, ports: Any, dying: Any) -> Any:
+    """Rank 1 dies; a process without the token, which recorded rank 1's status records while it lived,
+    keeps writing them back (each an older beat than rank 1's last)."""
+    import random
+
     g = make_group(rank, 2, "127.0.0.1", ports, token=TOKEN, liveness_timeout=timedelta(seconds=1))
     if rank == 1:
         time.sleep(1.5)
+        dying.put(True)
+        dying.close()
+        dying.join_thread()  # the message is in the pipe before this process vanishes
         os._exit(0)  # killed: no goodbye
     recorded: list[bytes] = []
 
     def record_then_replay(store: Any) -> int:
-        raw = bytes(store.get(f"{NS}/st/1"))
-        if len(recorded) < 20 and raw not in recorded:
-            recorded.append(raw)  # rank 1's beats while it lives
+        if dying.empty():
+            raw = bytes(store.get(f"{NS}/st/1"))
+            if raw not in recorded:
+                recorded.append(raw)  # rank 1's beats while it lives
             return 0
-        store.set(f"{NS}/st/1", recorded[int(time.monotonic() * 20) % len(recorded)])  # a "changing" record
+        store.set(f"{NS}/st/1", random.choice(recorded[:-1] or recorded))  # a record that keeps "changing"
         return 1
 
     attacker = Attacker(g.address.port, record_then_replay)
@@ -362,7 +369,7 @@ def _replayed_beats(rank: int, ports: Any) -> Any:
 def test_replayed_heartbeats_are_not_life() -> None:
     """G3: a dead peer's own recorded beats, cycled by a process without the token, kept it "alive" until
     the whole timeout; only a newer beat counts, and the error says what was seen."""
-    r = Ranks(_replayed_beats, 2, (CTX.Queue(),))
+    r = Ranks(_replayed_beats, 2, (CTX.Queue(), CTX.Queue()))
     try:
         outcome, waited, writes = r.results(50, expect=[0])[0][1]
     finally:
@@ -370,3 +377,65 @@ def test_replayed_heartbeats_are_not_life() -> None:
     assert writes > 0
     assert outcome.startswith("PeerDiedError") and "went back from beat" in outcome, outcome
     assert waited < 8, (waited, outcome)  # liveness (1 s) after the death, not the 20 s timeout
+
+
+def _same_user_writer(rank: int, ports: Any, pids: Any, stop: Any) -> Any:
+    """Ranks 0 and 1: a sealed group syncing over shm. Rank 2: a process of the same user, no member, that
+    writes forged bytes into the sender's slots through /proc/<sender>/fd/<n> as fast as it can."""
+    if rank == 2:
+        sender = pids.get(timeout=30)  # sent once the sender's slots exist (after its first sync)
+        written = refused = 0
+        forged = b"\xff" * 4096
+        while stop.empty():
+            for name in os.listdir(f"/proc/{sender}/fd"):
+                try:
+                    if "groupbridge-slot" not in os.readlink(f"/proc/{sender}/fd/{name}"):
+                        continue
+                    fd = os.open(f"/proc/{sender}/fd/{name}", os.O_RDWR)
+                except OSError:
+                    continue
+                try:
+                    for offset in range(0, 1 << 18, 1 << 14):
+                        os.pwrite(fd, forged, offset)
+                        written += 1
+                except OSError:
+                    refused += 1
+                finally:
+                    os.close(fd)
+        return written, refused
+    with make_group(rank, 2, "127.0.0.1", ports, token=TOKEN) as g:
+        model = {f"w{i}": torch.full((1 << 16,), float(i)) for i in range(8)}  # 2 MiB, buckets of 256 KiB
+        if rank == 0:
+            with gb.WeightSender(g, bucket_bytes=1 << 18, transport="shm") as snd:
+                for v in range(1, 11):
+                    snd.send({k: t + v for k, t in model.items()}, version=v)
+                    if v == 1:
+                        pids.put(os.getpid())
+                    time.sleep(0.05)
+            g.barrier()
+            stop.put(True)
+            return "sent"
+        exact = []
+        with gb.WeightReceiver(g, src=0) as rcv:
+            target = {k: torch.zeros_like(t) for k, t in model.items()}
+            for v in range(1, 11):
+                try:
+                    rcv.receive_into(target)
+                    exact.append(all(bool((t == model[k] + v).all()) for k, t in target.items()))
+                except gb.WeightSyncError:
+                    exact.append("refused")  # bytes changed after they were digested: refused, not applied
+        g.barrier()
+        return exact
+
+
+@pytest.mark.timeout(90)
+def test_a_same_user_process_cannot_write_the_senders_slots() -> None:
+    """G2: slots were memfds without seals: a process of the same user could open them read-write and
+    change a bucket between the pack and the digest, which the sender then certified. Sealed against
+    writes once mapped, every write is refused and every sync is the sender's. (The attacker starts once the
+    slots exist: a writable mapping made in the moment between a slot's creation and its seal would keep
+    working; README Security says so.)"""
+    res = run_ranks(_same_user_writer, 3, CTX.Queue(), CTX.Queue(), CTX.Queue(), timeout=80)
+    written, refused = res[2]
+    assert written == 0 and refused > 0, res[2]
+    assert res[1] == [True] * 10, res[1]

@@ -15,7 +15,9 @@ the sender's transport; receivers drop their mappings when the sender announces 
 
 from __future__ import annotations
 
+import fcntl
 import json
+import logging
 import mmap
 import os
 import warnings
@@ -31,6 +33,8 @@ from ...errors import ProtocolError, TransportUnavailableError, WeightSyncError
 from ...stateless import StatelessGroup
 from ..plan import Plan
 from .base import Land, Landing, Sync, TransportSpec, wire_int
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["CUDA_IPC", "SHM", "SharedOptions", "SharedRx", "SharedTx", "shm_available"]
 
@@ -74,7 +78,7 @@ class _Segment:
         if not hasattr(os, "memfd_create"):
             raise TransportUnavailableError("transport='shm' needs memfd_create (Linux)")
         try:
-            self.fd = os.memfd_create("groupbridge-slot", os.MFD_CLOEXEC)
+            self.fd = os.memfd_create("groupbridge-slot", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         except OSError as e:  # EMFILE/ENFILE at the descriptor limit, ENOMEM
             raise TransportUnavailableError(
                 f"transport='shm' could not make a shared-memory file on this host: {e.strerror or e}"
@@ -88,6 +92,7 @@ class _Segment:
                 f"transport='shm' could not reserve {nbytes / 2**20:.0f} MiB of shared memory on this host: "
                 f"{e.strerror or e}"
             ) from e
+        _seal_memfd(self.fd)  # at once: this process's mapping is the only writable one there will be
         self.ino = os.fstat(self.fd).st_ino
         self.tensor = torch.frombuffer(mm, dtype=torch.uint8)
         self.tensor.fill_(0)  # fault every page in now, not inside a timed transfer
@@ -99,6 +104,26 @@ class _Segment:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+_F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)  # Linux 5.1; Python names it from 3.12
+
+
+def _seal_memfd(fd: int) -> None:
+    """After the sender's own writable mapping exists, nobody may write the file any more (a process of the
+    same user opening /proc/<sender>/fd/<n> read-write, a compromised receiver) nor change its size (which
+    would make a receiver's read fault): bytes in a slot are the sender's, so digesting the slot digests
+    what the sender packed. Kernels without the future-write seal (before 5.1) keep the size seals only."""
+    seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+    try:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals | _F_SEAL_FUTURE_WRITE)
+        return
+    except OSError:
+        logger.warning("this kernel cannot seal shared-memory slots against other writers (Linux < 5.1)")
+    try:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    except OSError:
+        logger.warning("this kernel cannot seal shared-memory slots at all")
 
 
 def shm_available(nbytes: int) -> str | None:
