@@ -106,6 +106,23 @@ def test_trainer_init_info_is_checked_before_anything_starts() -> None:
             TrainerInitInfo(rank=0, timeout=bad)  # type: ignore[arg-type]
 
 
+def test_a_call_that_fails_after_its_abort_was_cancelled_aborts_nothing() -> None:
+    """vLLM's side of an update failing after the trainer had already finished (and disarmed the abort)
+    armed a timer anyway, which then aborted the next update (a retry within the liveness bound)."""
+    from groupbridge.vllm._trainer import _Call
+
+    armed: list[BaseException] = []
+
+    def late_failure() -> None:
+        time.sleep(0.2)
+        raise RuntimeError("vLLM gave up late")
+
+    call = _Call("update_weights", late_failure, on_error=lambda e: armed.append(e) or (lambda: None))
+    call.cancel_abort()  # the trainer's finally: the sync is over
+    call.join(5)
+    assert isinstance(call.error, RuntimeError) and armed == []
+
+
 def test_worker_init_info_is_bounded_before_anything_is_shut_down() -> None:
     """A worker waits inside vLLM's engine: an unbounded timeout would stop serving with no error, and inf
     once raised a raw OverflowError after the previous session was already shut down."""

@@ -311,6 +311,8 @@ class _Call:
         self.what = what
         self.error: BaseException | None = None
         self._cancel: Callable[[], None] | None = None
+        self._cancelled = False
+        self._lock = threading.Lock()
         self._on_error = on_error
 
         def run() -> None:
@@ -318,8 +320,9 @@ class _Call:
                 fn()
             except BaseException as e:
                 self.error = e
-                if self._on_error is not None:
-                    self._cancel = self._on_error(e)
+                with self._lock:  # after cancel_abort(), a late failure arms nothing (a retry is not aborted)
+                    if self._on_error is not None and not self._cancelled:
+                        self._cancel = self._on_error(e)
 
         self._thread = threading.Thread(target=run, name=f"groupbridge-vllm-{what}", daemon=True)
         self._thread.start()
@@ -332,8 +335,11 @@ class _Call:
         return self._thread.is_alive()
 
     def cancel_abort(self) -> None:
-        if self._cancel is not None:
-            self._cancel()
+        """Disarm the abort this call's failure armed, or would arm if it failed later."""
+        with self._lock:
+            self._cancelled = True
+            if self._cancel is not None:
+                self._cancel()
 
     def result(self) -> None:
         if self._thread.is_alive():
