@@ -221,6 +221,21 @@ def test_streaming_updates(dense: tuple[Any, Any]) -> None:
         eng.shutdown()
 
 
+def test_a_new_trainer_recovers_an_engine_left_mid_update(dense: tuple[Any, Any]) -> None:
+    """A trainer that died between vLLM's start_weight_update and update_weights left the engine refusing
+    every new start ("already active"; vLLM has no abort): the next trainer finishes that update, loading
+    nothing, and goes on."""
+    llm, model = dense
+    llm.start_weight_update()  # the earlier trainer's start, then nothing: it died
+    eng = trainer(llm, model, first_version=300)
+    try:
+        perturb(model, 30)
+        eng.send_weights()
+        assert llm.get_weight_version() == "300" and served(llm) == reference(model)
+    finally:
+        eng.shutdown()
+
+
 def sparse_step(model: Any, seed: int, fraction: float = 0.03) -> None:
     """Change ``fraction`` of every parameter's elements (a training step's worth of bf16 changes)."""
     g = torch.Generator().manual_seed(seed)

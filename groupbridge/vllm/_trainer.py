@@ -243,7 +243,7 @@ class TrainerEngine(TrainerWeightTransferEngine[TrainerInitInfo]):
         group = self.group
 
         def drive() -> None:
-            self.client.start_weight_update()
+            _start(self.client)
             self.client.update_weights({"version": v})
 
         call = _Call(
@@ -284,6 +284,27 @@ def _usable(group: StatelessGroup) -> bool:
     except GroupBridgeError:
         return False
     return True
+
+
+def _start(client: VLLMWeightSyncClient) -> None:
+    """``start_weight_update``, recovering an engine that a trainer left mid-update (it died between vLLM's
+    ``start_weight_update`` and the end of the update: vLLM then refuses every new start, and has no abort).
+    Our workers drop whatever an earlier session received when a new one joins, so finishing that update
+    commits nothing; then the start is tried again. Any other failure is raised as it was."""
+    try:
+        client.start_weight_update()
+        return
+    except Exception as e:
+        first = e
+    try:
+        client.finish_weight_update(weight_version=None)
+    except Exception:  # not a leftover update: the start failed for its own reason
+        raise first from None
+    logger.warning(
+        "groupbridge: vLLM was left mid-update by an earlier trainer (%s); finished it without loading "
+        "anything and started this update", first,
+    )  # fmt: skip
+    client.start_weight_update()
 
 
 def _abort_later(group: StatelessGroup, error: BaseException, grace: float) -> Callable[[], None]:
