@@ -236,6 +236,8 @@ class ControlChannel:
             if raw is None:  # the push that comes next rings the bell after it
                 store.wait([bell])
                 raw = take()
+                if raw is None:  # rung with nothing queued: a bell written by someone else; do not spin
+                    time.sleep(_FORGED_RETRY_S)
             return raw
 
         self._awaiting((owner,))
