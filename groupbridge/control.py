@@ -130,7 +130,10 @@ class ControlChannel:
         """Run one store call, turning torch's errors into the group's (the watcher's finding first)."""
         failed = self._failure()
         if failed is not None:
-            raise failed
+            try:
+                raise failed
+            finally:  # no cycle through this frame (it would keep a failed sync's buffers until collected)
+                del failed
         try:
             return fn()
         except GroupBridgeError:
@@ -138,7 +141,10 @@ class ControlChannel:
         except (RuntimeError, OSError) as e:
             failed = self._failure()
             if failed is not None:
-                raise failed from e
+                try:
+                    raise failed from e
+                finally:
+                    del failed
             raise StoreUnreachableError(
                 f"rank {self.rank}: the store of {self._where()} (hosted by rank 0) did not answer during "
                 f"{what}: {str(e).splitlines()[0] if str(e) else type(e).__name__}"

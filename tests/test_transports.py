@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from datetime import timedelta
@@ -405,3 +406,57 @@ def test_shm_back_to_back_to_uneven_receivers(delta: Any) -> None:
     torn target within a few syncs, before the control channel stopped waiting on queues."""
     res = run_ranks(_uneven, 3, CTX.Queue(), 3, 16, delta, timeout=50)
     assert res == [16, 16, 16], res
+
+
+def _slot_handles() -> tuple[int, int]:
+    """This process's descriptors and mappings of shared-memory slots."""
+    fds = 0
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # closed meanwhile (the listing's own descriptor)
+            fds += "groupbridge-slot" in os.readlink(f"/proc/self/fd/{name}")
+    with open("/proc/self/maps") as f:
+        maps = sum("groupbridge-slot" in line for line in f)
+    return fds, maps
+
+
+def _aborted_cycles(rank: int, ports: list[Any]) -> list[tuple[int, int]]:
+    """Syncs over shm that the sender's source aborts midway, each on a group of its own, with the cycle
+    collector off: what close() leaves behind is what reference counting alone cannot free."""
+    import gc
+
+    gc.disable()
+    out = []
+    n = 16
+    specs = {f"w{i}": ((1 << 18,), torch.float32) for i in range(n)}
+    for cycle, ports_of_cycle in enumerate(ports):
+        g = make_group(rank, 2, "127.0.0.1", ports_of_cycle, generation=cycle)
+        try:
+            if rank == 0:
+                snd = gb.WeightSender(g, bucket_bytes=1 << 20, transport="shm")
+
+                def source() -> Any:
+                    for i in range(n):
+                        if i == 10:
+                            raise RuntimeError("the trainer's source failed")
+                        yield f"w{i}", torch.full((1 << 18,), float(i))
+
+                with pytest.raises(gb.WeightSyncError):
+                    snd.send(source(), version=1, specs=specs)
+                snd.close()
+            else:
+                rcv = gb.WeightReceiver(g, src=0)
+                with pytest.raises(gb.GroupBridgeError):
+                    rcv.receive_into({name: torch.zeros(1 << 18) for name in specs})
+                rcv.close()
+        finally:
+            g.close()
+        out.append(_slot_handles())
+    return out
+
+
+@pytest.mark.timeout(90)
+def test_close_after_aborted_shm_syncs_leaves_no_slot_behind() -> None:
+    """G5: after aborted syncs, close() left the slots' descriptors and mappings to the cycle collector
+    (a raised error held in a local of the frame it was raised from: a cycle through its traceback)."""
+    res = run_ranks(_aborted_cycles, 2, [CTX.Queue() for _ in range(3)], timeout=80)
+    assert res == [[(0, 0)] * 3, [(0, 0)] * 3], res

@@ -302,9 +302,12 @@ class WeightReceiver:
         """Tell the peers how ``what`` failed (see :meth:`_fail`), then raise ``error`` from ``cause``; an
         interrupt (a BaseException that is not an Exception) propagates unchanged."""
         self._fail(cause, what)
-        if not isinstance(cause, Exception):
-            raise cause
-        raise error from cause
+        try:
+            if not isinstance(cause, Exception):
+                raise cause
+            raise error from cause
+        finally:  # this frame must not hold what it raised: a cycle would keep the sync's buffers (shared
+            del cause, error  # slots among them) mapped until the cycle collector runs
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """A transport's bulk copy, on the copy thread (see :attr:`.transports.base.Sync.copy`)."""

@@ -223,9 +223,12 @@ class WeightSender:
                 raise
             self.group.abort(f"rank {self.src} gave up sending version {version}: {type(e).__name__}: {e}")
             err = _as_sync_error(e, version)
-            if err is e:
-                raise
-            raise err from e
+            try:
+                if err is e:
+                    raise
+                raise err from e
+            finally:  # no cycle through this frame: it would keep the sync's buffers until collected
+                del err
 
     def _describe(self, named_tensors: Any, specs: Any) -> tuple[Any, Manifest]:
         items = named_tensors_of(named_tensors)

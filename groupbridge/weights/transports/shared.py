@@ -85,16 +85,19 @@ class _Segment:
             ) from e
         try:
             os.posix_fallocate(self.fd, 0, max(nbytes, 1))  # reserve now: ENOSPC here, never SIGBUS later
-            mm = mmap.mmap(self.fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-        except OSError as e:
+            # torch maps the file itself and keeps no descriptor of its own: once close() has closed
+            # self.fd, no descriptor is left, whoever still holds a view of the slot
+            size = max(nbytes, 1)
+            tensor = torch.from_file(f"/proc/self/fd/{self.fd}", shared=True, size=size, dtype=torch.uint8)
+        except (OSError, RuntimeError) as e:
             os.close(self.fd)
             raise TransportUnavailableError(
                 f"transport='shm' could not reserve {nbytes / 2**20:.0f} MiB of shared memory on this host: "
-                f"{e.strerror or e}"
+                f"{getattr(e, 'strerror', None) or e}"
             ) from e
         _seal_memfd(self.fd)  # at once: this process's mapping is the only writable one there will be
         self.ino = os.fstat(self.fd).st_ino
-        self.tensor = torch.frombuffer(mm, dtype=torch.uint8)
+        self.tensor = tensor[:nbytes]
         self.tensor.fill_(0)  # fault every page in now, not inside a timed transfer
 
     def describe(self) -> dict[str, int]:
