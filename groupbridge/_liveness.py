@@ -24,6 +24,7 @@ from datetime import timedelta
 from typing import Any
 
 from ._seal import ForgedMessageError, Sealer
+from .errors import GroupBridgeError
 from .store import StoreClient
 
 logger = logging.getLogger(__name__)
@@ -161,7 +162,7 @@ class Watcher:
                 raws = store.multi_get(keys) if keys else []
                 if self._collect is not None:
                     self._collect(self.client)
-            except (RuntimeError, OSError) as e:  # torch's store errors, as they enter
+            except (RuntimeError, OSError, GroupBridgeError) as e:  # torch's store errors, a closed client
                 if self._stop.is_set():
                     return
                 silent = time.monotonic() - self._last_ok

@@ -2,6 +2,11 @@
 
 Caller mistakes are ``ValueError`` / ``TypeError``. Everything that goes wrong because of a peer, the network
 or the clock is a :class:`GroupBridgeError`; timeouts are also :class:`TimeoutError` so generic handlers work.
+
+:class:`GroupBridgeError` is not a ``RuntimeError``: torch reports its store and backend failures as
+``RuntimeError`` (``DistError`` and kin), and the library translates them where they enter. Were ours a
+``RuntimeError`` too, every ``except RuntimeError`` meant for torch would also catch the library's own
+errors, correct only by the order of its clauses.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ __all__ = [
 ]
 
 
-class GroupBridgeError(RuntimeError):
+class GroupBridgeError(Exception):
     """Root of every error groupbridge raises about peers, timeouts and protocols."""
 
 

@@ -421,7 +421,7 @@ class StatelessGroup:
             return None
         try:
             statuses = self._peer_statuses()
-        except RuntimeError:
+        except (RuntimeError, GroupBridgeError):  # torch's store errors, or no usable connection left
             return None
         for peer, status in statuses.items():
             if status is not None and status["state"] == "aborted":
@@ -441,7 +441,7 @@ class StatelessGroup:
 
         try:
             deadline.poll(all_done, 0.01)
-        except RuntimeError:  # the store or our connection is gone: nobody is left to wait for
+        except (RuntimeError, GroupBridgeError):  # the store or our connection is gone: nobody is left
             return
 
     def _check_peers(self, peers: Iterable[int]) -> None:
@@ -703,7 +703,10 @@ class StatelessGroup:
                     store = self._client.get()
                     store.set(key, record)  # type: ignore[arg-type]
                     store.check([key])  # acknowledged before our sockets close: peers find the reason
-                except RuntimeError:  # the store may be what failed; the watcher's next beat retries
+                except (
+                    RuntimeError,
+                    GroupBridgeError,
+                ):  # the store may be what failed; the next beat retries
                     logger.debug("could not publish abort", exc_info=True)
         # Closing our sockets fails peers blocked on us at once instead of at their gloo timeout.
         self._release_process_groups(abort=True)
@@ -836,7 +839,7 @@ class StatelessGroup:
                 key = f"{self._ns}/{status_key(self.rank)}"
                 self._client.get().set(key, self._sealer.seal(key, encode_status(1 << 59, "closed")))  # type: ignore[arg-type]
                 self._client.get().check([key])
-        except RuntimeError:  # closing must not fail because a peer or the store is gone
+        except (RuntimeError, GroupBridgeError):  # closing must not fail because a peer or the store is gone
             logger.debug("close: could not publish that this member closed", exc_info=True)
         if self.rank == 0 and w is not None and self._server is not None:
             # The store goes with this process: wait until the others closed, so that none loses a

@@ -397,3 +397,12 @@ def test_a_watcher_that_fails_is_reported_not_silent() -> None:
     assert "ZeroDivisionError" in cause
     # the peer learns it well before its own timeout: rank 0's heartbeat stopped, or its store closed
     assert res[1][0] in ("PeerDiedError", "StoreUnreachableError") and res[1][1] < 10, res
+
+
+def test_library_errors_are_not_torchs() -> None:
+    """An ``except RuntimeError`` written for torch's store and backend errors must not also catch the
+    library's own (it did, and was right only by the order of its clauses); timeouts stay TimeoutErrors."""
+    for cls in (gb.GroupBridgeError, gb.PeerDiedError, gb.WeightSyncError, gb.SyncRefusedError):
+        assert not issubclass(cls, RuntimeError), cls
+    assert issubclass(gb.PeerTimeoutError, TimeoutError) and issubclass(gb.JoinTimeoutError, TimeoutError)
+    assert issubclass(gb.ManifestMismatchError, gb.SyncRefusedError)
