@@ -442,3 +442,40 @@ def _trainer_and_worker(rank: int, host: str, ports: Any, gports: Any) -> Any:
 @pytest.mark.timeout(60)
 def test_several_trainer_ranks_only_the_sender_in_the_bridge() -> None:
     assert all(run_ranks(_trainer_and_worker, 3, "127.0.0.1", CTX.Queue(), CTX.Queue(), timeout=50))
+
+
+def _ack_lost(rank: int, ports: Any) -> str:
+    """Rank 1's acknowledgement cannot be sent (its store connection fails at that moment)."""
+    from groupbridge.weights._protocol import ACK_TAG
+
+    with make_group(rank, 2, "127.0.0.1", ports, timeout=timedelta(seconds=10)) as g:
+        model = {"w": torch.arange(1024, dtype=torch.float32)}
+        if rank == 0:
+            try:
+                gb.WeightSender(g).send(model, version=1, timeout=timedelta(seconds=5))
+                return "sent"
+            except gb.GroupBridgeError as e:
+                return type(e).__name__
+        send_obj = g.send_obj
+
+        def failing_ack(obj: Any, dst: int, *, tag: str = "") -> None:
+            if tag == ACK_TAG:
+                raise gb.StoreUnreachableError("injected: the store did not answer")
+            send_obj(obj, dst, tag=tag)
+
+        g.send_obj = failing_ack  # type: ignore[method-assign]
+        target = {"w": torch.zeros(1024)}
+        try:
+            gb.WeightReceiver(g, src=0).receive_into(target)
+            return "returned normally"
+        except gb.WeightSyncError as e:
+            return str(e)
+
+
+@pytest.mark.timeout(60)
+def test_an_acknowledgement_that_cannot_be_sent_fails_the_receive() -> None:
+    """It was logged at DEBUG and the receive returned as if the sync had succeeded, while the sender failed
+    it for want of that acknowledgement."""
+    res = run_ranks(_ack_lost, 2, CTX.Queue(), timeout=50)
+    assert res[0] != "sent", res
+    assert "holds version 1, but could not acknowledge it" in res[1] and "injected" in res[1], res
