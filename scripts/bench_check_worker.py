@@ -94,8 +94,9 @@ class Side:
         if case not in self.ends:
             self.models[case] = _model(tensors, tensor_bytes, seed=self.rank)
             self.versions[case] = 0
+            extra = {"delta": delta} if delta else {}  # a base older than delta sync has no such argument
             self.ends[case] = (
-                gb.WeightSender(g, bucket_bytes=bucket_bytes, transport=transport, delta=delta)
+                gb.WeightSender(g, bucket_bytes=bucket_bytes, transport=transport, **extra)
                 if self.rank == 0
                 else gb.WeightReceiver(g, src=0)
             )
