@@ -84,6 +84,7 @@ class Watcher:
         name: str,
         wake: Callable[[], None],
         collect: Callable[[StoreClient], None] | None = None,
+        sweep: Callable[[StoreClient], None] | None = None,
     ) -> None:
         self.client = client
         self.prefix = prefix
@@ -94,6 +95,7 @@ class Watcher:
         self.peers = [r for r in range(world_size) if r != rank]
         self._wake = wake
         self._collect = collect
+        self._sweep = sweep
         now = time.monotonic()
         self.seen: dict[int, tuple[int, float]] = {r: (-1, now) for r in self.peers}
         """Per peer: its last counter and when (this clock) it last changed."""
@@ -162,6 +164,8 @@ class Watcher:
                 raws = store.multi_get(keys) if keys else []
                 if self._collect is not None:
                     self._collect(self.client)
+                if self._sweep is not None:
+                    self._sweep(self.client)
             except (RuntimeError, OSError, GroupBridgeError) as e:  # torch's store errors, a closed client
                 if self._stop.is_set():
                     return

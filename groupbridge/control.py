@@ -28,6 +28,7 @@ read of a key not yet written returns an empty value):
 
 from __future__ import annotations
 
+import collections
 import logging
 import struct
 import time
@@ -114,6 +115,8 @@ class ControlChannel:
         self._failure = failure
         self._awaiting = awaiting
         self._warned_forgery = False
+        self._discarded: collections.deque[str] = collections.deque()
+        """Keys every reader is done with, deleted by :meth:`sweep` on the liveness watcher's connection."""
         self._early: dict[tuple[str, int], bytes] = {}
         """Messages popped ahead of their turn (a peer without the token may reorder a queue by popping and
         pushing back), kept until their number comes up."""
@@ -292,6 +295,20 @@ class ControlChannel:
         store = self.client.get()
         full = [self.key(k) for k in keys]
         return bool(self.call(lambda: store.check(full), what))
+
+    def discard(self, keys: Sequence[str]) -> None:
+        """Mark ``keys`` (never written again: their names are unique) as read by everyone; the liveness
+        watcher deletes them on its own connection, off the data path, where each delete costs a round
+        trip (three per shm bucket with two receivers)."""
+        self._discarded.extend(self.key(k) for k in keys)
+
+    def sweep(self, client: StoreClient, budget: float = 0.05) -> None:
+        """Delete discarded keys for at most ``budget`` seconds (the watcher's beat must not wait on a long
+        backlog: the rest goes at the next beat); called on the liveness watcher's thread, and at close."""
+        store = client.get()
+        until = time.monotonic() + budget
+        while self._discarded and time.monotonic() < until:
+            store.delete_key(self._discarded.popleft())
 
     def delete(self, keys: Sequence[str], what: str) -> None:
         store = self.client.get()

@@ -299,7 +299,7 @@ class StatelessGroup:
         self._watch_client = open_client(address, self.timeout, self.liveness_timeout)
         self._watcher = Watcher(
             self._watch_client, self._ns, self._sealer, self.rank, self.world_size, self.liveness_timeout,
-            self.name, self._wake, self._collect if self.rank == 0 else None,
+            self.name, self._wake, self._collect if self.rank == 0 else None, self.control.sweep,
         )  # fmt: skip
         self._watcher.start()
         t0 = time.monotonic()
@@ -835,6 +835,7 @@ class StatelessGroup:
         w = self._watcher
         try:
             if w is not None and self._client is not None and not self._client.interrupted:
+                self.control.sweep(self._client, budget=1.0)  # keys discarded since the watcher's last beat
                 w.publish("closed")
                 key = f"{self._ns}/{status_key(self.rank)}"
                 self._client.get().set(key, self._sealer.seal(key, encode_status(1 << 59, "closed")))  # type: ignore[arg-type]

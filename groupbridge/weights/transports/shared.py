@@ -256,7 +256,7 @@ class SharedTx:
         keys = [f"{self._key('done', prev)}/{r}" for r in self._receivers]
         ctl = self.group.control
         ctl.get(keys, self._receivers, self._deadline, f"receivers done with bucket {prev}")
-        ctl.delete([*keys, self._key("ready", prev)], "freeing a shared slot")
+        ctl.discard([*keys, self._key("ready", prev)])  # deleted off the data path
 
     def buffer(self, k: int, nbytes: int, device: torch.device) -> torch.Tensor:
         self._wait_free(k)
@@ -273,7 +273,9 @@ class SharedTx:
             self._wait_free(k)
             self._copy(slot[: view.numel()], view)
         _sync(slot)
-        self.group.control.put(self._key("ready", k), json.dumps(signal).encode(), "signalling a bucket")
+        # not acknowledged on its own: the next call on this connection (the wait for receivers to free a
+        # slot, or for their acknowledgements) is answered after the store applied it, or fails
+        self.group.control.post(self._key("ready", k), json.dumps(signal).encode(), "signalling a bucket")
         self._posted = k + 1
 
     def finish(self) -> None:
