@@ -378,9 +378,8 @@ def _uneven(rank: int, ports: Any, n: int, syncs: int, delta: Any) -> Any:
                 for v in range(1, syncs + 1):
                     snd.send(model(v), version=v, timeout=timedelta(seconds=10))
                     assert [g.recv_obj(r) for r in range(1, n)] == [v] * (n - 1)
-            deadline = (
-                time.monotonic() + 10
-            )  # the slots' signal keys are deleted by the watcher, off the path
+            # the slots' signal keys are deleted by the watcher, off the data path
+            deadline = time.monotonic() + 10
             while g.control._discarded and time.monotonic() < deadline:
                 time.sleep(0.05)
             assert not g.control._discarded, f"{len(g.control._discarded)} keys not deleted"
