@@ -59,6 +59,10 @@ class Copier:
     def run(self, fn: Callable[[], T]) -> T:
         return self.submit(fn).result()
 
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """``dst.copy_(src)`` on this thread (a transport's bulk copy: see ``transports.base.Sync.copy``)."""
+        self.run(lambda: dst.copy_(src))
+
     def submit(self, fn: Callable[[], T]) -> Job[T]:
         """Queue ``fn``; the caller works on meanwhile and collects it with ``result()``."""
         if self._thread is None:

@@ -235,7 +235,7 @@ class WeightReceiver:
         rx = self._transports.get(header.transport)
         if rx is None:
             rx = self._transports[header.transport] = chosen.make_rx(self.group, self.src)
-        rx.setup(plan, device, Sync(header.sync_id, deadline, options, self._copy))
+        rx.setup(plan, device, Sync(header.sync_id, deadline, options, self._copier.copy))
         self._scratch_buffers = rx.scratch_buffers
         return rx
 
@@ -308,10 +308,6 @@ class WeightReceiver:
             raise error from cause
         finally:  # this frame must not hold what it raised: a cycle would keep the sync's buffers (shared
             del cause, error  # slots among them) mapped until the cycle collector runs
-
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """A transport's bulk copy, on the copy thread (see :attr:`.transports.base.Sync.copy`)."""
-        self._copier.run(lambda: dst.copy_(src))
 
     def close(self) -> None:
         """Release transport mappings, buffers and the copy thread. The group stays open."""
@@ -413,7 +409,7 @@ class WeightReceiver:
                     ready.append((seg.index, _bytes.typed_view(view, seg.bucket_offset, dtype, e.shape)))
                     continue
                 full = assembling.setdefault(seg.index, torch.empty(e.shape, dtype=dtype, device=self.device))
-                self._copy(
+                self._copier.copy(
                     _bytes.byte_view(full)[seg.tensor_offset : seg.tensor_offset + seg.nbytes],
                     view[seg.bucket_offset : seg.bucket_offset + seg.nbytes],
                 )

@@ -290,7 +290,7 @@ class WeightSender:
             base = self._keep_base(plan, device)
         elif self.delta:  # a full sync that does not refresh the base: the next one cannot be a delta
             self._base_version = None
-        sync = Sync(header.sync_id, deadline, self.options[header.transport], self._copy)
+        sync = Sync(header.sync_id, deadline, self.options[header.transport], self._copier.copy)
         if settled.delta:
             assert base is not None
             in_place, wire_bytes, changed = self._transfer_delta(
@@ -455,10 +455,6 @@ class WeightSender:
     def _plan(self, manifest: Manifest) -> Plan:
         """The bucket plan, reused while the manifest is unchanged (building it walks every tensor)."""
         return self._plans.get(manifest, self.bucket_bytes, self.solo_bytes)
-
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """A transport's bulk copy, on the copy thread (see :attr:`.transports.base.Sync.copy`)."""
-        self._copier.run(lambda: dst.copy_(src))
 
     def close(self) -> None:
         """Release transport resources (shared slots, buffers) and the copy thread. The group stays open."""
