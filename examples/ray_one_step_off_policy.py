@@ -60,7 +60,7 @@ class Trainer(gb_ray.WorldMember):
         return {
             "loss": float(loss),
             "seconds": stats.seconds,
-            "gbps": stats.gbps,
+            "gb_per_s": stats.gb_per_s,
             "transport": stats.transport,
         }
 

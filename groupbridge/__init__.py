@@ -19,6 +19,7 @@ from .errors import (
     StoreUnreachableError,
     SyncRefusedError,
     TornUpdateError,
+    TransportRefusedError,
     TransportUnavailableError,
     WeightSyncError,
 )
@@ -60,6 +61,7 @@ __all__ = [
     "SyncRefusedError",
     "SyncStats",
     "TornUpdateError",
+    "TransportRefusedError",
     "TransportUnavailableError",
     "WeightReceiver",
     "WeightSender",

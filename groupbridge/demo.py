@@ -160,8 +160,8 @@ def _trainer(rank: int, cfg: DemoConfig, q: dict[str, Any]) -> dict[str, Any]:
             samples[step - 1] = [bridge.recv_obj(w, tag="sample") for w in range(1, cfg.workers + 1)]
         row = {
             "step": step, "version": step, "loss": round(loss_value, 4),
-            "sync_seconds": round(stats.seconds, 4), "gbps": round(stats.gbps, 3), "bytes": stats.bytes,
-            "transport": stats.transport,
+            "sync_seconds": round(stats.seconds, 4), "gb_per_s": round(stats.gb_per_s, 3),
+            "bytes": stats.bytes, "transport": stats.transport,
             "verified": all(r["verified"] for r in reports),
             "delta": stats.delta, "changed_fraction": round(stats.changed_fraction, 5),
             "wire_bytes": stats.wire_bytes,
@@ -277,17 +277,17 @@ class _Console:
             extra = f" {changed:>8} {row['wire_bytes'] / 1e6:>8.2f}"
         self._print(
             f"{row['step']:>4} {row['version']:>7} {row['loss']:>7.3f} {row['sync_seconds']:>7.3f} "
-            f"{row['gbps']:>6.2f} {row['transport']:>9} {mark:>8}{extra}  {text}"
+            f"{row['gb_per_s']:>6.2f} {row['transport']:>9} {mark:>8}{extra}  {text}"
         )
 
     def finish(self, rows: list[dict[str, Any]], samples: dict[int, Any]) -> None:
         last = samples.get(self.cfg.steps) or []
         ok = all(r["verified"] for r in rows)
-        mean_gbps = sum(r["gbps"] for r in rows) / max(1, len(rows))
+        mean_gb_per_s = sum(r["gb_per_s"] for r in rows) / max(1, len(rows))
         wire = sum(r["wire_bytes"] for r in rows) / max(1, sum(r["bytes"] for r in rows))
         self._print(
             f"{len(rows)} syncs of {rows[-1]['bytes'] / 1e6:.1f} MB ({wire:.1%} of it on the wire), mean "
-            f"{mean_gbps:.2f} GB/s, "
+            f"{mean_gb_per_s:.2f} GB/s, "
             f"all verified: {'yes' if ok else 'NO'}; loss {rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f}; "
             f"last samples: {' '.join(str(s['tokens']) for s in last)}; {time.monotonic() - self.t0:.1f}s"
         )

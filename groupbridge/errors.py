@@ -23,6 +23,7 @@ __all__ = [
     "StoreUnreachableError",
     "SyncRefusedError",
     "TornUpdateError",
+    "TransportRefusedError",
     "TransportUnavailableError",
     "WeightSyncError",
 ]
@@ -84,3 +85,8 @@ class TornUpdateError(WeightSyncError):
 
 class TransportUnavailableError(GroupBridgeError):
     """An explicitly requested transport cannot work between these members."""
+
+
+class TransportRefusedError(TransportUnavailableError, SyncRefusedError):
+    """A receiver could not attach to the sync's transport (map the source's shared memory): every member
+    learnt it in the handshake, before any byte moved, and the group stays usable."""

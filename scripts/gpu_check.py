@@ -64,7 +64,7 @@ def _role(rank: int, ports: Any) -> dict[str, Any]:
         return {
             "transport": stats[0].transport,
             "bytes": stats[0].bytes,
-            "sync_gbps": [round(s.gbps, 2) for s in stats],
+            "sync_gb_per_s": [round(s.gb_per_s, 2) for s in stats],
             "device_copy_gbps": round(statistics.median(copies), 1),
         }
     rcv = gb.WeightReceiver(g, src=0, device="cuda")

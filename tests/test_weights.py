@@ -446,7 +446,7 @@ def test_several_trainer_ranks_only_the_sender_in_the_bridge() -> None:
 
 def _ack_lost(rank: int, ports: Any) -> str:
     """Rank 1's acknowledgement cannot be sent (its store connection fails at that moment)."""
-    from groupbridge.weights._protocol import ACK_TAG
+    from groupbridge.weights._session import ACK_TAG
 
     with make_group(rank, 2, "127.0.0.1", ports, timeout=timedelta(seconds=10)) as g:
         model = {"w": torch.arange(1024, dtype=torch.float32)}

@@ -105,6 +105,7 @@ def _role(rank: int, cfg: BenchConfig, ports: Any) -> dict[str, Any]:
                 src = model if base in ("ours", "ours_atomic") else flat_model
                 if rank == 0 and base == "ours_shared":
                     src = shared_model
+                assert src is not None
                 if rank == 0:
                     if bucket_bytes not in senders:
                         senders[bucket_bytes] = WeightSender(

@@ -1,7 +1,7 @@
 """The delta-sync session shared by sender and receivers: what is announced, what travels, what is kept.
 
-A delta sync runs after the usual handshake (``_protocol.settle``), when the header names a base version and
-every receiver said it holds it:
+A delta sync runs after the usual handshake (:func:`._session.handshake`), when the header names a base
+version and every receiver said it holds it:
 
 1. The sender diffs every bucket of the plan against its copy of the base (:mod:`._delta`), bringing that
    copy up to the new version as it goes. Buckets go in groups (:func:`delta_groups`): for each, it

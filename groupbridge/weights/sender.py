@@ -6,12 +6,10 @@ import itertools
 import logging
 import secrets
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
-from typing import Any
 
 import torch
 
@@ -24,11 +22,23 @@ from ..errors import (
     WeightSyncError,
 )
 from ..stateless import StatelessGroup
-from . import _bytes, _delta
-from ._copier import Copier, Job
-from ._delta_sync import Description, Policy, delta_digest, delta_groups, wire_plan, word_counts
-from ._protocol import ACK_TAG, Header, laid_out_in_place, make_renamer, merged_plan, refuse, settle
+from . import _bytes
+from ._copier import Copier
+from ._delta_sync import delta_digest
+from ._delta_tx import DeltaSender
+from ._session import (
+    Header,
+    Session,
+    Stream,
+    collect_acks,
+    handshake,
+    laid_out_in_place,
+    make_renamer,
+    merged_plan,
+    refuse,
+)
 from ._source import Puller
+from ._tx_stream import Fault, Progress, send_full
 from .manifest import Manifest, tensors_of
 from .plan import Plan, PlanCache
 from .transports import TRANSPORTS, Sync, TransportOptions, TxTransport, across_hosts, choose
@@ -48,8 +58,8 @@ class SyncStats:
     version: int
     bytes: int
     seconds: float
-    gbps: float
-    """Payload gigabytes (1e9 bytes) per second, as seen by the sender."""
+    gb_per_s: float
+    """Payload gigabytes (1e9 bytes, not bits) per second, as seen by the sender."""
     buckets: int
     in_place_buckets: int
     """Buckets sent straight from the tensors' own storage, without packing."""
@@ -64,8 +74,20 @@ class SyncStats:
     base_bytes: int = 0
     """Memory the sender holds for deltas (``WeightSender(delta=True)``): a copy of the model's wire bytes."""
 
+    @property
+    def gbps(self) -> float:
+        """Deprecated name of :attr:`gb_per_s` (gigabytes per second, not gigabits)."""
+        return self.gb_per_s
 
-def named_tensors_of(obj: Any) -> list[tuple[str, torch.Tensor]] | Iterator[tuple[str, torch.Tensor]]:
+
+Pairs = list[tuple[str, torch.Tensor]] | Iterator[tuple[str, torch.Tensor]]
+"""A source's (name, tensor) pairs: a list, or an iterator consumed lazily."""
+
+NamedTensors = torch.nn.Module | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+"""What ``send`` takes: a module, a mapping, or (name, tensor) pairs (a generator stays lazy)."""
+
+
+def named_tensors_of(obj: NamedTensors) -> Pairs:
     """Normalise a module, mapping or iterable of pairs; iterators stay lazy."""
     if isinstance(obj, (torch.nn.Module, Mapping)):
         return list(tensors_of(obj).items())
@@ -129,44 +151,43 @@ class WeightSender:
             raise ValueError(f"bucket_bytes={bucket_bytes!r} must be an int >= 1024")
         if wire_dtype is not None and not wire_dtype.is_floating_point:
             raise ValueError(f"wire_dtype={wire_dtype} is not a floating dtype")
+        if solo_bytes is not None and solo_bytes < 1:
+            raise ValueError(f"solo_bytes={solo_bytes} must be >= 1")
+        if delta not in (False, True, "always"):
+            raise ValueError(f"delta={delta!r} must be False, True or 'always'")
+        del intra_op_threads
         self.group = group
         self.src = group.rank
         self.bucket_bytes = bucket_bytes or DEFAULT_BUCKET_BYTES
-        if solo_bytes is not None and solo_bytes < 1:
-            raise ValueError(f"solo_bytes={solo_bytes} must be >= 1")
         self.solo_bytes = solo_bytes if solo_bytes is not None else max(1, self.bucket_bytes // 8)
         self.transport = transport
         self.options = _options_by_transport(transport_options, group, self.src)
         """Every transport's options, completed for this group (e.g. the relay chain)."""
-        self._transports: dict[str, TxTransport] = {}
         self.wire_dtype = wire_dtype
         self.checksum = checksum
-        del intra_op_threads
+        self._transports: dict[str, TxTransport] = {}
         self._copier = Copier(f"{group.name}-{group.rank}")
-        self._second: Copier | None = None
         self._scratch = _bytes.BufferCache()
         self._rename = make_renamer(rename)
         self._known: dict[str, Manifest] = {}
         self._manifest: Manifest | None = None
         self._plans = PlanCache()
-        self._fault: Callable[[int, torch.Tensor], None] | None = None  # test hook: called per packed bucket
-        if delta not in (False, True, "always"):
-            raise ValueError(f"delta={delta!r} must be False, True or 'always'")
-        self.delta = bool(delta)
-        self._base: torch.Tensor | None = None
-        """With ``delta``: the plan-layout bytes of ``_base_version`` (what every receiver acknowledged)."""
-        self._base_version: int | None = None
-        self._base_digest = ""
-        self._policy = Policy(always=delta == "always")
+        self._fault: Fault | None = None  # test hook: called with every bucket's bytes before they are posted
+        self._delta = DeltaSender(group, self._copier, self._scratch, delta == "always") if delta else None
+        """Present when asked for deltas: the base, the policy and the diff."""
+
+    @property
+    def delta(self) -> bool:
+        return self._delta is not None
 
     def send(
         self,
-        named_tensors: Any,
+        named_tensors: NamedTensors,
         version: int,
         *,
-        specs: Mapping[str, tuple[Any, torch.dtype]] | None = None,
+        specs: Mapping[str, tuple[Sequence[int], torch.dtype]] | None = None,
         timeout: timedelta | None = None,
-        progress: Callable[[int, int], None] | None = None,
+        progress: Progress | None = None,
     ) -> SyncStats:
         """Send ``named_tensors`` as ``version``; returns once every receiver confirmed it applied it.
 
@@ -186,6 +207,7 @@ class WeightSender:
         Raises:
             ValueError, TypeError: bad arguments (receivers are told and raise WeightSyncError).
             ManifestMismatchError: a receiver expects other names, shapes or dtypes; nothing was sent.
+            SyncRefusedError: every member ended the sync alike (a receiver refused it or its bytes).
             WeightSyncError: the transfer failed or a receiver reported a failure (the cause is chained).
         """
         if isinstance(version, bool) or not isinstance(version, int):
@@ -201,23 +223,19 @@ class WeightSender:
             refuse(self.group, f"{type(e).__name__}: {e}", deadline, kind)
             raise
         self._manifest = manifest
-        plan = self._plan(manifest)
-        options: dict[str, Any] = {
-            "sync_id": secrets.token_hex(6),
-            "transport": self.options[kind].to_wire(),
-        }
-        verify = "hmac" if self.group.sealed else ("xxh3" if self.checksum else "")
-        if self.delta:
-            offer = self._base_version if self._base_digest == manifest.digest else None
-            wants = self._policy.wants_delta()
-            options["delta"] = {"base": offer if wants else None}
-        header = Header(
-            version, manifest.digest, self.bucket_bytes, self.solo_bytes, kind, verify,
-            plan.total_bytes, options,
-        )  # fmt: skip
         tx = self._tx(kind)
+        plan = self._plan(manifest)
+        header = Header(
+            version, manifest.digest, self.bucket_bytes, self.solo_bytes, kind,
+            "hmac" if self.group.sealed else ("xxh3" if self.checksum else ""), plan.total_bytes,
+            secrets.token_hex(6), self.options[kind].to_wire(), tx.offer(),
+            keeps_base=self._delta is not None,
+            base=self._delta.offer(manifest) if self._delta is not None else None,
+        )  # fmt: skip
         try:
-            return self._session(header, manifest, plan, items, device, tx, deadline, progress)
+            session = handshake(self.group, deadline, self._known, header=header, manifest=manifest,
+                                in_place=self._in_place(items, manifest))  # fmt: skip
+            return self._stream(session, plan, items, device, tx, deadline, progress)
         except BaseException as e:
             if isinstance(e, SyncRefusedError):  # every member ended the sync alike: the group is fine
                 raise
@@ -230,7 +248,9 @@ class WeightSender:
             finally:  # no cycle through this frame: it would keep the sync's buffers until collected
                 del err
 
-    def _describe(self, named_tensors: Any, specs: Any) -> tuple[Any, Manifest]:
+    def _describe(
+        self, named_tensors: NamedTensors, specs: Mapping[str, tuple[Sequence[int], torch.dtype]] | None
+    ) -> tuple[Pairs, Manifest]:
         items = named_tensors_of(named_tensors)
         if isinstance(items, list):
             items = [(self._rename(n), t) for n, t in items]
@@ -267,190 +287,83 @@ class WeightSender:
             return fallback
         return kind
 
-    def _session(
+    def _stream(
         self,
-        header: Header,
-        manifest: Manifest,
+        session: Session,
         plan: Plan,
-        items: Any,
+        items: Pairs,
         device: torch.device,
         tx: TxTransport,
         deadline: Deadline,
-        progress: Callable[[int, int], None] | None,
+        progress: Progress | None,
     ) -> SyncStats:
-        version = header.version
-        in_place_check = None if self.delta else self._in_place(items)
-        settled = settle(self.group, self.src, header, manifest, self._known, None, in_place_check, deadline)
-        if settled.merged:
+        """This source's stream of the agreed session, then the commit: every receiver's acknowledgement."""
+        header, manifest = session.header, session.manifest
+        if session.merged:
             plan = merged_plan(manifest)
         t0 = time.perf_counter()
-        sample = self.delta and self._base_version is not None and not settled.delta
-        base = None
-        if self.delta and (settled.delta or self._policy.keep_base()):
-            base = self._keep_base(plan, device)
-        elif self.delta:  # a full sync that does not refresh the base: the next one cannot be a delta
-            self._base_version = None
         sync = Sync(header.sync_id, deadline, self.options[header.transport], self._copier.copy)
-        if settled.delta:
-            assert base is not None
-            in_place, wire_bytes, changed = self._transfer_delta(
-                tx, plan, manifest, Puller(manifest, iter(items)), base, sync, progress, delta_digest(header)
-            )
+        stream = Stream(self.src, plan, sync, device)
+        puller = Puller(manifest, iter(items))
+        base, sampler = None, None
+        if self._delta is not None:
+            base, sample = self._delta.prepare(session, plan, device)
+            sampler = partial(self._delta.sample, puller, plan) if sample else None
+        if session.delta:
+            assert self._delta is not None
+            sent = self._delta.send(tx, stream, puller, delta_digest(header), progress, self._fault)
+            in_place, wire_bytes, changed = sent.in_place, sent.wire_bytes, sent.changed
         else:
-            tx.setup(plan, device, sync)
-            puller = Puller(manifest, iter(items))
-            in_place, digests = self._transfer(tx, plan, puller, progress, header.verify, base, sample)
+            full = send_full(
+                tx, stream, puller, self._copier,
+                digest=(lambda v: _bytes.digest(v, header.verify, self.group)) if header.verify else None,
+                base=base,
+                sample=sampler,
+                progress=progress, fault=self._fault,
+            )  # fmt: skip
             if header.verify:
-                self.group.broadcast_obj(digests, src=self.src, timeout=deadline)
-            wire_bytes, changed = plan.total_bytes, 1.0
-        failures = []
-        for r in range(self.group.world_size):
-            if r != self.src:
-                ack = self.group.recv_obj(r, timeout=deadline, tag=ACK_TAG)
-                if not isinstance(ack, dict) or ack.get("ok") is not True:
-                    error = ack.get("error") if isinstance(ack, dict) else repr(ack)[:200]
-                    failures.append(f"rank {r}: {error}")
+                self.group.broadcast_obj(full.digests, src=self.src, timeout=deadline)
+            in_place, wire_bytes, changed = full.in_place, plan.total_bytes, 1.0
+        receivers = [r for r in range(self.group.world_size) if r != self.src]
+        failures = collect_acks(self.group, receivers, deadline)
         seconds = time.perf_counter() - t0
         if failures:  # every member finished the sync and said how: the group itself is fine
-            raise SyncRefusedError(f"version {version} was not applied everywhere:\n" + "\n".join(failures))
-        if self.delta:
-            if base is not None:
-                self._base_version, self._base_digest = version, manifest.digest
-            if settled.delta:
-                self._policy.record_delta(seconds, plan.total_bytes, wire_bytes, changed)
-            else:
-                self._policy.record_full(seconds, plan.total_bytes)
+            raise SyncRefusedError(
+                f"version {header.version} was not applied everywhere:\n" + "\n".join(failures)
+            )
+        if self._delta is not None:
+            self._delta.record(session, seconds, plan.total_bytes, wire_bytes, changed)
         stats = SyncStats(
-            version=version,
+            version=header.version,
             bytes=plan.total_bytes,
             seconds=seconds,
-            gbps=plan.total_bytes / seconds / 1e9 if seconds > 0 else float("inf"),
+            gb_per_s=plan.total_bytes / seconds / 1e9 if seconds > 0 else float("inf"),
             buckets=len(plan.buckets),
             in_place_buckets=in_place,
             transport=header.transport,
-            receivers=self.group.world_size - 1,
+            receivers=len(receivers),
             wire_bytes=wire_bytes,
             changed_fraction=changed,
-            delta=settled.delta,
+            delta=session.delta,
             base_bytes=0 if base is None else base.numel(),
         )
         logger.info(
             "[%s] sent version %d%s: %.1f MB (%.1f MB on the wire) in %.3fs (%.2f GB/s, %d buckets, %d in "
             "place, %s)",
-            self.group.name, version, f" as a delta ({changed:.2%} changed)" if settled.delta else "",
-            stats.bytes / 1e6, wire_bytes / 1e6, seconds, stats.gbps, stats.buckets, in_place,
+            self.group.name, header.version, f" as a delta ({changed:.2%} changed)" if session.delta else "",
+            stats.bytes / 1e6, wire_bytes / 1e6, seconds, stats.gb_per_s, stats.buckets, in_place,
             header.transport,
         )  # fmt: skip
         return stats
 
-    def _keep_base(self, plan: Plan, device: torch.device) -> torch.Tensor:
-        """The base buffer, invalid until this sync is acknowledged everywhere (a sync that fails midway
-        leaves receivers on different versions: the next one is then a full sync)."""
-        self._base_version = None
-        base = self._base
-        if base is None or base.numel() != plan.total_bytes or base.device != device:
-            self._base = None  # free the old one first
-            base = self._base = _bytes.new_buffer(plan.total_bytes, device)
-        return base
-
-    def _transfer_delta(
-        self,
-        tx: TxTransport,
-        plan: Plan,
-        manifest: Manifest,
-        puller: Puller,
-        base: torch.Tensor,
-        sync: Sync,
-        progress: Callable[[int, int], None] | None,
-        verify: str,
-    ) -> tuple[int, int, float]:
-        """Diff every bucket against the base (bringing it up to the new version), describe, then send the
-        changed buckets' payloads; returns (in-place buckets, wire bytes, changed fraction)."""
-        sizes, words = word_counts(plan, manifest)
-        n = len(plan.buckets)
-        results: list[tuple[_delta.Encoded, Any, Any, bool] | None] = [None] * n
-        biggest = max((e - s for s, e in plan.bounds), default=0)
-
-        def diff(k: int, worker: int) -> tuple[_delta.Encoded, Any, Any, bool]:
-            """On a copy thread, while the other diffs the next bucket and the caller's thread sends."""
-            start, end = plan.bucket_range(k)
-            new = _bytes.in_place_bucket(plan, k, puller.direct, receiving=False)
-            flat = new is not None
-            if new is None:
-                new = self._scratch.get(f"delta-new{worker}", end - start, base.device)
-                _bytes.pack(new, plan.buckets[k], puller.live, puller.wire)
-            old = base[start:end]
-            mask = self._scratch.get(f"delta-mask{worker}", biggest, base.device).view(torch.bool)
-            enc = _delta.encode(new, old, sizes[k], mask)
-            digest = _bytes.digest(old, verify, self.group)
-            if enc.payload is not None:
-                return enc, digest, _bytes.digest(enc.payload, verify, self.group), flat
-            return enc, digest, digest if enc.code is _delta.Code.DENSE else None, flat
-
-        workers = self._diff_workers()
-        pending: deque[tuple[int, Job[Any]]] = deque()
-        submitted = 0
-
-        def result(k: int) -> tuple[_delta.Encoded, Any, Any, bool]:
-            """Bucket k's diff; the workers are kept a few buckets ahead of the caller (the source's tensors
-            are pulled here, on the caller's thread, and released once their buckets are diffed)."""
-            nonlocal submitted
-            while results[k] is None:
-                while submitted < n and len(pending) < 2 * len(workers):
-                    puller.pull_through(max(seg.index for seg in plan.buckets[submitted]))
-                    w = submitted % len(workers)
-                    pending.append((submitted, workers[w].submit(partial(diff, submitted, w))))
-                    submitted += 1
-                j, job = pending.popleft()
-                results[j] = job.result()
-                puller.release(plan, j)
-                if progress is not None:
-                    progress(plan.bucket_range(j)[1], plan.total_bytes)
-            r = results[k]
-            assert r is not None
-            return r
-
-        wire_bytes = changed = in_place = 0
-        set_up = False
-        for a, b in delta_groups(plan):
-            done = [result(k) for k in range(a, b)]
-            desc = Description(
-                tuple(r[0].code for r in done),
-                tuple(r[0].count for r in done),
-                tuple(r[1] for r in done),
-                tuple(r[2] for r in done if r[2] is not None),
-            )
-            self.group.broadcast_obj(desc.to_wire(), src=self.src, timeout=sync.deadline)
-            wplan, sources = wire_plan(desc, sizes[a:b], words[a:b])
-            changed += sum(r[0].count for r in done)
-            in_place += sum(r[3] for r in done)
-            wire_bytes += wplan.total_bytes
-            if not sources:
-                continue
-            if set_up:
-                tx.finish()  # the previous group's bytes are out; the diff workers kept going meanwhile
-            tx.setup(wplan, base.device, sync)
-            set_up = True
-            for j, i in enumerate(sources):
-                enc = done[i][0]
-                start, end = plan.bucket_range(a + i)
-                payload = enc.payload if enc.payload is not None else base[start:end]
-                if self._fault is not None:
-                    self._fault(a + i, payload)
-                tx.post(j, payload)
-        if set_up:
-            tx.finish()
-        puller.pull_through(len(manifest.entries) - 1)
-        compared = sum(words)
-        return in_place, wire_bytes, changed / compared if compared else 0.0
-
-    def _in_place(self, items: Any) -> Callable[[Header, Manifest], bool]:
-        def check(header: Header, manifest: Manifest) -> bool:
-            if not isinstance(items, list) or any(e.dtype != e.wire_dtype for e in manifest.entries):
-                return False
-            return laid_out_in_place(manifest, [t for _, t in items], receiving=False)
-
-        return check
+    def _in_place(self, items: NamedTensors, manifest: Manifest) -> bool:
+        """This source's tensors lie in the merged plan's layout (it may then be agreed; never with deltas,
+        whose base is kept in the bucket plan's layout)."""
+        if self._delta is not None or not isinstance(items, list):
+            return False
+        if any(e.dtype != e.wire_dtype for e in manifest.entries):
+            return False
+        return laid_out_in_place(manifest, [t for _, t in items], receiving=False)
 
     def _plan(self, manifest: Manifest) -> Plan:
         """The bucket plan, reused while the manifest is unchanged (building it walks every tensor)."""
@@ -462,81 +375,15 @@ class WeightSender:
             tx.close()
         self._transports.clear()
         self._copier.close()
-        if self._second is not None:
-            self._second.close()
+        if self._delta is not None:
+            self._delta.close()
         self._scratch.clear()
-        self._base = None
 
     def __enter__(self) -> WeightSender:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def _sample(self, old: torch.Tensor, plan: Plan, k: int, puller: Puller) -> None:
-        """Pack bucket ``k`` into scratch and bring ``old`` (its base) up to it, diffing a slice on the
-        way."""
-        new = self._scratch.get("delta-new0", old.numel(), old.device)
-        _bytes.pack(new, plan.buckets[k], puller.live, puller.wire)
-        w = _delta.word_size(plan, puller.manifest, k)
-        m = min(old.numel(), Policy.SAMPLE_BYTES) // w * w
-        t0 = time.perf_counter()
-        enc = _delta.encode(new[:m], old[:m], w)
-        seconds = time.perf_counter() - t0
-        wire = _delta.payload_nbytes(enc.code, enc.count, enc.words, w)
-        self._policy.record_sample(seconds, m, enc.count / max(enc.words, 1), wire)
-        old[m:].copy_(new[m:])
-
-    def _diff_workers(self) -> list[Copier]:
-        """Two copy threads diff buckets side by side (the diff is the sender's bottleneck and nothing else
-        runs while it does: the transfer starts once every bucket is described)."""
-        if self._second is None:
-            self._second = Copier(f"{self.group.name}-{self.group.rank}-diff")
-        return [self._copier, self._second]
-
-    def _transfer(
-        self,
-        tx: TxTransport,
-        plan: Plan,
-        puller: Puller,
-        progress: Callable[[int, int], None] | None,
-        verify: str,
-        base: torch.Tensor | None,
-        sample: bool = False,
-    ) -> tuple[int, list[Any]]:
-        """Pack and post every bucket (into ``base`` too, when one is kept); returns (in-place buckets,
-        digests)."""
-        live = puller.live
-        digests: list[Any] = []
-        in_place = 0
-        for k, segs in enumerate(plan.buckets):
-            puller.pull_through(max(seg.index for seg in segs))
-            start, end = plan.bucket_range(k)
-            view = _bytes.in_place_bucket(plan, k, puller.direct, receiving=False)
-            if view is not None:
-                in_place += 1
-                if base is not None:
-                    self._copier.run(lambda v=view, b=base[start:end]: b.copy_(v))  # type: ignore[misc]
-            elif base is not None and sample and end - start >= Policy.SAMPLE_BYTES // 2:
-                sample = False  # one bucket per full sync is diffed against the base, to time the diff
-                view = base[start:end]
-                self._copier.run(partial(self._sample, view, plan, k, puller))
-            else:
-                device = live[segs[0].index].device  # type: ignore[union-attr]
-                # a kept base is where the bucket is packed (one copy, not two); else the transport's buffer
-                view = base[start:end] if base is not None else tx.buffer(k, end - start, device)
-                self._copier.run(partial(_bytes.pack, view, segs, live, puller.wire))
-            if verify:
-                digests.append(_bytes.digest(view, verify, self.group))
-            if self._fault is not None:
-                self._fault(k, view)
-            tx.post(k, view)
-            if progress is not None:
-                progress(end, plan.total_bytes)
-            puller.release(plan, k)
-        tx.finish()
-        puller.pull_through(len(puller.entries) - 1)  # trailing aliases and empty tensors
-        return in_place, digests
 
 
 def _peek_device(

@@ -13,6 +13,8 @@ receivers, relay beyond); receivers follow the header.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ...errors import TransportUnavailableError
@@ -52,10 +54,10 @@ __all__ = [
     "spec",
 ]
 
-TRANSPORTS: dict[str, TransportSpec] = {s.name: s for s in (BROADCAST, RELAY, SHM, CUDA_IPC)}
+TRANSPORTS: dict[str, TransportSpec[Any]] = {s.name: s for s in (BROADCAST, RELAY, SHM, CUDA_IPC)}
 
 
-def spec(kind: str) -> TransportSpec:
+def spec(kind: str) -> TransportSpec[Any]:
     """The transport a header names; TransportUnavailableError for one this version does not know."""
     found = TRANSPORTS.get(kind)
     if found is None:

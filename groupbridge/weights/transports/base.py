@@ -1,15 +1,17 @@
 """The transport contract: what a transport is told, what it must do, and what it states about itself.
 
 The sender, the handshake and the receiver never name a transport: they read its :class:`TransportSpec`
-(the options it takes, what it can carry, what it can do) from :data:`TRANSPORTS`.
+(the options it takes, what it can carry, what it can do) from :data:`TRANSPORTS`. The order of the calls
+and the rules each side may rely on are written on :class:`TxTransport` and :class:`RxTransport`; the
+control keys a transport uses live under its :attr:`Sync.key`.
 """
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 import torch
 
@@ -74,29 +76,65 @@ def _copy_here(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src)
 
 
+OptionsT = TypeVar("OptionsT", bound=TransportOptions)
+
+
 @dataclass(frozen=True, slots=True)
-class Sync:
-    """What a transport is told about one sync."""
+class Sync(Generic[OptionsT]):
+    """What a transport is told each time it is opened for a stream of a sync."""
 
     sync_id: str
     deadline: Deadline
-    options: Any
-    """The transport's own options (its ``TransportSpec.options`` type), as the sender announced them."""
+    options: OptionsT
+    """The transport's own options, as the source announced them."""
     copy: Callable[[torch.Tensor, torch.Tensor], None] = _copy_here
     """``copy(dst, src)``: how a transport copies bulk bytes. The sender and the receiver run it on the copy
     thread they own (one intra-op thread): a copy on the caller's thread uses its intra-op pool, whose idle
     workers then spin and starve the other processes of a small host (measured: shm to two receivers on two
     cores 3x slower)."""
+    part: int = 0
+    """Which opening of the transport within this sync: a delta sync opens it once per group of buckets,
+    each with a plan of its own."""
+
+    @property
+    def key(self) -> str:
+        """The prefix of every control key this opening may use (``wx/<sync id>/<part>``): never reused, so
+        that a signal sealed for one sync or part cannot pass for another's."""
+        return f"wx/{self.sync_id}/{self.part}"
+
+    def next_part(self) -> Sync[OptionsT]:
+        return replace(self, part=self.part + 1)
 
 
 class TxTransport(Protocol):
-    """Sender side. Per sync: ``setup``, then for every bucket ``buffer`` (where to pack) and ``post``."""
+    """The source's side of a transport. The calls, in order:
 
-    def reserve(self, plan: Plan, device: torch.device) -> None:
-        """Claim what the sync will need before it is announced; TransportUnavailableError if it cannot."""
-        ...
+    - ``reserve(plan, device)`` before a sync is announced: claim what it needs (shared slots) so that a
+      host short of memory is found while another transport can still be chosen; raises
+      :class:`TransportUnavailableError` if it cannot, and then holds nothing. Called every sync; cheap when
+      what it holds already fits.
+    - ``offer()`` then goes into the sync's header: what receivers need to attach (JSON-like, small, sealed
+      with the group's token). Called every sync: a receiver new to the group attaches from it.
+    - ``open(plan, device, sync)`` starts a stream of buckets, with no round trip to the receivers. Within one
+      sync it may be called again after ``finish()`` with another plan and ``sync.part`` one higher (a delta
+      sync sends each group of buckets by its own plan).
+    - for every bucket k in order: ``buffer(k, nbytes, device)`` where the source may pack it (it blocks
+      until that buffer is free again: this is the back-pressure of the pipeline), then ``post(k, view)``.
+      ``view`` need not come from ``buffer()``: a bucket laid out in the tensors' own storage, a kept base or
+      a delta payload is posted from where it lies, and the transport copies it if it must.
+    - ``finish()`` returns once every posted byte has left this process's hands (the receivers may still be
+      reading shared memory: the next ``open`` or ``buffer`` waits for them).
+    - ``close()`` releases everything; the transport is not used again.
 
-    def setup(self, plan: Plan, device: torch.device, sync: Sync) -> None: ...
+    Raises on the data path: a :class:`groupbridge.GroupBridgeError` (peer died, timed out at
+    ``sync.deadline``); the sender then aborts the group.
+    """
+
+    def reserve(self, plan: Plan, device: torch.device) -> None: ...
+
+    def offer(self) -> dict[str, Any]: ...
+
+    def open(self, plan: Plan, device: torch.device, sync: Sync[Any]) -> None: ...
 
     def buffer(self, k: int, nbytes: int, device: torch.device) -> torch.Tensor: ...
 
@@ -108,12 +146,26 @@ class TxTransport(Protocol):
 
 
 class RxTransport(Protocol):
-    """Receiver side: ``setup``, then iterate ``buckets`` for (k, view, in_place) as they arrive."""
+    """A receiver's side of a transport. The calls, in order:
+
+    - ``attach(offer, src)`` during the handshake, with the source's offer as it came off the wire (hostile
+      until checked): map or check what the sync needs; returns why this receiver cannot (every member then
+      raises :class:`TransportUnavailableError` before any byte moves), or None. No round trips.
+    - ``open(plan, device, sync)`` per stream, as on the source (again per group of a delta sync); after it,
+      ``scratch_buffers`` says how many scratch landings may be in use at once (the receiver's ring).
+    - ``buckets(plan, land, deadline)`` yields ``(k, view, in_place)`` for every bucket in order, as it
+      arrives. ``land(k)`` says where bucket k should land (:class:`Landed`); a transport with a buffer of
+      its own (a shared slot) may yield that buffer instead of copying into a SCRATCH landing: the view is
+      then valid only until the next bucket is asked for. ``in_place`` is True when the bytes are already in
+      the caller's own tensors (a TARGET landing).
+    - ``close()`` releases mappings and buffers.
+    """
 
     scratch_buffers: int
-    """How many scratch landings may be in use at once (the receiver's ring of buffers)."""
 
-    def setup(self, plan: Plan, device: torch.device, sync: Sync) -> None: ...
+    def attach(self, offer: dict[str, Any], src: int) -> str | None: ...
+
+    def open(self, plan: Plan, device: torch.device, sync: Sync[Any]) -> None: ...
 
     def buckets(
         self, plan: Plan, land: Land, deadline: Deadline
@@ -123,16 +175,18 @@ class RxTransport(Protocol):
 
 
 @dataclass(frozen=True)
-class TransportSpec:
-    """One transport, as data."""
+class TransportSpec(Generic[OptionsT]):
+    """One transport, as data: the sender, the handshake and the receiver read it and never name a
+    transport."""
 
     name: str
-    options: Any
-    """Its options class (a :class:`TransportOptions`); ``options()`` gives the defaults."""
-    parse: Callable[[Any, int, int], Any]
-    """Options from the wire (hostile until checked: ProtocolError for anything malformed)."""
-    make_tx: Callable[[StatelessGroup, Any], TxTransport]
-    make_rx: Callable[[StatelessGroup, int], RxTransport]
+    options: type[OptionsT]
+    """Its options class; ``options()`` gives the defaults."""
+    parse: Callable[[Any, int, int], OptionsT]
+    """Options from the wire, ``parse(d, world_size, src)`` (hostile until checked: ProtocolError for
+    anything malformed)."""
+    make_tx: Callable[[StatelessGroup, OptionsT], TxTransport]
+    make_rx: Callable[[StatelessGroup], RxTransport]
     one_host: bool = False
     """Needs every member on one host."""
     devices: tuple[str, ...] = ()

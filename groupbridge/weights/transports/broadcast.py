@@ -56,7 +56,10 @@ class BroadcastTx:
     def reserve(self, plan: Plan, device: torch.device) -> None:
         pass
 
-    def setup(self, plan: Plan, device: torch.device, sync: Sync) -> None:
+    def offer(self) -> dict[str, Any]:
+        return {}
+
+    def open(self, plan: Plan, device: torch.device, sync: Sync[Any]) -> None:
         self._deadline = sync.deadline
 
     def buffer(self, k: int, nbytes: int, device: torch.device) -> torch.Tensor:
@@ -83,12 +86,16 @@ class BroadcastTx:
 
 
 class BroadcastRx:
-    def __init__(self, group: StatelessGroup, src: int) -> None:
+    def __init__(self, group: StatelessGroup) -> None:
         self.group = group
-        self.src = src
+        self.src = 0
         self.scratch_buffers = 2
 
-    def setup(self, plan: Plan, device: torch.device, sync: Sync) -> None:
+    def attach(self, offer: dict[str, Any], src: int) -> str | None:
+        self.src = src
+        return None
+
+    def open(self, plan: Plan, device: torch.device, sync: Sync[BroadcastOptions]) -> None:
         self.scratch_buffers = sync.options.in_flight
 
     def buckets(self, plan: Plan, land: Land, deadline: Deadline) -> Iterator[tuple[int, torch.Tensor, bool]]:
@@ -116,6 +123,6 @@ class BroadcastRx:
         pass
 
 
-SPEC = TransportSpec(
+SPEC: TransportSpec[BroadcastOptions] = TransportSpec(
     "broadcast", BroadcastOptions, BroadcastOptions.parse, BroadcastTx, BroadcastRx, cut_anywhere=True
 )

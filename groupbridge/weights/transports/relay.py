@@ -98,7 +98,10 @@ class RelayTx:
     def reserve(self, plan: Plan, device: torch.device) -> None:
         pass
 
-    def setup(self, plan: Plan, device: torch.device, sync: Sync) -> None:
+    def offer(self) -> dict[str, Any]:
+        return {}
+
+    def open(self, plan: Plan, device: torch.device, sync: Sync[Any]) -> None:
         self._deadline = sync.deadline
         _, self._succ = _neighbours(list(self.options.chain or ()), self.group.rank)
 
@@ -127,17 +130,19 @@ class RelayTx:
 
 
 class RelayRx:
-    def __init__(self, group: StatelessGroup, src: int) -> None:
+    def __init__(self, group: StatelessGroup) -> None:
         self.group = group
-        self.src = src
         self.scratch_buffers = 2
         self._pred: int | None = None
         self._succ: int | None = None
         self._chunk = DEFAULT_CHUNK_BYTES
         self._window = 1
 
-    def setup(self, plan: Plan, device: torch.device, sync: Sync) -> None:
-        options: RelayOptions = sync.options
+    def attach(self, offer: dict[str, Any], src: int) -> str | None:
+        return None  # the chain, in the options, says who this receiver takes from
+
+    def open(self, plan: Plan, device: torch.device, sync: Sync[RelayOptions]) -> None:
+        options = sync.options
         self._chunk, self._window = options.chunk_bytes, options.window
         self._pred, self._succ = _neighbours(list(options.chain or ()), self.group.rank)
 
@@ -177,4 +182,4 @@ class RelayRx:
         pass
 
 
-SPEC = TransportSpec("relay", RelayOptions, RelayOptions.parse, RelayTx, RelayRx)
+SPEC: TransportSpec[RelayOptions] = TransportSpec("relay", RelayOptions, RelayOptions.parse, RelayTx, RelayRx)

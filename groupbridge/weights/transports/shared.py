@@ -29,14 +29,14 @@ import torch
 
 from ... import _torch_private
 from ...control import Deadline
-from ...errors import ProtocolError, TransportUnavailableError, WeightSyncError
+from ...errors import GroupBridgeError, ProtocolError, TransportUnavailableError, WeightSyncError
 from ...stateless import StatelessGroup
 from ..plan import Plan
 from .base import Land, Landing, Sync, TransportSpec, wire_int
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CUDA_IPC", "SHM", "SharedOptions", "SharedRx", "SharedTx", "shm_available"]
+__all__ = ["CUDA_IPC", "SHM", "SharedOptions", "SharedRx", "SharedTx"]
 
 MAX_SLOTS = 16
 
@@ -62,9 +62,6 @@ class SharedOptions:
     @classmethod
     def parse(cls, d: Any, world_size: int, src: int) -> SharedOptions:
         return cls(wire_int(d, "slots", "shared-buffer options", 2, MAX_SLOTS))
-
-
-MISSING = "holds no slots of this generation (a receiver new to the group)"
 
 
 def _max_bucket(plan: Plan) -> int:
@@ -129,15 +126,6 @@ def _seal_memfd(fd: int) -> None:
         logger.warning("this kernel cannot seal shared-memory slots at all")
 
 
-def shm_available(nbytes: int) -> str | None:
-    """Why ``nbytes`` of anonymous shared memory cannot be reserved here, or None if it can."""
-    try:
-        _Segment(nbytes).close()
-    except TransportUnavailableError as e:
-        return str(e)
-    return None
-
-
 def _open_peer_fd(pid: int, fd: int, ino: int, nbytes: int, *, writable: bool) -> torch.Tensor:
     """Map another process's descriptor (same host, same pid namespace) after checking it is the one meant."""
     path = f"/proc/{pid}/fd/{fd}"
@@ -162,27 +150,22 @@ def _sync(t: torch.Tensor) -> None:
         torch.cuda.current_stream(t.device).synchronize()
 
 
-def _stream_id(sync_id: str, previous: str) -> str:
-    """Names the signal keys of one ``setup``: ``<sync id>/<n>``, n counting the setups of that sync (a delta
-    sync sets up once per group). A key is never reused, so a signal sealed for one group or sync cannot pass
-    for another's."""
-    sid, _, n = previous.rpartition("/")
-    return f"{sync_id}/{int(n) + 1 if sid == sync_id else 0}"
-
-
 def _int(d: Any, key: str, limit: int = 1 << 62) -> int:
     return wire_int(d, key, "bucket signal", 0, limit)
 
 
 class SharedTx:
+    """The source's ring of slots; see the module's docstring."""
+
     def __init__(self, group: StatelessGroup, options: SharedOptions, kind: str) -> None:
         self.group = group
         self.kind = kind
         self.slots = options.slots
         self._slots: list[torch.Tensor] = []
         self._segments: list[_Segment] = []
+        self._offer: dict[str, Any] = {}
         self._gen = 0
-        self._sid = ""
+        self._key = ""
         self._deadline: Deadline | None = None
         self._copy: Any = None
         self._posted = 0
@@ -209,43 +192,33 @@ class SharedTx:
         except BaseException:
             self._release()  # all slots or none: never a ring short of a slot
             raise
-        self._announced = False
+        descs: list[Any] = (
+            [seg.describe() for seg in self._segments]
+            if self.kind == "shm"
+            else [_torch_private.share_cuda(s.untyped_storage()) for s in self._slots]
+        )
+        self._offer = {"gen": self._gen, "nbytes": self._slots[0].numel(), "slots": descs}
 
-    def setup(self, plan: Plan, device: torch.device, sync: Sync) -> None:
+    def offer(self) -> dict[str, Any]:
+        """The slots, described every sync (a few dozen bytes): a receiver maps them when their generation
+        is new to it, so that a receiver new to the group needs no round trip of its own."""
+        return self._offer
+
+    def open(self, plan: Plan, device: torch.device, sync: Sync[SharedOptions]) -> None:
+        if not self._slots or self._slots[0].numel() < _max_bucket(plan):
+            raise WeightSyncError(
+                f"{self.kind}: a stream of buckets up to {_max_bucket(plan)} bytes was opened on slots that "
+                "were not reserved for it"
+            )
         self._deadline = sync.deadline
         self._copy = sync.copy
-        self._sid = _stream_id(sync.sync_id, self._sid)
+        self._key = sync.key
         self._posted = 0
-        self.external = 0
-        self.reserve(plan, device)
-        if not self._announced:
-            descs: list[Any] = (
-                [seg.describe() for seg in self._segments]
-                if self.kind == "shm"
-                else [_torch_private.share_cuda(s.untyped_storage()) for s in self._slots]
-            )
-            announce = {"gen": self._gen, "nbytes": self._slots[0].numel(), "slots": descs}
-        else:
-            announce = {"gen": self._gen}
-        self.group.broadcast_obj(announce, src=self.group.rank, timeout=self._deadline)
-        verdicts = self.group.all_gather_obj(None, timeout=self._deadline)
-        if self._announced and MISSING in verdicts:  # a receiver new to this group: describe the slots again
-            descs = (
-                [seg.describe() for seg in self._segments]
-                if self.kind == "shm"
-                else [_torch_private.share_cuda(s.untyped_storage()) for s in self._slots]
-            )
-            announce = {"gen": self._gen, "nbytes": self._slots[0].numel(), "slots": descs}
-            self.group.broadcast_obj(announce, src=self.group.rank, timeout=self._deadline)
-            verdicts = self.group.all_gather_obj(None, timeout=self._deadline)
-        errors = [f"rank {r}: {v}" for r, v in enumerate(verdicts) if v]
-        if errors:
-            self._release()
-            raise TransportUnavailableError(f"{self.kind} slots could not be mapped:\n" + "\n".join(errors))
-        self._announced = True
+        if sync.part == 0:
+            self.external = 0
 
-    def _key(self, what: str, k: int) -> str:
-        return f"wx/{self._sid}/{what}/{k}"
+    def _signal(self, what: str, k: int) -> str:
+        return f"{self._key}/{what}/{k}"
 
     def _wait_free(self, k: int) -> None:
         """Wait until every receiver is done with the bucket that used slot k % slots before."""
@@ -253,10 +226,10 @@ class SharedTx:
         if prev < 0:
             return
         assert self._deadline is not None
-        keys = [f"{self._key('done', prev)}/{r}" for r in self._receivers]
+        keys = [f"{self._signal('done', prev)}/{r}" for r in self._receivers]
         ctl = self.group.control
         ctl.get(keys, self._receivers, self._deadline, f"receivers done with bucket {prev}")
-        ctl.discard([*keys, self._key("ready", prev)])  # deleted off the data path
+        ctl.discard([*keys, self._signal("ready", prev)])  # deleted off the data path
 
     def buffer(self, k: int, nbytes: int, device: torch.device) -> torch.Tensor:
         self._wait_free(k)
@@ -275,7 +248,7 @@ class SharedTx:
         _sync(slot)
         # not acknowledged on its own: the next call on this connection (the wait for receivers to free a
         # slot, or for their acknowledgements) is answered after the store applied it, or fails
-        self.group.control.post(self._key("ready", k), json.dumps(signal).encode(), "signalling a bucket")
+        self.group.control.post(self._signal("ready", k), json.dumps(signal).encode(), "signalling a bucket")
         self._posted = k + 1
 
     def finish(self) -> None:
@@ -284,67 +257,57 @@ class SharedTx:
 
     def _release(self) -> None:
         self._slots = []
+        self._offer = {}
         for seg in self._segments:
             seg.close()
         self._segments = []
-        self._announced = False
 
     def close(self) -> None:
         self._release()
 
 
 class SharedRx:
-    def __init__(self, group: StatelessGroup, src: int, kind: str) -> None:
+    """A receiver's mappings of the source's slots; see the module's docstring."""
+
+    def __init__(self, group: StatelessGroup, kind: str) -> None:
         self.group = group
-        self.src = src
         self.kind = kind
+        self.src = 0
         self.scratch_buffers = 2
         self._slots: list[torch.Tensor] = []
-        self._gen = 0
-        self._sid = ""
+        self._gen: tuple[int, int] = (-1, 0)
+        """(source, generation) of the slots mapped."""
+        self._key = ""
         self._copy: Any = None
         self._sources: dict[tuple[int, int], torch.Tensor] = {}
         """The sender's own shared storages mapped during the current sync (dropped at the next)."""
 
-    def setup(self, plan: Plan, device: torch.device, sync: Sync) -> None:
-        self._sid = _stream_id(sync.sync_id, self._sid)
-        self._copy = sync.copy
-        deadline = sync.deadline
-        n_slots = sync.options.slots
+    def attach(self, offer: dict[str, Any], src: int) -> str | None:
+        """Map the offered slots unless they are mapped already; why not, if this receiver cannot."""
+        self.src = src
         self._sources.clear()
-        announce = self.group.broadcast_obj(None, src=self.src, timeout=deadline)
-        error = self._take(announce, n_slots)
-        verdicts = self.group.all_gather_obj(error, timeout=deadline)
-        if isinstance(announce, dict) and "slots" not in announce and MISSING in verdicts:
-            announce = self.group.broadcast_obj(None, src=self.src, timeout=deadline)  # described again
-            error = self._take(announce, n_slots)
-            self.group.all_gather_obj(error, timeout=deadline)
-        if error:
-            raise TransportUnavailableError(
-                f"rank {self.group.rank} could not map the sender's {self.kind} slots: {error}"
-            )
-
-    def _take(self, announce: Any, n_slots: int) -> str | None:
-        """Map the announced slots unless already mapped; the problem, if any (MISSING: announced by
-        generation only, and this receiver is new)."""
-        error = None
         try:
-            gen = _int(announce, "gen")
+            gen = (src, _int(offer, "gen"))
             if gen != self._gen or not self._slots:
-                if "slots" not in announce:
-                    error = MISSING
-                else:
-                    nbytes = _int(announce, "nbytes")
-                    slots = announce["slots"]
-                    if not isinstance(slots, list) or len(slots) != n_slots:
-                        raise ProtocolError(f"the announcement does not name {n_slots} slots")
-                    self._slots = []
-                    self._slots = [self._map(d, nbytes) for d in slots]
-                    self._gen = gen
-        except (OSError, RuntimeError) as e:
+                nbytes = _int(offer, "nbytes")
+                slots = offer.get("slots")
+                if not isinstance(slots, list) or not 2 <= len(slots) <= MAX_SLOTS:
+                    raise ProtocolError("the offer does not name the ring's slots")
+                self._slots = []
+                self._slots = [self._map(d, nbytes) for d in slots]
+                self._gen = gen
+        except (OSError, RuntimeError, GroupBridgeError) as e:  # GroupBridgeError: a malformed offer
             self._slots = []
-            error = f"{type(e).__name__}: {e}"
-        return error
+            return f"could not map the sender's {self.kind} slots: {type(e).__name__}: {e}"
+        return None
+
+    def open(self, plan: Plan, device: torch.device, sync: Sync[SharedOptions]) -> None:
+        if len(self._slots) != sync.options.slots:
+            raise ProtocolError(
+                f"the source announced {sync.options.slots} slots and offered {len(self._slots)}"
+            )
+        self._key = sync.key
+        self._copy = sync.copy
 
     def _map(self, desc: Any, nbytes: int) -> torch.Tensor:
         if self.kind == "shm":
@@ -357,7 +320,7 @@ class SharedRx:
         ctl = self.group.control
         for k in range(len(plan.buckets)):
             start, end = plan.bucket_range(k)
-            raw = ctl.get_one(f"wx/{self._sid}/ready/{k}", self.src, deadline, f"bucket {k}")
+            raw = ctl.get_one(f"{self._key}/ready/{k}", self.src, deadline, f"bucket {k}")
             try:
                 signal = json.loads(raw)
             except ValueError as e:
@@ -398,7 +361,7 @@ class SharedRx:
         return mapped[offset : offset + nbytes]
 
     def _done(self, k: int) -> None:
-        self.group.control.post(f"wx/{self._sid}/done/{k}/{self.group.rank}", b"1", f"bucket {k} done")
+        self.group.control.post(f"{self._key}/done/{k}/{self.group.rank}", b"1", f"bucket {k} done")
 
     def close(self) -> None:
         self._slots = []
@@ -425,11 +388,11 @@ def _shared_source(view: torch.Tensor) -> dict[str, int] | None:
     return {"fd": fd, "ino": int(ino), "size": size, "offset": offset, "nbytes": view.numel()}
 
 
-def _spec(kind: str, device: str) -> TransportSpec:
+def _spec(kind: str, device: str) -> TransportSpec[SharedOptions]:
     return TransportSpec(
         kind, SharedOptions, SharedOptions.parse,
         lambda group, options: SharedTx(group, options, kind),
-        lambda group, src: SharedRx(group, src, kind),
+        lambda group: SharedRx(group, kind),
         one_host=True, devices=(device,),
     )  # fmt: skip
 

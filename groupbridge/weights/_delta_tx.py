@@ -1,0 +1,226 @@
+"""What a source holds to send deltas (``WeightSender(delta=True)``): the base, the policy, the diff.
+
+The sender owns a :class:`DeltaSender` only when asked for deltas. Per sync it says which base version the
+header offers (:meth:`DeltaSender.offer`), which buffer a full sync also packs into (:meth:`prepare`: the
+base, refreshed while full syncs win on only some syncs, see ``Policy.keep_base``), sends a delta stream
+(:meth:`send`, see :mod:`._delta_sync` for what travels), and learns from what each sync cost
+(:meth:`record`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+
+from ..stateless import StatelessGroup
+from . import _bytes, _delta
+from ._copier import Copier, Job
+from ._delta_sync import Description, Policy, delta_groups, wire_plan, word_counts
+from ._session import Session, Stream
+from ._source import Puller
+from ._tx_stream import Fault, Progress
+from .manifest import Manifest
+from .plan import Plan
+from .transports import TxTransport
+
+__all__ = ["DeltaSender", "SentDelta"]
+
+Diffed = tuple[_delta.Encoded, Any, Any, bool]
+"""A bucket's diff: (its encoding, digest of its new bytes, digest of its payload or None, sent in place)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SentDelta:
+    in_place: int
+    wire_bytes: int
+    changed: float
+    """Of the words compared, the fraction that changed."""
+
+
+class DeltaSender:
+    """The source's base (the plan-layout bytes of the version every receiver acknowledged) and the policy
+    that decides, per sync, whether a delta pays."""
+
+    def __init__(
+        self, group: StatelessGroup, copier: Copier, scratch: _bytes.BufferCache, always: bool
+    ) -> None:
+        self.group = group
+        self.copier = copier
+        self.scratch = scratch
+        self.policy = Policy(always=always)
+        self.base: torch.Tensor | None = None
+        self.base_version: int | None = None
+        self.base_digest = ""
+        self._second: Copier | None = None
+        self._kept = False
+
+    def offer(self, manifest: Manifest) -> int | None:
+        """The base version this sync's header offers a delta against, if the policy wants one."""
+        offer = self.base_version if self.base_digest == manifest.digest else None
+        return offer if self.policy.wants_delta() else None
+
+    def prepare(self, session: Session, plan: Plan, device: torch.device) -> tuple[torch.Tensor | None, bool]:
+        """The buffer this sync writes the new version into (None: the base is not refreshed, so the next
+        sync cannot be a delta), and whether a full sync should time a diff on the way. The base is invalid
+        until the sync is acknowledged everywhere (a sync that fails midway leaves receivers on different
+        versions: the next one is then a full sync)."""
+        sample = self.base_version is not None and not session.delta
+        self.base_version = None
+        self._kept = session.delta or self.policy.keep_base()
+        if not self._kept:
+            return None, False
+        if self.base is None or self.base.numel() != plan.total_bytes or self.base.device != device:
+            self.base = None  # free the old one first
+            self.base = _bytes.new_buffer(plan.total_bytes, device)
+        return self.base, sample
+
+    def record(self, session: Session, seconds: float, total: int, wire_bytes: int, changed: float) -> None:
+        """Every receiver acknowledged the sync: its version is the base (if kept); the policy learns."""
+        if self._kept:
+            self.base_version, self.base_digest = session.header.version, session.manifest.digest
+        if session.delta:
+            self.policy.record_delta(seconds, total, wire_bytes, changed)
+        else:
+            self.policy.record_full(seconds, total)
+
+    def sample(self, puller: Puller, plan: Plan, old: torch.Tensor, k: int) -> None:
+        """Pack bucket ``k`` into scratch and bring ``old`` (its base) up to it, diffing a slice on the
+        way to time the diff (on the copy thread)."""
+        new = self.scratch.get("delta-new0", old.numel(), old.device)
+        _bytes.pack(new, plan.buckets[k], puller.live, puller.wire)
+        w = _delta.word_size(plan, puller.manifest, k)
+        m = min(old.numel(), Policy.SAMPLE_BYTES) // w * w
+        t0 = time.perf_counter()
+        enc = _delta.encode(new[:m], old[:m], w)
+        seconds = time.perf_counter() - t0
+        wire = _delta.payload_nbytes(enc.code, enc.count, enc.words, w)
+        self.policy.record_sample(seconds, m, enc.count / max(enc.words, 1), wire)
+        old[m:].copy_(new[m:])
+
+    def _workers(self) -> list[Copier]:
+        """Two copy threads diff buckets side by side (the diff is the source's bottleneck and nothing else
+        runs while it does: the transfer starts once every bucket is described)."""
+        if self._second is None:
+            self._second = Copier(f"{self.group.name}-{self.group.rank}-diff")
+        return [self.copier, self._second]
+
+    def send(
+        self,
+        tx: TxTransport,
+        stream: Stream,
+        puller: Puller,
+        verify: str,
+        progress: Progress | None,
+        fault: Fault | None,
+    ) -> SentDelta:
+        """Diff every bucket against the base (bringing it up to the new version), describe each group of
+        buckets, then send the changed buckets' payloads."""
+        plan, base = stream.plan, self.base
+        assert base is not None
+        manifest = puller.manifest
+        sizes, words = word_counts(plan, manifest)
+        biggest = max((e - s for s, e in plan.bounds), default=0)
+
+        def diff(k: int, worker: int) -> Diffed:
+            """On a copy thread, while the other diffs the next bucket and the caller's thread sends."""
+            start, end = plan.bucket_range(k)
+            new = _bytes.in_place_bucket(plan, k, puller.direct, receiving=False)
+            flat = new is not None
+            if new is None:
+                new = self.scratch.get(f"delta-new{worker}", end - start, base.device)
+                _bytes.pack(new, plan.buckets[k], puller.live, puller.wire)
+            old = base[start:end]
+            mask = self.scratch.get(f"delta-mask{worker}", biggest, base.device).view(torch.bool)
+            enc = _delta.encode(new, old, sizes[k], mask)
+            digest = _bytes.digest(old, verify, self.group)
+            if enc.payload is not None:
+                return enc, digest, _bytes.digest(enc.payload, verify, self.group), flat
+            return enc, digest, digest if enc.code is _delta.Code.DENSE else None, flat
+
+        result = _Ahead(plan, puller, self._workers(), diff, progress)
+        wire_bytes = changed = in_place = 0
+        sync, opened = stream.sync, False
+        for a, b in delta_groups(plan):
+            done = [result(k) for k in range(a, b)]
+            desc = Description(
+                tuple(r[0].code for r in done),
+                tuple(r[0].count for r in done),
+                tuple(r[1] for r in done),
+                tuple(r[2] for r in done if r[2] is not None),
+            )
+            self.group.broadcast_obj(desc.to_wire(), src=self.group.rank, timeout=sync.deadline)
+            wplan, sources = wire_plan(desc, sizes[a:b], words[a:b])
+            changed += sum(r[0].count for r in done)
+            in_place += sum(r[3] for r in done)
+            wire_bytes += wplan.total_bytes
+            if not sources:
+                continue
+            if opened:
+                tx.finish()  # the previous group's bytes are out; the diff workers kept going meanwhile
+                sync = sync.next_part()
+            tx.open(wplan, base.device, sync)
+            opened = True
+            for j, i in enumerate(sources):
+                enc = done[i][0]
+                start, end = plan.bucket_range(a + i)
+                payload = enc.payload if enc.payload is not None else base[start:end]
+                if fault is not None:
+                    fault(a + i, payload)
+                tx.post(j, payload)
+        if opened:
+            tx.finish()
+        puller.pull_through(len(manifest.entries) - 1)
+        compared = sum(words)
+        return SentDelta(in_place, wire_bytes, changed / compared if compared else 0.0)
+
+    def close(self) -> None:
+        if self._second is not None:
+            self._second.close()
+            self._second = None
+        self.base = None
+
+
+class _Ahead:
+    """Bucket k's diff, on demand; the workers are kept a few buckets ahead of the caller (the source's
+    tensors are pulled on the caller's thread and released once their buckets are diffed)."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        puller: Puller,
+        workers: list[Copier],
+        diff: Callable[[int, int], Diffed],
+        progress: Progress | None,
+    ) -> None:
+        self.plan = plan
+        self.puller = puller
+        self.workers = workers
+        self.diff = diff
+        self.progress = progress
+        self.results: list[Diffed | None] = [None] * len(plan.buckets)
+        self.pending: deque[tuple[int, Job[Diffed]]] = deque()
+        self.submitted = 0
+
+    def __call__(self, k: int) -> Diffed:
+        plan, n = self.plan, len(self.plan.buckets)
+        while self.results[k] is None:
+            while self.submitted < n and len(self.pending) < 2 * len(self.workers):
+                s = self.submitted
+                self.puller.pull_through(max(seg.index for seg in plan.buckets[s]))
+                w = s % len(self.workers)
+                self.pending.append((s, self.workers[w].submit(partial(self.diff, s, w))))
+                self.submitted += 1
+            j, job = self.pending.popleft()
+            self.results[j] = job.result()
+            self.puller.release(plan, j)
+            if self.progress is not None:
+                self.progress(plan.bucket_range(j)[1], plan.total_bytes)
+        r = self.results[k]
+        assert r is not None
+        return r

@@ -1,0 +1,168 @@
+"""A receiver's side of a stream: its transport, the buckets as they arrive, checked, and how a failure is
+told to the source.
+
+Two sources of buckets, one shape: :meth:`RxStreams.full` yields every bucket of the plan as the transport
+delivers it (digests checked at the end, when the header asks for them); :meth:`RxStreams.delta` receives
+the changed buckets' encodings and applies each to the version the applier holds (each payload's digest
+checked before it is applied, each bucket's after). Both yield ``(k, view, in_place, entries)``: bucket k's
+bytes of the new version are in ``view`` and ``entries`` are the manifest entries it changed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from functools import partial
+from typing import Any, NoReturn
+
+import torch
+
+from ..control import Deadline
+from ..errors import GroupBridgeError, WeightSyncError
+from ..stateless import StatelessGroup
+from . import _bytes, _delta
+from ._appliers import Applier
+from ._copier import Copier
+from ._delta_sync import Description, delta_digest, delta_groups, wire_plan, word_counts
+from ._session import ACK_TAG, Session
+from .plan import Plan
+from .transports import RxTransport, Sync, spec
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Bucket", "RxStreams", "VerifyFailed"]
+
+Bucket = tuple[int, torch.Tensor, bool, list[int]]
+"""(k, view of its new bytes, whether they are in the target already, the entries it changed)."""
+
+
+class VerifyFailed(WeightSyncError):
+    """The bytes arrived but do not match the source's digests (the group itself is fine)."""
+
+
+class RxStreams:
+    """A receiver's transports (one per kind, kept across syncs) and the buckets of each stream."""
+
+    def __init__(self, group: StatelessGroup, copier: Copier) -> None:
+        self.group = group
+        self.copier = copier
+        self._transports: dict[str, RxTransport] = {}
+
+    def attach(self, session_src: int, transport: str, offer: dict[str, Any]) -> str | None:
+        """In the handshake: attach to the transport the source names; why not, if this receiver cannot."""
+        rx = self._transports.get(transport)
+        if rx is None:
+            rx = self._transports[transport] = spec(transport).make_rx(self.group)
+        return rx.attach(dict(offer), session_src)
+
+    def _open(self, session: Session, plan: Plan, device: torch.device, sync: Sync[Any]) -> RxTransport:
+        rx = self._transports[session.header.transport]
+        rx.open(plan, device, sync)
+        return rx
+
+    def sync(self, session: Session, deadline: Deadline) -> Sync[Any]:
+        """What the transport is told, with the options the source announced (checked here)."""
+        header = session.header
+        options = spec(header.transport).parse(header.transport_options, self.group.world_size, session.src)
+        return Sync(header.sync_id, deadline, options, self.copier.copy)
+
+    def full(self, session: Session, plan: Plan, applier: Applier, sync: Sync[Any]) -> Iterator[Bucket]:
+        """Every bucket as it arrives; the digests, when the header asks for them, are checked last."""
+        header = session.header
+        rx = self._open(session, plan, applier.device, sync)
+        applier.ring.size = rx.scratch_buffers
+        mine: list[int | bytes] = []
+        n = len(plan.buckets)
+        for k, view, in_place in rx.buckets(plan, applier.land, sync.deadline):
+            if header.verify:
+                mine.append(_bytes.digest(view, header.verify, self.group))
+            yield k, view, in_place, [seg.index for seg in plan.buckets[k]]
+        if header.verify:
+            sent = self.group.broadcast_obj(None, src=session.src, timeout=sync.deadline)
+            if not isinstance(sent, list) or len(sent) != n:
+                raise VerifyFailed(f"the sender's digests are malformed ({type(sent).__name__})")
+            bad = [k for k, (a, b) in enumerate(zip(sent, mine, strict=True)) if a != b]
+            if bad:
+                raise VerifyFailed(
+                    f"{header.verify} mismatch in bucket(s) {', '.join(map(str, bad[:20]))} of {n}: the "
+                    "bytes that arrived are corrupted, short or were not sent by the group's sender"
+                )
+
+    def delta(self, session: Session, plan: Plan, applier: Applier, sync: Sync[Any]) -> Iterator[Bucket]:
+        """Receive a delta (see :mod:`._delta_sync`) and apply it to the applier's held version; yields
+        every changed bucket. A mismatch drains the rest (the source is still sending) and raises."""
+        header, manifest = session.header, session.manifest
+        kind = delta_digest(header)
+        sizes, words = word_counts(plan, manifest)
+        failed: str | None = None
+        for a, b in delta_groups(plan):
+            wire = self.group.broadcast_obj(None, src=session.src, timeout=sync.deadline)
+            desc = Description.from_wire(wire, words[a:b])
+            wplan, sources = wire_plan(desc, sizes[a:b], words[a:b])
+            if not sources:
+                continue
+            rx = self._open(session, wplan, applier.device, sync)
+            sync = sync.next_part()
+            applier.ring.size = rx.scratch_buffers
+            for j, view, _ in rx.buckets(wplan, applier.ring.land(wplan), sync.deadline):
+                if failed is not None:
+                    continue  # the sender is still sending: take the rest, apply nothing
+                i = sources[j]
+                k = a + i
+                if _bytes.digest(view, kind, self.group) != desc.wire_digests[j]:
+                    failed = f"the delta of bucket {k} arrived corrupted (its {kind} does not match)"
+                    continue
+                old = applier.held(k)
+                code, count, w = desc.codes[i], desc.counts[i], sizes[k]
+                pos = self.copier.run(partial(_delta.apply, old, view, code, count, w))
+                if _bytes.digest(old, kind, self.group) != desc.digests[i]:
+                    failed = (
+                        f"bucket {k} does not match the sender's version {header.version} after applying the "
+                        f"delta: this receiver's copy of version {header.base} differs from the sender's"
+                    )
+                    continue
+                applier.write_back(k, old)
+                yield k, old, True, _delta.changed_entries(plan, k, pos, w)
+        if failed is not None:
+            raise VerifyFailed(failed)
+
+    def close(self) -> None:
+        for rx in self._transports.values():
+            rx.close()
+        self._transports.clear()
+
+
+def acknowledge(group: StatelessGroup, src: int, version: int) -> None:
+    """Tell the source this receiver holds ``version``; a receive whose acknowledgement cannot be sent
+    fails (the source could not know it succeeded and fails the sync)."""
+    try:
+        group.send_obj({"ok": True, "error": None}, dst=src, tag=ACK_TAG)
+    except GroupBridgeError as e:
+        raise WeightSyncError(
+            f"rank {group.rank} holds version {version}, but could not acknowledge it to the sender "
+            f"(rank {src}): {e}; the sender fails this sync"
+        ) from e
+
+
+def tell_failure(group: StatelessGroup, src: int, e: BaseException, what: str) -> None:
+    """Tell the source how this side failed: a digest mismatch by a negative acknowledgement (the group
+    stays usable), anything else by aborting the group (the source cannot finish the sync)."""
+    if isinstance(e, VerifyFailed):
+        try:
+            group.send_obj({"ok": False, "error": str(e)}, dst=src, tag=ACK_TAG)
+        except GroupBridgeError:  # the source then times out on this rank; the caller gets ``e`` anyway
+            logger.warning("rank %d could not tell the sender it refused the bytes", group.rank)
+    else:
+        group.abort(f"rank {group.rank} gave up {what}: {type(e).__name__}: {e}")
+
+
+def give_up(group: StatelessGroup, src: int, cause: BaseException, what: str, error: Exception) -> NoReturn:
+    """Tell the peers how ``what`` failed (see :func:`tell_failure`), then raise ``error`` from ``cause``;
+    an interrupt (a BaseException that is not an Exception) propagates unchanged."""
+    tell_failure(group, src, cause, what)
+    try:
+        if not isinstance(cause, Exception):
+            raise cause
+        raise error from cause
+    finally:  # this frame must not hold what it raised: a cycle would keep the sync's buffers (shared
+        del cause, error  # slots among them) mapped until the cycle collector runs

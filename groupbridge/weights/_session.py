@@ -1,0 +1,342 @@
+"""A sync is a session: one handshake, one verdict, one commit, over one stream per source.
+
+The session is what every member of a sync agrees on, whatever moves the bytes:
+
+1. **Handshake** (one all-gather): every source posts a :class:`Header` (version, manifest digest, bucket
+   plan, transport and what receivers need to attach to it), every receiver posts the manifest digest it
+   already knows. The sources of the sync are the members that posted a header. When some receiver does not
+   know the manifest, its source broadcasts it (once per change of manifest).
+2. **Verdicts** (one all-gather): each receiver checks the manifest against what it expects, the version
+   against what it holds, attaches to the transport, and says whether its tensors lie in the plan's byte
+   layout and whether it holds the delta's base. One problem anywhere and every member raises the same
+   error (a :class:`SyncRefusedError` subclass) before any tensor byte moves; the group stays usable.
+3. **Streams** (see :class:`Stream`): the bytes of each source travel by their own plan and transport.
+4. **Commit**: every receiver acknowledges the version it now holds (or why it refused the bytes) to the
+   source, whose ``send`` returns only when every receiver did.
+
+Today a sync has one source; the handshake already finds it from the gathered headers, so a source is a
+property of a stream and not of the protocol.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..control import Deadline
+from ..errors import (
+    ManifestMismatchError,
+    ProtocolError,
+    SyncRefusedError,
+    TransportRefusedError,
+    TransportUnavailableError,
+    WeightSyncError,
+)
+from ..stateless import StatelessGroup
+from . import _bytes
+from .manifest import Manifest
+from .plan import Plan
+from .transports import TRANSPORTS, Sync
+
+__all__ = [
+    "ACK_TAG",
+    "MERGED_BYTES",
+    "Header",
+    "Renamer",
+    "Session",
+    "Stream",
+    "Verdict",
+    "collect_acks",
+    "handshake",
+    "laid_out_in_place",
+    "make_renamer",
+    "merged_plan",
+    "refuse",
+]
+
+ACK_TAG = "weights-ack"
+"""Receivers' acknowledgements travel on their own tag, never mixing with the caller's objects."""
+
+MERGED_BYTES = 1 << 30
+"""When every member's tensors lie in the plan's byte layout (both sides ``flatten_``-ed) and the transport
+can cut the stream anywhere (``TransportSpec.cut_anywhere``: the group's broadcast), nothing is packed
+whatever the cut, and fewer, bigger operations are faster (each gloo operation costs a handshake): all
+members then cut the stream at this size instead of ``bucket_bytes``."""
+
+
+def merged_plan(manifest: Manifest) -> Plan:
+    return Plan.build(manifest, MERGED_BYTES, MERGED_BYTES)
+
+
+def laid_out_in_place(manifest: Manifest, tensors: list[torch.Tensor | None], *, receiving: bool) -> bool:
+    """Whether ``tensors`` (in manifest order) lie in the merged plan's byte layout, so that every bucket of
+    any cut is a view of their own storage (see :func:`._bytes.in_place_bucket`)."""
+    plan = merged_plan(manifest)
+    return all(
+        _bytes.in_place_bucket(plan, k, tensors, receiving=receiving) is not None
+        for k in range(len(plan.buckets))
+    )
+
+
+Renamer = Callable[[str], str]
+
+
+def make_renamer(rename: Callable[[str], str] | Mapping[str, str] | None) -> Renamer:
+    if rename is None:
+        return lambda name: name
+    if isinstance(rename, Mapping):
+        table = dict(rename)
+        return lambda name: table.get(name, name)
+    if callable(rename):
+        return rename
+    raise TypeError(f"rename= must be a callable or a mapping, got {type(rename).__name__}")
+
+
+VERIFY = ("", "xxh3", "hmac")
+_SYNC_ID = re.compile(r"[0-9a-f]{1,64}")
+MAX_BUCKET_BYTES = 1 << 40
+MAX_OFFER_ITEMS = 64
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    """What a source announces about its stream of a sync (sealed with the group's token, if any)."""
+
+    version: int
+    digest: str
+    """The manifest's digest: receivers that know it need not be sent the manifest again."""
+    bucket_bytes: int
+    solo_bytes: int
+    transport: str
+    verify: str
+    """How receivers check the bytes before accepting them: "" (not at all), "xxh3", or "hmac" (always with
+    a token: keyed from it, so bytes injected by anyone else are refused)."""
+    total_bytes: int
+    sync_id: str
+    """Names this sync's control keys (fresh per sync: a signal of one sync never passes for another's)."""
+    transport_options: dict[str, Any]
+    """The transport's own options, parsed by its :class:`TransportSpec` on each receiver."""
+    offer: dict[str, Any]
+    """What receivers need to attach to the transport (shared slots to map), see ``TxTransport.offer``."""
+    keeps_base: bool = False
+    """The source keeps a base (``WeightSender(delta=True)``): receivers keep the version they get, so
+    that later syncs can be deltas against it."""
+    base: int | None = None
+    """The version this sync would be a delta against, when the source offers one."""
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "digest": self.digest,
+            "bucket_bytes": self.bucket_bytes,
+            "solo_bytes": self.solo_bytes,
+            "transport": self.transport,
+            "verify": self.verify,
+            "total_bytes": self.total_bytes,
+            "sync_id": self.sync_id,
+            "transport_options": self.transport_options,
+            "offer": self.offer,
+            "keeps_base": self.keeps_base,
+            "base": self.base,
+        }
+
+    @classmethod
+    def from_wire(cls, d: Any) -> Header:
+        """Parse a header from the wire; anything malformed is a :class:`ProtocolError`."""
+        if not isinstance(d, dict):
+            raise ProtocolError(f"sync header is a {type(d).__name__}, not a dict")
+
+        def field(name: str, kind: type, lo: int = 0, hi: int = 1 << 62) -> Any:
+            v: Any = d.get(name)
+            if type(v) is not kind or (isinstance(v, int) and not lo <= v <= hi):
+                raise ProtocolError(f"sync header field {name!r} is missing, mistyped or out of range")
+            return v
+
+        verify = field("verify", str)
+        if verify not in VERIFY:
+            raise ProtocolError(f"sync header: unknown verification {verify!r}")
+        if not _SYNC_ID.fullmatch(field("sync_id", str)):
+            raise ProtocolError("sync header: 'sync_id' is malformed")
+        if len(field("offer", dict)) > MAX_OFFER_ITEMS:
+            raise ProtocolError("sync header: the transport's offer is too large")
+        base = d.get("base")
+        if base is not None and type(base) is not int:
+            raise ProtocolError("sync header: the delta's base version is malformed")
+        return cls(
+            field("version", int, -(1 << 62)),
+            field("digest", str),
+            field("bucket_bytes", int, 1, MAX_BUCKET_BYTES),
+            field("solo_bytes", int, 1, MAX_BUCKET_BYTES),
+            field("transport", str),
+            verify,
+            field("total_bytes", int),
+            d["sync_id"],
+            field("transport_options", dict),
+            d["offer"],
+            field("keeps_base", bool),
+            base,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """A receiver's answer to a header, gathered by every member."""
+
+    problem: str | None = None
+    """Why this receiver cannot take the sync, or None."""
+    kind: str = "other"
+    """What the problem is: ``stale`` (not a newer version), ``manifest`` (other tensors than expected),
+    ``transport`` (it cannot attach to the transport) or ``other``."""
+    in_place: bool = False
+    """Its tensors lie in the plan's byte layout (see :data:`MERGED_BYTES`)."""
+    base: bool = False
+    """It holds the version the header offers a delta against."""
+
+    KINDS = ("stale", "manifest", "transport", "other")
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"problem": self.problem, "kind": self.kind, "in_place": self.in_place, "base": self.base}
+
+    @classmethod
+    def from_wire(cls, d: Any, rank: int) -> Verdict:
+        if not (
+            isinstance(d, dict)
+            and isinstance(d.get("in_place"), bool)
+            and isinstance(d.get("base"), bool)
+            and d.get("kind") in cls.KINDS
+            and (d.get("problem") is None or isinstance(d["problem"], str))
+        ):
+            raise ProtocolError(f"rank {rank}'s verdict on the sync is malformed")
+        return cls(d["problem"], d["kind"], d["in_place"], d["base"])
+
+
+@dataclass(frozen=True, slots=True)
+class Stream:
+    """One source's bytes of a sync: who sends them, by which plan, over which transport."""
+
+    src: int
+    plan: Plan
+    sync: Sync[Any]
+    """What the stream's transport is told (sync id, deadline, its options, the copy function)."""
+    device: torch.device
+    """Where the source's tensors are."""
+
+
+@dataclass(frozen=True, slots=True)
+class Session:
+    """The outcome of the handshake, the same on every member."""
+
+    src: int
+    """The member that sends this sync (found from the gathered headers)."""
+    header: Header
+    manifest: Manifest
+    merged: bool
+    """Every member's tensors lie in the plan's layout and the transport cuts anywhere: the merged plan."""
+    delta: bool
+    """This sync travels as a delta against the version every receiver holds."""
+
+
+Judge = Callable[[int, Header, Manifest], Verdict]
+"""A receiver's check of a sync: (source, header, manifest) -> its verdict."""
+
+
+def handshake(
+    group: StatelessGroup,
+    deadline: Deadline,
+    known: dict[str, Manifest],
+    *,
+    header: Header | None = None,
+    manifest: Manifest | None = None,
+    in_place: bool = False,
+    judge: Judge | None = None,
+    src: int | None = None,
+) -> Session:
+    """Steps 1 and 2 above: a source passes its ``header`` and ``manifest`` (and whether its tensors lie in
+    the merged plan's layout), a receiver its ``judge`` (and the source it expects, when it names one).
+    ``known`` caches the last manifest seen, by digest.
+
+    Raises:
+        ManifestMismatchError: some receiver expects other tensors (the message lists every receiver's).
+        TransportRefusedError: some receiver cannot attach to the transport.
+        TransportUnavailableError: the source refused: its transport cannot work between these members.
+        SyncRefusedError: some receiver refused the version.
+        WeightSyncError: the source refused to send (see :func:`refuse`), or the sources are not as expected.
+    """
+    mine: dict[str, Any] = {"header": header.to_wire()} if header is not None else {"known": list(known)[:1]}
+    posts = group.all_gather_obj(mine, timeout=deadline)
+    source, header = _source_of(group, posts, src)
+    needed = any(
+        not (isinstance(p, dict) and isinstance(p.get("known"), list) and header.digest in p["known"])
+        for r, p in enumerate(posts)
+        if r != source
+    )
+    if needed:
+        items = group.broadcast_obj(manifest.to_wire() if manifest is not None else None, src=source,
+                                    timeout=deadline)  # fmt: skip
+        if manifest is None:
+            manifest = Manifest.from_wire(items)
+            if manifest.digest != header.digest:
+                raise ProtocolError(f"manifest digest {manifest.digest[:12]} does not match the header's")
+    if manifest is None:
+        manifest = known[header.digest]
+    known.clear()
+    known[header.digest] = manifest
+    verdict = judge(source, header, manifest) if judge is not None else Verdict(in_place=in_place)
+    gathered = group.all_gather_obj(verdict.to_wire(), timeout=deadline)
+    verdicts = [Verdict.from_wire(v, r) for r, v in enumerate(gathered)]
+    problems = [(r, v) for r, v in enumerate(verdicts) if v.problem is not None]
+    if problems:
+        text = "\n".join(f"rank {r}: {(v.problem or '')[:4000]}" for r, v in problems)
+        kinds = {v.kind for _, v in problems}
+        what = f"weight sync of version {header.version} refused before any bytes moved:\n{text}"
+        if "manifest" in kinds:
+            raise ManifestMismatchError(what)
+        if "transport" in kinds:
+            raise TransportRefusedError(what)
+        raise SyncRefusedError(what)
+    spec = TRANSPORTS.get(header.transport)
+    merged = spec is not None and spec.cut_anywhere and all(v.in_place for v in verdicts)
+    delta = header.base is not None and all(v.base for r, v in enumerate(verdicts) if r != source)
+    return Session(source, header, manifest, merged, delta)
+
+
+def _source_of(group: StatelessGroup, posts: list[Any], expected: int | None) -> tuple[int, Header]:
+    """The sync's source and its header, from the gathered posts; a refusal by the source raises here."""
+    sources = [r for r, p in enumerate(posts) if isinstance(p, dict) and ("header" in p or "error" in p)]
+    where = f"rank {group.rank} of group '{group.name}'"
+    if len(sources) != 1:
+        found = ", ".join(map(str, sources)) or "none"
+        raise WeightSyncError(
+            f"{where}: a sync needs exactly one sending member, found {found} (a member that is not sending "
+            "must be receiving: every member takes part in every sync)"
+        )
+    source = sources[0]
+    post = posts[source]
+    if "error" in post:
+        kind = TransportUnavailableError if post.get("kind") == "transport" else WeightSyncError
+        raise kind(f"rank {source} refused to send: {str(post['error'])[:4000]}")
+    if expected is not None and source != expected:
+        raise WeightSyncError(f"{where}: rank {source} sends this sync, but this receiver takes from rank "
+                              f"{expected} (WeightReceiver(src=...))")  # fmt: skip
+    return source, Header.from_wire(post["header"])
+
+
+def refuse(group: StatelessGroup, reason: str, deadline: Deadline, kind: str = "input") -> None:
+    """The source cannot make this sync: its handshake post says why, so receivers raise instead of
+    waiting."""
+    group.all_gather_obj({"error": reason, "kind": kind}, timeout=deadline)
+
+
+def collect_acks(group: StatelessGroup, receivers: list[int], deadline: Deadline) -> list[str]:
+    """On the source: every receiver's acknowledgement of the sync; returns the refusals ("rank r: why")."""
+    failures = []
+    for r in receivers:
+        ack = group.recv_obj(r, timeout=deadline, tag=ACK_TAG)
+        if not isinstance(ack, dict) or ack.get("ok") is not True:
+            error = ack.get("error") if isinstance(ack, dict) else repr(ack)[:200]
+            failures.append(f"rank {r}: {error}")
+    return failures
