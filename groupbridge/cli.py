@@ -180,7 +180,7 @@ def _bench_delta(args: argparse.Namespace) -> int:
         runs = [dict(transport=t, receivers=1, hosts_rate=None, modes=MODES, atomic=True) for t in transports]
     records: list[dict[str, Any]] = []
     for run in runs:
-        cfg = DeltaConfig(shape=shape, rounds=rounds, **run)  # type: ignore[arg-type]
+        cfg = DeltaConfig(shape=shape, rounds=rounds, **run)
         if args.quick:
             cfg.lrs = [1e-6]
         if not args.json:

@@ -207,7 +207,7 @@ class ControlChannel:
 
         def write() -> None:
             for q, bell in zip(full, bells, strict=True):
-                store.queue_push(q, item)  # type: ignore[arg-type]
+                store.queue_push(q, item)
                 store.set(bell, "1")
             store.check(full[-1:])  # answered after the pushes were applied: the acknowledgement
 

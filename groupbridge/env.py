@@ -21,7 +21,6 @@ __all__ = [
     "DistEnv",
     "gloo_ifname",
     "read_dist_env",
-    "relay_window",
     "set_gloo_ifname",
     "tuning_int",
     "warn_overwrite_env",
@@ -113,10 +112,6 @@ def tuning_int(name: str, default: int, minimum: int = 1) -> int:
     if value is None or value.strip() == "":
         return default
     return parse_int(f"GROUPBRIDGE_{name}", value, minimum=minimum)
-
-
-def relay_window() -> int:
-    return tuning_int("RELAY_WINDOW", 4)
 
 
 def gloo_ifname() -> str | None:

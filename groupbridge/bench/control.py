@@ -47,7 +47,7 @@ def _role(rank: int, n: int, ports: Any, ops: int, rounds: int) -> dict[str, lis
     port = plain.address.port
     peer_name = "vllm StatelessProcessGroup"
     try:
-        from vllm.distributed.utils import StatelessProcessGroup  # type: ignore[import-not-found]
+        from vllm.distributed.utils import StatelessProcessGroup
 
         probe, vport = publish_listener(rank, n, ports, "127.0.0.1")
         if probe is not None:  # vLLM binds the port itself: pick one (its own port race, not ours)

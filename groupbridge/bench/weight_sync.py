@@ -90,7 +90,7 @@ def _role(rank: int, cfg: BenchConfig, ports: Any) -> dict[str, Any]:
     memcpy_dst = torch.ones(total, dtype=torch.uint8) if rank == 0 else None
     default_bucket = cfg.bucket_bytes[0]
     senders: dict[int, WeightSender] = {}
-    receiver = WeightReceiver(g, src=0, intra_op_threads=cfg.threads) if rank else None
+    receiver = WeightReceiver(g, src=0) if rank else None
     times: dict[str, list[float]] = {m: [] for m in [*names, "memcpy"]}
     version = 0
     for rnd in range(-1, cfg.rounds):  # round -1 warms every mode up (slots made and mapped): not timed
@@ -112,7 +112,6 @@ def _role(rank: int, cfg: BenchConfig, ports: Any) -> dict[str, Any]:
                             g,
                             bucket_bytes=bucket_bytes,
                             transport=cfg.transport,
-                            intra_op_threads=cfg.threads,
                         )
                     snd = senders[bucket_bytes]
                     snd.send(src, version=version)

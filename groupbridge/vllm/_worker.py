@@ -245,7 +245,7 @@ class WorkerEngine(WeightTransferEngine[WorkerInitInfo, UpdateInfo]):
 
         initialize_layerwise_reload(self.model)
         try:
-            self.model.load_weights(counted())  # type: ignore[operator]
+            self.model.load_weights(counted())
         except BaseException as e:
             try:  # never leave the model on the meta device: the engine must keep serving
                 finalize_layerwise_reload(self.model, self.model_config)

@@ -19,7 +19,6 @@ complete: returns the (entry, tensor) pairs it completes, for ``receive()``), ``
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
 
 import torch
 
@@ -33,6 +32,9 @@ from .plan import Plan
 from .transports import Land, Landed, Landing
 
 __all__ = ["Applier", "Ring", "Scratch", "Staged", "Streaming", "torn"]
+
+Bucket = tuple[int, torch.Tensor, bool, list[int]]
+"""(k, view of its new bytes, whether they are in the target already, the entries it changed)."""
 
 Pair = tuple[int, torch.Tensor]
 """(manifest entry index, tensor)."""
@@ -311,7 +313,7 @@ def wire_typed(d: torch.Tensor, e: Entry) -> bool:
     return d.is_contiguous() and d.dtype == dtype_from_name(e.wire_dtype)
 
 
-def run_through(buckets: Iterator[Any], applier: Applier) -> Iterator[Pair]:
+def run_through(buckets: Iterator[Bucket], applier: Applier) -> Iterator[Pair]:
     """Feed every bucket to the applier; yields the pairs it completes."""
     for k, view, in_place, changed in buckets:
         yield from applier.landed(k, view, in_place, changed)

@@ -1,20 +1,21 @@
-"""Byte-level helpers shared by sender and receiver: views, packing, in-place bucket detection, checksums."""
+"""Byte-level helpers shared by sender and receiver: views, packing, in-place bucket detection, digests."""
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import xxhash
 
-from .plan import Plan
+from .plan import Plan, Segment
+
+if TYPE_CHECKING:
+    from ..stateless import StatelessGroup
 
 __all__ = [
     "BufferCache",
     "byte_view",
-    "checksum",
     "digest",
     "in_place_bucket",
     "new_buffer",
@@ -93,7 +94,7 @@ def in_place_bucket(
 
 def pack(
     view: torch.Tensor,
-    segs: Sequence[Any],
+    segs: Sequence[Segment],
     tensors: Sequence[torch.Tensor | None],
     wire: Sequence[torch.dtype] | None = None,
 ) -> None:
@@ -124,7 +125,7 @@ def pack(
         view[prev:].zero_()
 
 
-def unpack(view: torch.Tensor, segs: Sequence[Any], tensors: Sequence[torch.Tensor]) -> None:
+def unpack(view: torch.Tensor, segs: Sequence[Segment], tensors: Sequence[torch.Tensor]) -> None:
     """The inverse of :func:`pack`: copy a bucket's pieces into ``tensors`` (contiguous, wire dtype)."""
     for seg in segs:
         byte_view(tensors[seg.index])[seg.tensor_offset : seg.tensor_offset + seg.nbytes].copy_(
@@ -154,20 +155,10 @@ class BufferCache:
         self._buffers.clear()
 
 
-def checksum(buf: torch.Tensor) -> int:
-    """CRC32 of a bucket's bytes (moved to the CPU first for device buffers)."""
-    if buf.device.type != "cpu":
-        buf = buf.cpu()
-    return zlib.crc32(buf.numpy().data)
-
-
-def digest(buf: torch.Tensor, kind: str, group: Any) -> int | bytes:
-    """A bucket's digest: ``xxh3`` (XXH3-64: catches corruption at about 16 GB/s on this machine kind),
-    ``crc32`` (the same job at about 4 GB/s; kept for peers that ask for it) or ``hmac`` (HMAC-SHA256 keyed
-    from the group's token: catches forgery too; about 1.4 GB/s with SHA extensions). All release the GIL
-    while hashing."""
-    if kind == "crc32":
-        return checksum(buf)
+def digest(buf: torch.Tensor, kind: str, group: StatelessGroup) -> int | bytes:
+    """A bucket's digest: ``xxh3`` (XXH3-64: catches corruption at about 16 GB/s on this machine kind) or
+    ``hmac`` (HMAC-SHA256 keyed from the group's token: catches forgery too; about 1.4 GB/s with SHA
+    extensions). Both release the GIL while hashing."""
     if buf.device.type != "cpu":
         buf = buf.cpu()
     if kind == "xxh3":

@@ -13,7 +13,7 @@ trusts a size off the wire):
   smaller than positions once more than about 1 in 16 words changed;
 - ``DENSE``: the new bucket as is, when most words changed.
 
-Measured on this machine kind (2 cores; ``python -m groupbridge.weights._delta``): numpy's comparison,
+Measured on this machine kind (2 cores, one bucket diffed in a loop with each library): numpy's comparison,
 ``flatnonzero`` and ``packbits`` run about twice as fast as torch's on CPU (torch's ``nonzero`` dominates), so
 CPU buckets are diffed with numpy on views of the same memory; other devices use torch.
 """

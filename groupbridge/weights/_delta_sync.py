@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -29,6 +29,9 @@ from ._bytes import BufferCache
 from ._delta import Code
 from .manifest import Manifest
 from .plan import Plan
+
+if TYPE_CHECKING:
+    from ._session import Header
 
 __all__ = [
     "BufferStore",
@@ -107,7 +110,7 @@ def delta_groups(plan: Plan) -> list[tuple[int, int]]:
     return groups
 
 
-def delta_digest(header: Any) -> str:
+def delta_digest(header: Header) -> str:
     """How a delta is verified: as the sync's header says, and with XXH3-64 where it says nothing (a delta
     is always checked: a receiver whose copy differs from the sender's must not hold a third model)."""
     return str(header.verify) or "xxh3"

@@ -21,7 +21,7 @@ from ..control import Deadline
 from ..errors import GroupBridgeError, WeightSyncError
 from ..stateless import StatelessGroup
 from . import _bytes, _delta
-from ._appliers import Applier
+from ._appliers import Applier, Bucket
 from ._copier import Copier
 from ._delta_sync import Description, delta_digest, delta_groups, wire_plan, word_counts
 from ._session import ACK_TAG, Session
@@ -31,9 +31,6 @@ from .transports import RxTransport, Sync, spec
 logger = logging.getLogger(__name__)
 
 __all__ = ["Bucket", "RxStreams", "VerifyFailed"]
-
-Bucket = tuple[int, torch.Tensor, bool, list[int]]
-"""(k, view of its new bytes, whether they are in the target already, the entries it changed)."""
 
 
 class VerifyFailed(WeightSyncError):

@@ -51,6 +51,7 @@ __all__ = [
     "Stream",
     "Verdict",
     "collect_acks",
+    "conclude",
     "handshake",
     "laid_out_in_place",
     "make_renamer",
@@ -288,6 +289,18 @@ def handshake(
     verdict = judge(source, header, manifest) if judge is not None else Verdict(in_place=in_place)
     gathered = group.all_gather_obj(verdict.to_wire(), timeout=deadline)
     verdicts = [Verdict.from_wire(v, r) for r, v in enumerate(gathered)]
+    merged, delta = conclude(header, source, verdicts)
+    return Session(source, header, manifest, merged, delta)
+
+
+def conclude(header: Header, source: int, verdicts: list[Verdict]) -> tuple[bool, bool]:
+    """Every member's same conclusion from the gathered verdicts (a pure function): (merged plan, delta).
+
+    Raises:
+        ManifestMismatchError: some receiver expects other tensors (takes precedence: nothing could move).
+        TransportRefusedError: some receiver cannot attach to the transport.
+        SyncRefusedError: some receiver refused for another reason (a stale version).
+    """
     problems = [(r, v) for r, v in enumerate(verdicts) if v.problem is not None]
     if problems:
         text = "\n".join(f"rank {r}: {(v.problem or '')[:4000]}" for r, v in problems)
@@ -301,7 +314,7 @@ def handshake(
     spec = TRANSPORTS.get(header.transport)
     merged = spec is not None and spec.cut_anywhere and all(v.in_place for v in verdicts)
     delta = header.base is not None and all(v.base for r, v in enumerate(verdicts) if r != source)
-    return Session(source, header, manifest, merged, delta)
+    return merged, delta
 
 
 def _source_of(group: StatelessGroup, posts: list[Any], expected: int | None) -> tuple[int, Header]:

@@ -19,7 +19,7 @@ from ..control import Deadline
 from ..errors import WeightSyncError
 from ..stateless import StatelessGroup
 from . import _bytes
-from ._appliers import Applier, Ring, Scratch, Staged, Streaming, run_through, torn, wire_typed
+from ._appliers import Applier, Bucket, Ring, Scratch, Staged, Streaming, run_through, torn, wire_typed
 from ._copier import Copier
 from ._rx_stream import RxStreams, acknowledge, give_up, tell_failure
 from ._session import Header, Session, Verdict, handshake, laid_out_in_place, make_renamer, merged_plan
@@ -77,8 +77,6 @@ class WeightReceiver:
             when this is not given.
         rename: a callable or mapping from names on the wire to this receiver's names.
         device: where received buckets land for ``receive()`` (default: CPU).
-        intra_op_threads: accepted for compatibility and ignored: bulk copies run on a thread the library
-            owns (see :mod:`groupbridge.weights._copier`); the caller's thread settings are never changed.
     """
 
     def __init__(
@@ -89,11 +87,9 @@ class WeightReceiver:
         expected: Any = None,
         rename: Callable[[str], str] | Mapping[str, str] | None = None,
         device: str | torch.device = "cpu",
-        intra_op_threads: int | None = 1,
     ) -> None:
         if src is not None and src == group.rank:
             raise ValueError(f"src={src} is this rank; the receiver must be another rank")
-        del intra_op_threads
         self.group = group
         self.src = src
         self.expected = expected_specs(expected) if expected is not None else None
@@ -162,7 +158,9 @@ class WeightReceiver:
         header = session.header
         return self._plans.get(session.manifest, header.bucket_bytes, header.solo_bytes)
 
-    def _buckets(self, session: Session, plan: Plan, applier: Applier, deadline: Deadline) -> Iterator[Any]:
+    def _buckets(
+        self, session: Session, plan: Plan, applier: Applier, deadline: Deadline
+    ) -> Iterator[Bucket]:
         sync = self._streams.sync(session, deadline)
         if session.delta:
             return self._streams.delta(session, plan, applier, sync)

@@ -127,8 +127,6 @@ class WeightSender:
             A receiver that holds another version (it missed one, it is new) makes the sync a full one for
             all; so does a new group. ``"always"``
             diffs every sync, even where the wire is faster than the diff (tests, benchmarks).
-        intra_op_threads: accepted for compatibility and ignored: bulk copies run on a thread the library
-            owns, with one intra-op thread (see :mod:`._copier`); the caller's setting is never changed.
     """
 
     def __init__(
@@ -141,7 +139,6 @@ class WeightSender:
         wire_dtype: torch.dtype | None = None,
         checksum: bool = False,
         rename: Callable[[str], str] | Mapping[str, str] | None = None,
-        intra_op_threads: int | None = 1,
         transport_options: TransportOptions | Sequence[TransportOptions] | None = None,
         delta: bool | str = False,
     ) -> None:
@@ -155,7 +152,6 @@ class WeightSender:
             raise ValueError(f"solo_bytes={solo_bytes} must be >= 1")
         if delta not in (False, True, "always"):
             raise ValueError(f"delta={delta!r} must be False, True or 'always'")
-        del intra_op_threads
         self.group = group
         self.src = group.rank
         self.bucket_bytes = bucket_bytes or DEFAULT_BUCKET_BYTES

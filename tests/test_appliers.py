@@ -1,0 +1,172 @@
+"""The receive appliers, in-process: buckets packed here are fed as a transport would deliver them.
+
+Each rule of a receive mode (where bytes land, what is yielded, what commit does, what a failure midway
+leaves) is checked in milliseconds, without processes; multi-process tests check the modes end to end.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import groupbridge as gb
+from groupbridge.weights import _bytes, _delta
+from groupbridge.weights._appliers import Applier, Ring, Scratch, Staged, Streaming
+from groupbridge.weights._copier import Copier
+from groupbridge.weights.manifest import Manifest
+from groupbridge.weights.plan import Plan
+
+pytestmark = pytest.mark.timeout(30)
+
+BUCKET = 4096
+
+
+def _model(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "big": torch.randn(3000, generator=g),  # 12000 bytes: spans buckets
+        "w": torch.randn(64, 8, generator=g).to(torch.bfloat16),
+        "b": torch.randn(8, generator=g),
+        "empty": torch.empty(0),
+        "small": torch.arange(5, dtype=torch.int32) + seed,
+    }
+
+
+@pytest.fixture
+def copier() -> Copier:
+    c = Copier("test")
+    yield c
+    c.close()
+
+
+def _setup(model: dict[str, torch.Tensor]) -> tuple[Manifest, Plan, list[torch.Tensor]]:
+    manifest = Manifest.build(list(model.items()))
+    plan = Plan.build(manifest, BUCKET, BUCKET)
+    return manifest, plan, list(model.values())
+
+
+def _packed(plan: Plan, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    out = []
+    for k in range(len(plan.buckets)):
+        start, end = plan.bucket_range(k)
+        view = torch.empty(end - start, dtype=torch.uint8)
+        _bytes.pack(view, plan.buckets[k], tensors)
+        out.append(view)
+    return out
+
+
+def _deliver(applier: Applier, plan: Plan, buckets: list[torch.Tensor], upto: int | None = None) -> list:
+    """What the receiver's stream does with each bucket of a full sync: land it, then hand it over."""
+    pairs = []
+    for k, data in enumerate(buckets[:upto]):
+        landed = applier.land(k)
+        landed.view.copy_(data)
+        pairs += list(applier.landed(k, landed.view, landed.in_place, [s.index for s in plan.buckets[k]]))
+    return pairs
+
+
+def _names(manifest: Manifest):  # type: ignore[no-untyped-def]
+    return lambda i: manifest.entries[i].name
+
+
+def test_staged_commits_only_at_the_end_and_a_failure_leaves_the_target_untouched(copier: Copier) -> None:
+    new, old = _model(1), _model(2)
+    manifest, plan, tensors = _setup(new)
+    target = {k: v.clone() for k, v in old.items()}
+    dest = list(target.values())
+    buffer = torch.empty(plan.total_bytes, dtype=torch.uint8)
+    ring = Ring(_bytes.BufferCache(), torch.device("cpu"))
+    applier = Staged(buffer, plan, manifest, ring, copier, _names(manifest), dest=dest)
+    assert _deliver(applier, plan, _packed(plan, tensors)) == []  # atomic: nothing yielded
+    assert all(torch.equal(target[k], old[k]) for k in old)  # every byte landed, none in the target yet
+    err = applier.failed(RuntimeError("link cut"), version=3, held=2)
+    assert isinstance(err, gb.WeightSyncError) and not isinstance(err, gb.TornUpdateError)
+    assert "untouched" in str(err) and "still 2" in str(err)
+    applier.commit()
+    assert all(torch.equal(target[k], new[k]) for k in new)
+
+
+def test_staged_commit_of_a_delta_copies_only_the_changed_tensors(copier: Copier) -> None:
+    model = _model(1)
+    manifest, plan, tensors = _setup(model)
+    buffer = torch.empty(plan.total_bytes, dtype=torch.uint8)
+    for k, data in enumerate(_packed(plan, tensors)):
+        s, e = plan.bucket_range(k)
+        buffer[s:e].copy_(data)  # the version held
+    changed = dict(model)
+    changed["b"] = model["b"] + 1
+    target = {k: torch.zeros_like(v) for k, v in model.items()}
+    applier = Staged(buffer, plan, manifest, Ring(_bytes.BufferCache(), torch.device("cpu")), copier,
+                     _names(manifest), dest=list(target.values()), delta=True)  # fmt: skip
+    new = _packed(plan, list(changed.values()))
+    for k in range(len(plan.buckets)):  # as the delta stream applies a bucket: to the held bytes
+        held = applier.held(k)
+        enc = _delta.encode(new[k], held.clone(), 4)
+        if enc.count == 0:
+            continue
+        payload = enc.payload if enc.payload is not None else new[k]
+        pos = _delta.apply(held, payload, enc.code, enc.count, 4)
+        applier.write_back(k, held)
+        applier.landed(k, held, True, _delta.changed_entries(plan, k, pos, 4))
+    applier.commit()
+    assert torch.equal(target["b"], changed["b"])
+    assert not target["big"].any() and not target["w"].any()  # unchanged: not copied again
+
+
+def test_streaming_names_what_a_failure_midway_left_torn(copier: Copier) -> None:
+    new, old = _model(1), _model(2)
+    manifest, plan, tensors = _setup(new)
+    target = {k: v.clone() for k, v in old.items()}
+    ring = Ring(_bytes.BufferCache(), torch.device("cpu"))
+    applier = Streaming(plan, manifest, ring, copier, _names(manifest), list(target.values()),
+                        _bytes.BufferCache(), delta=False)  # fmt: skip
+    _deliver(applier, plan, _packed(plan, tensors), upto=2)
+    assert applier.written == ["big"]  # the first two buckets hold part of "big" only
+    err = applier.failed(RuntimeError("link cut"), version=3, held=2)
+    assert isinstance(err, gb.TornUpdateError) and err.written == ["big"]
+    assert "TORN" in str(err) and "big" in str(err) and "still 2" in str(err)
+    assert not torch.equal(target["big"], old["big"]) and torch.equal(target["b"], old["b"])
+
+
+def test_streaming_lands_in_place_in_a_flattened_target(copier: Copier) -> None:
+    new = _model(1)
+    manifest, plan, tensors = _setup(new)
+    target = {k: torch.zeros_like(v) for k, v in new.items()}
+    gb.flatten_(target)
+    ring = Ring(_bytes.BufferCache(), torch.device("cpu"))
+    applier = Streaming(plan, manifest, ring, copier, _names(manifest), list(target.values()),
+                        _bytes.BufferCache(), delta=False)  # fmt: skip
+    assert all(applier.land(k).in_place for k in range(len(plan.buckets)))
+    _deliver(applier, plan, _packed(plan, tensors))
+    applier.commit()
+    assert all(torch.equal(target[k], new[k]) for k in new)
+
+
+def test_scratch_yields_every_tensor_once_assembling_those_that_span_buckets(copier: Copier) -> None:
+    new = _model(1)
+    manifest, plan, tensors = _setup(new)
+    applier = Scratch(
+        plan, manifest, Ring(_bytes.BufferCache(), torch.device("cpu")), copier, _names(manifest)
+    )
+    got = {}
+    for k, data in enumerate(_packed(plan, tensors)):
+        landed = applier.land(k)
+        landed.view.copy_(data)
+        for i, t in applier.landed(k, landed.view, False, []):
+            got[manifest.entries[i].name] = t.clone()  # a view of the ring: valid until the next bucket
+    assert sorted(got) == sorted(k for k, v in new.items() if v.numel())
+    assert all(torch.equal(got[k], new[k]) for k in got)
+
+
+def test_staged_receive_yields_views_of_the_kept_copy_as_buckets_complete(copier: Copier) -> None:
+    new = _model(1)
+    manifest, plan, tensors = _setup(new)
+    buffer = torch.empty(plan.total_bytes, dtype=torch.uint8)
+    applier = Staged(buffer, plan, manifest, Ring(_bytes.BufferCache(), torch.device("cpu")), copier,
+                     _names(manifest))  # fmt: skip
+    pairs = _deliver(applier, plan, _packed(plan, tensors))
+    names = [manifest.entries[i].name for i, _ in pairs]
+    assert names == [k for k, v in new.items() if v.numel()]  # in order, each once, when its last byte landed
+    for i, t in pairs:
+        assert t.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+        assert torch.equal(t, new[manifest.entries[i].name])

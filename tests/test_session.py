@@ -1,0 +1,70 @@
+"""The session's pure rules, in-process: the header off the wire, the verdicts, what every member decides."""
+
+from __future__ import annotations
+
+import pytest
+
+import groupbridge as gb
+from groupbridge.weights._session import Header, Verdict, conclude
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _header(**over: object) -> Header:
+    fields: dict[str, object] = dict(
+        version=7, digest="ab" * 8, bucket_bytes=1 << 20, solo_bytes=1 << 17, transport="broadcast",
+        verify="xxh3", total_bytes=123, sync_id="0123abcd", transport_options={"in_flight": 2}, offer={},
+        keeps_base=True, base=6,
+    )  # fmt: skip
+    fields.update(over)
+    return Header(**fields)  # type: ignore[arg-type]
+
+
+def test_header_round_trips_and_refuses_what_is_malformed() -> None:
+    h = _header()
+    assert Header.from_wire(h.to_wire()) == h
+    for key, bad in [("sync_id", "../../x"), ("verify", "crc32"), ("bucket_bytes", 0), ("base", "6"),
+                     ("keeps_base", 1), ("offer", {str(i): i for i in range(100)})]:  # fmt: skip
+        wire = h.to_wire()
+        wire[key] = bad
+        with pytest.raises(gb.ProtocolError):
+            Header.from_wire(wire)
+
+
+def test_verdict_off_the_wire_is_checked() -> None:
+    v = Verdict("holds version 9", "stale")
+    assert Verdict.from_wire(v.to_wire(), 1) == v
+    for bad in [None, {"problem": 3, "kind": "stale", "in_place": False, "base": False},
+                {"problem": None, "kind": "mine", "in_place": False, "base": False},
+                {"problem": None, "kind": "other", "in_place": 1, "base": False}]:  # fmt: skip
+        with pytest.raises(gb.ProtocolError, match="rank 2"):
+            Verdict.from_wire(bad, 2)
+
+
+def test_one_problem_anywhere_refuses_the_sync_as_its_kind_says() -> None:
+    ok = Verdict(in_place=True, base=True)
+    cases = [
+        ([ok, Verdict("holds 9", "stale"), ok], gb.SyncRefusedError),
+        ([ok, Verdict("holds 9", "stale"), Verdict("no 'w'", "manifest")], gb.ManifestMismatchError),
+        ([ok, Verdict("cannot map", "transport"), ok], gb.TransportRefusedError),
+    ]
+    for verdicts, kind in cases:
+        with pytest.raises(kind) as info:
+            conclude(_header(), 0, verdicts)
+        assert type(info.value) is kind  # the most specific one, every member alike
+        assert isinstance(info.value, gb.SyncRefusedError)  # agreed by all: the group stays usable
+        assert "version 7" in str(info.value)
+
+
+def test_merged_plan_only_when_everyone_is_laid_out_and_the_transport_cuts_anywhere() -> None:
+    flat, plain = Verdict(in_place=True), Verdict(in_place=False)
+    assert conclude(_header(base=None), 0, [flat, flat, flat]) == (True, False)
+    assert conclude(_header(base=None), 0, [flat, plain, flat]) == (False, False)
+    assert conclude(_header(base=None, transport="relay"), 0, [flat, flat]) == (False, False)
+
+
+def test_delta_only_when_every_receiver_holds_the_base() -> None:
+    held, new = Verdict(base=True), Verdict(base=False)
+    assert conclude(_header(), 0, [new, held, held]) == (False, True)  # the source's own verdict is not asked
+    assert conclude(_header(), 0, [new, held, new]) == (False, False)  # one new receiver: full for all
+    assert conclude(_header(base=None), 0, [new, held, held]) == (False, False)  # no base offered
