@@ -21,22 +21,19 @@ import logging
 import os
 import secrets
 import time
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
 
 from ._fmt import ranks
-from ._liveness import encode_status, status_key
+from ._liveness import status_key, write_status
 from ._seal import ForgedMessageError, Sealer
 from .control import Deadline
 from .errors import GroupMismatchError, JoinTimeoutError, ProtocolError, StoreUnreachableError
 from .net import host_identity
 from .store import ROOT_PREFIX, StoreClient
 
-if TYPE_CHECKING:
-    from .stateless import StatelessGroup
-
-logger = logging.getLogger(__name__)
-
-__all__ = ["PROTOCOL", "Joined", "host_join", "member_join"]
+__all__ = ["PROTOCOL", "JoinSpec", "Joined", "host_join", "member_join"]
 
 PROTOCOL = 2
 # The description and refusals live outside the group's namespace: a member of another name or generation
@@ -47,17 +44,37 @@ _REJECTS = f"{ROOT_PREFIX}/rejects"
 _MAX_RECORD = 1 << 16
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class JoinSpec:
+    """What a join needs to know of the member that joins (made by the group, which the join never sees)."""
+
+    rank: int
+    world_size: int
+    name: str
+    generation: int
+    timeout: timedelta
+    """Bound on the whole join."""
+    token: str | None
+    """The shared secret, or None for a group without one."""
+    namespace: str
+    """The group's namespace in the store (name and generation)."""
+    where: str
+    """The group described for messages: name, generation, store address."""
+    log: logging.LoggerAdapter[logging.Logger]
+    """The group's rank-prefixed log."""
+
+
 class Joined:
     """What a member learns by joining: the session's sealer and every member's record."""
 
-    def __init__(self, group: StatelessGroup, nonce: str, members: list[dict[str, Any]]) -> None:
+    def __init__(self, spec: JoinSpec, nonce: str, members: list[dict[str, Any]]) -> None:
         nonces = ",".join(str(m["nonce"]) for m in members)
-        self.sealer = Sealer(group._token, f"{_context(group, nonce)}/session/{nonces}")
+        self.sealer = Sealer(spec.token, f"{_context(spec, nonce)}/session/{nonces}")
         self.members = members
 
 
-def _context(group: StatelessGroup, nonce: str) -> str:
-    return f"{group.name}/{group.generation}/{nonce}"
+def _context(spec: JoinSpec, nonce: str) -> str:
+    return f"{spec.name}/{spec.generation}/{nonce}"
 
 
 def _parse(raw: bytes, key: str, fields: dict[str, type | tuple[type, ...]]) -> dict[str, Any]:
@@ -82,19 +99,19 @@ def _seal_meta(sealer: Sealer, key: str, meta: dict[str, Any]) -> bytes:
     return json.dumps({"body": body, "mac": mac}).encode()
 
 
-def _meta(group: StatelessGroup) -> dict[str, Any]:
+def _meta(spec: JoinSpec) -> dict[str, Any]:
     return {
         "protocol": PROTOCOL,
-        "name": group.name,
-        "generation": group.generation,
-        "world_size": group.world_size,
-        "token": group._token is not None,
+        "name": spec.name,
+        "generation": spec.generation,
+        "world_size": spec.world_size,
+        "token": spec.token is not None,
     }
 
 
-def _member_record(group: StatelessGroup) -> dict[str, Any]:
+def _member_record(spec: JoinSpec) -> dict[str, Any]:
     return {
-        "rank": group.rank,
+        "rank": spec.rank,
         "pid": os.getpid(),
         "hostname": os.uname().nodename,
         "host_id": host_identity(),
@@ -106,12 +123,12 @@ def _set(store: Any, key: str, data: bytes) -> None:
     store.set(key, data)  # Store.set is typed for str but takes bytes unchanged
 
 
-def _call(group: StatelessGroup, what: str, fn: Any) -> Any:
+def _call(spec: JoinSpec, what: str, fn: Any) -> Any:
     try:
         return fn()
     except RuntimeError as e:
         raise StoreUnreachableError(
-            f"rank {group.rank}: the store of {group._where()} failed while {what}: {e}"
+            f"rank {spec.rank}: the store of {spec.where} failed while {what}: {e}"
         ) from e
 
 
@@ -121,57 +138,57 @@ def _wait(client: StoreClient, keys: list[str], deadline: Deadline) -> bool:
     return deadline.poll(lambda: True if store.check(keys) else None, 0.02) is not None
 
 
-def host_join(group: StatelessGroup, client: StoreClient) -> Joined:
+def host_join(spec: JoinSpec, client: StoreClient) -> Joined:
     """Rank 0: describe the group, wait for every rank, verify their records, announce the members."""
     store = client.get()
-    ns = group._ns
+    ns = spec.namespace
     nonce = secrets.token_hex(16)
-    sealer = Sealer(group._token, _context(group, nonce))
+    sealer = Sealer(spec.token, _context(spec, nonce))
     meta_key = _META
-    meta = dict(_meta(group), nonce=nonce)
-    me = _member_record(group)
+    meta = dict(_meta(spec), nonce=nonce)
+    me = _member_record(spec)
     st = f"{ns}/{status_key(0)}"
 
     def describe() -> None:
-        _set(store, st, sealer.seal(st, encode_status(0, "live")))
+        write_status(store, st, sealer, 0, "live")
         _set(store, meta_key, _seal_meta(sealer, meta_key, meta))
         store.add(f"{ns}/claim/0", 1)
 
-    _call(group, "describing the group", describe)
-    member_keys = [f"{ns}/member/{r}" for r in range(1, group.world_size)]
-    deadline = Deadline(group.timeout)
+    _call(spec, "describing the group", describe)
+    member_keys = [f"{ns}/member/{r}" for r in range(1, spec.world_size)]
+    deadline = Deadline(spec.timeout)
     unverified: list[str] = []
 
     def everyone_joined() -> bool | None:
-        if _call(group, "waiting for members", lambda: store.add(_REJECTS, 0)):
-            verified, reason = _read_reject(group, store)
+        if _call(spec, "waiting for members", lambda: store.add(_REJECTS, 0)):
+            verified, reason = _read_reject(spec, store)
             if verified:
-                _fail_join(group, store, sealer, reason)
-                raise GroupMismatchError(f"{group._where()}: {reason}")
+                _fail_join(spec, store, sealer, reason)
+                raise GroupMismatchError(f"{spec.where}: {reason}")
             if reason not in unverified:
                 unverified.append(reason)
-                logger.warning(
+                spec.log.warning(
                     "%s: a refusal to join not sealed with the group's token (a member with another token "
-                    "or none, or someone without the token); not acted on: %s", group._where(), reason,
+                    "or none, or someone without the token); not acted on: %s", spec.where, reason,
                 )  # fmt: skip
-        if not member_keys or _call(group, "waiting for members", lambda: store.check(member_keys)):
+        if not member_keys or _call(spec, "waiting for members", lambda: store.check(member_keys)):
             return True
         return None
 
     if deadline.poll(everyone_joined, 0.005) is None:
-        joined = [0] + [r for r in range(1, group.world_size) if store.check([member_keys[r - 1]])]
-        missing = sorted(set(range(group.world_size)) - set(joined))
+        joined = [0] + [r for r in range(1, spec.world_size) if store.check([member_keys[r - 1]])]
+        missing = sorted(set(range(spec.world_size)) - set(joined))
         msg = (
-            f"rank(s) {ranks(missing)} of {group.world_size} did not join {group._where()} within "
+            f"rank(s) {ranks(missing)} of {spec.world_size} did not join {spec.where} within "
             f"{deadline} (joined: {ranks(joined)})"
         )
         if unverified:
             msg += f"; an unverified refusal (not sealed with this group's token) said: {unverified[-1]}"
-        _fail_join(group, store, sealer, msg)
+        _fail_join(spec, store, sealer, msg)
         raise JoinTimeoutError(msg)
     members = [me]
     for r, key in enumerate(member_keys, start=1):
-        raw = bytes(_call(group, "reading member records", lambda key=key: store.get(key)))  # type: ignore[misc]
+        raw = bytes(_call(spec, "reading member records", lambda key=key: store.get(key)))
         try:
             member = _parse(
                 sealer.open(key, raw), key, {"rank": int, "pid": int, "host_id": str, "nonce": str}
@@ -180,8 +197,8 @@ def host_join(group: StatelessGroup, client: StoreClient) -> Joined:
                 raise ProtocolError(f"record {key!r} names rank {member['rank']}")
         except (ForgedMessageError, ProtocolError) as e:
             msg = f"rank {r}'s join record was refused: {e} (a member with another token, or a forgery)"
-            _fail_join(group, store, sealer, msg)
-            raise GroupMismatchError(f"{group._where()}: {msg}") from None
+            _fail_join(spec, store, sealer, msg)
+            raise GroupMismatchError(f"{spec.where}: {msg}") from None
         members.append(member)
     ready = f"{ns}/ready"
 
@@ -189,18 +206,18 @@ def host_join(group: StatelessGroup, client: StoreClient) -> Joined:
         _set(store, ready, sealer.seal(ready, json.dumps({"members": members}).encode()))
         store.check([ready])
 
-    _call(group, "announcing the members", announce)
-    return Joined(group, nonce, members)
+    _call(spec, "announcing the members", announce)
+    return Joined(spec, nonce, members)
 
 
-def _refusal_sealer(group: StatelessGroup) -> Sealer:
+def _refusal_sealer(spec: JoinSpec) -> Sealer:
     """Seals a refusal. Keyed from the token alone: a member of another name or generation, which refuses
     because of that, holds the token too (or it would be refused for the token); a process without the
     token cannot fail a sealed join with a reason of its choosing."""
-    return Sealer(group._token, "join-refusal")
+    return Sealer(spec.token, "join-refusal")
 
 
-def _read_reject(group: StatelessGroup, store: Any) -> tuple[bool, str]:
+def _read_reject(spec: JoinSpec, store: Any) -> tuple[bool, str]:
     """A member's refusal, and whether it is to be acted on: with a token, only when sealed with it (a
     member with another token or none is refused too, but cannot prove it: its words only explain a join
     that then times out)."""
@@ -208,57 +225,57 @@ def _read_reject(group: StatelessGroup, store: Any) -> tuple[bool, str]:
     try:
         d = _parse(bytes(store.get(key)), key, {"rank": int, "reason": str, "mac": str})
     except (ProtocolError, RuntimeError) as e:
-        return group._token is None, f"a member's refusal could not be read ({e})"
+        return spec.token is None, f"a member's refusal could not be read ({e})"
     text = f"refused rank {d['rank']}: {d['reason'][:2000]}"
-    sealer = _refusal_sealer(group)
+    sealer = _refusal_sealer(spec)
     verified = not sealer.enabled or hmac.compare_digest(
         sealer.mac(key, f"{d['rank']}/{d['reason']}".encode()).hex(), d["mac"]
     )
     return verified, text
 
 
-def _fail_join(group: StatelessGroup, store: Any, sealer: Sealer, reason: str) -> None:
-    key = f"{group._ns}/failed"
+def _fail_join(spec: JoinSpec, store: Any, sealer: Sealer, reason: str) -> None:
+    key = f"{spec.namespace}/failed"
     try:
         _set(store, key, sealer.seal(key, reason.encode()))
         # Let joiners read the verdict before the store goes away with this process's error.
         time.sleep(0.2)
     except RuntimeError:  # the verdict is best effort; the caller raises the real error
-        logger.debug("could not publish join failure", exc_info=True)
+        spec.log.debug("could not publish join failure", exc_info=True)
 
 
-def _reject(group: StatelessGroup, store: Any, reason: str) -> GroupMismatchError:
-    sealer = _refusal_sealer(group)
-    mac = sealer.mac(_REJECT, f"{group.rank}/{reason}".encode()).hex() if sealer.enabled else ""
+def _reject(spec: JoinSpec, store: Any, reason: str) -> GroupMismatchError:
+    sealer = _refusal_sealer(spec)
+    mac = sealer.mac(_REJECT, f"{spec.rank}/{reason}".encode()).hex() if sealer.enabled else ""
     try:
-        _set(store, _REJECT, json.dumps({"rank": group.rank, "reason": reason, "mac": mac}).encode())
+        _set(store, _REJECT, json.dumps({"rank": spec.rank, "reason": reason, "mac": mac}).encode())
         store.add(_REJECTS, 1)
     except RuntimeError:
-        logger.debug("could not publish the refusal", exc_info=True)
-    return GroupMismatchError(f"rank {group.rank} refused to join {group._where()}: {reason}")
+        spec.log.debug("could not publish the refusal", exc_info=True)
+    return GroupMismatchError(f"rank {spec.rank} refused to join {spec.where}: {reason}")
 
 
-def member_join(group: StatelessGroup, client: StoreClient) -> Joined:
+def member_join(spec: JoinSpec, client: StoreClient) -> Joined:
     """Ranks > 0: check the group's description, claim a rank, publish the record, wait for the verdict."""
     store = client.get()
-    ns = group._ns
-    deadline = Deadline(group.timeout)
+    ns = spec.namespace
+    deadline = Deadline(spec.timeout)
     meta_key = _META
-    if not _call(group, "waiting for the group description", lambda: _wait(client, [meta_key], deadline)):
+    if not _call(spec, "waiting for the group description", lambda: _wait(client, [meta_key], deadline)):
         raise JoinTimeoutError(
-            f"rank {group.rank} waited {deadline} at {group._where()} for rank 0 to describe the group"
+            f"rank {spec.rank} waited {deadline} at {spec.where} for rank 0 to describe the group"
         )
-    raw = bytes(_call(group, "reading the group description", lambda: store.get(meta_key)))
+    raw = bytes(_call(spec, "reading the group description", lambda: store.get(meta_key)))
     try:
         outer = _parse(raw, meta_key, {"body": str, "mac": str})
         meta = _parse(outer["body"].encode(), meta_key, {"nonce": str, "token": bool})
     except ProtocolError as e:
-        raise _reject(group, store, f"the group description is malformed: {e}") from None
-    mine = _meta(group)
+        raise _reject(spec, store, f"the group description is malformed: {e}") from None
+    mine = _meta(spec)
     for field in ("protocol", "name", "generation", "world_size"):
         if meta.get(field) != mine[field]:
             raise _reject(
-                group,
+                spec,
                 store,
                 f"{field} differs: the group has {meta.get(field)!r}, this member {mine[field]!r}",
             )
@@ -266,72 +283,71 @@ def member_join(group: StatelessGroup, client: StoreClient) -> Joined:
         which = (
             "requires a token this member lacks" if meta["token"] else "has no token but this member has one"
         )
-        raise _reject(group, store, f"the group {which}")
-    sealer = Sealer(group._token, _context(group, meta["nonce"]))
+        raise _reject(spec, store, f"the group {which}")
+    sealer = Sealer(spec.token, _context(spec, meta["nonce"]))
     if sealer.enabled and not hmac.compare_digest(
         sealer.mac(meta_key, outer["body"].encode()).hex(), outer["mac"]
     ):
-        raise _reject(group, store, "the token differs from rank 0's")
-    claim = _call(group, "claiming a rank", lambda: store.add(f"{ns}/claim/{group.rank}", 1))
+        raise _reject(spec, store, "the token differs from rank 0's")
+    claim = _call(spec, "claiming a rank", lambda: store.add(f"{ns}/claim/{spec.rank}", 1))
     if claim > 1:
-        raise _reject(group, store, f"rank {group.rank} is already taken by another member")
-    st = f"{ns}/{status_key(group.rank)}"
-    member_key = f"{ns}/member/{group.rank}"
-    mine_record = _member_record(group)
+        raise _reject(spec, store, f"rank {spec.rank} is already taken by another member")
+    st = f"{ns}/{status_key(spec.rank)}"
+    member_key = f"{ns}/member/{spec.rank}"
+    mine_record = _member_record(spec)
     record = json.dumps(mine_record).encode()
 
     def publish() -> None:
-        _set(store, st, sealer.seal(st, encode_status(0, "live")))
+        write_status(store, st, sealer, 0, "live")
         _set(store, member_key, sealer.seal(member_key, record))
 
-    _call(group, "publishing this member", publish)
+    _call(spec, "publishing this member", publish)
     replays: list[bool] = []
-    verdict = lambda: _verdict(group, store, sealer, meta["nonce"], mine_record["nonce"], replays)  # noqa: E731
+    verdict = lambda: _verdict(spec, store, sealer, meta["nonce"], mine_record["nonce"], replays)  # noqa: E731
     joined = deadline.poll(verdict, 0.005)
     if joined is None:
         raise JoinTimeoutError(
-            f"rank {group.rank} of {group.world_size} waited {deadline} at {group._where()} for every "
+            f"rank {spec.rank} of {spec.world_size} waited {deadline} at {spec.where} for every "
             "rank to join; rank 0 did not confirm"
         )
     return joined
 
 
 def _verdict(
-    group: StatelessGroup, store: Any, sealer: Sealer, nonce: str, mine: str, replays: list[bool]
+    spec: JoinSpec, store: Any, sealer: Sealer, nonce: str, mine: str, replays: list[bool]
 ) -> Joined | None:
     """Rank 0's verdict on this join, once it is there: the member list, or a refusal (raised). A member
     list without this member's fresh nonce ``mine`` is a replay of an earlier instance: ignored."""
-    ready, failed = f"{group._ns}/ready", f"{group._ns}/failed"
-    if _call(group, "waiting for the join", lambda: store.check([failed])):
-        raw = bytes(_call(group, "reading the join verdict", lambda: store.get(failed)))
+    ready, failed = f"{spec.namespace}/ready", f"{spec.namespace}/failed"
+    if _call(spec, "waiting for the join", lambda: store.check([failed])):
+        raw = bytes(_call(spec, "reading the join verdict", lambda: store.get(failed)))
         try:
             reason = sealer.open(failed, raw).decode("utf-8", "replace")[:4000]
         except ForgedMessageError:
             reason = "(unsealed verdict, ignored)"
         if not reason.startswith("(unsealed"):
-            raise GroupMismatchError(f"{group._where()}: join failed: {reason}")
-    if not _call(group, "waiting for the join", lambda: store.check([ready])):
+            raise GroupMismatchError(f"{spec.where}: join failed: {reason}")
+    if not _call(spec, "waiting for the join", lambda: store.check([ready])):
         return None
-    raw = bytes(_call(group, "reading the member list", lambda: store.get(ready)))
+    raw = bytes(_call(spec, "reading the member list", lambda: store.get(ready)))
     try:
         members = _parse(sealer.open(ready, raw), ready, {"members": list})["members"]
     except ForgedMessageError:
         return None  # someone without the token wrote it first; rank 0's own overwrites it
-    if len(members) != group.world_size or not all(
+    if len(members) != spec.world_size or not all(
         isinstance(m, dict)
         and isinstance(m.get("host_id"), str)
         and isinstance(m.get("pid"), int)
         and isinstance(m.get("nonce"), str)
         for m in members
     ):
-        raise ProtocolError(f"record {ready!r} does not describe {group.world_size} members")
-    if not hmac.compare_digest(str(members[group.rank]["nonce"]), mine):
+        raise ProtocolError(f"record {ready!r} does not describe {spec.world_size} members")
+    if not hmac.compare_digest(str(members[spec.rank]["nonce"]), mine):
         if not replays:
-            logger.warning(
-                "rank %d of %s: the member list in the store is not this join's (a replay of an earlier "
-                "instance of the group?); ignoring it and waiting for rank 0's",
-                group.rank, group._where(),
+            spec.log.warning(
+                "%s: the member list in the store is not this join's (a replay of an earlier instance of "
+                "the group?); ignoring it and waiting for rank 0's", spec.where,
             )  # fmt: skip
             replays.append(True)
         return None
-    return Joined(group, nonce, members)
+    return Joined(spec, nonce, members)

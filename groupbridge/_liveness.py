@@ -24,12 +24,11 @@ from datetime import timedelta
 from typing import Any
 
 from ._seal import ForgedMessageError, Sealer
+from ._torch_private import Store
 from .errors import GroupBridgeError
 from .store import StoreClient
 
-logger = logging.getLogger(__name__)
-
-__all__ = ["Finding", "Watcher", "status_key"]
+__all__ = ["Finding", "Watcher", "decode_status", "encode_status", "status_key", "write_status"]
 
 
 def status_key(rank: int) -> str:
@@ -50,6 +49,27 @@ class Finding:
 
 def encode_status(beat: int, state: str, reason: str | None = None) -> bytes:
     return json.dumps({"n": beat, "state": state, "reason": reason}).encode()
+
+
+def write_status(
+    store: Store,
+    key: str,
+    sealer: Sealer,
+    beat: int,
+    state: str,
+    reason: str | None = None,
+    *,
+    ack: bool = False,
+) -> None:
+    """Write a member's status record at ``key`` (its :func:`status_key` in the group's namespace), sealed.
+
+    Every status record is written here: the join's first (beat 0), the watcher's beats, and the final
+    record of an abort or a close. With ``ack``, return only once the store has applied it (TCPStore's
+    ``set`` is not acknowledged; a ``check`` on the same connection is answered after it).
+    """
+    store.set(key, sealer.seal(key, encode_status(beat, state, reason)))  # type: ignore[arg-type]
+    if ack:
+        store.check([key])
 
 
 def decode_status(raw: bytes) -> dict[str, Any] | None:
@@ -82,6 +102,7 @@ class Watcher:
         world_size: int,
         liveness_timeout: timedelta,
         name: str,
+        log: logging.LoggerAdapter[logging.Logger],
         wake: Callable[[], None],
         collect: Callable[[StoreClient], None] | None = None,
         sweep: Callable[[StoreClient], None] | None = None,
@@ -93,6 +114,7 @@ class Watcher:
         self.limit = liveness_timeout.total_seconds()
         self.interval = max(0.05, self.limit / 5)
         self.peers = [r for r in range(world_size) if r != rank]
+        self._log = log
         self._wake = wake
         self._collect = collect
         self._sweep = sweep
@@ -133,15 +155,14 @@ class Watcher:
         except BaseException as e:  # recorded and reported on the next call on the group (errored())
             if self._stop.is_set():
                 return
-            self.error = e
-            logger.error("rank %d: the liveness watcher failed", self.rank, exc_info=True)
-            self._found(
-                Finding(
-                    "crashed",
-                    self.rank,
-                    f"rank {self.rank}'s liveness watcher failed: {type(e).__name__}: {e}",
-                )
+            finding = Finding(
+                "crashed", self.rank, f"rank {self.rank}'s liveness watcher failed: {type(e).__name__}: {e}"
             )
+            # The error and the finding together, the log after: whoever sees errored() set finds the
+            # finding too, so the next call on the group raises (logging the traceback takes a while).
+            self.error = e
+            self._found(finding)
+            self._log.error("the liveness watcher failed", exc_info=True)
 
     def _loop(self) -> None:
         store = self.client.get()
@@ -160,7 +181,7 @@ class Watcher:
             self._beat += 1
             state, reason = self._state
             try:
-                store.set(mine, self.sealer.seal(mine, encode_status(self._beat, state, reason)))  # type: ignore[arg-type]
+                write_status(store, mine, self.sealer, self._beat, state, reason)
                 raws = store.multi_get(keys) if keys else []
                 if self._collect is not None:
                     self._collect(self.client)
@@ -242,8 +263,3 @@ class Watcher:
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=self.limit + 5)
-
-    def last_beats(self) -> str:
-        """When each peer was last heard, for error messages."""
-        now = time.monotonic()
-        return ", ".join(f"rank {r}: {now - t:.1f}s ago" for r, (_, t) in sorted(self.seen.items()))

@@ -107,9 +107,9 @@ def _quiet_count(g: Any, rank: int, tag: str) -> int:
     for r in range(1, g.world_size):
         g.recv_obj(r, tag=f"{tag}-out")
     deadline = time.monotonic() + 10  # every rank has passed every collective: the watcher collects them
-    while g._garbage and time.monotonic() < deadline:
+    while g._objects.garbage and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert not g._garbage, "rank 0's watcher did not delete the keys of finished collectives"
+    assert not g._objects.garbage, "rank 0's watcher did not delete the keys of finished collectives"
     store = g.control.client.get()
     # A queue's bell (one key per queue, rung by each push, deleted by a waiting reader) may be there or not,
     # depending on who came first: not counted.
@@ -374,7 +374,7 @@ def _watcher_fails(rank: int, ports: Any) -> Any:
             raise ZeroDivisionError("injected")
 
         assert g.errored() is None
-        g._watcher._collect = boom  # the watcher's next beat fails inside the library's own thread
+        g._health.watcher._collect = boom  # the watcher's next beat fails inside the library's own thread
         deadline = time.monotonic() + 10
         while g.errored() is None and time.monotonic() < deadline:
             time.sleep(0.01)

@@ -1,0 +1,188 @@
+"""A group's object operations: point-to-point objects, broadcast, all-gather and barrier over the control
+channel, with their sequence numbers, and the collection of finished collectives' keys.
+
+Objects are encoded by :mod:`groupbridge.codec` (pickled only when the group allows it). Point-to-point
+objects travel in queues (one per sender, receiver and tag), so nothing of them is left to delete. A
+collective writes keys that every rank reads; they are deleted lazily: each rank posts a *watermark* (the
+last collective it finished) every ``WATERMARK_EVERY`` collectives and at every barrier, and rank 0's
+liveness watcher, at each beat (every ``liveness_timeout / 5``, at least 50 ms), deletes the keys of the
+collectives that every rank's watermark has passed. So a collective's keys stay in the store until every
+rank has posted a watermark past it and rank 0's watcher has beaten once more; keys of the collectives after
+a rank's last watermark stay until its next one (or until the store goes, with rank 0's close).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from datetime import timedelta
+from typing import Any
+
+from .. import codec
+from .._seal import Sealer
+from ..control import ControlChannel, Deadline
+from ..errors import ProtocolError
+from ..store import StoreClient
+from .state import GroupState
+
+__all__ = ["INLINE_MAX", "WATERMARK_EVERY", "Objects"]
+
+WATERMARK_EVERY = 16
+INLINE_MAX = 64 << 10
+"""A broadcast object larger than this is stored once and read by every receiver, not queued to each."""
+_INLINE = b"v"
+_AT_KEY = b"k"
+
+
+class Objects:
+    """One member's object operations (see the module docstring); the group's methods of the same names
+    delegate here. Each checks that the group is open, then its arguments, before anything moves."""
+
+    def __init__(
+        self, state: GroupState, control: ControlChannel, sealer: Sealer, allow_pickle: bool
+    ) -> None:
+        self._state = state
+        self._control = control
+        self._sealer = sealer
+        self._allow_pickle = allow_pickle
+        self._coll_seq = 0
+        self._send_seq: dict[tuple[int, str], int] = {}
+        self._recv_seq: dict[tuple[int, str], int] = {}
+        self.garbage: deque[tuple[int, list[str]]] = deque()
+        """Rank 0: (collective number, its keys) of finished collectives, oldest first, until deleted."""
+
+    def start(self) -> None:
+        """Post this member's first watermark (no collective passed), so that rank 0 can read every rank's."""
+        self._control.put(f"wm/{self._state.rank}", b"0", "joining")
+
+    def _encode(self, obj: Any) -> bytes:
+        return codec.encode(obj, allow_pickle=self._allow_pickle)
+
+    def _decode(self, data: bytes, src: int) -> Any:
+        try:
+            return codec.decode(data, allow_pickle=self._allow_pickle)
+        except ProtocolError as e:
+            s = self._state
+            raise ProtocolError(f"rank {s.rank} of {s.where()}: object from rank {src}: {e}") from e
+
+    @staticmethod
+    def _check_tag(tag: str) -> None:
+        if not isinstance(tag, str) or "/" in tag:
+            raise ValueError(f"tag={tag!r} must be a str without '/'")
+
+    def send_obj(self, obj: Any, dst: int, tag: str) -> None:
+        rank = self._state.rank
+        self._state.check_open()
+        self._state.check_peer(dst, "dst")
+        self._check_tag(tag)
+        data = self._encode(obj)
+        seq = self._send_seq.get((dst, tag), 0)
+        channel = f"p2p/{tag}/{rank}/{dst}"
+        self._control.push([channel], seq, data, "send_obj", binding=channel)
+        self._send_seq[(dst, tag)] = seq + 1
+
+    def recv_obj(self, src: int, timeout: timedelta | Deadline | None, tag: str) -> Any:
+        s = self._state
+        s.check_open()
+        s.check_peer(src, "src")
+        self._check_tag(tag)
+        seq = self._recv_seq.get((src, tag), 0)
+        channel = f"p2p/{tag}/{src}/{s.rank}"
+        data = self._control.pop(
+            channel, seq, src, s.deadline(timeout), f"object #{seq} (tag {tag!r})", binding=channel
+        )
+        self._recv_seq[(src, tag)] = seq + 1
+        return self._decode(data, src)
+
+    def _next_seq(self) -> int:
+        self._coll_seq += 1
+        return self._coll_seq
+
+    def _done_collective(self, seq: int, keys: list[str], *, flush: bool = False) -> None:
+        """Keys of a finished collective are deleted by rank 0's watcher once every rank has passed it.
+
+        Each rank posts how far it got every ``WATERMARK_EVERY`` collectives (and at every barrier), not
+        after each: a store request per operation is a third of a small object's cost.
+        """
+        rank = self._state.rank
+        if rank == 0 and keys:
+            self.garbage.append((seq, keys))
+        if flush or seq % WATERMARK_EVERY == 0:
+            self._control.post(f"wm/{rank}", str(seq).encode(), "a collective")
+
+    def collect(self, client: StoreClient) -> None:
+        """On rank 0's watcher thread, at each beat: delete the keys of the collectives every rank has
+        finished."""
+        if not self.garbage:
+            return
+        ns, store = self._state.namespace, client.get()
+        raws = store.multi_get([f"{ns}/wm/{r}" for r in range(self._state.world_size)])
+        try:
+            passed = min(int(bytes(self._sealer.open(f"{ns}/wm/{r}", bytes(v)))) for r, v in enumerate(raws))
+        except (ValueError, ProtocolError):  # a forged or torn watermark: collect later
+            return
+        while self.garbage and self.garbage[0][0] <= passed:
+            for key in self.garbage[0][1]:
+                store.delete_key(f"{ns}/{key}")
+            self.garbage.popleft()  # only once deleted: an empty deque means the keys are gone
+
+    def broadcast_obj(self, obj: Any, src: int, timeout: timedelta | Deadline | None) -> Any:
+        s, control = self._state, self._control
+        s.check_open()
+        s.check_rank(src, "src")
+        if s.world_size == 1:
+            self._encode(obj)
+            return obj
+        data = self._encode(obj) if s.rank == src else b""  # a refused object consumes no sequence
+        seq = self._next_seq()
+        binding = f"bc/{src}"
+        if s.rank == src:
+            queues = [f"{binding}/{r}" for r in range(s.world_size) if r != src]
+            keys = []
+            if len(data) > INLINE_MAX and len(queues) > 1:  # one copy in the store, read by everyone
+                keys = [f"bc/{seq}"]
+                control.put(keys[0], data, "broadcast_obj")
+                control.push(queues, seq, _AT_KEY, "broadcast_obj", binding=binding)
+            else:
+                control.push(queues, seq, _INLINE + data, "broadcast_obj", binding=binding)
+            self._done_collective(seq, keys)
+            return obj
+        deadline = s.deadline(timeout)
+        what = "a broadcast object"
+        msg = control.pop(f"{binding}/{s.rank}", seq, src, deadline, what, binding=binding)
+        keys = []
+        if msg == _AT_KEY:
+            keys = [f"bc/{seq}"]
+            msg = _INLINE + control.get_one(keys[0], src, deadline, what)
+        if not msg.startswith(_INLINE):
+            raise ProtocolError(f"rank {s.rank} of {s.where()}: malformed broadcast from rank {src}")
+        self._done_collective(seq, keys)
+        return self._decode(msg[1:], src)
+
+    def all_gather_obj(self, obj: Any, timeout: timedelta | Deadline | None) -> list[Any]:
+        s = self._state
+        s.check_open()
+        data = self._encode(obj)
+        if s.world_size == 1:
+            return [obj]
+        seq = self._next_seq()
+        keys = [f"ag/{seq}/{r}" for r in range(s.world_size)]
+        self._control.post(keys[s.rank], data, "all_gather_obj")
+        others = s.others()
+        got = self._control.get([keys[r] for r in others], others, s.deadline(timeout), "all_gather_obj")
+        out = [obj] * s.world_size
+        for r, value in zip(others, got, strict=True):
+            out[r] = self._decode(value, r)
+        self._done_collective(seq, keys)
+        return out
+
+    def barrier(self, timeout: timedelta | Deadline | None) -> None:
+        s = self._state
+        s.check_open()
+        if s.world_size == 1:
+            return
+        seq = self._next_seq()
+        keys = [f"bar/{seq}/{r}" for r in range(s.world_size)]
+        self._control.post(keys[s.rank], b"1", "barrier")
+        others = s.others()
+        self._control.get([keys[r] for r in others], others, s.deadline(timeout), "the barrier")
+        self._done_collective(seq, keys, flush=True)
