@@ -10,7 +10,6 @@ bytes of the new version are in ``view`` and ``entries`` are the manifest entrie
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
 from functools import partial
 from typing import Any, NoReturn
@@ -27,8 +26,6 @@ from ._delta_sync import Description, delta_digest, delta_groups, wire_plan, wor
 from ._session import ACK_TAG, Session
 from .plan import Plan
 from .transports import RxTransport, Sync, spec
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["Bucket", "RxStreams", "VerifyFailed"]
 
@@ -148,7 +145,7 @@ def tell_failure(group: StatelessGroup, src: int, e: BaseException, what: str) -
         try:
             group.send_obj({"ok": False, "error": str(e)}, dst=src, tag=ACK_TAG)
         except GroupBridgeError:  # the source then times out on this rank; the caller gets ``e`` anyway
-            logger.warning("rank %d could not tell the sender it refused the bytes", group.rank)
+            group.log.warning("could not tell the sender it refused the bytes")
     else:
         group.abort(f"rank {group.rank} gave up {what}: {type(e).__name__}: {e}")
 

@@ -7,7 +7,6 @@ the commit (the version held moves, the source is told).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from typing import Any
@@ -25,8 +24,6 @@ from ._rx_stream import RxStreams, acknowledge, give_up, tell_failure
 from ._session import Header, Session, Verdict, handshake, laid_out_in_place, make_renamer, merged_plan
 from .manifest import Entry, Manifest, compare, expected_specs, mismatch_message, tensors_of
 from .plan import Plan, PlanCache
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["WeightReceiver", "WeightUpdate"]
 

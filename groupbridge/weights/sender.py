@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import logging
 import secrets
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -42,8 +41,6 @@ from ._tx_stream import Fault, Progress, send_full
 from .manifest import Manifest, tensors_of
 from .plan import Plan, PlanCache
 from .transports import TRANSPORTS, Sync, TransportOptions, TxTransport, across_hosts, choose
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "SyncStats", "WeightSender", "named_tensors_of"]
 
@@ -259,7 +256,9 @@ class WeightSender:
             return ((self._rename(n), t) for n, t in items), Manifest.build(meta, self.wire_dtype)
         if self._manifest is not None:
             return ((self._rename(n), t) for n, t in items), self._manifest
-        logger.warning("first send of an iterator without specs=: collecting it once to build the manifest")
+        self.group.log.warning(
+            "first send of an iterator without specs=: collecting it once to build the manifest"
+        )
         items = [(self._rename(n), t) for n, t in items]
         return items, Manifest.build(items, self.wire_dtype)
 
@@ -279,7 +278,7 @@ class WeightSender:
             if self.transport != "auto":
                 raise
             fallback = across_hosts(self.group)
-            logger.warning("[%s] %s; using %s instead", self.group.name, e, fallback)
+            self.group.log.warning("%s; using %s instead", e, fallback)
             return fallback
         return kind
 
@@ -343,10 +342,10 @@ class WeightSender:
             delta=session.delta,
             base_bytes=0 if base is None else base.numel(),
         )
-        logger.info(
-            "[%s] sent version %d%s: %.1f MB (%.1f MB on the wire) in %.3fs (%.2f GB/s, %d buckets, %d in "
+        self.group.log.info(
+            "sent version %d%s: %.1f MB (%.1f MB on the wire) in %.3fs (%.2f GB/s, %d buckets, %d in "
             "place, %s)",
-            self.group.name, header.version, f" as a delta ({changed:.2%} changed)" if session.delta else "",
+            header.version, f" as a delta ({changed:.2%} changed)" if session.delta else "",
             stats.bytes / 1e6, wire_bytes / 1e6, seconds, stats.gb_per_s, stats.buckets, in_place,
             header.transport,
         )  # fmt: skip
