@@ -28,13 +28,16 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "bench_check_worker.py"
-CASES = ["broadcast-1", "broadcast-2", "shm-2", "relay-2", "delta-shm-2", "objects"]
+CASES = ["broadcast-1", "broadcast-2", "shm-2", "relay-2", "delta-shm-2", "small-shm-2", "small-broadcast-2",
+         "objects"]  # fmt: skip
 WHAT = {
     "broadcast-1": "broadcast, 1 receiver, 64 MiB",
     "broadcast-2": "broadcast, 2 receivers, 64 MiB",
     "shm-2": "shm, 2 receivers, 96 MiB",
     "relay-2": "relay, 2 receivers, 64 MiB",
     "delta-shm-2": "delta (1/64 changed), shm, 2 receivers",
+    "small-shm-2": "shm, 2 receivers, 256 KiB (the control plane)",
+    "small-broadcast-2": "broadcast, 2 receivers, 256 KiB (control)",
     "objects": "broadcast_obj + all_gather_obj, 3 ranks",
 }
 REPLY_TIMEOUT_S = 120.0

@@ -34,6 +34,8 @@ CASES: dict[str, tuple[int, str, Any, int, int, int]] = {
     "shm-2": (3, "shm", False, 48, 2 * MIB, 8 * MIB),
     "relay-2": (3, "relay", False, 32, 2 * MIB, 16 * MIB),
     "delta-shm-2": (3, "shm", "always", 48, 2 * MIB, 8 * MIB),
+    "small-shm-2": (3, "shm", False, 4, 64 << 10, 8 * MIB),
+    "small-broadcast-2": (3, "broadcast", False, 4, 64 << 10, 16 * MIB),
 }
 OBJECT_OPS = 50
 
