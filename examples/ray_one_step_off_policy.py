@@ -120,7 +120,8 @@ def main() -> int:
             ok = all(r["verified"] and r["version"] == v for r in results)
             failures += not ok
             mark = "yes" if ok else "NO"
-            print(f"step {v}: loss {stats['loss']:.3f} sync {stats['seconds']:.3f}s {stats['gb_per_s']:.2f} GB/s "
+            print(f"step {v}: loss {stats['loss']:.3f} sync {stats['seconds']:.3f}s "
+                  f"{stats['gb_per_s']:.2f} GB/s "
                   f"({stats['transport']}) verified: {mark} sample {results[0]['tokens']}")  # fmt: skip
         ray.get([a.gb_shutdown.remote() for a in trainers.actors + workers.actors])
     finally:

@@ -36,6 +36,7 @@ from .weights import (
     WeightUpdate,
     flatten_,
 )
+from .weights.shard import Shard
 
 __version__ = "0.1.0"
 
@@ -55,6 +56,7 @@ __all__ = [
     "PeerTimeoutError",
     "ProtocolError",
     "RelayOptions",
+    "Shard",
     "SharedOptions",
     "StatelessGroup",
     "StoreUnreachableError",

@@ -121,7 +121,8 @@ class Watcher:
         now = time.monotonic()
         self.seen: dict[int, tuple[int, float]] = {r: (-1, now) for r in self.peers}
         """Per peer: its last counter and when (this clock) it last changed."""
-        self.closed: set[int] = set()
+        self.closed: dict[int, str | None] = {}
+        """Peers that closed the group, with why it was broken when they did (None: it was not)."""
         self.replayed: dict[int, tuple[int, int]] = {}
         """Peers whose record went back to an older beat (newest seen, older read): someone without the
         token writes recorded records over theirs. Those are never taken for life."""
@@ -216,7 +217,7 @@ class Watcher:
                 if status["state"] == "aborted" and self.finding is None:
                     self._found(Finding("aborted", peer, f"rank {peer} aborted: {status['reason']}"))
                 if status["state"] == "closed":
-                    self.closed.add(peer)
+                    self.closed[peer] = status.get("reason")
                 if status["n"] > self.seen[peer][0]:  # only a newer beat is life
                     self.seen[peer] = (status["n"], now)
                 elif status["n"] < self.seen[peer][0]:  # sealed but older: a replay of its own record
@@ -252,7 +253,9 @@ class Watcher:
 
     def gone(self, peer: int) -> Finding | None:
         if peer in self.closed:
-            return Finding("closed", peer, f"rank {peer} closed the group")
+            broken = self.closed[peer]
+            why = f" after it broke: {broken}" if broken else ""
+            return Finding("closed", peer, f"rank {peer} closed the group{why}")
         return None
 
     def _found(self, finding: Finding) -> None:

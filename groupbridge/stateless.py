@@ -309,7 +309,9 @@ class StatelessGroup:
                 self.control.sweep(s.client, budget=1.0)  # keys discarded since the watcher's last beat
             except (RuntimeError, GroupBridgeError):  # closing must not fail because the store is gone
                 self.log.debug("close: could not delete the discarded keys", exc_info=True)
-        self._health.publish("closed")
+        # a broken group says why in its last record too: a peer that reads it only now still learns who
+        # failed (an abort's record, written a moment before, may never have been read)
+        self._health.publish("closed", s.broken[:2000] if s.broken else None)
         if self.rank == 0:
             self._health.linger(self._server, timeout)  # the others close first: the store goes with us
         self._teardown()

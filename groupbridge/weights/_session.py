@@ -52,11 +52,15 @@ __all__ = [
     "Verdict",
     "collect_acks",
     "conclude",
+    "gather_posts",
     "handshake",
+    "is_sharded",
     "laid_out_in_place",
     "make_renamer",
     "merged_plan",
     "refuse",
+    "remember",
+    "sources_of",
 ]
 
 ACK_TAG = "weights-ack"
@@ -245,37 +249,92 @@ Judge = Callable[[int, Header, Manifest], Verdict]
 """A receiver's check of a sync: (source, header, manifest) -> its verdict."""
 
 
-def handshake(
+KNOWN_MANIFESTS = 16
+"""Manifests a member remembers by digest (one per source of a sync, and a few more)."""
+
+
+def remember(known: dict[str, Manifest], manifest: Manifest) -> None:
+    """Keep ``manifest`` in the cache of known manifests, the least recently used ones dropped."""
+    known.pop(manifest.digest, None)
+    known[manifest.digest] = manifest
+    while len(known) > KNOWN_MANIFESTS:
+        known.pop(next(iter(known)))
+
+
+def gather_posts(
     group: StatelessGroup,
     deadline: Deadline,
     known: dict[str, Manifest],
     *,
     header: Header | None = None,
+    boxes: dict[str, Any] | None = None,
+    wants: dict[str, Any] | None = None,
+) -> list[Any]:
+    """Step 1's one all-gather: a source posts its header (and, holding boxes of global tensors, which),
+    a receiver what it wants when that is not every tensor whole; everyone the manifests it knows."""
+    mine: dict[str, Any] = {"known": list(known)}
+    if header is not None:
+        mine["header"] = header.to_wire()
+        if boxes:
+            mine["boxes"] = boxes
+    elif wants is not None:
+        mine["wants"] = wants
+    return group.all_gather_obj(mine, timeout=deadline)
+
+
+def sources_of(group: StatelessGroup, posts: list[Any], expected: int | None) -> list[int]:
+    """The members that send this sync; a refusal by one of them raises here, on every member."""
+    sources = [r for r, p in enumerate(posts) if isinstance(p, dict) and ("header" in p or "error" in p)]
+    where = f"rank {group.rank} of group '{group.name}'"
+    if not sources:
+        raise WeightSyncError(
+            f"{where}: no member sends this sync (every member takes part in every sync, as a sender or a "
+            "receiver)"
+        )
+    for source in sources:
+        post = posts[source]
+        if "error" in post:
+            kind = TransportUnavailableError if post.get("kind") == "transport" else WeightSyncError
+            raise kind(f"rank {source} refused to send: {str(post['error'])[:4000]}")
+    if expected is not None and sources != [expected]:
+        raise WeightSyncError(
+            f"{where}: rank(s) {', '.join(map(str, sources))} send this sync, but this "
+            f"receiver takes from rank {expected} only (WeightReceiver(src=...))"
+        )
+    return sources
+
+
+def is_sharded(posts: list[Any], sources: list[int]) -> bool:
+    """The sync needs the many-source plan: several sources, boxes held, or boxes wanted."""
+    return len(sources) > 1 or any(isinstance(p, dict) and ("boxes" in p or "wants" in p) for p in posts)
+
+
+def knows(post: Any, digest: str) -> bool:
+    return isinstance(post, dict) and isinstance(post.get("known"), list) and digest in post["known"]
+
+
+def handshake(
+    group: StatelessGroup,
+    deadline: Deadline,
+    known: dict[str, Manifest],
+    posts: list[Any],
+    source: int,
+    *,
     manifest: Manifest | None = None,
     in_place: bool = False,
     judge: Judge | None = None,
-    src: int | None = None,
 ) -> Session:
-    """Steps 1 and 2 above: a source passes its ``header`` and ``manifest`` (and whether its tensors lie in
-    the merged plan's layout), a receiver its ``judge`` (and the source it expects, when it names one).
-    ``known`` caches the last manifest seen, by digest.
+    """Steps 1 and 2 above for a sync with one source sending whole tensors, after :func:`gather_posts`:
+    the source passes its ``manifest`` (and whether its tensors lie in the merged plan's layout), a
+    receiver its ``judge``. ``known`` caches the manifests seen, by digest.
 
     Raises:
         ManifestMismatchError: some receiver expects other tensors (the message lists every receiver's).
         TransportRefusedError: some receiver cannot attach to the transport.
-        TransportUnavailableError: the source refused: its transport cannot work between these members.
         SyncRefusedError: some receiver refused the version.
-        WeightSyncError: the source refused to send (see :func:`refuse`), or the sources are not as expected.
     """
-    mine: dict[str, Any] = {"header": header.to_wire()} if header is not None else {"known": list(known)[:1]}
-    posts = group.all_gather_obj(mine, timeout=deadline)
-    source, header = _source_of(group, posts, src)
-    needed = any(
-        not (isinstance(p, dict) and isinstance(p.get("known"), list) and header.digest in p["known"])
-        for r, p in enumerate(posts)
-        if r != source
-    )
-    if needed:
+    header = Header.from_wire(posts[source]["header"])
+    if any(not knows(p, header.digest) for r, p in enumerate(posts) if r != source):
         items = group.broadcast_obj(manifest.to_wire() if manifest is not None else None, src=source,
                                     timeout=deadline)  # fmt: skip
         if manifest is None:
@@ -284,8 +343,7 @@ def handshake(
                 raise ProtocolError(f"manifest digest {manifest.digest[:12]} does not match the header's")
     if manifest is None:
         manifest = known[header.digest]
-    known.clear()
-    known[header.digest] = manifest
+    remember(known, manifest)
     verdict = judge(source, header, manifest) if judge is not None else Verdict(in_place=in_place)
     gathered = group.all_gather_obj(verdict.to_wire(), timeout=deadline)
     verdicts = [Verdict.from_wire(v, r) for r, v in enumerate(gathered)]
@@ -317,29 +375,8 @@ def conclude(header: Header, source: int, verdicts: list[Verdict]) -> tuple[bool
     return merged, delta
 
 
-def _source_of(group: StatelessGroup, posts: list[Any], expected: int | None) -> tuple[int, Header]:
-    """The sync's source and its header, from the gathered posts; a refusal by the source raises here."""
-    sources = [r for r, p in enumerate(posts) if isinstance(p, dict) and ("header" in p or "error" in p)]
-    where = f"rank {group.rank} of group '{group.name}'"
-    if len(sources) != 1:
-        found = ", ".join(map(str, sources)) or "none"
-        raise WeightSyncError(
-            f"{where}: a sync needs exactly one sending member, found {found} (a member that is not sending "
-            "must be receiving: every member takes part in every sync)"
-        )
-    source = sources[0]
-    post = posts[source]
-    if "error" in post:
-        kind = TransportUnavailableError if post.get("kind") == "transport" else WeightSyncError
-        raise kind(f"rank {source} refused to send: {str(post['error'])[:4000]}")
-    if expected is not None and source != expected:
-        raise WeightSyncError(f"{where}: rank {source} sends this sync, but this receiver takes from rank "
-                              f"{expected} (WeightReceiver(src=...))")  # fmt: skip
-    return source, Header.from_wire(post["header"])
-
-
 def refuse(group: StatelessGroup, reason: str, deadline: Deadline, kind: str = "input") -> None:
-    """The source cannot make this sync: its handshake post says why, so receivers raise instead of
+    """The source cannot make this sync: its handshake post says why, so every member raises instead of
     waiting."""
     group.all_gather_obj({"error": reason, "kind": kind}, timeout=deadline)
 

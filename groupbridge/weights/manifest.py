@@ -18,6 +18,7 @@ import torch
 
 from ..codec import dtype_from_name, dtype_name
 from ..errors import ProtocolError
+from .shard import box_of
 
 __all__ = ["Entry", "Manifest", "compare", "expected_specs", "mismatch_message", "tensors_of"]
 
@@ -178,7 +179,10 @@ def expected_specs(expected: Any) -> dict[str, tuple[tuple[int, ...], str]]:
     expected = tensors_of(expected, "expected=")
     out: dict[str, tuple[tuple[int, ...], str]] = {}
     for name, spec in expected.items():
-        if isinstance(spec, torch.Tensor):
+        shard = box_of(spec)
+        if shard is not None:  # a box of a global tensor: its global shape is what is expected
+            out[name] = (shard.global_shape, dtype_name(shard.tensor.dtype))
+        elif isinstance(spec, torch.Tensor):
             out[name] = (tuple(spec.shape), dtype_name(spec.dtype))
         else:
             shape, dtype = spec

@@ -30,16 +30,21 @@ from ._session import (
     Session,
     Stream,
     collect_acks,
+    gather_posts,
     handshake,
+    is_sharded,
     laid_out_in_place,
     make_renamer,
     merged_plan,
     refuse,
+    sources_of,
 )
+from ._sharded import ShardedSession, boxes_of, send_shards, settle_shards, vote
 from ._source import Puller
 from ._tx_stream import Fault, Progress, send_full
 from .manifest import Manifest, tensors_of
 from .plan import Plan, PlanCache
+from .shard import Box, box_of
 from .transports import TRANSPORTS, Sync, TransportOptions, TxTransport, across_hosts, choose
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "SyncStats", "WeightSender", "named_tensors_of"]
@@ -79,6 +84,9 @@ class SyncStats:
 
 Pairs = list[tuple[str, torch.Tensor]] | Iterator[tuple[str, torch.Tensor]]
 """A source's (name, tensor) pairs: a list, or an iterator consumed lazily."""
+
+Boxes = dict[str, tuple[tuple[int, ...], tuple[int, ...]]]
+"""Boxes of global tensors a source holds: name -> (global shape, offset)."""
 
 NamedTensors = torch.nn.Module | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 """What ``send`` takes: a module, a mapping, or (name, tensor) pairs (a generator stays lazy)."""
@@ -208,7 +216,7 @@ class WeightSender:
         deadline = self.group.deadline(timeout)
         self.group.check_open()
         try:
-            items, manifest = self._describe(named_tensors, specs)
+            items, manifest, shards = self._describe(named_tensors, specs)
             items, device = _peek_device(items)
             kind = self._choose(device, manifest)
         except (ValueError, TypeError, TransportUnavailableError) as e:
@@ -226,7 +234,12 @@ class WeightSender:
             base=self._delta.offer(manifest) if self._delta is not None else None,
         )  # fmt: skip
         try:
-            session = handshake(self.group, deadline, self._known, header=header, manifest=manifest,
+            posts = gather_posts(self.group, deadline, self._known, header=header, boxes=boxes_of(shards))
+            sources = sources_of(self.group, posts, None)
+            if is_sharded(posts, sources):
+                shared = settle_shards(self.group, deadline, self._known, posts, sources, manifest=manifest)
+                return self._send_shards(shared, list(items), shards, deadline)
+            session = handshake(self.group, deadline, self._known, posts, self.src, manifest=manifest,
                                 in_place=self._in_place(items, manifest))  # fmt: skip
             return self._stream(session, plan, items, device, tx, deadline, progress)
         except BaseException as e:
@@ -243,24 +256,31 @@ class WeightSender:
 
     def _describe(
         self, named_tensors: NamedTensors, specs: Mapping[str, tuple[Sequence[int], torch.dtype]] | None
-    ) -> tuple[Pairs, Manifest]:
+    ) -> tuple[Pairs, Manifest, Boxes]:
+        """The (name, tensor) pairs on the wire's names, their manifest (of the local tensors), and the
+        boxes of global tensors among them (``gb.Shard``, DTensor): name -> (global shape, offset)."""
         items = named_tensors_of(named_tensors)
-        if isinstance(items, list):
-            items = [(self._rename(n), t) for n, t in items]
-            return items, Manifest.build(items, self.wire_dtype)
-        if specs is not None:
-            meta = [
-                (self._rename(n), torch.empty(tuple(s), dtype=d, device="meta"))
-                for n, (s, d) in specs.items()
-            ]
-            return ((self._rename(n), t) for n, t in items), Manifest.build(meta, self.wire_dtype)
-        if self._manifest is not None:
-            return ((self._rename(n), t) for n, t in items), self._manifest
-        self.group.log.warning(
-            "first send of an iterator without specs=: collecting it once to build the manifest"
-        )
-        items = [(self._rename(n), t) for n, t in items]
-        return items, Manifest.build(items, self.wire_dtype)
+        if not isinstance(items, list):
+            lazy = ((self._rename(n), _plain(n, t)) for n, t in items)
+            if specs is not None:
+                meta = [
+                    (self._rename(n), torch.empty(tuple(s), dtype=d, device="meta"))
+                    for n, (s, d) in specs.items()
+                ]
+                return lazy, Manifest.build(meta, self.wire_dtype), {}
+            if self._manifest is not None:
+                return lazy, self._manifest, {}
+            self.group.log.warning(
+                "first send of an iterator without specs=: collecting it once to describe it"
+            )
+            items = list(lazy)
+        pairs, shards = [], {}
+        for n, value in items:
+            name, shard = self._rename(n), box_of(value)
+            if shard is not None and not shard.whole:
+                shards[name] = (shard.global_shape, shard.offset)
+            pairs.append((name, shard.tensor if shard is not None else value))
+        return pairs, Manifest.build(pairs, self.wire_dtype), shards
 
     def _tx(self, kind: str) -> TxTransport:
         tx = self._transports.get(kind)
@@ -351,6 +371,36 @@ class WeightSender:
         )  # fmt: skip
         return stats
 
+    def _send_shards(self, session: ShardedSession, items: list[tuple[str, torch.Tensor]], shards: Boxes,
+                     deadline: Deadline) -> SyncStats:  # fmt: skip
+        """This member's part of a many-source sync: its pieces to every receiver, the vote, the acks."""
+        t0 = time.perf_counter()
+        slots = {
+            name: (t, Box(shards[name][1] if name in shards else (0,) * t.dim(), tuple(t.shape)))
+            for name, t in items
+        }
+        sent = send_shards(self.group, session, slots, self._copier, self._scratch, deadline, self._fault)
+        version = session.header.version
+        vote(self.group, version, None, deadline)
+        receivers = [r for r in range(self.group.world_size) if r not in session.sources]
+        failures = collect_acks(self.group, receivers, deadline)
+        if failures:
+            raise SyncRefusedError(f"version {version} was not applied everywhere:\n" + "\n".join(failures))
+        seconds = time.perf_counter() - t0
+        buckets = sum(len(b) for (s, _), b in session.plan.pairs.items() if s == self.src)
+        self.group.log.info("sent my shards of version %d: %.1f MB in %.3fs", version, sent / 1e6, seconds)
+        return SyncStats(
+            version=version,
+            bytes=sent,
+            seconds=seconds,
+            gb_per_s=sent / seconds / 1e9 if seconds > 0 else float("inf"),
+            buckets=buckets,
+            in_place_buckets=0,
+            transport="p2p",
+            receivers=len(receivers),
+            wire_bytes=sent,
+        )
+
     def _in_place(self, items: NamedTensors, manifest: Manifest) -> bool:
         """This source's tensors lie in the merged plan's layout (it may then be agreed; never with deltas,
         whose base is kept in the bucket plan's layout)."""
@@ -431,3 +481,9 @@ def _as_sync_error(e: BaseException, version: int) -> BaseException:
     if isinstance(e, GroupBridgeError):
         return WeightSyncError(f"sending version {version} failed: {e}")
     return WeightSyncError(f"sending version {version} failed: {type(e).__name__}: {e}; the group is aborted")
+
+
+def _plain(name: str, value: torch.Tensor) -> torch.Tensor:
+    if box_of(value) is not None:
+        raise TypeError(f"{name!r} is a box of a global tensor in a lazy source: pass a mapping or a module")
+    return value

@@ -1,0 +1,219 @@
+"""One plan for a sync with many sources, computed alike by every member from what each holds and wants.
+
+Inputs (from the handshake): per source, the boxes it holds (one per tensor it sends: the whole tensor, or
+a :class:`~.shard.Shard`'s box); per receiver, the boxes it wants. The plan:
+
+1. **Checks** before any byte moves (every member raises the same :class:`ManifestMismatchError`, naming
+   the tensor and the box): holders that disagree on dtype or global shape, a receiver that expects another
+   dtype or global shape, a box outside its tensor, a wanted box (or part of one) nobody holds.
+2. **Cells**: per tensor, the grid cut by every held and wanted box's edges; each cell lies wholly inside or
+   outside every box. A cell some receiver wants is taken from exactly one of its holders, the one that has
+   been given the fewest bytes so far (replicas and overlapping shards share the work); a cell several
+   sources hold is first split by rows, one part per holder.
+3. **Pairs**: the pieces each (source, receiver) pair moves, in tensor order, cut by rows so that none is
+   much bigger than a bucket, packed into buckets (pieces aligned to 16 bytes). Bytes travel once per pair.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from ..errors import ManifestMismatchError
+from .shard import Box
+
+__all__ = ["Bucket", "Held", "Piece", "ShardPlan", "plan_shards"]
+
+ALIGN = 16
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """One box of one tensor, as a member holds or wants it."""
+
+    name: str
+    dtype: str
+    """The dtype on the wire."""
+    global_shape: tuple[int, ...]
+    box: Box
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """A box of tensor ``name`` in a bucket, at ``offset`` bytes."""
+
+    name: str
+    box: Box
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Bucket:
+    nbytes: int
+    pieces: tuple[Piece, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ShardPlan:
+    order: tuple[str, ...]
+    """Every tensor some receiver wants, in the order the sources list them."""
+    dtypes: Mapping[str, str]
+    global_shapes: Mapping[str, tuple[int, ...]]
+    pairs: Mapping[tuple[int, int], tuple[Bucket, ...]]
+    """(source, receiver) -> the buckets that pair moves, in order."""
+    sent: Mapping[int, int]
+    """Bytes each source sends in all."""
+
+    def buckets(self, src: int, dst: int) -> tuple[Bucket, ...]:
+        return self.pairs.get((src, dst), ())
+
+
+def element_size(dtype: str) -> int:
+    from ..codec import dtype_from_name
+
+    return dtype_from_name(dtype).itemsize
+
+
+def plan_shards(
+    held: Mapping[int, Sequence[Held]], wanted: Mapping[int, Sequence[Held]], bucket_bytes: int
+) -> ShardPlan:
+    """The plan (see the module's docstring); ManifestMismatchError lists every problem found."""
+    problems: list[str] = []
+    order: list[str] = []
+    dtypes: dict[str, str] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    holders: dict[str, list[tuple[int, Box]]] = {}
+    for src in sorted(held):
+        for h in held[src]:
+            if h.name not in dtypes:
+                order.append(h.name)
+                dtypes[h.name], shapes[h.name] = h.dtype, h.global_shape
+            elif (dtypes[h.name], shapes[h.name]) != (h.dtype, h.global_shape):
+                problems.append(
+                    f"{h.name}: rank {src} holds {h.dtype} {list(h.global_shape)}, rank "
+                    f"{holders[h.name][0][0]} {dtypes[h.name]} {list(shapes[h.name])}"
+                )
+                continue
+            if not h.box.within(h.global_shape):
+                problems.append(f"{h.name}: rank {src} holds {_box(h.box)}, outside {list(h.global_shape)}")
+                continue
+            holders.setdefault(h.name, []).append((src, h.box))
+    wants: dict[str, list[tuple[int, Box]]] = {}
+    for dst in sorted(wanted):
+        for w in wanted[dst]:
+            if w.name not in dtypes:
+                problems.append(f"{w.name}: rank {dst} wants {_box(w.box)}, which no sender holds")
+            elif (dtypes[w.name], shapes[w.name]) != (w.dtype, w.global_shape):
+                problems.append(
+                    f"{w.name}: rank {dst} expects {w.dtype} {list(w.global_shape)}, the senders hold "
+                    f"{dtypes[w.name]} {list(shapes[w.name])}"
+                )
+            elif not w.box.within(w.global_shape):
+                problems.append(f"{w.name}: rank {dst} wants {_box(w.box)}, outside {list(w.global_shape)}")
+            else:
+                wants.setdefault(w.name, []).append((dst, w.box))
+    load = dict.fromkeys(held, 0)
+    pieces: dict[tuple[int, int], list[tuple[str, Box]]] = {}
+    for name in order:
+        for src, dst, box in _assign(name, holders.get(name, []), wants.get(name, []), load, problems,
+                                     element_size(dtypes[name])):  # fmt: skip
+            pieces.setdefault((src, dst), []).append((name, box))
+    if problems:
+        shown = "\n".join(problems[:50]) + (
+            f"\n... and {len(problems) - 50} more" if len(problems) > 50 else ""
+        )
+        raise ManifestMismatchError(f"the senders' and receivers' tensors do not fit together:\n{shown}")
+    pairs = {pair: _bucketed(boxes, dtypes, bucket_bytes) for pair, boxes in sorted(pieces.items()) if boxes}
+    return ShardPlan(tuple(n for n in order if n in wants), dtypes, shapes, pairs, load)
+
+
+def _assign(
+    name: str,
+    holders: list[tuple[int, Box]],
+    wants: list[tuple[int, Box]],
+    load: dict[int, int],
+    problems: list[str],
+    itemsize: int,
+) -> list[tuple[int, int, Box]]:
+    """(source, receiver, box) for every cell of tensor ``name`` some receiver wants."""
+    if not wants:
+        return []
+    boxes = [b for _, b in holders] + [b for _, b in wants]
+    dims = len(wants[0][1].shape)
+    if dims == 0:  # a scalar: one cell
+        cells = [Box((), ())]
+    else:
+        edges = [sorted({e for b in boxes for e in (b.offset[d], b.end()[d])}) for d in range(dims)]
+        cells = [
+            Box(tuple(lo for lo, _ in c), tuple(hi - lo for lo, hi in c))
+            for c in itertools.product(*(list(itertools.pairwise(e)) for e in edges))
+        ]
+    out: list[tuple[int, int, Box]] = []
+    missing: list[Box] = []
+    for cell in cells:
+        if cell.numel == 0 and dims:
+            continue
+        takers = [dst for dst, b in wants if b.contains(cell)]
+        if not takers:
+            continue
+        have = [src for src, b in holders if b.contains(cell)]
+        if not have:
+            missing.append(cell)
+            continue
+        rows = cell.shape[0] if dims else 1
+        parts = _split_rows(cell, min(len(have), rows)) if len(have) > 1 else [cell]
+        for part in parts:
+            src = min(have, key=lambda s: (load[s], s))
+            load[src] += part.numel * itemsize * len(takers)
+            out.extend((src, dst, part) for dst in takers)
+    for cell in missing[:5]:
+        problems.append(f"{name}: {_box(cell)} is wanted but no sender holds it")
+    return out
+
+
+def _split_rows(box: Box, parts: int) -> list[Box]:
+    """``box`` cut along its first dimension into ``parts`` boxes of (nearly) equal rows."""
+    if not box.shape or parts <= 1:
+        return [box]
+    rows = box.shape[0]
+    step = -(-rows // parts)
+    return [
+        Box((box.offset[0] + r, *box.offset[1:]), (min(step, rows - r), *box.shape[1:]))
+        for r in range(0, rows, step)
+    ]
+
+
+def _bucketed(
+    boxes: list[tuple[str, Box]], dtypes: Mapping[str, str], bucket_bytes: int
+) -> tuple[Bucket, ...]:
+    """Pack a pair's pieces into buckets of about ``bucket_bytes``: a piece bigger than that is cut by
+    rows first (a single row bigger than a bucket travels alone)."""
+    buckets: list[Bucket] = []
+    current: list[Piece] = []
+    used = 0
+    for name, box in boxes:
+        itemsize = element_size(dtypes[name])
+        row = box.numel // box.shape[0] * itemsize if box.shape and box.shape[0] else box.numel * itemsize
+        rows = max(1, bucket_bytes // max(row, 1))
+        parts = (
+            _split_rows(box, -(-box.shape[0] // rows))
+            if box.shape and box.numel * itemsize > bucket_bytes
+            else [box]
+        )
+        for part in parts:
+            nbytes = part.numel * itemsize
+            start = -(-used // ALIGN) * ALIGN
+            if current and start + nbytes > bucket_bytes:
+                buckets.append(Bucket(used, tuple(current)))
+                current, start = [], 0
+            current.append(Piece(name, part, start, nbytes))
+            used = start + nbytes
+    if current:
+        buckets.append(Bucket(used, tuple(current)))
+    return tuple(buckets)
+
+
+def _box(box: Box) -> str:
+    return f"the box at {list(box.offset)} of shape {list(box.shape)}"

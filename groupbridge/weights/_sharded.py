@@ -1,0 +1,291 @@
+"""A sync with many sources: every sending member sends the boxes it holds, each receiver takes its boxes,
+and the sync commits on every receiver or on none.
+
+After the handshake's gather (:func:`._session.gather_posts`):
+
+1. **Manifests**: each source's manifest travels once per change (broadcast from that source when some
+   member does not know its digest); every source must announce the same version.
+2. **Plan**: every member computes the same :class:`._shard_plan.ShardPlan` from what each source holds and
+   each receiver wants; a problem there, or in a receiver's verdict on the assembled global manifest (one
+   more gather), refuses the sync on every member before any byte moves.
+3. **Transfer**: each source sends each receiver its buckets over the group's point-to-point operations,
+   every pair at once (a few buckets in flight per pair); each bucket is digested (XXH3-64, or the group's
+   MAC with a token) and the digests follow on the control plane. Receivers land the pieces in staging (an
+   atomic receive, ``receive()``) or in the target itself (streaming).
+4. **Vote**: every member says whether its part succeeded (one gather). Only when all did do receivers
+   apply what they staged; each then acknowledges to every source, whose ``send`` returns only after all
+   acknowledged. A failed vote leaves atomic targets untouched on every receiver; a member that dies or
+   freezes aborts the group, and everyone raises within the liveness timeout, naming it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..codec import dtype_from_name
+from ..control import Deadline
+from ..errors import ManifestMismatchError, ProtocolError, SyncRefusedError
+from ..stateless import StatelessGroup, Work
+from . import _bytes
+from ._copier import Copier
+from ._session import Header, Verdict, conclude, knows, remember
+from ._shard_plan import Bucket, Held, ShardPlan, plan_shards
+from .manifest import Entry, Manifest
+from .shard import Box
+
+__all__ = ["DIGEST_TAG", "ShardedSession", "Slot", "receive_shards", "send_shards", "settle_shards", "vote"]
+
+DIGEST_TAG = "weights-digests"
+IN_FLIGHT = 2
+"""Buckets in flight per (source, receiver) pair."""
+
+Slot = tuple[torch.Tensor, Box]
+"""Where a tensor's box lives on this member: (the tensor holding it, the box of the global tensor)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ShardedSession:
+    sources: tuple[int, ...]
+    header: Header
+    """The lowest source's header (version, sync id, bucket size, verification: the same for all)."""
+    manifest: Manifest
+    """The global tensors some receiver wants: names, global shapes, wire dtypes."""
+    plan: ShardPlan
+    delta: bool = False
+    """Many-source syncs travel whole (deltas per stream are not made yet)."""
+
+
+def boxes_of(shards: Mapping[str, tuple[tuple[int, ...], tuple[int, ...]]]) -> dict[str, Any] | None:
+    """A source's post: for each tensor it holds a box of, the global shape and the offset."""
+    return {name: [list(g), list(o)] for name, (g, o) in shards.items()} or None
+
+
+def _held(manifest: Manifest, boxes: Any, src: int) -> list[Held]:
+    if boxes is None:
+        boxes = {}
+    if not isinstance(boxes, dict):
+        raise ProtocolError(f"rank {src}'s boxes are malformed")
+    out = []
+    for e in manifest.entries:
+        box = boxes.get(e.name)
+        if box is None:
+            out.append(Held(e.name, e.wire_dtype, e.shape, Box((0,) * len(e.shape), e.shape)))
+            continue
+        g, o = _ints(box, 0, src), _ints(box, 1, src)
+        if len(g) != len(e.shape) or len(o) != len(e.shape):
+            raise ProtocolError(f"rank {src}'s box of {e.name} has the wrong number of dimensions")
+        out.append(Held(e.name, e.wire_dtype, g, Box(o, e.shape)))
+    return out
+
+
+def _ints(box: Any, i: int, src: int) -> tuple[int, ...]:
+    v = box[i] if isinstance(box, list) and len(box) == 2 else None
+    if not isinstance(v, list) or not all(type(x) is int and 0 <= x < 1 << 62 for x in v) or len(v) > 16:
+        raise ProtocolError(f"rank {src} sent a malformed box")
+    return tuple(v)
+
+
+def _wanted(post: Any, every: list[Held], dst: int) -> list[Held]:
+    wants = post.get("wants") if isinstance(post, dict) else None
+    if wants is None:  # every tensor, whole
+        return [Held(h.name, h.dtype, h.global_shape, Box((0,) * len(h.global_shape), h.global_shape))
+                for h in every]  # fmt: skip
+    if not isinstance(wants, dict) or len(wants) > 1 << 20:
+        raise ProtocolError(f"rank {dst}'s wants are malformed")
+    out = []
+    for name, w in wants.items():
+        if not (isinstance(w, list) and len(w) == 4 and isinstance(w[0], str)):
+            raise ProtocolError(f"rank {dst}'s want of {name!r} is malformed")
+        out.append(
+            Held(str(name), w[0], _ints(w[1:3], 0, dst), Box(_ints(w[1:3], 1, dst), _ints(w[2:4], 1, dst)))
+        )
+    return out
+
+
+def settle_shards(
+    group: StatelessGroup,
+    deadline: Deadline,
+    known: dict[str, Manifest],
+    posts: list[Any],
+    sources: list[int],
+    *,
+    manifest: Manifest | None = None,
+    check: Callable[[Header, Manifest], Verdict | None] | None = None,
+) -> ShardedSession:
+    """Steps 1 and 2 above; a source passes its ``manifest``, a receiver its ``check`` of the global
+    manifest (None: it takes it)."""
+    headers = {s: Header.from_wire(posts[s]["header"]) for s in sources}
+    manifests: dict[int, Manifest] = {}
+    for s in sources:
+        digest = headers[s].digest
+        if all(knows(p, digest) for r, p in enumerate(posts) if r != s):
+            manifests[s] = manifest if s == group.rank and manifest is not None else known[digest]
+            continue
+        wire = group.broadcast_obj(manifest.to_wire() if s == group.rank and manifest else None, src=s,
+                                   timeout=deadline)  # fmt: skip
+        manifests[s] = manifest if s == group.rank and manifest is not None else Manifest.from_wire(wire)
+        if manifests[s].digest != digest:
+            raise ProtocolError(f"rank {s}'s manifest does not match its header's digest")
+    for m in manifests.values():
+        remember(known, m)
+    lead = headers[sources[0]]
+    versions = {s: h.version for s, h in headers.items()}
+    if len(set(versions.values())) > 1:
+        raise ManifestMismatchError(
+            "the senders announce different versions: "
+            + ", ".join(f"rank {s}: {v}" for s, v in sorted(versions.items()))
+        )
+    held = {s: _held(manifests[s], posts[s].get("boxes"), s) for s in sources}
+    every = _union(held)
+    wanted = {r: _wanted(p, every, r) for r, p in enumerate(posts) if r not in sources}
+    plan = plan_shards(held, wanted, lead.bucket_bytes)
+    whole = Manifest(tuple(Entry(n, plan.global_shapes[n], plan.dtypes[n], plan.dtypes[n], None)
+                           for n in plan.order))  # fmt: skip
+    verdict = (check(lead, whole) if check is not None else None) or Verdict()
+    gathered = group.all_gather_obj(verdict.to_wire(), timeout=deadline)
+    conclude(lead, sources[0], [Verdict.from_wire(v, r) for r, v in enumerate(gathered)])
+    return ShardedSession(tuple(sources), lead, whole, plan)
+
+
+def _union(held: Mapping[int, list[Held]]) -> list[Held]:
+    seen: dict[str, Held] = {}
+    for s in sorted(held):
+        for h in held[s]:
+            seen.setdefault(h.name, h)
+    return list(seen.values())
+
+
+def _piece_view(
+    buf: torch.Tensor, offset: int, nbytes: int, dtype: str, shape: tuple[int, ...]
+) -> torch.Tensor:
+    return buf[offset : offset + nbytes].view(dtype_from_name(dtype)).view(shape)
+
+
+def send_shards(
+    group: StatelessGroup,
+    session: ShardedSession,
+    slots: Mapping[str, Slot],
+    copier: Copier,
+    buffers: _bytes.BufferCache,
+    deadline: Deadline,
+    fault: Callable[[int, torch.Tensor], None] | None = None,
+) -> int:
+    """This source's part of step 3: every receiver's buckets, all pairs at once; returns the bytes sent.
+    ``fault`` (a test hook) sees every bucket before it is sent."""
+    plan, verify = session.plan, session.header.verify
+    me = group.rank
+    queues = {dst: deque(enumerate(plan.buckets(me, dst))) for (src, dst) in plan.pairs if src == me}
+    pending: dict[int, deque[Work]] = {dst: deque() for dst in queues}
+    digests: dict[int, list[int | bytes]] = {dst: [] for dst in queues}
+    sent = 0
+    while any(queues.values()):
+        for dst, queue in queues.items():
+            if not queue:
+                continue
+            k, bucket = queue.popleft()
+            if len(pending[dst]) >= IN_FLIGHT:
+                pending[dst].popleft().wait(deadline)
+            buf = buffers.get(f"send{dst}-{k % IN_FLIGHT}", bucket.nbytes, torch.device("cpu"))
+            copier.run(lambda b=bucket, v=buf: _pack(b, v, slots, plan))  # type: ignore[misc]
+            if verify:
+                digests[dst].append(_bytes.digest(buf, verify, group))
+            if fault is not None:
+                fault(k, buf)
+            work = group.send(buf, dst, async_op=True)
+            assert work is not None
+            pending[dst].append(work)
+            sent += bucket.nbytes
+    for works in pending.values():
+        while works:
+            works.popleft().wait(deadline)
+    if verify:
+        for dst, ds in digests.items():
+            group.send_obj(ds, dst, tag=DIGEST_TAG)
+    return sent
+
+
+def _pack(bucket: Bucket, buf: torch.Tensor, slots: Mapping[str, Slot], plan: ShardPlan) -> None:
+    with torch.no_grad():
+        for p in bucket.pieces:
+            tensor, box = slots[p.name]
+            _piece_view(buf, p.offset, p.nbytes, plan.dtypes[p.name], p.box.shape).copy_(
+                tensor[p.box.slices(box.offset)]
+            )
+
+
+def receive_shards(
+    group: StatelessGroup,
+    session: ShardedSession,
+    slots: Mapping[str, Slot],
+    copier: Copier,
+    buffers: _bytes.BufferCache,
+    deadline: Deadline,
+    written: list[str],
+) -> str | None:
+    """This receiver's part of step 3: land every source's pieces in ``slots`` (keyed by wire name);
+    ``written`` collects the names written. Returns why the bytes are refused (a digest mismatch), or None."""
+    plan, verify = session.plan, session.header.verify
+    me = group.rank
+    feeds = {src: plan.buckets(src, me) for src in session.sources if plan.buckets(src, me)}
+    posted: dict[int, deque[tuple[int, torch.Tensor, Work]]] = {s: deque() for s in feeds}
+    mine: dict[int, list[int | bytes]] = {s: [] for s in feeds}
+    nxt = dict.fromkeys(feeds, 0)
+    seen: set[str] = set()
+
+    def post(src: int) -> None:
+        k = nxt[src]
+        buf = buffers.get(f"recv{src}-{k % (IN_FLIGHT + 1)}", feeds[src][k].nbytes, torch.device("cpu"))
+        work = group.recv(buf, src, async_op=True)
+        assert work is not None
+        posted[src].append((k, buf, work))
+        nxt[src] = k + 1
+
+    for src in feeds:
+        while nxt[src] < min(IN_FLIGHT, len(feeds[src])):
+            post(src)
+    while any(posted.values()):
+        for src, queue in posted.items():
+            if not queue:
+                continue
+            k, buf, work = queue.popleft()
+            work.wait(deadline)
+            if nxt[src] < len(feeds[src]):
+                post(src)
+            if verify:
+                mine[src].append(_bytes.digest(buf, verify, group))
+            bucket = feeds[src][k]
+            for p in bucket.pieces:
+                if p.name not in seen:
+                    seen.add(p.name)
+                    written.append(p.name)
+            copier.run(lambda b=bucket, v=buf: _unpack(b, v, slots, plan))  # type: ignore[misc]
+    if not verify:
+        return None
+    for src in feeds:
+        sent = group.recv_obj(src, timeout=deadline, tag=DIGEST_TAG)
+        if not isinstance(sent, list) or sent != mine[src]:
+            return f"the bytes from rank {src} do not match its {verify} digests: corrupted or not its own"
+    return None
+
+
+def _unpack(bucket: Bucket, buf: torch.Tensor, slots: Mapping[str, Slot], plan: ShardPlan) -> None:
+    with torch.no_grad():
+        for p in bucket.pieces:
+            tensor, box = slots[p.name]
+            tensor[p.box.slices(box.offset)].copy_(
+                _piece_view(buf, p.offset, p.nbytes, plan.dtypes[p.name], p.box.shape)
+            )
+
+
+def vote(group: StatelessGroup, version: int, problem: str | None, deadline: Deadline) -> None:
+    """Step 4's gather: raise :class:`SyncRefusedError` on every member unless every member succeeded."""
+    votes = group.all_gather_obj(problem, timeout=deadline)
+    failed = [(r, v) for r, v in enumerate(votes) if v is not None]
+    if failed:
+        text = "\n".join(f"rank {r}: {str(v)[:2000]}" for r, v in failed)
+        raise SyncRefusedError(f"version {version} was not committed on any receiver:\n{text}")

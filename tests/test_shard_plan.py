@@ -1,0 +1,106 @@
+"""The many-source plan and ``gb.Shard``, in-process: who sends which box to whom, and every refusal."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import groupbridge as gb
+from groupbridge.weights._shard_plan import Held, ShardPlan, plan_shards
+from groupbridge.weights.shard import Box
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _held(name: str, shape: tuple[int, ...], offset: tuple[int, ...], size: tuple[int, ...],
+          dtype: str = "float32") -> Held:  # fmt: skip
+    return Held(name, dtype, shape, Box(offset, size))
+
+
+def _rows(name: str, shape: tuple[int, int], parts: int, i: int) -> Held:
+    step = shape[0] // parts
+    return _held(name, shape, (step * i, 0), (step, shape[1]))
+
+
+def _covered(plan: ShardPlan, dst: int, name: str) -> torch.Tensor:
+    """How many times each element of ``name`` arrives at ``dst`` (from any source)."""
+    count = torch.zeros(plan.global_shapes[name], dtype=torch.int32)
+    for (_, d), buckets in plan.pairs.items():
+        if d != dst:
+            continue
+        for b in buckets:
+            for p in b.pieces:
+                if p.name == name:
+                    count[p.box.slices([0] * count.dim())] += 1
+    return count
+
+
+def test_row_shards_to_whole_and_column_receivers_every_element_exactly_once() -> None:
+    shape = (12, 8)
+    held = {s: [_rows("w", shape, 3, s), _held("b", (8,), (0,), (8,))] for s in range(3)}  # b: a replica
+    wanted = {
+        3: [_held("w", shape, (0, 0), shape), _held("b", (8,), (0,), (8,))],
+        4: [_held("w", shape, (0, 4), (12, 4))],  # a tensor-parallel column half, spanning every source
+    }
+    plan = plan_shards(held, wanted, bucket_bytes=1 << 20)
+    assert bool((_covered(plan, 3, "w") == 1).all()) and bool((_covered(plan, 3, "b") == 1).all())
+    cols = _covered(plan, 4, "w")
+    assert bool((cols[:, 4:] == 1).all()) and not cols[:, :4].any()
+    assert {s for s, d in plan.pairs if d == 4} == {0, 1, 2}  # each source sends the rows it holds
+    assert plan.order == ("w", "b")
+
+
+def test_replicated_tensors_are_spread_over_their_holders() -> None:
+    held = {s: [_held(f"t{i}", (64, 64), (0, 0), (64, 64)) for i in range(8)] for s in range(4)}
+    wanted = {4: [_held(f"t{i}", (64, 64), (0, 0), (64, 64)) for i in range(8)]}
+    plan = plan_shards(held, wanted, bucket_bytes=1 << 20)
+    assert max(plan.sent.values()) <= 1.01 * min(plan.sent.values())
+    assert sum(plan.sent.values()) == 8 * 64 * 64 * 4  # each byte once
+
+
+def test_uneven_shards_and_buckets_cut_by_rows() -> None:
+    shape = (10, 1000)
+    held = {0: [_held("w", shape, (0, 0), (7, 1000))], 1: [_held("w", shape, (7, 0), (3, 1000))]}
+    wanted = {2: [_held("w", shape, (0, 0), shape)]}
+    plan = plan_shards(held, wanted, bucket_bytes=8192)  # two rows of 4000 bytes per bucket
+    assert bool((_covered(plan, 2, "w") == 1).all())
+    for buckets in plan.pairs.values():
+        for b in buckets:
+            assert b.nbytes <= 8192 and all(p.offset % 16 == 0 for p in b.pieces)
+    assert plan.sent == {0: 7 * 4000, 1: 3 * 4000}
+
+
+@pytest.mark.parametrize(
+    ("held", "wanted", "words"),
+    [
+        ({0: [_held("w", (4, 4), (0, 0), (2, 4))]}, {1: [_held("w", (4, 4), (0, 0), (4, 4))]},
+         ["w", "[2, 0]", "no sender holds"]),
+        ({0: [_held("w", (4, 4), (0, 0), (4, 4))], 1: [_held("w", (4, 8), (0, 0), (4, 8))]},
+         {2: [_held("w", (4, 4), (0, 0), (4, 4))]}, ["w", "rank 1 holds", "[4, 8]"]),
+        ({0: [_held("w", (4, 4), (0, 0), (4, 4))], 1: [_held("w", (4, 4), (0, 0), (4, 4), "bfloat16")]},
+         {2: [_held("w", (4, 4), (0, 0), (4, 4))]}, ["w", "bfloat16"]),
+        ({0: [_held("w", (4, 4), (3, 0), (2, 4))]}, {1: [_held("w", (4, 4), (0, 0), (4, 4))]},
+         ["w", "outside"]),
+        ({0: [_held("w", (4, 4), (0, 0), (4, 4))]}, {1: [_held("v", (4, 4), (0, 0), (4, 4))]},
+         ["v", "no sender holds"]),
+        ({0: [_held("w", (4, 4), (0, 0), (4, 4))]}, {1: [_held("w", (4, 4), (0, 0), (4, 4), "float16")]},
+         ["w", "rank 1 expects float16"]),
+    ],
+    ids=["uncovered", "global-shapes-differ", "dtypes-differ", "outside", "unknown-name", "receiver-dtype"],
+)  # fmt: skip
+def test_every_refusal_names_the_tensor_and_the_box(held: dict, wanted: dict, words: list[str]) -> None:
+    with pytest.raises(gb.ManifestMismatchError) as info:
+        plan_shards(held, wanted, bucket_bytes=1 << 20)
+    assert all(w in str(info.value) for w in words), str(info.value)
+
+
+def test_shard_checks_its_box_at_once() -> None:
+    t = torch.zeros(2, 3)
+    s = gb.Shard(t, (4, 3), (2, 0))
+    assert s.box == Box((2, 0), (2, 3)) and not s.whole
+    with pytest.raises(ValueError, match="outside"):
+        gb.Shard(t, (4, 3), (3, 0))
+    with pytest.raises(ValueError, match="2-d tensor"):
+        gb.Shard(t, (4, 3, 1), (0, 0, 0))
+    with pytest.raises(TypeError):
+        gb.Shard(t, (4.0, 3), (0, 0))  # type: ignore[arg-type]

@@ -1,0 +1,242 @@
+"""Many sources: every trainer rank sends the boxes it holds, each receiver takes its own, one commit.
+
+Real processes, a real gloo bridge; trainer ranks that shard with FSDP2 run a real torch.distributed world
+of their own beside the bridge.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+
+import groupbridge as gb
+from tests.helpers import CTX, Ranks, make_group, run_ranks
+
+SHAPES = {"w": (12, 16), "v": (8, 10), "b": (16,), "e": (6, 4)}
+DTYPES = {"w": torch.float32, "v": torch.float32, "b": torch.float32, "e": torch.bfloat16}
+
+
+def _full(name: str, version: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(hash((name, version)) % (1 << 31))
+    return torch.randn(SHAPES[name], generator=g).to(DTYPES[name])
+
+
+def _chunk(t: torch.Tensor, parts: int, i: int, dim: int) -> gb.Shard | None:
+    """Rank i's box of ``t`` split as torch.chunk splits it (uneven: the last pieces short)."""
+    pieces = torch.chunk(t, parts, dim)
+    if i >= len(pieces):
+        return None
+    offset = [0] * t.dim()
+    offset[dim] = sum(p.shape[dim] for p in pieces[:i])
+    return gb.Shard(pieces[i].clone(), tuple(t.shape), tuple(offset))
+
+
+def _source(rank: int, sources: int, version: int) -> dict[str, Any]:
+    """Rows of w, columns of v, a replica of b on every source, rows of e on the first two only."""
+    out: dict[str, Any] = {"w": _chunk(_full("w", version), sources, rank, 0)}
+    out["v"] = _chunk(_full("v", version), sources, rank, 1)
+    out["b"] = _full("b", version)
+    if rank < 2:
+        out["e"] = _chunk(_full("e", version), 2, rank, 0)
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def _tp_target() -> dict[str, Any]:
+    """A tensor-parallel receiver: the right half of w's columns (rows of every source), the bottom half of
+    v's rows (columns of every source), b and e whole."""
+    return {
+        "w": gb.Shard(torch.zeros(12, 8), (12, 16), (0, 8)),
+        "v": gb.Shard(torch.zeros(4, 10), (8, 10), (4, 0)),
+        "b": torch.zeros(16),
+        "e": torch.zeros(6, 4, dtype=torch.bfloat16),
+    }
+
+
+def _exact(target: dict[str, Any], version: int) -> bool:
+    for name, value in target.items():
+        if isinstance(value, gb.Shard):
+            want = _full(name, version)[value.box.slices([0] * value.tensor.dim())]
+            if not torch.equal(value.tensor, want):
+                return False
+        elif not torch.equal(value, _full(name, version)):
+            return False
+    return True
+
+
+def _many(rank: int, ports: Any, sources: int, mode: str) -> Any:
+    n = sources + 2
+    with make_group(rank, n, "127.0.0.1", ports, token="t0ken" if mode == "atomic" else None) as g:
+        if rank < sources:
+            with gb.WeightSender(g, bucket_bytes=1024) as snd:
+                return [snd.send(_source(rank, sources, v), version=v).bytes for v in (1, 2, 3)]
+        rcv = gb.WeightReceiver(g)
+        out = []
+        for v in (1, 2, 3):
+            if rank == sources + 1:
+                target = _tp_target()
+                out.append((rcv.receive_into(target, atomic=mode != "streaming"), _exact(target, v)))
+            elif mode == "receive":
+                got = dict(rcv.receive())
+                out.append((rcv.version, _exact(got, v)))
+            else:
+                target = {k: torch.zeros(SHAPES[k], dtype=DTYPES[k]) for k in SHAPES}
+                out.append((rcv.receive_into(target, atomic=mode == "atomic"), _exact(target, v)))
+        return out
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("sources", [2, 3])
+@pytest.mark.parametrize("mode", ["atomic", "streaming", "receive"])
+def test_sources_send_their_shards_receivers_take_whole_tensors_or_boxes(sources: int, mode: str) -> None:
+    res = run_ranks(_many, sources + 2, CTX.Queue(), sources, mode, timeout=80)
+    for r in res[sources:]:
+        assert r == [(1, True), (2, True), (3, True)], res
+    sent = [sum(r) for r in res[:sources]]
+    assert max(sent) < 2.5 * min(sent), sent  # the replicated b and the shards spread over the sources
+
+
+def _fsdp(rank: int, ports: Any) -> Any:
+    """Trainer ranks 0 and 1 shard a model with FSDP2 in their own gloo world; receivers 2 (whole) and 3
+    (tensor-parallel halves of the first layer)."""
+    import torch.distributed as dist
+
+    with make_group(rank, 4, "127.0.0.1", ports) as g:
+        store = (
+            dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False) if rank == 0 else None
+        )
+        port = g.broadcast_obj(store.port if store is not None else None, src=0)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Linear(5, 3))
+        full = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        if rank < 2:
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            client = store or dist.TCPStore("127.0.0.1", port, 2, is_master=False)
+            dist.init_process_group("gloo", store=client, rank=rank, world_size=2)
+            try:
+                fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
+                snd = gb.WeightSender(g)
+                for v in (1, 2):
+                    with torch.no_grad():
+                        for p in model.parameters():
+                            p.to_local().add_(1.0)  # every rank steps its own shard
+                    snd.send(model, version=v)
+                return "sent"
+            finally:
+                dist.destroy_process_group()
+        rcv = gb.WeightReceiver(g)
+        results = []
+        want = full
+        for _ in (1, 2):
+            want = {k: t + 1.0 for k, t in want.items()}  # as the trainers step: bit for bit
+            if rank == 2:
+                target = {k: torch.zeros_like(t) for k, t in full.items()}
+                rcv.receive_into(target)
+                results.append(all(torch.equal(target[k], want[k]) for k in want))
+            else:
+                target = {"0.weight": gb.Shard(torch.zeros(5, 4), (5, 7), (0, 3)), "0.bias": torch.zeros(5),
+                          "1.weight": torch.zeros(3, 5), "1.bias": torch.zeros(3)}  # fmt: skip
+                rcv.receive_into(target, atomic=False)
+                ok = torch.equal(target["0.weight"].tensor, want["0.weight"][:, 3:])
+                results.append(ok and torch.equal(target["1.weight"], want["1.weight"]))
+        return results
+
+
+@pytest.mark.timeout(90)
+def test_fsdp2_trainer_ranks_send_their_shards_without_gathering() -> None:
+    res = run_ranks(_fsdp, 4, CTX.Queue(), timeout=80)
+    assert res == ["sent", "sent", [True, True], [True, True]], res
+
+
+def _refused(rank: int, ports: Any) -> Any:
+    with make_group(rank, 4, "127.0.0.1", ports) as g:
+        out = []
+        for v, hole in ((1, True), (2, False)):
+            try:
+                if rank < 2:
+                    model = {"w": _chunk(_full("w", v), 3 if hole else 2, rank, 0)}  # rows 8..11 held by none
+                    gb.WeightSender(g).send(model, version=v)
+                    out.append("sent")
+                else:
+                    target = {"w": torch.zeros(12, 16)}
+                    gb.WeightReceiver(g).receive_into(target)
+                    out.append(bool(torch.equal(target["w"], _full("w", v))))
+            except gb.ManifestMismatchError as e:
+                out.append(str(e))
+        return out
+
+
+@pytest.mark.timeout(60)
+def test_a_box_nobody_holds_refuses_the_sync_on_every_member_and_the_group_goes_on() -> None:
+    res = run_ranks(_refused, 4, CTX.Queue(), timeout=50)
+    for r in res:
+        assert "w: the box at [8, 0] of shape [4, 16] is wanted but no sender holds it" in r[0], res
+    assert [r[1] for r in res] == ["sent", "sent", True, True], res
+
+
+def _big(rank: int, version: int) -> dict[str, Any]:
+    """Rows of 32 tensors of 64 x 64 (16 kB each) on each of two sources: 32 buckets of 8 kB per pair."""
+    torch.manual_seed(version)
+    return {f"w{i}": _chunk(torch.randn(64, 64), 2, rank, 0) for i in range(32)}
+
+
+def _killed(rank: int, ports: Any, victim: int) -> Any:
+    g = make_group(rank, 4, "127.0.0.1", ports, liveness_timeout=timedelta(seconds=2))
+    try:
+        if rank < 2:
+            snd = gb.WeightSender(g, bucket_bytes=8192)
+            snd.send(_big(rank, 1), version=1)
+            if rank == victim:
+                snd._fault = lambda k, buf: os._exit(3) if k == 10 else None
+            t0 = time.monotonic()
+            try:
+                snd.send(_big(rank, 2), version=2)
+                return "sent"
+            except gb.GroupBridgeError as e:
+                return "failed", str(e), time.monotonic() - t0
+        if rank == victim:
+            import groupbridge.weights._sharded as sharded
+
+            calls = []
+            unpack = sharded._unpack
+
+            def dying(*args: Any) -> None:
+                calls.append(1)
+                if len(calls) == 64 + 20:  # the second sync (64 buckets each), midway
+                    os._exit(3)
+                unpack(*args)
+
+            sharded._unpack = dying  # type: ignore[assignment]
+        rcv = gb.WeightReceiver(g)
+        target = {f"w{i}": torch.zeros(64, 64) for i in range(32)}
+        rcv.receive_into(target)
+        before = {k: v.clone() for k, v in target.items()}
+        t0 = time.monotonic()
+        try:
+            rcv.receive_into(target)
+            return "received"
+        except gb.GroupBridgeError as e:
+            same = all(torch.equal(before[k], target[k]) for k in target)
+            return "failed", str(e), time.monotonic() - t0, same, rcv.version
+    finally:
+        g.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("victim", [1, 3], ids=["source", "receiver"])
+def test_a_member_killed_mid_sync_commits_nowhere_and_is_named(victim: int) -> None:
+    survivors = [r for r in range(4) if r != victim]
+    res = Ranks(_killed, 4, (CTX.Queue(), victim)).results(50, expect=survivors)
+    for r in survivors:
+        ok, out = res[r]
+        assert ok, out
+        assert out[0] == "failed" and f"rank {victim}" in out[1], res
+        assert out[2] < 2 + 6, res  # the liveness timeout and a few seconds, not the operation timeout
+        if r >= 2:
+            assert out[3] is True and out[4] == 1, res  # atomic targets untouched, version 1 still held
