@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..codec import dtype_from_name, dtype_name
+from ..codec import dtype_from_name
 from ..control import Deadline
 from ..errors import WeightSyncError
 from ..stateless import StatelessGroup
@@ -33,10 +33,10 @@ from ._session import (
     merged_plan,
     sources_of,
 )
-from ._sharded import ShardedSession, Slot, receive_shards, settle_shards, vote
+from ._sharded import ShardedSession, settle_shards
+from ._sharded_rx import data_ptr, shards_into, shards_named, wants_of
 from .manifest import Entry, Manifest, compare, expected_specs, mismatch_message, tensors_of
 from .plan import Plan, PlanCache
-from .shard import Box, Shard, box_of
 
 __all__ = ["WeightReceiver", "WeightUpdate"]
 
@@ -166,26 +166,6 @@ class WeightReceiver:
             return settle_shards(self.group, deadline, self._known, posts, sources, check=check)
         return handshake(self.group, deadline, self._known, posts, sources[0], judge=judge)
 
-    def _wants(self, targets: dict[str, Any]) -> dict[str, Any] | None:
-        """What this receiver posts in the handshake when some target is a box of a global tensor (a
-        :class:`~.shard.Shard` or a DTensor): every target's box, by name on the wire; else None (every
-        tensor, whole)."""
-        shards = {n: box_of(v) for n, v in targets.items()}
-        if all(s is None for s in shards.values()):
-            return None
-        if self._renames:
-            raise ValueError("receiving into Shard targets takes the names on the wire: drop rename=")
-        wants = {}
-        for name, value in targets.items():
-            s = shards[name] or Shard(value, tuple(value.shape), (0,) * value.dim())
-            wants[name] = [
-                dtype_name(s.tensor.dtype),
-                list(s.global_shape),
-                list(s.offset),
-                list(s.tensor.shape),
-            ]
-        return wants
-
     def _dest(self, manifest: Manifest, targets: dict[str, torch.Tensor]) -> list[torch.Tensor | None]:
         """The targets in manifest order, where they can take the wire bytes as they are."""
         dest: list[torch.Tensor | None] = []
@@ -252,7 +232,7 @@ class WeightReceiver:
             deadline, expected=self.expected, allow_stale=allow_stale, keep=("receive",), accept=accept
         )
         if isinstance(session, ShardedSession):
-            return WeightUpdate(session, _shards_named(self, session, deadline))
+            return WeightUpdate(session, shards_named(self, session, deadline))
         return WeightUpdate(
             session, self._named(session, deadline, every=not (session.delta and only_changed))
         )
@@ -328,17 +308,17 @@ class WeightReceiver:
         deadline = self.group.deadline(timeout)
         targets = tensors_of(target, "receive_into()")
         expected = self.expected if self.expected is not None else expected_specs(targets)
-        keep = ("atomic" if atomic else "streaming", tuple(_ptr(t) for t in targets.values()))
+        keep = ("atomic" if atomic else "streaming", tuple(data_ptr(t) for t in targets.values()))
         session = self._handshake(
             deadline,
             expected=expected,
             allow_stale=allow_stale,
             keep=keep,
             targets=None if atomic else targets,
-            wants=self._wants(targets),
+            wants=wants_of(targets, self._renames),
         )
         if isinstance(session, ShardedSession):
-            return _shards_into(self, session, targets, atomic, deadline)
+            return shards_into(self, session, targets, atomic, deadline)
         header, manifest = session.header, session.manifest
         version = header.version
         what = f"receiving version {version}"
@@ -386,87 +366,3 @@ class WeightReceiver:
 
 def _renamed(e: Entry, rename: Callable[[str], str]) -> Entry:
     return Entry(rename(e.name), e.shape, e.dtype, e.wire_dtype, e.alias_of)
-
-
-def _ptr(t: Any) -> int:
-    shard = box_of(t)
-    return (shard.tensor if shard is not None else t).data_ptr()
-
-
-def _slot(value: Any) -> Slot:
-    """Where a target holds its box of the global tensor."""
-    shard = box_of(value)
-    if shard is not None:
-        return shard.tensor, shard.box
-    return value, Box((0,) * value.dim(), tuple(value.shape))
-
-
-def _land_shards(rcv: WeightReceiver, session: ShardedSession, slots: dict[str, Slot], deadline: Deadline,
-                 written: list[str]) -> None:  # fmt: skip
-    """Receive every source's pieces into ``slots``, then vote; raises (the peers told) on failure."""
-    what = f"receiving version {session.header.version}"
-    try:
-        problem = receive_shards(rcv.group, session, slots, rcv._copier, rcv._buffers, deadline, written)
-    except BaseException as e:
-        tell_failure(rcv.group, session.sources[0], e, what)
-        raise
-    vote(rcv.group, session.header.version, problem, deadline)
-
-
-def _shards_into(
-    rcv: WeightReceiver, session: ShardedSession, targets: dict[str, Any], atomic: bool, deadline: Deadline
-) -> int:
-    """``receive_into`` of a many-source sync: staged (atomic) or straight into the targets' boxes."""
-    version = session.header.version
-    dest = {wire: _slot(targets[rcv._rename(wire)]) for wire in session.plan.order}
-    slots = {
-        wire: (torch.empty(box.shape, dtype=dtype_from_name(session.plan.dtypes[wire])), box)
-        if atomic
-        else (t, box)
-        for wire, (t, box) in dest.items()
-    }
-    written: list[str] = []
-    rcv._held = None
-    try:
-        _land_shards(rcv, session, slots, deadline, written)
-    except BaseException as e:
-        if atomic or not written:
-            raise
-        names = [rcv._rename(w) for w in written]
-        raise torn(version, rcv.version, e, names, len(dest), "some tensors were written") from e
-    if atomic:
-
-        def apply() -> None:
-            with torch.no_grad():
-                for wire, (staged, _) in slots.items():
-                    dest[wire][0].copy_(staged)
-
-        try:
-            rcv._copier.run(apply)
-        except BaseException as e:
-            give_up(rcv.group, session.sources[0], e, f"applying version {version}", torn(
-                version, rcv.version, e, [rcv._rename(w) for w in dest], len(dest), "every byte arrived"
-            ))  # fmt: skip
-    rcv.version = version
-    for src in session.sources:
-        acknowledge(rcv.group, src, version)
-    return version
-
-
-def _shards_named(
-    rcv: WeightReceiver, session: ShardedSession, deadline: Deadline
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """``receive()`` of a many-source sync: whole tensors, staged, yielded once every member voted yes."""
-    plan = session.plan
-    slots: dict[str, Slot] = {}
-    for wire in plan.order:
-        shape = plan.global_shapes[wire]
-        staged = torch.empty(shape, dtype=dtype_from_name(plan.dtypes[wire]), device=rcv.device)
-        slots[wire] = (staged, Box((0,) * len(shape), shape))
-    rcv._held = None
-    _land_shards(rcv, session, slots, deadline, [])
-    for wire, (t, _) in slots.items():
-        yield rcv._rename(wire), t
-    rcv.version = session.header.version
-    for src in session.sources:
-        acknowledge(rcv.group, src, session.header.version)

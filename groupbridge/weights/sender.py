@@ -6,7 +6,6 @@ import itertools
 import secrets
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
 
@@ -39,12 +38,14 @@ from ._session import (
     refuse,
     sources_of,
 )
-from ._sharded import ShardedSession, boxes_of, send_shards, settle_shards, vote
+from ._sharded import boxes_of, settle_shards
+from ._sharded_tx import send_sharded
 from ._source import Puller
+from ._stats import SyncStats
 from ._tx_stream import Fault, Progress, send_full
 from .manifest import Manifest, tensors_of
 from .plan import Plan, PlanCache
-from .shard import Box, box_of
+from .shard import box_of
 from .transports import TRANSPORTS, Sync, TransportOptions, TxTransport, across_hosts, choose
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "SyncStats", "WeightSender", "named_tensors_of"]
@@ -53,33 +54,6 @@ DEFAULT_BUCKET_BYTES = 64 << 20
 """Chosen by ``groupbridge bench --bucket-bytes 16MiB,64MiB,256MiB`` on 2 cores over gloo loopback: 16 MiB
 pays per-operation overhead; 256 MiB helps only flattened models with one receiver and holds four times the
 memory (two buckets on each side) while plain models with two receivers slowed; 64 MiB is the balance."""
-
-
-@dataclass(frozen=True, slots=True)
-class SyncStats:
-    version: int
-    bytes: int
-    seconds: float
-    gb_per_s: float
-    """Payload gigabytes (1e9 bytes, not bits) per second, as seen by the sender."""
-    buckets: int
-    in_place_buckets: int
-    """Buckets sent straight from the tensors' own storage, without packing."""
-    transport: str
-    receivers: int
-    wire_bytes: int = 0
-    """Payload bytes that travelled: ``bytes`` for a full sync, the changed buckets' encodings for a delta."""
-    changed_fraction: float = 1.0
-    """Of the words compared, the fraction that changed (1.0 for a full sync: nothing was compared)."""
-    delta: bool = False
-    """This sync travelled as a delta against the version every receiver held."""
-    base_bytes: int = 0
-    """Memory the sender holds for deltas (``WeightSender(delta=True)``): a copy of the model's wire bytes."""
-
-    @property
-    def gbps(self) -> float:
-        """Deprecated name of :attr:`gb_per_s` (gigabytes per second, not gigabits)."""
-        return self.gb_per_s
 
 
 Pairs = list[tuple[str, torch.Tensor]] | Iterator[tuple[str, torch.Tensor]]
@@ -238,7 +212,7 @@ class WeightSender:
             sources = sources_of(self.group, posts, None)
             if is_sharded(posts, sources):
                 shared = settle_shards(self.group, deadline, self._known, posts, sources, manifest=manifest)
-                return self._send_shards(shared, list(items), shards, deadline)
+                return send_sharded(self, shared, list(items), shards, deadline)
             session = handshake(self.group, deadline, self._known, posts, self.src, manifest=manifest,
                                 in_place=self._in_place(items, manifest))  # fmt: skip
             return self._stream(session, plan, items, device, tx, deadline, progress)
@@ -370,36 +344,6 @@ class WeightSender:
             header.transport,
         )  # fmt: skip
         return stats
-
-    def _send_shards(self, session: ShardedSession, items: list[tuple[str, torch.Tensor]], shards: Boxes,
-                     deadline: Deadline) -> SyncStats:  # fmt: skip
-        """This member's part of a many-source sync: its pieces to every receiver, the vote, the acks."""
-        t0 = time.perf_counter()
-        slots = {
-            name: (t, Box(shards[name][1] if name in shards else (0,) * t.dim(), tuple(t.shape)))
-            for name, t in items
-        }
-        sent = send_shards(self.group, session, slots, self._copier, self._scratch, deadline, self._fault)
-        version = session.header.version
-        vote(self.group, version, None, deadline)
-        receivers = [r for r in range(self.group.world_size) if r not in session.sources]
-        failures = collect_acks(self.group, receivers, deadline)
-        if failures:
-            raise SyncRefusedError(f"version {version} was not applied everywhere:\n" + "\n".join(failures))
-        seconds = time.perf_counter() - t0
-        buckets = sum(len(b) for (s, _), b in session.plan.pairs.items() if s == self.src)
-        self.group.log.info("sent my shards of version %d: %.1f MB in %.3fs", version, sent / 1e6, seconds)
-        return SyncStats(
-            version=version,
-            bytes=sent,
-            seconds=seconds,
-            gb_per_s=sent / seconds / 1e9 if seconds > 0 else float("inf"),
-            buckets=buckets,
-            in_place_buckets=0,
-            transport="p2p",
-            receivers=len(receivers),
-            wire_bytes=sent,
-        )
 
     def _in_place(self, items: NamedTensors, manifest: Manifest) -> bool:
         """This source's tensors lie in the merged plan's layout (it may then be agreed; never with deltas,
