@@ -78,6 +78,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         return _bench_delta(args)
     if args.simulate_hosts:
         return _bench_hosts(args)
+    if args.sources:
+        return _bench_sources(args)
     if args.control:
         return _bench_control(args)
     if args.engine == "vllm":
@@ -245,6 +247,38 @@ def _bench_hosts(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_sources(args: argparse.Namespace) -> int:
+    from .bench.sources import SourcesConfig, run_sources
+
+    cfg = SourcesConfig(
+        sources=[int(t) for t in args.sources.split(",")], rate=args.link_rate, rounds=args.rounds,
+        scale=args.scale,
+    )  # fmt: skip
+    if not args.json:
+        _console.echo(
+            f"[bench] many sources: {cfg.sources} trainer hosts + 4 inference hosts at {cfg.rate} ..."
+        )
+    records = run_sources(cfg)
+    if args.json:
+        print(json.dumps(records, indent=1))
+        return 0
+    rows = [
+        [r["sources"], f"{r['gather_then_send_s']:.2f} / {r['gather_then_send_worst_s']:.2f}",
+         f"{r['many_sources_s']:.2f} / {r['many_sources_worst_s']:.2f}", f"{r['link_bound_s']:.2f}",
+         f"{r['b_over_c']:.2f}x", f"{r['a_over_b']:.2f}x",
+         f"{r['peak_rss_gib_rank0_b']:.2f} / {r['peak_rss_gib_rank0_all']:.2f}"]
+        for r in records
+    ]  # fmt: skip
+    gib = records[0]["model_bytes"] / 2**30 if records else 0
+    _console.table(
+        f"many sources: dense ({gib:.2f} GiB bf16), links at {cfg.rate}, s per sync (median / worst)",
+        ["trainer hosts", "(a) gather + send", "(b) many sources", "(c) link bound", "b/c", "a/b",
+         "rank 0 peak RSS GiB (b / a+b)"],
+        rows,
+    )  # fmt: skip
+    return 0
+
+
 def _cmd_chaos(args: argparse.Namespace) -> int:
     from .chaos import run_chaos
 
@@ -329,6 +363,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="N hosts in network namespaces (root): relay against broadcast, 1 and N-1 receivers",
     )
+    p.add_argument(
+        "--sources",
+        default="",
+        metavar="T,...",
+        help="many sources on simulated hosts (root): T trainer hosts with FSDP shards of the dense shape, "
+        "4 inference hosts (2 replicas x TP 2); gather-then-send against every trainer sending",
+    )
+    p.add_argument("--scale", type=int, default=1, help="with --sources: divide the dense shape's widths")
     p.add_argument("--link-rate", default="800mbit", help="link rate of simulated hosts (tc syntax)")
     p.add_argument("--payload-bytes", default="128MiB", help="payload for --simulate-hosts")
     p.add_argument("--plot", metavar="FILE.png", help="bandwidth against bucket size and receivers")

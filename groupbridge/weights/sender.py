@@ -45,7 +45,7 @@ from ._stats import SyncStats
 from ._tx_stream import Fault, Progress, send_full
 from .manifest import Manifest, tensors_of
 from .plan import Plan, PlanCache
-from .shard import box_of
+from .shard import Shard, box_of
 from .transports import TRANSPORTS, Sync, TransportOptions, TxTransport, across_hosts, choose
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "SyncStats", "WeightSender", "named_tensors_of"]
@@ -62,7 +62,7 @@ Pairs = list[tuple[str, torch.Tensor]] | Iterator[tuple[str, torch.Tensor]]
 Boxes = dict[str, tuple[tuple[int, ...], tuple[int, ...]]]
 """Boxes of global tensors a source holds: name -> (global shape, offset)."""
 
-NamedTensors = torch.nn.Module | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+NamedTensors = torch.nn.Module | Mapping[str, torch.Tensor | Shard] | Iterable[tuple[str, torch.Tensor]]
 """What ``send`` takes: a module, a mapping, or (name, tensor) pairs (a generator stays lazy)."""
 
 
