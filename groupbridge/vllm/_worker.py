@@ -73,12 +73,16 @@ class WorkerInitInfo(WeightTransferInitInfo):
     atomic: bool = True
     timeout_s: float = 300.0
     liveness_s: float = 10.0
+    sources: int = 1
+    """Trainer ranks on the bridge (ranks 0 .. sources-1); the workers follow them."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 < self.port < 65536:
             raise ValueError(f"port={self.port!r} is not a TCP port")
-        if not isinstance(self.world_size, int) or self.world_size < 2:
-            raise ValueError(f"world_size={self.world_size!r}: the trainer and at least one worker")
+        if not isinstance(self.sources, int) or self.sources < 1:
+            raise ValueError(f"sources={self.sources!r} must be >= 1 (the trainer ranks on the bridge)")
+        if not isinstance(self.world_size, int) or self.world_size < self.sources + 1:
+            raise ValueError(f"world_size={self.world_size!r}: the trainer ranks and at least one worker")
         check_seconds(timeout_s=self.timeout_s, liveness_s=self.liveness_s)
 
 
@@ -97,12 +101,12 @@ def _seconds(timings: dict[str, float]) -> str:
     return ", ".join(f"{k} {v:.3f} s" for k, v in timings.items())
 
 
-def worker_rank(parallel_config: Any) -> int:
-    """This worker's rank on the bridge (the trainer is rank 0)."""
+def worker_rank(parallel_config: Any, sources: int = 1) -> int:
+    """This worker's rank on the bridge (the trainer ranks come first)."""
     from vllm.distributed.parallel_state import get_world_group
 
     index = parallel_config.data_parallel_index * parallel_config.world_size + get_world_group().rank_in_group
-    return 1 + int(index)
+    return sources + int(index)
 
 
 class WorkerEngine(WeightTransferEngine[WorkerInitInfo, UpdateInfo]):
@@ -131,7 +135,7 @@ class WorkerEngine(WeightTransferEngine[WorkerInitInfo, UpdateInfo]):
 
     def init_transfer_engine(self, init_info: WorkerInitInfo) -> None:
         self.shutdown()
-        rank = worker_rank(self.parallel_config)
+        rank = worker_rank(self.parallel_config, init_info.sources)
         if rank >= init_info.world_size:
             raise ValueError(
                 f"this vLLM worker is bridge rank {rank} but the trainer expects world_size="
@@ -149,7 +153,8 @@ class WorkerEngine(WeightTransferEngine[WorkerInitInfo, UpdateInfo]):
             liveness_timeout=timedelta(seconds=init_info.liveness_s),
             token=init_info.token,
         )
-        self.receiver = WeightReceiver(self.group, src=0, device=self.device)
+        # no src: the handshake finds the senders (rank 0, or every trainer rank sending its shards)
+        self.receiver = WeightReceiver(self.group, device=self.device)
         self.info = init_info
         logger.info(
             "groupbridge: worker joined %s as rank %d of %d", init_info.host, rank, init_info.world_size
