@@ -201,7 +201,7 @@ def _killed(rank: int, ports: Any, victim: int) -> Any:
             except gb.GroupBridgeError as e:
                 return "failed", str(e), time.monotonic() - t0
         if rank == victim:
-            import groupbridge.weights._sharded as sharded
+            import groupbridge.weights._sharded_rx as sharded
 
             calls = []
             unpack = sharded._unpack
@@ -240,3 +240,71 @@ def test_a_member_killed_mid_sync_commits_nowhere_and_is_named(victim: int) -> N
         assert out[2] < 2 + 6, res  # the liveness timeout and a few seconds, not the operation timeout
         if r >= 2:
             assert out[3] is True and out[4] == 1, res  # atomic targets untouched, version 1 still held
+
+
+def _evolving(version: int) -> dict[str, torch.Tensor]:
+    """The global model at ``version``: random at 1, then 2% of each tensor's elements changed per version."""
+    g = torch.Generator().manual_seed(11)
+    model = {"w": torch.randn(64, 256, generator=g), "e": torch.randn(32, 128, generator=g)}
+    model["e"] = model["e"].to(torch.bfloat16)
+    model["b"] = torch.randn(256, generator=g)
+    for _ in range(2, version + 1):
+        for t in model.values():
+            flat = t.view(-1)
+            idx = torch.randperm(flat.numel(), generator=g)[: flat.numel() // 50]
+            flat[idx] += 1
+    return model
+
+
+def _deltas(rank: int, ports: Any) -> Any:
+    with make_group(rank, 4, "127.0.0.1", ports) as g:
+        if rank < 2:
+            snd = gb.WeightSender(g, delta=True, bucket_bytes=8192)
+            out = []
+            for v in (1, 2, 3, 4):
+                full = _evolving(v)
+                mine = {
+                    "w": _chunk(full["w"], 2, rank, 0),
+                    "e": _chunk(full["e"], 2, rank, 0),
+                    "b": full["b"],
+                }
+                st = snd.send(mine, version=v)
+                out.append((st.delta, st.wire_bytes, st.bytes))
+            return out
+        rcv = gb.WeightReceiver(g)
+        exact = []
+        target = {k: torch.zeros_like(t) for k, t in _evolving(1).items()}
+        target3: dict[str, Any] = {}
+        for v in (1, 2, 3, 4):
+            if rank == 3 and v == 3:
+                rcv.close()
+                rcv = gb.WeightReceiver(g)  # a receiver new to the group: its pairs travel whole
+            want = _evolving(v)
+            if rank == 2:
+                rcv.receive_into(target)
+                exact.append(all(torch.equal(target[k], want[k]) for k in want))
+            else:
+                box = {"w": gb.Shard(torch.zeros(64, 128), (64, 256), (0, 128)),
+                       "e": gb.Shard(torch.zeros(16, 128, dtype=torch.bfloat16), (32, 128), (16, 0)),
+                       "b": torch.zeros(256)}  # fmt: skip
+                if v in (1, 3):  # the new receiver brings new tensors too
+                    target3 = box
+                rcv.receive_into(target3, atomic=False)
+                exact.append(
+                    torch.equal(target3["w"].tensor, want["w"][:, 128:])
+                    and torch.equal(target3["e"].tensor, want["e"][16:])
+                    and torch.equal(target3["b"], want["b"])
+                )
+        return exact
+
+
+@pytest.mark.timeout(60)
+def test_deltas_per_pair_with_many_sources_and_a_new_receiver_made_whole() -> None:
+    res = run_ranks(_deltas, 4, CTX.Queue(), timeout=50)
+    assert res[2] == [True] * 4 and res[3] == [True] * 4, res
+    for src in res[:2]:
+        (d1, w1, b1), (d2, w2, b2), (d3, w3, _), (d4, w4, _) = src
+        assert not d1 and w1 == b1, src  # nothing held yet: whole
+        assert d2 and w2 < b2 / 4, src  # 2% changed: a small part travels
+        assert d3 and w3 > 2 * w2, src  # the new receiver's pairs travel whole, the others as deltas
+        assert d4 and w4 < b2 / 4, src

@@ -200,11 +200,17 @@ class Verdict:
     """Its tensors lie in the plan's byte layout (see :data:`MERGED_BYTES`)."""
     base: bool = False
     """It holds the version the header offers a delta against."""
+    held: tuple[tuple[int, int], ...] = ()
+    """Many sources: (peer, version) of every pair base this member holds for the sync's cut."""
 
     KINDS = ("stale", "manifest", "transport", "other")
 
     def to_wire(self) -> dict[str, Any]:
-        return {"problem": self.problem, "kind": self.kind, "in_place": self.in_place, "base": self.base}
+        wire: dict[str, Any] = {"problem": self.problem, "kind": self.kind, "in_place": self.in_place,
+                                "base": self.base}  # fmt: skip
+        if self.held:
+            wire["held"] = [list(h) for h in self.held]
+        return wire
 
     @classmethod
     def from_wire(cls, d: Any, rank: int) -> Verdict:
@@ -216,7 +222,12 @@ class Verdict:
             and (d.get("problem") is None or isinstance(d["problem"], str))
         ):
             raise ProtocolError(f"rank {rank}'s verdict on the sync is malformed")
-        return cls(d["problem"], d["kind"], d["in_place"], d["base"])
+        held = d.get("held", [])
+        if not isinstance(held, list) or not all(
+            isinstance(h, list) and len(h) == 2 and all(type(x) is int for x in h) for h in held
+        ):
+            raise ProtocolError(f"rank {rank}'s verdict on the sync is malformed")
+        return cls(d["problem"], d["kind"], d["in_place"], d["base"], tuple((h[0], h[1]) for h in held))
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,9 +20,8 @@ After the handshake's gather (:func:`._session.gather_posts`):
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -30,17 +29,28 @@ import torch
 from ..codec import dtype_from_name
 from ..control import Deadline
 from ..errors import ManifestMismatchError, ProtocolError, SyncRefusedError
-from ..stateless import StatelessGroup, Work
-from . import _bytes
-from ._copier import Copier
+from ..stateless import StatelessGroup
 from ._session import Header, Verdict, conclude, knows, remember
 from ._shard_plan import Bucket, Held, ShardPlan, plan_shards
+from ._sharded_delta import PairBases, pair_key
 from .manifest import Entry, Manifest
 from .shard import Box
 
-__all__ = ["DIGEST_TAG", "ShardedSession", "Slot", "receive_shards", "send_shards", "settle_shards", "vote"]
+__all__ = [
+    "DELTA_TAG",
+    "DIGEST_TAG",
+    "IN_FLIGHT",
+    "ShardedSession",
+    "Slot",
+    "piece_view",
+    "settle_shards",
+    "start_of",
+    "total",
+    "vote",
+]
 
 DIGEST_TAG = "weights-digests"
+DELTA_TAG = "weights-delta"
 IN_FLIGHT = 2
 """Buckets in flight per (source, receiver) pair."""
 
@@ -56,8 +66,14 @@ class ShardedSession:
     manifest: Manifest
     """The global tensors some receiver wants: names, global shapes, wire dtypes."""
     plan: ShardPlan
-    delta: bool = False
-    """Many-source syncs travel whole (deltas per stream are not made yet)."""
+    deltas: frozenset[tuple[int, int]] = frozenset()
+    """The (source, receiver) pairs that travel as deltas (see :mod:`._sharded_delta`)."""
+    keys: Mapping[tuple[int, int], str] = field(default_factory=dict)
+    """This member's pairs and the key of each one's cut."""
+
+    @property
+    def delta(self) -> bool:
+        return bool(self.deltas)
 
 
 def boxes_of(shards: Mapping[str, tuple[tuple[int, ...], tuple[int, ...]]]) -> dict[str, Any] | None:
@@ -116,9 +132,10 @@ def settle_shards(
     *,
     manifest: Manifest | None = None,
     check: Callable[[Header, Manifest], Verdict | None] | None = None,
+    bases: PairBases | None = None,
 ) -> ShardedSession:
     """Steps 1 and 2 above; a source passes its ``manifest``, a receiver its ``check`` of the global
-    manifest (None: it takes it)."""
+    manifest (None: it takes it); a member that keeps pair bases (for deltas) says which it holds."""
     headers = {s: Header.from_wire(posts[s]["header"]) for s in sources}
     manifests: dict[int, Manifest] = {}
     for s in sources:
@@ -146,10 +163,25 @@ def settle_shards(
     plan = plan_shards(held, wanted, lead.bucket_bytes)
     whole = Manifest(tuple(Entry(n, plan.global_shapes[n], plan.dtypes[n], plan.dtypes[n], None)
                            for n in plan.order))  # fmt: skip
+    me = group.rank
+    keys = {pair: pair_key(b) for pair, b in plan.pairs.items() if me in pair}
+    holding = []
+    if bases is not None:
+        for (src, dst), key in keys.items():
+            version = bases.held(dst if src == me else src, key)
+            if version is not None:
+                holding.append((dst if src == me else src, version))
     verdict = (check(lead, whole) if check is not None else None) or Verdict()
+    verdict = replace(verdict, held=tuple(holding))
     gathered = group.all_gather_obj(verdict.to_wire(), timeout=deadline)
-    conclude(lead, sources[0], [Verdict.from_wire(v, r) for r, v in enumerate(gathered)])
-    return ShardedSession(tuple(sources), lead, whole, plan)
+    verdicts = [Verdict.from_wire(v, r) for r, v in enumerate(gathered)]
+    conclude(lead, sources[0], verdicts)
+    holds = [dict(v.held) for v in verdicts]
+    deltas = frozenset(
+        (s, r) for (s, r) in plan.pairs
+        if headers[s].keeps_base and holds[s].get(r) is not None and holds[s].get(r) == holds[r].get(s)
+    )  # fmt: skip
+    return ShardedSession(tuple(sources), lead, whole, plan, deltas, keys)
 
 
 def _union(held: Mapping[int, list[Held]]) -> list[Held]:
@@ -160,126 +192,19 @@ def _union(held: Mapping[int, list[Held]]) -> list[Held]:
     return list(seen.values())
 
 
-def _piece_view(
+def piece_view(
     buf: torch.Tensor, offset: int, nbytes: int, dtype: str, shape: tuple[int, ...]
 ) -> torch.Tensor:
     return buf[offset : offset + nbytes].view(dtype_from_name(dtype)).view(shape)
 
 
-def send_shards(
-    group: StatelessGroup,
-    session: ShardedSession,
-    slots: Mapping[str, Slot],
-    copier: Copier,
-    buffers: _bytes.BufferCache,
-    deadline: Deadline,
-    fault: Callable[[int, torch.Tensor], None] | None = None,
-) -> int:
-    """This source's part of step 3: every receiver's buckets, all pairs at once; returns the bytes sent.
-    ``fault`` (a test hook) sees every bucket before it is sent."""
-    plan, verify = session.plan, session.header.verify
-    me = group.rank
-    queues = {dst: deque(enumerate(plan.buckets(me, dst))) for (src, dst) in plan.pairs if src == me}
-    pending: dict[int, deque[Work]] = {dst: deque() for dst in queues}
-    digests: dict[int, list[int | bytes]] = {dst: [] for dst in queues}
-    sent = 0
-    while any(queues.values()):
-        for dst, queue in queues.items():
-            if not queue:
-                continue
-            k, bucket = queue.popleft()
-            if len(pending[dst]) >= IN_FLIGHT:
-                pending[dst].popleft().wait(deadline)
-            buf = buffers.get(f"send{dst}-{k % IN_FLIGHT}", bucket.nbytes, torch.device("cpu"))
-            copier.run(lambda b=bucket, v=buf: _pack(b, v, slots, plan))  # type: ignore[misc]
-            if verify:
-                digests[dst].append(_bytes.digest(buf, verify, group))
-            if fault is not None:
-                fault(k, buf)
-            work = group.send(buf, dst, async_op=True)
-            assert work is not None
-            pending[dst].append(work)
-            sent += bucket.nbytes
-    for works in pending.values():
-        while works:
-            works.popleft().wait(deadline)
-    if verify:
-        for dst, ds in digests.items():
-            group.send_obj(ds, dst, tag=DIGEST_TAG)
-    return sent
+def total(buckets: tuple[Bucket, ...]) -> int:
+    return sum(b.nbytes for b in buckets)
 
 
-def _pack(bucket: Bucket, buf: torch.Tensor, slots: Mapping[str, Slot], plan: ShardPlan) -> None:
-    with torch.no_grad():
-        for p in bucket.pieces:
-            tensor, box = slots[p.name]
-            _piece_view(buf, p.offset, p.nbytes, plan.dtypes[p.name], p.box.shape).copy_(
-                tensor[p.box.slices(box.offset)]
-            )
-
-
-def receive_shards(
-    group: StatelessGroup,
-    session: ShardedSession,
-    slots: Mapping[str, Slot],
-    copier: Copier,
-    buffers: _bytes.BufferCache,
-    deadline: Deadline,
-    written: list[str],
-) -> str | None:
-    """This receiver's part of step 3: land every source's pieces in ``slots`` (keyed by wire name);
-    ``written`` collects the names written. Returns why the bytes are refused (a digest mismatch), or None."""
-    plan, verify = session.plan, session.header.verify
-    me = group.rank
-    feeds = {src: plan.buckets(src, me) for src in session.sources if plan.buckets(src, me)}
-    posted: dict[int, deque[tuple[int, torch.Tensor, Work]]] = {s: deque() for s in feeds}
-    mine: dict[int, list[int | bytes]] = {s: [] for s in feeds}
-    nxt = dict.fromkeys(feeds, 0)
-    seen: set[str] = set()
-
-    def post(src: int) -> None:
-        k = nxt[src]
-        buf = buffers.get(f"recv{src}-{k % (IN_FLIGHT + 1)}", feeds[src][k].nbytes, torch.device("cpu"))
-        work = group.recv(buf, src, async_op=True)
-        assert work is not None
-        posted[src].append((k, buf, work))
-        nxt[src] = k + 1
-
-    for src in feeds:
-        while nxt[src] < min(IN_FLIGHT, len(feeds[src])):
-            post(src)
-    while any(posted.values()):
-        for src, queue in posted.items():
-            if not queue:
-                continue
-            k, buf, work = queue.popleft()
-            work.wait(deadline)
-            if nxt[src] < len(feeds[src]):
-                post(src)
-            if verify:
-                mine[src].append(_bytes.digest(buf, verify, group))
-            bucket = feeds[src][k]
-            for p in bucket.pieces:
-                if p.name not in seen:
-                    seen.add(p.name)
-                    written.append(p.name)
-            copier.run(lambda b=bucket, v=buf: _unpack(b, v, slots, plan))  # type: ignore[misc]
-    if not verify:
-        return None
-    for src in feeds:
-        sent = group.recv_obj(src, timeout=deadline, tag=DIGEST_TAG)
-        if not isinstance(sent, list) or sent != mine[src]:
-            return f"the bytes from rank {src} do not match its {verify} digests: corrupted or not its own"
-    return None
-
-
-def _unpack(bucket: Bucket, buf: torch.Tensor, slots: Mapping[str, Slot], plan: ShardPlan) -> None:
-    with torch.no_grad():
-        for p in bucket.pieces:
-            tensor, box = slots[p.name]
-            tensor[p.box.slices(box.offset)].copy_(
-                _piece_view(buf, p.offset, p.nbytes, plan.dtypes[p.name], p.box.shape)
-            )
+def start_of(buckets: tuple[Bucket, ...], k: int) -> int:
+    """Where bucket k of a pair starts in the pair's bytes (its base)."""
+    return sum(b.nbytes for b in buckets[:k])
 
 
 def vote(group: StatelessGroup, version: int, problem: str | None, deadline: Deadline) -> None:

@@ -3,22 +3,197 @@ the vote, the commit."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..codec import dtype_from_name, dtype_name
 from ..control import Deadline
+from ..stateless import StatelessGroup, Work
+from . import _bytes, _delta
 from ._appliers import torn
+from ._copier import Copier
+from ._delta_sync import Description, delta_digest, wire_plan
 from ._rx_stream import acknowledge, give_up, tell_failure
-from ._sharded import ShardedSession, Slot, receive_shards, vote
+from ._shard_plan import Bucket, ShardPlan
+from ._sharded import (
+    DELTA_TAG,
+    DIGEST_TAG,
+    IN_FLIGHT,
+    ShardedSession,
+    Slot,
+    piece_view,
+    start_of,
+    total,
+    vote,
+)
+from ._sharded_delta import PairBases, bucket_word
 from .shard import Box, Shard, box_of
 
 if TYPE_CHECKING:
     from .receiver import WeightReceiver
 
-__all__ = ["data_ptr", "shards_into", "shards_named", "wants_of"]
+__all__ = ["data_ptr", "receive_shards", "shards_into", "shards_named", "wants_of"]
+
+
+def receive_shards(
+    group: StatelessGroup,
+    session: ShardedSession,
+    slots: Mapping[str, Slot],
+    copier: Copier,
+    buffers: _bytes.BufferCache,
+    deadline: Deadline,
+    written: list[str],
+    bases: PairBases | None = None,
+) -> str | None:
+    """This receiver's part of step 3: land every source's pieces in ``slots`` (keyed by wire name);
+    ``written`` collects the names written; ``bases``: kept for deltas when given. Returns why the bytes are
+    refused (a digest mismatch), or None."""
+    plan, verify = session.plan, session.header.verify
+    me = group.rank
+    feeds: dict[int, list[tuple[int, Callable[[torch.Tensor], None]]]] = {}
+    after: list[Callable[[], str | None]] = []
+    problems: list[str] = []
+    for (src, dst), buckets in plan.pairs.items():
+        if dst != me:
+            continue
+        base = bases.begin(src, session.keys[(src, dst)], total(buckets)) if bases is not None else None
+        land = _Lander(group, session, src, buckets, slots, copier, base, written, problems)
+        if (src, dst) in session.deltas:
+            wire = group.recv_obj(src, timeout=deadline, tag=DELTA_TAG)
+            feeds[src] = land.delta(wire)
+        else:
+            feeds[src] = [(b.nbytes, partial(land.full, k)) for k, b in enumerate(buckets)]
+            if verify:
+                after.append(partial(land.check_digests, deadline))
+    posted: dict[int, deque[tuple[Callable[[torch.Tensor], None], torch.Tensor, Work]]] = {
+        s: deque() for s in feeds
+    }
+    nxt = dict.fromkeys(feeds, 0)
+
+    def post(src: int) -> None:
+        k = nxt[src]
+        nbytes, handle = feeds[src][k]
+        buf = buffers.get(f"recv{src}-{k % (IN_FLIGHT + 1)}", nbytes, torch.device("cpu"))
+        work = group.recv(buf, src, async_op=True)
+        assert work is not None
+        posted[src].append((handle, buf, work))
+        nxt[src] = k + 1
+
+    for src in feeds:
+        while nxt[src] < min(IN_FLIGHT, len(feeds[src])):
+            post(src)
+    while any(posted.values()):
+        for src, queue in posted.items():
+            if not queue:
+                continue
+            handle, buf, work = queue.popleft()
+            work.wait(deadline)
+            if nxt[src] < len(feeds[src]):
+                post(src)
+            handle(buf)
+    for check in after:
+        problem = check()
+        if problem is not None:
+            problems.append(problem)
+    return problems[0] if problems else None
+
+
+class _Lander:
+    """One pair's buckets on its receiver: checked, kept in the base (when kept), unpacked into the slots."""
+
+    def __init__(
+        self,
+        group: StatelessGroup,
+        session: ShardedSession,
+        src: int,
+        buckets: tuple[Bucket, ...],
+        slots: Mapping[str, Slot],
+        copier: Copier,
+        base: torch.Tensor | None,
+        written: list[str],
+        problems: list[str],
+    ) -> None:
+        self.group, self.session, self.src, self.buckets = group, session, src, buckets
+        self.slots, self.copier, self.base = slots, copier, base
+        self.written, self.problems = written, problems
+        self.starts = [start_of(buckets, k) for k in range(len(buckets))]
+        self.mine: list[int | bytes] = []
+
+    def _unpack(self, k: int, view: torch.Tensor) -> None:
+        for p in self.buckets[k].pieces:
+            if p.name not in self.written:
+                self.written.append(p.name)
+        self.copier.run(partial(_unpack, self.buckets[k], view, self.slots, self.session.plan))
+
+    def full(self, k: int, buf: torch.Tensor) -> None:
+        verify = self.session.header.verify
+        if verify:
+            self.mine.append(_bytes.digest(buf, verify, self.group))
+        if self.base is not None:
+            self.copier.copy(self.base[self.starts[k] : self.starts[k] + buf.numel()], buf)
+        self._unpack(k, buf)
+
+    def check_digests(self, deadline: Deadline) -> str | None:
+        sent = self.group.recv_obj(self.src, timeout=deadline, tag=DIGEST_TAG)
+        if not isinstance(sent, list) or sent != self.mine:
+            verify = self.session.header.verify
+            return (
+                f"the bytes from rank {self.src} do not match its {verify} digests: corrupted or not its own"
+            )
+        return None
+
+    def delta(self, wire: Any) -> list[tuple[int, Callable[[torch.Tensor], None]]]:
+        """The pair's changed buckets to receive, each applied to the base then unpacked; the unchanged
+        ones are checked and unpacked from the base at once."""
+        plan = self.session.plan
+        sizes = [bucket_word(b, plan.dtypes) for b in self.buckets]
+        words = [b.nbytes // w for b, w in zip(self.buckets, sizes, strict=True)]
+        desc = Description.from_wire(wire, words)
+        wplan, changed = wire_plan(desc, sizes, words)
+        for k in range(len(self.buckets)):
+            if k not in changed:
+                self._check(k, desc)
+        out: list[tuple[int, Callable[[torch.Tensor], None]]] = []
+        for j, k in enumerate(changed):
+            start, end = wplan.bucket_range(j)
+            out.append((end - start, partial(self._apply, k, j, desc)))
+        return out
+
+    def _view(self, k: int) -> torch.Tensor:
+        assert self.base is not None
+        return self.base[self.starts[k] : self.starts[k] + self.buckets[k].nbytes]
+
+    def _check(self, k: int, desc: Description) -> None:
+        kind = delta_digest(self.session.header)
+        if _bytes.digest(self._view(k), kind, self.group) != desc.digests[k]:
+            self.problems.append(
+                f"bucket {k} from rank {self.src} does not match its new version after the delta: this "
+                "receiver's copy of the version it held differs from the sender's"
+            )
+            return
+        self._unpack(k, self._view(k))
+
+    def _apply(self, k: int, j: int, desc: Description, payload: torch.Tensor) -> None:
+        kind = delta_digest(self.session.header)
+        if _bytes.digest(payload, kind, self.group) != desc.wire_digests[j]:
+            self.problems.append(f"the delta of bucket {k} from rank {self.src} arrived corrupted")
+            return
+        w = bucket_word(self.buckets[k], self.session.plan.dtypes)
+        self.copier.run(partial(_delta.apply, self._view(k), payload, desc.codes[k], desc.counts[k], w))
+        self._check(k, desc)
+
+
+def _unpack(bucket: Bucket, buf: torch.Tensor, slots: Mapping[str, Slot], plan: ShardPlan) -> None:
+    with torch.no_grad():
+        for p in bucket.pieces:
+            tensor, box = slots[p.name]
+            tensor[p.box.slices(box.offset)].copy_(
+                piece_view(buf, p.offset, p.nbytes, plan.dtypes[p.name], p.box.shape)
+            )
 
 
 def wants_of(targets: dict[str, Any], renames: bool) -> dict[str, Any] | None:
@@ -59,12 +234,23 @@ def _land_shards(rcv: WeightReceiver, session: ShardedSession, slots: dict[str, 
                  written: list[str]) -> None:  # fmt: skip
     """Receive every source's pieces into ``slots``, then vote; raises (the peers told) on failure."""
     what = f"receiving version {session.header.version}"
+    bases = rcv._pair_bases if session.header.keeps_base else None
+    if bases is None:
+        rcv._pair_bases.clear()  # the senders keep none: nothing to apply a delta to, memory back
     try:
-        problem = receive_shards(rcv.group, session, slots, rcv._copier, rcv._buffers, deadline, written)
+        problem = receive_shards(
+            rcv.group, session, slots, rcv._copier, rcv._buffers, deadline, written, bases
+        )
     except BaseException as e:
+        rcv._pair_bases.abandon()
         tell_failure(rcv.group, session.sources[0], e, what)
         raise
-    vote(rcv.group, session.header.version, problem, deadline)
+    try:
+        vote(rcv.group, session.header.version, problem, deadline)
+    except BaseException:
+        rcv._pair_bases.abandon()
+        raise
+    rcv._pair_bases.commit(session.header.version)  # the bases hold it on every pair: the vote passed
 
 
 def shards_into(

@@ -34,6 +34,7 @@ from ._session import (
     sources_of,
 )
 from ._sharded import ShardedSession, settle_shards
+from ._sharded_delta import PairBases
 from ._sharded_rx import data_ptr, shards_into, shards_named, wants_of
 from .manifest import Entry, Manifest, compare, expected_specs, mismatch_message, tensors_of
 from .plan import Plan, PlanCache
@@ -113,6 +114,8 @@ class WeightReceiver:
         self._known: dict[str, Manifest] = {}
         self._buffers = _bytes.BufferCache()
         self._plans = PlanCache()
+        self._pair_bases = PairBases()
+        """With many sources whose senders keep bases: what this receiver last took from each."""
         self._held: tuple[Any, ...] | None = None
         """For delta syncs: (how the base is kept, version, manifest digest) of the version held in full."""
 
@@ -163,7 +166,9 @@ class WeightReceiver:
         posts = gather_posts(self.group, deadline, self._known, wants=wants)
         sources = sources_of(self.group, posts, self.src)
         if is_sharded(posts, sources):
-            return settle_shards(self.group, deadline, self._known, posts, sources, check=check)
+            return settle_shards(
+                self.group, deadline, self._known, posts, sources, check=check, bases=self._pair_bases
+            )
         return handshake(self.group, deadline, self._known, posts, sources[0], judge=judge)
 
     def _dest(self, manifest: Manifest, targets: dict[str, torch.Tensor]) -> list[torch.Tensor | None]:
@@ -195,6 +200,7 @@ class WeightReceiver:
         """Release transport mappings, buffers and the copy thread. The group stays open."""
         self._streams.close()
         self._buffers.clear()
+        self._pair_bases.clear()
         self._copier.close()
 
     def __enter__(self) -> WeightReceiver:

@@ -39,6 +39,7 @@ from ._session import (
     sources_of,
 )
 from ._sharded import boxes_of, settle_shards
+from ._sharded_delta import PairBases
 from ._sharded_tx import send_sharded
 from ._source import Puller
 from ._stats import SyncStats
@@ -149,6 +150,8 @@ class WeightSender:
         self._plans = PlanCache()
         self._fault: Fault | None = None  # test hook: called with every bucket's bytes before they are posted
         self._delta = DeltaSender(group, self._copier, self._scratch, delta == "always") if delta else None
+        self._pair_bases = PairBases() if delta else None
+        """With many sources and ``delta``: what this member last sent each receiver."""
         """Present when asked for deltas: the base, the policy and the diff."""
 
     @property
@@ -211,10 +214,18 @@ class WeightSender:
             posts = gather_posts(self.group, deadline, self._known, header=header, boxes=boxes_of(shards))
             sources = sources_of(self.group, posts, None)
             if is_sharded(posts, sources):
-                shared = settle_shards(self.group, deadline, self._known, posts, sources, manifest=manifest)
+                shared = settle_shards(
+                    self.group,
+                    deadline,
+                    self._known,
+                    posts,
+                    sources,
+                    manifest=manifest,
+                    bases=self._pair_bases,
+                )
                 return send_sharded(self, shared, list(items), shards, deadline)
             session = handshake(self.group, deadline, self._known, posts, self.src, manifest=manifest,
-                                in_place=self._in_place(items, manifest))  # fmt: skip
+                                in_place=_in_place(items, manifest, self._delta is not None))  # fmt: skip
             return self._stream(session, plan, items, device, tx, deadline, progress)
         except BaseException as e:
             if isinstance(e, SyncRefusedError):  # every member ended the sync alike: the group is fine
@@ -345,15 +356,6 @@ class WeightSender:
         )  # fmt: skip
         return stats
 
-    def _in_place(self, items: NamedTensors, manifest: Manifest) -> bool:
-        """This source's tensors lie in the merged plan's layout (it may then be agreed; never with deltas,
-        whose base is kept in the bucket plan's layout)."""
-        if self._delta is not None or not isinstance(items, list):
-            return False
-        if any(e.dtype != e.wire_dtype for e in manifest.entries):
-            return False
-        return laid_out_in_place(manifest, [t for _, t in items], receiving=False)
-
     def _plan(self, manifest: Manifest) -> Plan:
         """The bucket plan, reused while the manifest is unchanged (building it walks every tensor)."""
         return self._plans.get(manifest, self.bucket_bytes, self.solo_bytes)
@@ -366,6 +368,8 @@ class WeightSender:
         self._copier.close()
         if self._delta is not None:
             self._delta.close()
+        if self._pair_bases is not None:
+            self._pair_bases.clear()
         self._scratch.clear()
 
     def __enter__(self) -> WeightSender:
@@ -373,6 +377,16 @@ class WeightSender:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _in_place(items: Pairs, manifest: Manifest, delta: bool) -> bool:
+    """This source's tensors lie in the merged plan's layout (it may then be agreed; never with deltas,
+    whose base is kept in the bucket plan's layout)."""
+    if delta or not isinstance(items, list):
+        return False
+    if any(e.dtype != e.wire_dtype for e in manifest.entries):
+        return False
+    return laid_out_in_place(manifest, [t for _, t in items], receiving=False)
 
 
 def _peek_device(

@@ -1,0 +1,85 @@
+"""Deltas with many sources: each (source, receiver) pair keeps the bytes it last exchanged and sends only
+what changed since.
+
+A pair's base is its buckets back to back, as the plan cuts them (:func:`pair_key` names that cut). A source
+that keeps bases (``WeightSender(delta=True)``) and its receiver each say, in their verdicts, which version
+they hold for the pair; the pair travels as a delta when both hold the same one, and whole otherwise (a new
+or lagging receiver makes its own pairs whole, nobody else's). A delta pair's source diffs every bucket
+against its base (:mod:`._delta`), sends a :class:`~._delta_sync.Description` of the pair on the control
+plane and the changed buckets' encodings point to point; the receiver checks each payload's digest, applies
+it to its base, checks the result against the source's digest of the new bucket, and unpacks it. A base
+becomes the new version only once the sync committed (the source: every receiver acknowledged; a receiver:
+the vote passed); any failure leaves it invalid, so the next sync of that pair is whole.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import torch
+
+from ..codec import dtype_from_name
+from . import _bytes
+from ._shard_plan import Bucket
+
+__all__ = ["PairBases", "bucket_word", "pair_key"]
+
+
+def pair_key(buckets: tuple[Bucket, ...]) -> str:
+    """Names a pair's cut: two syncs with the same key lay the pair's bytes out alike."""
+    text = repr(
+        [(b.nbytes, [(p.name, p.box.offset, p.box.shape, p.offset) for p in b.pieces]) for b in buckets]
+    )
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def bucket_word(bucket: Bucket, dtypes: Any) -> int:
+    """The comparison word of a bucket: its smallest element size (pieces are 16-byte aligned and each a
+    whole number of its elements, so every piece and the bucket are whole words)."""
+    return min((dtype_from_name(dtypes[p.name]).itemsize for p in bucket.pieces), default=1)
+
+
+class PairBases:
+    """One member's bases, one per peer: (key of the cut, version held or None, the bytes)."""
+
+    def __init__(self) -> None:
+        self._bases: dict[int, tuple[str, int | None, torch.Tensor]] = {}
+        self._begun: list[int] = []
+
+    def held(self, peer: int, key: str) -> int | None:
+        """The version this member holds for the pair with ``peer``, if its cut is ``key``."""
+        base = self._bases.get(peer)
+        return base[1] if base is not None and base[0] == key else None
+
+    def begin(self, peer: int, key: str, nbytes: int) -> torch.Tensor:
+        """The pair's base for this sync, invalid until :meth:`commit` (kept bytes when the cut is the
+        same: a delta is applied to them)."""
+        base = self._bases.get(peer)
+        if base is None or base[0] != key or base[2].numel() != nbytes:
+            self._bases.pop(peer, None)  # free the old one first
+            buffer = _bytes.new_buffer(nbytes, torch.device("cpu"))
+        else:
+            buffer = base[2]
+        self._bases[peer] = (key, None, buffer)
+        self._begun.append(peer)
+        return buffer
+
+    def commit(self, version: int) -> None:
+        """The sync committed: every base begun in it holds ``version``."""
+        for peer in self._begun:
+            key, _, buffer = self._bases[peer]
+            self._bases[peer] = (key, version, buffer)
+        self._begun.clear()
+
+    def abandon(self) -> None:
+        """The sync did not commit: the bases begun in it stay invalid (their pairs' next sync is whole)."""
+        self._begun.clear()
+
+    def clear(self) -> None:
+        self._bases.clear()
+        self._begun.clear()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b[2].numel() for b in self._bases.values())
