@@ -479,3 +479,31 @@ def test_an_acknowledgement_that_cannot_be_sent_fails_the_receive() -> None:
     res = run_ranks(_ack_lost, 2, CTX.Queue(), timeout=50)
     assert res[0] != "sent", res
     assert "holds version 1, but could not acknowledge it" in res[1] and "injected" in res[1], res
+
+
+def _kept(rank: int, ports: Any, transport: str) -> Any:
+    """``receive(keep=True)``: whole tensors as views of one buffer kept across syncs, all valid until the
+    update ends (a loader may hold them), a tensor larger than a bucket included, never re-assembled."""
+    with make_group(rank, 2, "127.0.0.1", ports) as g:
+        shapes = [("big", (40000,)), ("w", (64, 64)), ("b", (64,))]  # big: 160 kB over 32 kB buckets
+        if rank == 0:
+            with gb.WeightSender(g, transport=transport, bucket_bytes=32 << 10) as snd:
+                for v in (1, 2):
+                    snd.send(make_model(shapes, seed=v), version=v)
+            return None
+        rcv = gb.WeightReceiver(g)
+        out = []
+        for v in (1, 2):
+            upd = rcv.receive(keep=True)
+            held = list(upd)  # no copies: every view must still hold its bytes at the end
+            want = make_model(shapes, seed=v)
+            storages = {t.untyped_storage().data_ptr() for _, t in held}
+            out.append((upd.kept, len(storages), all(torch.equal(t, want[n]) for n, t in held)))
+        return out
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", ["broadcast", "shm"])
+def test_receive_keep_yields_views_of_one_kept_buffer(transport: str) -> None:
+    res = run_ranks(_kept, 2, CTX.Queue(), transport, timeout=50)
+    assert res[1] == [(True, 1, True), (True, 1, True)], res

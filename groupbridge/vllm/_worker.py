@@ -124,7 +124,6 @@ class WorkerEngine(WeightTransferEngine[WorkerInitInfo, UpdateInfo]):
         self.version: int | None = None
         """The version this worker's model holds (None: the weights it was started with)."""
         self._staged: list[tuple[str, torch.Tensor]] | None = None
-        self._staging: dict[str, torch.Tensor] = {}
         self._received: int | None = None
         self._check_seconds = 0.0
         self.timings: dict[str, float] = {}
@@ -181,19 +180,21 @@ class WorkerEngine(WeightTransferEngine[WorkerInitInfo, UpdateInfo]):
             raise RuntimeError("init_weight_transfer_engine has not been called for backend 'groupbridge'")
         timeout = timedelta(seconds=self.info.timeout_s)
         t0 = time.perf_counter()
-        # vLLM's layerwise reload needs whole layers: a delta update still yields every tensor (only the
-        # changes travel); they are views of the receiver's kept copy then, valid until the next update
-        update = self.receiver.receive(timeout=timeout, accept=self._accept, only_changed=False)
+        # Every update lands in the receiver's kept copy of the weights and yields whole tensors as views of
+        # it, valid until the next update: nothing is staged per name, cloned or re-assembled, and vLLM's
+        # layerwise reload may hold them until their layer is complete. A delta update still yields every
+        # tensor (that reload needs whole layers); only the changes travel.
+        update = self.receiver.receive(timeout=timeout, accept=self._accept, only_changed=False, keep=True)
         t1 = time.perf_counter()
         if update.version != update_info.version:
             logger.warning("groupbridge: update_info says version %d, the bridge %d", update_info.version,
                            update.version)  # fmt: skip
         if self.info.atomic and update.kept:
             self._staged = list(update)  # views of the kept copy: nothing to stage
-        elif self.info.atomic:
-            self._staged = [(name, self._stage(name, t)) for name, t in update]
+        elif self.info.atomic:  # many senders: whole tensors assembled for this update, held until loaded
+            self._staged = list(update)
         else:
-            self._stream(update)
+            self._load(iter(update), update.version)  # views the loader may keep until its layer is whole
         self._received = update.version
         self.timings = {
             "handshake": t1 - t0,
@@ -224,16 +225,6 @@ class WorkerEngine(WeightTransferEngine[WorkerInitInfo, UpdateInfo]):
             return check_loadable(self.model, manifest)
         finally:
             self._check_seconds = time.perf_counter() - t0
-
-    def _stage(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        buf = self._staging.get(name)
-        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype or buf.device != t.device:
-            buf = self._staging[name] = torch.empty_like(t)
-        return buf.copy_(t)
-
-    def _stream(self, update: Any) -> None:
-        # the layerwise loader keeps tensors until their layer is complete: hand it copies, not bucket views
-        self._load(((name, t.clone()) for name, t in update), update.version)
 
     def _load(self, weights: Any, version: int) -> None:
         from vllm.model_executor.model_loader.reload import (

@@ -60,12 +60,14 @@ class WeightUpdate:
     so an engine's ``load_weights`` touches only them.
     """
 
-    def __init__(self, session: Session | ShardedSession, pairs: Iterator[tuple[str, torch.Tensor]]) -> None:
+    def __init__(
+        self, session: Session | ShardedSession, pairs: Iterator[tuple[str, torch.Tensor]], kept: bool = False
+    ) -> None:
         self.version = session.header.version
         self.manifest = session.manifest
         self.delta = session.delta
         """This update travels as a delta against the version held."""
-        self.kept = session.header.keeps_base
+        self.kept = session.header.keeps_base or kept
         """The yielded tensors are views of the receiver's kept copy: valid until the next sync."""
         self._pairs: Iterator[tuple[str, torch.Tensor]] | None = pairs
 
@@ -218,6 +220,7 @@ class WeightReceiver:
         timeout: timedelta | None = None,
         accept: Callable[[Manifest], str | None] | None = None,
         only_changed: bool = True,
+        keep: bool = False,
     ) -> WeightUpdate:
         """Start receiving the next version; the returned update yields (name, tensor) as buckets arrive.
 
@@ -227,6 +230,10 @@ class WeightReceiver:
         message and the group stays usable (an inference engine uses this to dry-run its own loader).
         ``only_changed=False``: a delta update yields every tensor too (of the kept copy, once the delta is
         applied), for an engine whose loader needs whole layers; only the changes travel either way.
+        ``keep=True``: every bucket lands in one buffer this receiver keeps across syncs (the model's wire
+        bytes, laid out as the plan lays them) and the update yields views of it: whole tensors, never
+        copied or re-assembled, valid until the next sync (a loader may hold them until the update ends);
+        as when the sender keeps a base (``update.kept``).
 
         Raises:
             ManifestMismatchError: the manifest differs from ``expected``; nothing moved.
@@ -239,11 +246,12 @@ class WeightReceiver:
         )
         if isinstance(session, ShardedSession):
             return WeightUpdate(session, shards_named(self, session, deadline))
-        return WeightUpdate(
-            session, self._named(session, deadline, every=not (session.delta and only_changed))
-        )
+        every = not (session.delta and only_changed)
+        return WeightUpdate(session, self._named(session, deadline, every, keep), kept=keep)
 
-    def _named(self, session: Session, deadline: Deadline, every: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    def _named(
+        self, session: Session, deadline: Deadline, every: bool, keep: bool
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """The update's (name, tensor) pairs (tied names right after their tensor; empty tensors last, on a
         full sync); on success take the version, on any failure tell the peers."""
         header, manifest = session.header, session.manifest
@@ -252,7 +260,7 @@ class WeightReceiver:
         ring = Ring(self._buffers, self.device)
         names = self._name(manifest)
         applier: Applier
-        if header.keeps_base:
+        if header.keeps_base or keep:
             buffer = self._buffers.get("base", plan.total_bytes, self.device)
             applier = Staged(buffer, plan, manifest, ring, self._copier, names, every=every)
         else:
