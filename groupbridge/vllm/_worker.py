@@ -36,6 +36,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from ..errors import TornUpdateError
 from ..stateless import StatelessGroup
+from ..weights._bytes import BufferCache
 from ..weights.manifest import Manifest
 from ..weights.receiver import WeightReceiver
 from ._dryrun import check_loadable
@@ -125,6 +126,8 @@ class WorkerEngine(WeightTransferEngine[WorkerInitInfo, UpdateInfo]):
         """The version this worker's model holds (None: the weights it was started with)."""
         self._staged: list[tuple[str, torch.Tensor]] | None = None
         self._received: int | None = None
+        self._buffers = BufferCache()
+        """The receive buffers (the kept copy of the weights among them), kept across bridge generations."""
         self._check_seconds = 0.0
         self.timings: dict[str, float] = {}
         """Seconds of the last update: ``handshake`` (with ``check``, the manifest's dry run), ``receive``
@@ -153,7 +156,7 @@ class WorkerEngine(WeightTransferEngine[WorkerInitInfo, UpdateInfo]):
             token=init_info.token,
         )
         # no src: the handshake finds the senders (rank 0, or every trainer rank sending its shards)
-        self.receiver = WeightReceiver(self.group, device=self.device)
+        self.receiver = WeightReceiver(self.group, device=self.device, buffers=self._buffers)
         self.info = init_info
         logger.info(
             "groupbridge: worker joined %s as rank %d of %d", init_info.host, rank, init_info.world_size

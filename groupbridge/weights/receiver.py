@@ -90,6 +90,9 @@ class WeightReceiver:
             when this is not given.
         rename: a callable or mapping from names on the wire to this receiver's names.
         device: where received buckets land for ``receive()`` (default: CPU).
+        buffers: where receive buffers come from, owned by the caller and kept across receivers (an engine's
+            worker keeps one across bridge generations: the first update of a new bridge then lands in memory
+            already touched, not in a fresh model-size buffer whose page faults slow that update down).
     """
 
     def __init__(
@@ -100,6 +103,7 @@ class WeightReceiver:
         expected: Any = None,
         rename: Callable[[str], str] | Mapping[str, str] | None = None,
         device: str | torch.device = "cpu",
+        buffers: _bytes.BufferCache | None = None,
     ) -> None:
         if src is not None and src == group.rank:
             raise ValueError(f"src={src} is this rank; the receiver must be another rank")
@@ -114,7 +118,8 @@ class WeightReceiver:
         self._rename = make_renamer(rename)
         self._renames = rename is not None
         self._known: dict[str, Manifest] = {}
-        self._buffers = _bytes.BufferCache()
+        self._buffers = buffers if buffers is not None else _bytes.BufferCache()
+        self._own_buffers = buffers is None
         self._plans = PlanCache()
         self._pair_bases = PairBases()
         """With many sources whose senders keep bases: what this receiver last took from each."""
@@ -201,7 +206,8 @@ class WeightReceiver:
     def close(self) -> None:
         """Release transport mappings, buffers and the copy thread. The group stays open."""
         self._streams.close()
-        self._buffers.clear()
+        if self._own_buffers:
+            self._buffers.clear()
         self._pair_bases.clear()
         self._copier.close()
 
