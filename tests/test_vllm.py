@@ -7,6 +7,7 @@ weights (fp32: bf16 near-ties make the two disagree after a few tokens).
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -26,6 +27,7 @@ from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
 import groupbridge as gb
 from groupbridge.vllm import OfflineClient, TrainerInitInfo
+from groupbridge.vllm._stop import remove_new, segments, stop_offline, stop_server
 from groupbridge.vllm.models import make_model
 
 pytestmark = pytest.mark.timeout(240)
@@ -141,9 +143,14 @@ def test_worker_init_info_is_bounded_before_anything_is_shut_down() -> None:
 def dense(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Any]]:
     path = tmp_path_factory.mktemp("qwen2")
     model = make_model(path, "qwen2")
+    before = segments()
     llm = engine(path)
     yield llm, model
+    stop_offline(llm)  # its processes exit now, then what they left in /dev/shm goes
     del llm
+    gc.collect()
+    remove_new(before)
+    assert not segments() - before
 
 
 def trainer(llm: Any, model: Any, **kw: Any) -> Any:
@@ -438,6 +445,7 @@ def test_vllm_serve_with_tensor_parallel_2_over_http(tmp_path_factory: pytest.Te
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
     path = tmp_path_factory.mktemp("qwen2-serve")
+    shm_before = segments()
     model = make_model(path, "qwen2", seed=1, tie=True)  # tied lm_head: one tensor, two names in vLLM
     log = path / "serve.log"
     # two CPU workers on one NUMA node need their cores named (vLLM refuses to guess)
@@ -490,9 +498,8 @@ def test_vllm_serve_with_tensor_parallel_2_over_http(tmp_path_factory: pytest.Te
             assert tokens() == reference(model)
         eng.shutdown()
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+        stop_server(proc)
+        # vLLM 0.32 never unlinks its CPU communicator's segments: whoever starts an engine cleans after it
+        removed = remove_new(shm_before)
+    assert any("cpushm" in n for n in removed), removed  # it did leave them; they are gone now
+    assert not segments() - shm_before

@@ -16,6 +16,7 @@ the worker's receive buffers are new every time: steady-state training, one sess
 
 from __future__ import annotations
 
+import gc
 import statistics
 import tempfile
 import time
@@ -59,9 +60,11 @@ def run_vllm(
     import groupbridge as gb
 
     from ..vllm import OfflineClient, TrainerInitInfo
+    from ..vllm._stop import remove_new, segments, stop_offline
     from ..vllm.models import make_model
 
     tmp = tempfile.TemporaryDirectory(prefix="gb-bench-vllm-")
+    shm_before = segments()
     model = make_model(f"{tmp.name}/model", "qwen2", size, dtype="bfloat16")
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     llm = vllm.LLM(
@@ -112,7 +115,10 @@ def run_vllm(
         anchor.results(timeout=120)
     finally:
         anchor.reap()
+        stop_offline(llm)
         del llm
+        gc.collect()
+        remove_new(shm_before)  # what the engine left in /dev/shm (vLLM 0.32 leaves some)
         tmp.cleanup()
     ceiling = statistics.median(times["engine-free"])
     baseline = statistics.median(times["safetensors+reload"])
