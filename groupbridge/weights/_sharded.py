@@ -30,7 +30,19 @@ from ..codec import dtype_from_name
 from ..control import Deadline
 from ..errors import ManifestMismatchError, ProtocolError, SyncRefusedError
 from ..stateless import StatelessGroup
-from ._session import Header, Verdict, conclude, knows, remember
+from ._session import (
+    Header,
+    Judge,
+    Session,
+    Verdict,
+    conclude,
+    gather_posts,
+    handshake,
+    is_sharded,
+    knows,
+    remember,
+    sources_of,
+)
 from ._shard_plan import Bucket, Held, ShardPlan, plan_shards
 from ._sharded_delta import PairBases, pair_key
 from .manifest import Entry, Manifest
@@ -42,6 +54,7 @@ __all__ = [
     "IN_FLIGHT",
     "ShardedSession",
     "Slot",
+    "open_session",
     "piece_view",
     "settle_shards",
     "start_of",
@@ -182,6 +195,35 @@ def settle_shards(
         if headers[s].keeps_base and holds[s].get(r) is not None and holds[s].get(r) == holds[r].get(s)
     )  # fmt: skip
     return ShardedSession(tuple(sources), lead, whole, plan, deltas, keys)
+
+
+def open_session(
+    group: StatelessGroup,
+    deadline: Deadline,
+    known: dict[str, Manifest],
+    *,
+    header: Header | None = None,
+    boxes: dict[str, Any] | None = None,
+    manifest: Manifest | None = None,
+    in_place: bool = False,
+    wants: dict[str, Any] | None = None,
+    src: int | None = None,
+    judge: Judge | None = None,
+    check: Callable[[Header, Manifest], Verdict | None] | None = None,
+    bases: PairBases | None = None,
+) -> Session | ShardedSession:
+    """The whole handshake, for a source (``header``, ``manifest``, ``boxes``, ``in_place``) or a receiver
+    (``wants``, ``src``, ``judge`` for one source, ``check`` for many): one sync with one source sending whole
+    tensors is a :class:`Session` (:func:`._session.handshake`), any other a :class:`ShardedSession`."""
+    posts = gather_posts(group, deadline, known, header=header, boxes=boxes, wants=wants)
+    sources = sources_of(group, posts, src)
+    if is_sharded(posts, sources):
+        return settle_shards(
+            group, deadline, known, posts, sources, manifest=manifest, check=check, bases=bases
+        )
+    return handshake(
+        group, deadline, known, posts, sources[0], manifest=manifest, in_place=in_place, judge=judge
+    )
 
 
 def _union(held: Mapping[int, list[Held]]) -> list[Held]:

@@ -14,22 +14,12 @@ import torch
 from ..control import Deadline
 from ..errors import SyncRefusedError
 from ..stateless import StatelessGroup, Work
-from . import _bytes, _delta
+from . import _bytes, _delta, _sharded
 from ._copier import Copier
 from ._delta_sync import Description, delta_digest
 from ._session import collect_acks
 from ._shard_plan import Bucket, ShardPlan
-from ._sharded import (
-    DELTA_TAG,
-    DIGEST_TAG,
-    IN_FLIGHT,
-    ShardedSession,
-    Slot,
-    piece_view,
-    start_of,
-    total,
-    vote,
-)
+from ._sharded import ShardedSession, Slot, piece_view, start_of, total, vote
 from ._sharded_delta import PairBases, bucket_word
 from ._stats import SyncStats
 from .shard import Box
@@ -91,7 +81,7 @@ def send_shards(
             if not queue:
                 continue
             make = queue.popleft()
-            if len(pending[dst]) >= IN_FLIGHT:
+            if len(pending[dst]) >= _sharded.IN_FLIGHT:
                 pending[dst].popleft().wait(deadline)
             buf = make()
             work = group.send(buf, dst, async_op=True)
@@ -103,7 +93,7 @@ def send_shards(
             works.popleft().wait(deadline)
     if verify:
         for dst, ds in digests.items():
-            group.send_obj(ds, dst, tag=DIGEST_TAG)
+            group.send_obj(ds, dst, tag=_sharded.DIGEST_TAG)
     return sent
 
 
@@ -120,7 +110,7 @@ def _full_bucket(
     group: StatelessGroup, fault: Callable[[int, torch.Tensor], None] | None,
 ) -> torch.Tensor:  # fmt: skip
     """Pack bucket k of a whole pair (into its base too, when kept); the tensor to send."""
-    buf = buffers.get(f"send{dst}-{k % IN_FLIGHT}", bucket.nbytes, torch.device("cpu"))
+    buf = buffers.get(f"send{dst}-{k % _sharded.IN_FLIGHT}", bucket.nbytes, torch.device("cpu"))
     copier.run(partial(_pack, bucket, buf, slots, plan))
     if base is not None:
         start = start_of(plan.buckets(group.rank, dst), k)
@@ -159,7 +149,7 @@ def _describe_delta(
     desc = Description(
         tuple(e.code for e, _ in encs), tuple(e.count for e, _ in encs), tuple(digests), tuple(wire)
     )
-    group.send_obj(desc.to_wire(), dst, tag=DELTA_TAG)
+    group.send_obj(desc.to_wire(), dst, tag=_sharded.DELTA_TAG)
     return deque(partial(_same, p) for _, p in encs if p is not None)
 
 

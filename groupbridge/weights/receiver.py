@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from .._closing import Closing
 from ..codec import dtype_from_name
 from ..control import Deadline
 from ..errors import WeightSyncError
@@ -25,15 +26,11 @@ from ._session import (
     Header,
     Session,
     Verdict,
-    gather_posts,
-    handshake,
-    is_sharded,
     laid_out_in_place,
     make_renamer,
     merged_plan,
-    sources_of,
 )
-from ._sharded import ShardedSession, settle_shards
+from ._sharded import ShardedSession, open_session
 from ._sharded_delta import PairBases
 from ._sharded_rx import data_ptr, shards_into, shards_named, wants_of
 from .manifest import Entry, Manifest, compare, expected_specs, mismatch_message, tensors_of
@@ -78,7 +75,7 @@ class WeightUpdate:
         return pairs
 
 
-class WeightReceiver:
+class WeightReceiver(Closing):
     """Receives the weights a sending member of ``group`` sends.
 
     Args:
@@ -170,13 +167,8 @@ class WeightReceiver:
                 in_place=in_place, base=base and self._held == (keep, header.base, manifest.digest)
             )
 
-        posts = gather_posts(self.group, deadline, self._known, wants=wants)
-        sources = sources_of(self.group, posts, self.src)
-        if is_sharded(posts, sources):
-            return settle_shards(
-                self.group, deadline, self._known, posts, sources, check=check, bases=self._pair_bases
-            )
-        return handshake(self.group, deadline, self._known, posts, sources[0], judge=judge)
+        return open_session(self.group, deadline, self._known, wants=wants, src=self.src, judge=judge,
+                            check=check, bases=self._pair_bases)  # fmt: skip
 
     def _dest(self, manifest: Manifest, targets: dict[str, torch.Tensor]) -> list[torch.Tensor | None]:
         """The targets in manifest order, where they can take the wire bytes as they are."""
@@ -210,12 +202,6 @@ class WeightReceiver:
             self._buffers.clear()
         self._pair_bases.clear()
         self._copier.close()
-
-    def __enter__(self) -> WeightReceiver:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # ------------------------------------------------------------------ receive()
 

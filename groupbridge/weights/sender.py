@@ -11,6 +11,7 @@ from functools import partial
 
 import torch
 
+from .._closing import Closing
 from ..control import Deadline
 from ..errors import (
     GroupBridgeError,
@@ -29,16 +30,12 @@ from ._session import (
     Session,
     Stream,
     collect_acks,
-    gather_posts,
-    handshake,
-    is_sharded,
     laid_out_in_place,
     make_renamer,
     merged_plan,
     refuse,
-    sources_of,
 )
-from ._sharded import boxes_of, settle_shards
+from ._sharded import ShardedSession, boxes_of, open_session
 from ._sharded_delta import PairBases
 from ._sharded_tx import send_sharded
 from ._source import Puller
@@ -80,7 +77,7 @@ def named_tensors_of(obj: NamedTensors) -> Pairs:
     )
 
 
-class WeightSender:
+class WeightSender(Closing):
     """Sends weights from this rank of ``group`` to every other rank, one bucket plan per manifest.
 
     Args:
@@ -211,21 +208,12 @@ class WeightSender:
             base=self._delta.offer(manifest) if self._delta is not None else None,
         )  # fmt: skip
         try:
-            posts = gather_posts(self.group, deadline, self._known, header=header, boxes=boxes_of(shards))
-            sources = sources_of(self.group, posts, None)
-            if is_sharded(posts, sources):
-                shared = settle_shards(
-                    self.group,
-                    deadline,
-                    self._known,
-                    posts,
-                    sources,
-                    manifest=manifest,
-                    bases=self._pair_bases,
-                )
-                return send_sharded(self, shared, list(items), shards, deadline)
-            session = handshake(self.group, deadline, self._known, posts, self.src, manifest=manifest,
-                                in_place=_in_place(items, manifest, self._delta is not None))  # fmt: skip
+            session = open_session(
+                self.group, deadline, self._known, header=header, boxes=boxes_of(shards), manifest=manifest,
+                in_place=_in_place(items, manifest, self._delta is not None), bases=self._pair_bases,
+            )  # fmt: skip
+            if isinstance(session, ShardedSession):
+                return send_sharded(self, session, list(items), shards, deadline)
             return self._stream(session, plan, items, device, tx, deadline, progress)
         except BaseException as e:
             if isinstance(e, SyncRefusedError):  # every member ended the sync alike: the group is fine
@@ -371,12 +359,6 @@ class WeightSender:
         if self._pair_bases is not None:
             self._pair_bases.clear()
         self._scratch.clear()
-
-    def __enter__(self) -> WeightSender:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def _in_place(items: Pairs, manifest: Manifest, delta: bool) -> bool:

@@ -24,6 +24,7 @@ __all__ = [
     "Land",
     "Landed",
     "Landing",
+    "NoResources",
     "RxTransport",
     "Sync",
     "TransportOptions",
@@ -172,6 +173,16 @@ class RxTransport(Protocol):
     ) -> Iterator[tuple[int, torch.Tensor, bool]]: ...
 
     def close(self) -> None: ...
+
+
+class NoResources:
+    """For a source's transport that holds nothing between syncs: nothing to reserve, nothing to offer."""
+
+    def reserve(self, plan: Plan, device: torch.device) -> None:
+        """Nothing to claim: the group's own operations carry the bytes."""
+
+    def offer(self) -> dict[str, Any]:
+        return {}
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from ...env import tuning_int
 from ...stateless import StatelessGroup, Work
 from .. import _bytes
 from ..plan import Plan
-from .base import Land, Sync, TransportSpec, wire_int
+from .base import Land, NoResources, Sync, TransportSpec, wire_int
 
 __all__ = ["SPEC", "BroadcastOptions", "BroadcastRx", "BroadcastTx"]
 
@@ -45,19 +45,13 @@ class BroadcastOptions:
         return cls(wire_int(d, "in_flight", "broadcast options", 1, MAX_IN_FLIGHT))
 
 
-class BroadcastTx:
+class BroadcastTx(NoResources):
     def __init__(self, group: StatelessGroup, options: BroadcastOptions) -> None:
         self.group = group
         self.options = options
         self._buffers = _bytes.BufferCache()
         self._pending: deque[Work] = deque()
         self._deadline: Deadline | None = None
-
-    def reserve(self, plan: Plan, device: torch.device) -> None:
-        pass
-
-    def offer(self) -> dict[str, Any]:
-        return {}
 
     def open(self, plan: Plan, device: torch.device, sync: Sync[Any]) -> None:
         self._deadline = sync.deadline

@@ -19,7 +19,7 @@ from ...errors import ProtocolError
 from ...stateless import StatelessGroup, Work
 from .. import _bytes
 from ..plan import Plan
-from .base import Land, Sync, TransportSpec, wire_int
+from .base import Land, NoResources, Sync, TransportSpec, wire_int
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "SPEC", "RelayOptions", "RelayRx", "RelayTx"]
 
@@ -86,7 +86,7 @@ def _neighbours(chain: list[int], rank: int) -> tuple[int | None, int | None]:
     return (chain[i - 1] if i > 0 else None), (chain[i + 1] if i + 1 < len(chain) else None)
 
 
-class RelayTx:
+class RelayTx(NoResources):
     def __init__(self, group: StatelessGroup, options: RelayOptions) -> None:
         self.group = group
         self.options = options
@@ -94,12 +94,6 @@ class RelayTx:
         self._sends: deque[tuple[int, Work]] = deque()  # (bucket, work)
         self._deadline: Deadline | None = None
         self._succ: int | None = None
-
-    def reserve(self, plan: Plan, device: torch.device) -> None:
-        pass
-
-    def offer(self) -> dict[str, Any]:
-        return {}
 
     def open(self, plan: Plan, device: torch.device, sync: Sync[Any]) -> None:
         self._deadline = sync.deadline
