@@ -20,7 +20,7 @@ After the handshake's gather (:func:`._session.gather_posts`):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -30,6 +30,8 @@ from ..codec import dtype_from_name
 from ..control import Deadline
 from ..errors import ManifestMismatchError, ProtocolError, SyncRefusedError
 from ..stateless import StatelessGroup
+from . import _bytes
+from ._copier import Copier
 from ._session import (
     Header,
     Judge,
@@ -52,6 +54,7 @@ __all__ = [
     "DELTA_TAG",
     "DIGEST_TAG",
     "IN_FLIGHT",
+    "Exchange",
     "ShardedSession",
     "Slot",
     "open_session",
@@ -87,6 +90,32 @@ class ShardedSession:
     @property
     def delta(self) -> bool:
         return bool(self.deltas)
+
+
+@dataclass(frozen=True, slots=True)
+class Exchange:
+    """One member's means for step 3: the session, where its boxes live, its copy thread, its buffers, the
+    sync's deadline, and its pair bases when deltas are kept."""
+
+    group: StatelessGroup
+    session: ShardedSession
+    slots: Mapping[str, Slot]
+    copier: Copier
+    buffers: _bytes.BufferCache
+    deadline: Deadline
+    bases: PairBases | None = None
+
+    def pairs(self, sending: bool) -> Iterator[tuple[int, tuple[Bucket, ...], torch.Tensor | None, bool]]:
+        """This member's pairs: (peer, the pair's buckets, its base for this sync when bases are kept,
+        whether it travels as a delta)."""
+        me, session = self.group.rank, self.session
+        for (src, dst), buckets in session.plan.pairs.items():
+            if (src if sending else dst) != me:
+                continue
+            peer = dst if sending else src
+            key = session.keys[(src, dst)]
+            base = self.bases.begin(peer, key, total(buckets)) if self.bases is not None else None
+            yield peer, buckets, base, (src, dst) in session.deltas
 
 
 def boxes_of(shards: Mapping[str, tuple[tuple[int, ...], tuple[int, ...]]]) -> dict[str, Any] | None:

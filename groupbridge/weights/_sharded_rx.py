@@ -23,14 +23,14 @@ from ._sharded import (
     DELTA_TAG,
     DIGEST_TAG,
     IN_FLIGHT,
+    Exchange,
     ShardedSession,
     Slot,
     piece_view,
     start_of,
-    total,
     vote,
 )
-from ._sharded_delta import PairBases, bucket_word
+from ._sharded_delta import bucket_word
 from .shard import Box, Shard, box_of
 
 if TYPE_CHECKING:
@@ -39,36 +39,23 @@ if TYPE_CHECKING:
 __all__ = ["data_ptr", "receive_shards", "shards_into", "shards_named", "wants_of"]
 
 
-def receive_shards(
-    group: StatelessGroup,
-    session: ShardedSession,
-    slots: Mapping[str, Slot],
-    copier: Copier,
-    buffers: _bytes.BufferCache,
-    deadline: Deadline,
-    written: list[str],
-    bases: PairBases | None = None,
-) -> str | None:
-    """This receiver's part of step 3: land every source's pieces in ``slots`` (keyed by wire name);
-    ``written`` collects the names written; ``bases``: kept for deltas when given. Returns why the bytes are
-    refused (a digest mismatch), or None."""
-    plan, verify = session.plan, session.header.verify
-    me = group.rank
+def receive_shards(x: Exchange, written: list[str]) -> str | None:
+    """This receiver's part of step 3: land every source's pieces in its slots (keyed by wire name);
+    ``written`` collects the names written. Returns why the bytes are refused (a digest mismatch), or None."""
+    group, session = x.group, x.session
+    verify = session.header.verify
     feeds: dict[int, list[tuple[int, Callable[[torch.Tensor], None]]]] = {}
     after: list[Callable[[], str | None]] = []
     problems: list[str] = []
-    for (src, dst), buckets in plan.pairs.items():
-        if dst != me:
-            continue
-        base = bases.begin(src, session.keys[(src, dst)], total(buckets)) if bases is not None else None
-        land = _Lander(group, session, src, buckets, slots, copier, base, written, problems)
-        if (src, dst) in session.deltas:
-            wire = group.recv_obj(src, timeout=deadline, tag=DELTA_TAG)
+    for src, buckets, base, delta in x.pairs(sending=False):
+        land = _Lander(group, session, src, buckets, x.slots, x.copier, base, written, problems)
+        if delta:
+            wire = group.recv_obj(src, timeout=x.deadline, tag=DELTA_TAG)
             feeds[src] = land.delta(wire)
         else:
             feeds[src] = [(b.nbytes, partial(land.full, k)) for k, b in enumerate(buckets)]
             if verify:
-                after.append(partial(land.check_digests, deadline))
+                after.append(partial(land.check_digests, x.deadline))
     posted: dict[int, deque[tuple[Callable[[torch.Tensor], None], torch.Tensor, Work]]] = {
         s: deque() for s in feeds
     }
@@ -77,7 +64,7 @@ def receive_shards(
     def post(src: int) -> None:
         k = nxt[src]
         nbytes, handle = feeds[src][k]
-        buf = buffers.get(f"recv{src}-{k % (IN_FLIGHT + 1)}", nbytes, torch.device("cpu"))
+        buf = x.buffers.get(f"recv{src}-{k % (IN_FLIGHT + 1)}", nbytes, torch.device("cpu"))
         work = group.recv(buf, src, async_op=True)
         assert work is not None
         posted[src].append((handle, buf, work))
@@ -91,7 +78,7 @@ def receive_shards(
             if not queue:
                 continue
             handle, buf, work = queue.popleft()
-            work.wait(deadline)
+            work.wait(x.deadline)
             if nxt[src] < len(feeds[src]):
                 post(src)
             handle(buf)
@@ -239,7 +226,7 @@ def _land_shards(rcv: WeightReceiver, session: ShardedSession, slots: dict[str, 
         rcv._pair_bases.clear()  # the senders keep none: nothing to apply a delta to, memory back
     try:
         problem = receive_shards(
-            rcv.group, session, slots, rcv._copier, rcv._buffers, deadline, written, bases
+            Exchange(rcv.group, session, slots, rcv._copier, rcv._buffers, deadline, bases), written
         )
     except BaseException as e:
         rcv._pair_bases.abandon()

@@ -19,8 +19,8 @@ from ._copier import Copier
 from ._delta_sync import Description, delta_digest
 from ._session import collect_acks
 from ._shard_plan import Bucket, ShardPlan
-from ._sharded import ShardedSession, Slot, piece_view, start_of, total, vote
-from ._sharded_delta import PairBases, bucket_word
+from ._sharded import ShardedSession, Slot, piece_view, start_of, vote
+from ._sharded_delta import bucket_word
 from ._stats import SyncStats
 from .shard import Box
 
@@ -30,31 +30,21 @@ if TYPE_CHECKING:
 __all__ = ["send_sharded", "send_shards"]
 
 
-def send_shards(
-    group: StatelessGroup,
-    session: ShardedSession,
-    slots: Mapping[str, Slot],
-    copier: Copier,
-    buffers: _bytes.BufferCache,
-    deadline: Deadline,
-    fault: Callable[[int, torch.Tensor], None] | None = None,
-    bases: PairBases | None = None,
-) -> Sent:
+def send_shards(x: _sharded.Exchange, fault: Callable[[int, torch.Tensor], None] | None = None) -> Sent:
     """This source's part of step 3: every receiver's buckets, all pairs at once (a delta pair: its
-    description, then its changed buckets' encodings). ``bases``: kept for deltas when given. ``fault`` (a
-    test hook) sees every bucket before it is sent."""
+    description, then its changed buckets' encodings). ``fault`` (a test hook) sees every bucket before it
+    is sent."""
+    group, session = x.group, x.session
     plan, verify = session.plan, session.header.verify
-    me = group.rank
     queues: dict[int, deque[Callable[[], torch.Tensor]]] = {}
     digests: dict[int, list[int | bytes]] = {}
     sent = Sent()
-    for (src, dst), buckets in plan.pairs.items():
-        if src != me:
-            continue
-        base = bases.begin(dst, session.keys[(src, dst)], total(buckets)) if bases is not None else None
-        if (src, dst) in session.deltas:
+    for dst, buckets, base, delta in x.pairs(sending=True):
+        if delta:
             assert base is not None
-            queues[dst] = _describe_delta(group, session, dst, buckets, slots, base, copier, buffers, sent)
+            queues[dst] = _describe_delta(
+                group, session, dst, buckets, x.slots, base, x.copier, x.buffers, sent
+            )
             continue
         digests[dst] = []
         queues[dst] = deque(
@@ -63,10 +53,10 @@ def send_shards(
                 k,
                 b,
                 dst,
-                slots,
+                x.slots,
                 plan,
-                copier,
-                buffers,
+                x.copier,
+                x.buffers,
                 base,
                 verify,
                 digests[dst],
@@ -82,7 +72,7 @@ def send_shards(
                 continue
             make = queue.popleft()
             if len(pending[dst]) >= _sharded.IN_FLIGHT:
-                pending[dst].popleft().wait(deadline)
+                pending[dst].popleft().wait(x.deadline)
             buf = make()
             work = group.send(buf, dst, async_op=True)
             assert work is not None
@@ -90,7 +80,7 @@ def send_shards(
             sent.wire_bytes += buf.numel()
     for works in pending.values():
         while works:
-            works.popleft().wait(deadline)
+            works.popleft().wait(x.deadline)
     if verify:
         for dst, ds in digests.items():
             group.send_obj(ds, dst, tag=_sharded.DIGEST_TAG)
@@ -187,7 +177,8 @@ def send_sharded(
     }
     bases = snd._pair_bases
     try:
-        sent = send_shards(snd.group, session, slots, snd._copier, snd._scratch, deadline, snd._fault, bases)
+        exchange = _sharded.Exchange(snd.group, session, slots, snd._copier, snd._scratch, deadline, bases)
+        sent = send_shards(exchange, snd._fault)
         version = session.header.version
         vote(snd.group, version, None, deadline)
         receivers = [r for r in range(snd.group.world_size) if r not in session.sources]
