@@ -112,7 +112,7 @@ def test_trainer_init_info_is_checked_before_anything_starts() -> None:
 def test_a_call_that_fails_after_its_abort_was_cancelled_aborts_nothing() -> None:
     """vLLM's side of an update failing after the trainer had already finished (and disarmed the abort)
     armed a timer anyway, which then aborted the next update (a retry within the liveness bound)."""
-    from groupbridge.vllm._trainer import _Call
+    from groupbridge.engine._trainer import Call as _Call
 
     armed: list[BaseException] = []
 
@@ -335,8 +335,10 @@ gb.WeightSender(grp, bucket_bytes=64 * 1024).send(slow(), version=999, specs=spe
 def test_a_trainer_killed_midway_leaves_vllm_serving_the_old_weights(
     dense: tuple[Any, Any], tmp_path: Path, mode: str
 ) -> None:
-    """Atomic: vLLM still serves the old weights. Streaming: the error names the update torn. Both: the old
-    weight_version, and a new trainer (a new bridge generation) then takes over."""
+    """Atomic: ``update_weights`` returned after the handshake (the bytes land while vLLM serves); the
+    landing fails, ``finish_weight_update`` loads nothing, vLLM still serves the old weights. Streaming: the
+    error names the update torn. Both: the old weight_version, and a new trainer (a new bridge generation)
+    then takes over."""
     llm, model = dense
     version, tokens = llm.get_weight_version(), served(llm)
     state = tmp_path / "state.pt"
@@ -370,11 +372,14 @@ def test_a_trainer_killed_midway_leaves_vllm_serving_the_old_weights(
         t.join(30)
         assert not t.is_alive(), "vLLM's update_weights did not return after the trainer died"
         assert time.monotonic() - t0 < 20
-        assert failed, "the update was reported applied although the trainer died midway"
-        assert llm.get_weight_version() == version
         if mode == "atomic":
-            assert served(llm) == tokens
+            assert not failed, failed  # it returned at the handshake, before the trainer died
+            llm.finish_weight_update()  # waits (bounded) for the landing, which failed: nothing is loaded
+            assert time.monotonic() - t0 < 20
+            assert llm.get_weight_version() == version and served(llm) == tokens
         else:
+            assert failed, "the update was reported applied although the trainer died midway"
+            assert llm.get_weight_version() == version
             assert "mix of two versions" in str(failed[0]), failed[0]
     finally:
         proc.kill()

@@ -99,7 +99,7 @@ def run_vllm(
                 eng.send_weights()
                 times.setdefault(f"groupbridge/{transport}", []).append(eng.last_seconds["total"])
                 load_share.setdefault(f"groupbridge/{transport}", []).append(
-                    eng.last_seconds["finish"] / eng.last_seconds["total"]
+                    eng.last_seconds["commit"] / eng.last_seconds["total"]
                 )
                 eng.shutdown()
             t0 = time.perf_counter()

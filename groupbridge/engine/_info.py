@@ -1,0 +1,47 @@
+"""What a trainer tells each inference worker so that it can join the bridge, and the bounds on waits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+MAX_TIMEOUT_S = 3600.0
+"""The longest an update (or a worker's join) may be allowed to take: an engine answers nothing else while a
+worker waits in its RPC, so an unbounded or absurd value would stop serving without an error."""
+MAX_LIVENESS_S = 300.0
+
+
+def check_seconds(**values: Any) -> None:
+    """Each value is a number of seconds in (0, its maximum]: ``timeout*`` up to :data:`MAX_TIMEOUT_S`,
+    ``liveness*`` up to :data:`MAX_LIVENESS_S`. Raises ValueError naming the field (inf, nan, bools and
+    strings included), before anything is started or shut down."""
+    for name, v in values.items():
+        limit = MAX_LIVENESS_S if name.startswith("liveness") else MAX_TIMEOUT_S
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= limit:
+            raise ValueError(f"{name}={v!r} must be a number of seconds in (0, {limit:g}]")
+
+
+@dataclass
+class BridgeInfo:
+    """How a worker joins the trainer's bridge: plain JSON values, so it crosses any engine's RPC."""
+
+    host: str
+    port: int
+    world_size: int
+    name: str = "engine"
+    generation: int = 0
+    token: str | None = None
+    atomic: bool = True
+    timeout_s: float = 300.0
+    liveness_s: float = 10.0
+    sources: int = 1
+    """Trainer ranks on the bridge (ranks 0 .. sources-1); the workers follow them."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.port, int) or not 0 < self.port < 65536:
+            raise ValueError(f"port={self.port!r} is not a TCP port")
+        if not isinstance(self.sources, int) or self.sources < 1:
+            raise ValueError(f"sources={self.sources!r} must be >= 1 (the trainer ranks on the bridge)")
+        if not isinstance(self.world_size, int) or self.world_size < self.sources + 1:
+            raise ValueError(f"world_size={self.world_size!r}: the trainer ranks and at least one worker")
+        check_seconds(timeout_s=self.timeout_s, liveness_s=self.liveness_s)

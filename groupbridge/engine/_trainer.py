@@ -1,0 +1,363 @@
+"""The trainer side of an engine: host the bridge, send every step, drive the engine's update calls beside it.
+
+An engine is driven through an :class:`EngineControl` (vLLM's weight-sync client, an HTTP server's routes,
+an RPC to a Ray actor): have the workers join a bridge, start an update (each worker's handshake and
+receive), commit it (the workers load it and serve it). One :meth:`TrainerSession.send` is:
+
+1. on a side thread, ``control.begin(version)``: each worker enters the handshake, where it dry-runs the
+   manifest through its model's loader; it returns once the workers' receive calls returned (an atomic
+   update's bytes then land on a thread of theirs while the engine serves);
+2. here, :meth:`groupbridge.WeightSender.send`, which returns once every worker acknowledged the bytes
+   (atomic: staged, the model untouched; streaming: loaded);
+3. ``control.commit(version)``: the workers load what they staged, and the engine serves ``version``.
+
+A failure on either side ends both: a worker that refuses or fails makes the send raise (a refusal before
+bytes move is the same ``ManifestMismatchError`` on every member and the bridge stays usable); a control
+call that fails while the workers are away aborts the bridge, so nothing waits out its timeout. After an
+abort the next send opens a new bridge (a new generation) and has the workers join it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Protocol
+
+import torch
+
+from .._closing import Closing
+from ..errors import GroupBridgeError, SyncRefusedError, WeightSyncError
+from ..net import Address, Listener, listen
+from ..stateless import StatelessGroup
+from ..weights.sender import SyncStats, WeightSender
+from ..weights.transports import TRANSPORTS
+from ._info import BridgeInfo, check_seconds
+
+__all__ = ["EngineControl", "TrainerConfig", "TrainerSession"]
+
+logger = logging.getLogger(__name__)
+
+
+class EngineControl(Protocol):
+    """How a trainer drives an engine's workers (each call returns once every worker returned).
+
+    ``join(info)``: each worker joins the bridge (``info``: a :class:`BridgeInfo` as plain JSON, the worker's
+    rank its own). ``begin(version)``: each worker starts an update and receives it (its handshake; then,
+    atomic, its bytes land in the background). ``commit(version)``: each worker loads what it received and
+    serves ``version``. ``leave()``: each worker leaves the bridge (before the trainer closes it).
+    """
+
+    def join(self, info: dict[str, Any]) -> None: ...
+
+    def begin(self, version: int) -> None: ...
+
+    def commit(self, version: int) -> None: ...
+
+    def leave(self) -> None: ...
+
+
+@dataclass
+class TrainerConfig:
+    """How the trainer hosts the bridge to an engine's workers.
+
+    Attributes:
+        host: the address the trainer binds and the workers dial: IPv4, IPv6 or a host name (default
+            loopback). The socket is bound before its port is told to anyone.
+        port: 0 lets the kernel pick a free port.
+        workers: how many worker processes join (data parallel x tensor parallel x pipeline parallel, summed
+            over every engine the control drives).
+        transport: ``"auto"`` (shared memory on one CPU host, CUDA IPC on one GPU host, broadcast or relay
+            across hosts) or one by name.
+        atomic: stage the whole update and load it only once every worker has every byte (a trainer dying
+            midway leaves the engine serving the old weights; the bytes land while it serves); False streams
+            buckets into the engine's loader (the engine serves nothing until the update ends).
+        token: a shared secret: members prove it at join and every bucket carries a MAC.
+        timeout: seconds that bound each whole update (and joining).
+        liveness: seconds after which a silent peer counts as gone.
+        checksum: XXH3-64 checksum of every bucket, verified before the update is loaded (implied by a token).
+        bucket_bytes: bucket size (None: the library's default).
+        first_version: the version of the first send (then +1 each time).
+        delta: send only what changed since the version every worker holds, where that pays (``True``) or
+            always (``"always"``); see :class:`groupbridge.WeightSender`.
+        sources: trainer ranks that send, ranks 0 .. sources-1. With 1, rank 0 sends whole tensors. With
+            more, every one of them joins the bridge and sends what it holds (DTensor parameters as their
+            local boxes, ``gb.Shard`` values as theirs); the workers assemble whole tensors from every rank
+            (one commit for all). Rank 0 hosts the bridge and drives the engine; the others dial it at
+            ``host``/``port``: bind rank 0's socket first (``lis = gb.listen(host, 0)``), pass it as
+            ``listener=`` on rank 0 and ``lis.port`` to the others.
+        listener: on rank 0, a socket bound beforehand (see ``sources``); the first bridge is served on it.
+        name: the bridge's name (a worker of another job is refused at join).
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    workers: int = 1
+    transport: str = "auto"
+    atomic: bool = True
+    token: str | None = None
+    timeout: float = 300.0
+    liveness: float = 10.0
+    checksum: bool = True
+    bucket_bytes: int | None = None
+    first_version: int = 1
+    name: str = "engine"
+    delta: bool | str = False
+    sources: int = 1
+    listener: Listener | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.workers, int) or self.workers < 1:
+            raise ValueError(f"workers={self.workers!r} must be >= 1 (the number of worker processes)")
+        if self.transport != "auto" and self.transport not in TRANSPORTS:
+            raise ValueError(f"transport={self.transport!r} is not one of auto, {', '.join(TRANSPORTS)}")
+        check_seconds(timeout=self.timeout, liveness=self.liveness)
+        if not isinstance(self.port, int) or not 0 <= self.port < 65536:
+            raise ValueError(f"port={self.port!r} is not a TCP port (0: the kernel picks one)")
+        if not isinstance(self.sources, int) or self.sources < 1:
+            raise ValueError(f"sources={self.sources!r} must be >= 1 (the trainer ranks that send)")
+        if self.delta not in (False, True, "always"):
+            raise ValueError(f"delta={self.delta!r} must be False, True or 'always'")
+
+    def check_rank(self, rank: int) -> None:
+        if 0 < rank < self.sources and self.port == 0:
+            raise ValueError(
+                f"rank {rank} of {self.sources} sending trainer ranks dials rank 0's bridge: pass port= "
+                "(rank 0's address.port)"
+            )
+
+
+class TrainerSession(Closing):
+    """One trainer rank's side of the bridge to an engine (see the module docstring).
+
+    Rank 0 hosts the bridge and drives ``control``; ranks 1 .. ``sources``-1 join it and send their shards
+    (their ``control`` is not used). Other ranks have no session.
+    """
+
+    def __init__(self, config: TrainerConfig, control: EngineControl | None, *, rank: int = 0) -> None:
+        config.check_rank(rank)
+        if rank >= config.sources:
+            raise ValueError(f"rank {rank} does not send (sources={config.sources}): it needs no session")
+        if rank == 0 and control is None:
+            raise ValueError("rank 0 drives the engine: pass its control")
+        self.config = config
+        self.control = control
+        self.rank = rank
+        self.group: StatelessGroup | None = None
+        self.sender: WeightSender | None = None
+        self.generation = 0
+        self.version: int | None = None
+        """The last version the engine confirmed serving (rank 0), or this rank sent (the others)."""
+        self.last_stats: SyncStats | None = None
+        self.last_seconds: dict[str, float] = {}
+        """Wall time of the last send (rank 0), split: ``transfer`` (to every worker's acknowledgement),
+        ``commit`` (the engine's load of a staged update), ``total``."""
+
+    @property
+    def address(self) -> Address | None:
+        """The bridge's address (rank 0, once connected): what the other sending ranks dial."""
+        return self.group.address if self.group is not None else None
+
+    # ------------------------------------------------------------------ bridge
+
+    def connect(self) -> None:
+        """Rank 0: host a new bridge (the next generation) and have every worker join it. Other sending
+        ranks: join rank 0's first bridge."""
+        c = self.config
+        self.close()
+        self.generation += 1
+        world = c.workers + c.sources
+        timeout, liveness = timedelta(seconds=c.timeout), timedelta(seconds=c.liveness)
+        if self.rank > 0:
+            self.group = StatelessGroup.create(
+                c.host, c.port, rank=self.rank, world_size=world, name=c.name, generation=self.generation,
+                timeout=timeout, liveness_timeout=liveness, token=c.token,
+            )  # fmt: skip
+            self.sender = WeightSender(self.group, checksum=c.checksum, bucket_bytes=c.bucket_bytes)
+            return
+        assert self.control is not None
+        given, c.listener = c.listener, None  # served once: a later bridge binds a new socket
+        lis = given if given is not None else listen(c.host, c.port)
+        # built (and checked) here, sent as plain JSON: the worker parses the same dataclass
+        info = BridgeInfo(
+            host=lis.address.host, port=lis.port, world_size=world, sources=c.sources, name=c.name,
+            generation=self.generation, token=c.token, atomic=c.atomic, timeout_s=c.timeout,
+            liveness_s=c.liveness,
+        )  # fmt: skip
+        control = self.control
+        call = Call("join", lambda: control.join(dataclasses.asdict(info)))
+        try:
+            self.group = StatelessGroup.create(
+                None, rank=0, world_size=world, listener=lis, name=c.name, generation=self.generation,
+                timeout=timeout, liveness_timeout=liveness, token=c.token,
+            )  # fmt: skip
+        except BaseException as e:
+            lis.close()
+            call.join(c.liveness)
+            if call.error is not None:
+                raise WeightSyncError(f"the engine's join failed: {call.error}") from e
+            raise
+        call.join(c.timeout)
+        call.result()
+        self.sender = WeightSender(
+            self.group, transport=c.transport, checksum=c.checksum, bucket_bytes=c.bucket_bytes, delta=c.delta
+        )
+
+    def close(self) -> None:
+        """Close the bridge; the workers are told to leave it first (rank 0), so that none is left holding
+        a group whose host is gone."""
+        if self.sender is not None:
+            self.sender.close()
+            self.sender = None
+        if self.group is None:
+            return
+        group, self.group = self.group, None
+        drives = self.control is not None and self.rank == 0 and usable(group)
+        leave = Call("leave", self.control.leave) if drives and self.control else None
+        group.close()  # the host waits (bounded) for the members to close theirs
+        if leave is not None:
+            leave.join(self.config.liveness)
+            if leave.error is not None or leave.running:
+                logger.warning("groupbridge: the engine's leave: %s", leave.error or "no answer")
+
+    # ------------------------------------------------------------------ one step
+
+    def next_version(self, version: int | None) -> int:
+        if version is not None:
+            return version
+        return self.version + 1 if self.version is not None else self.config.first_version
+
+    def send(
+        self,
+        named: Iterable[tuple[str, Any]] | Mapping[str, Any],
+        *,
+        version: int | None = None,
+        specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]] | None = None,
+    ) -> int:
+        """Send ``named`` as the next version (or ``version``); on rank 0, make the engine serve it.
+        Returns the version. ``specs`` (name -> (shape, dtype)) lets the manifest be checked before the
+        source is pulled (a lazy source, e.g. one that gathers, is then consumed while bytes move)."""
+        if self.rank > 0:
+            return self._send_shards(named, version)
+        v = self.next_version(version)
+        if self.version is not None and v <= self.version:
+            raise ValueError(f"version {v} is not newer than the version the engine serves ({self.version})")
+        if self.group is None or not usable(self.group):
+            self.connect()
+        assert self.sender is not None and self.group is not None and self.control is not None
+        c, control, group = self.config, self.control, self.group
+        t0 = time.perf_counter()
+        call = Call("begin", lambda: control.begin(v), on_error=lambda e: abort_later(group, e, c.liveness))
+        try:
+            stats = self.sender.send(named, v, specs=specs, timeout=timedelta(seconds=c.timeout))
+        except GroupBridgeError as e:
+            call.join(c.liveness + 5)
+            if isinstance(e, SyncRefusedError) or call.error is None:
+                raise
+            raise WeightSyncError(f"the engine failed the update of version {v}: {call.error}") from e
+        finally:
+            call.cancel_abort()
+        call.join(c.timeout)
+        call.result()
+        t1 = time.perf_counter()
+        try:
+            control.commit(v)
+        except Exception as e:
+            raise WeightSyncError(
+                f"the engine's commit of version {v} failed: {type(e).__name__}: {e}; it still serves the "
+                "version it served before"
+            ) from e
+        t2 = time.perf_counter()
+        self.version, self.last_stats = v, stats
+        self.last_seconds = {"transfer": t1 - t0, "commit": t2 - t1, "total": t2 - t0}
+        return v
+
+    def _send_shards(self, named: Iterable[tuple[str, Any]] | Mapping[str, Any], version: int | None) -> int:
+        """A sending rank other than 0: its part of the sync rank 0 drives (the versions advance alike)."""
+        if self.group is None:
+            self.connect()
+        if self.sender is None or self.group is None or not usable(self.group):
+            raise WeightSyncError(
+                f"trainer rank {self.rank}: the bridge broke; with several sending ranks, make new sessions "
+                "on every rank"
+            )
+        v = self.next_version(version)
+        self.last_stats = self.sender.send(named, v, timeout=timedelta(seconds=self.config.timeout))
+        self.version = v
+        return v
+
+
+def usable(group: StatelessGroup) -> bool:
+    try:
+        group.check_open()
+    except GroupBridgeError:
+        return False
+    return True
+
+
+def abort_later(group: StatelessGroup, error: BaseException, grace: float) -> Callable[[], None]:
+    """Abort ``group`` unless the sync ends on its own within ``grace`` seconds (a worker's refusal reaches
+    the sender through the bridge too, and must not be turned into an abort). Returns a canceller."""
+    cancelled = threading.Event()
+
+    def run() -> None:
+        if not cancelled.wait(grace):
+            group.abort(f"the engine's side of the update failed: {type(error).__name__}: {error}")
+
+    threading.Thread(target=run, name="groupbridge-engine-abort", daemon=True).start()
+    return cancelled.set
+
+
+class Call:
+    """``fn`` on a daemon thread, so the trainer can send while the engine's call waits for the bytes."""
+
+    def __init__(
+        self,
+        what: str,
+        fn: Callable[[], None],
+        on_error: Callable[[BaseException], Callable[[], None]] | None = None,
+    ) -> None:
+        self.what = what
+        self.error: BaseException | None = None
+        self._cancel: Callable[[], None] | None = None
+        self._cancelled = False
+        self._lock = threading.Lock()
+        self._on_error = on_error
+
+        def run() -> None:
+            try:
+                fn()
+            except BaseException as e:
+                self.error = e
+                with self._lock:  # after cancel_abort(), a late failure arms nothing (a retry is not aborted)
+                    if self._on_error is not None and not self._cancelled:
+                        self._cancel = self._on_error(e)
+
+        self._thread = threading.Thread(target=run, name=f"groupbridge-engine-{what}", daemon=True)
+        self._thread.start()
+
+    def join(self, seconds: float) -> None:
+        self._thread.join(seconds)
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    def cancel_abort(self) -> None:
+        """Disarm the abort this call's failure armed, or would arm if it failed later."""
+        with self._lock:
+            self._cancelled = True
+            if self._cancel is not None:
+                self._cancel()
+
+    def result(self) -> None:
+        if self._thread.is_alive():
+            raise WeightSyncError(f"the engine's {self.what} did not return within the bound")
+        if self.error is not None:
+            raise WeightSyncError(
+                f"the engine's {self.what} failed: {type(self.error).__name__}: {self.error}"
+            ) from self.error

@@ -1,0 +1,271 @@
+"""The inference side of an engine: join the trainer's bridge, receive each update, stage it, commit it.
+
+An engine (vLLM, SGLang, a custom server) supplies a :class:`Loader`: how to dry-run a manifest through its
+model, how to load (name, tensor) pairs, how to leave the model serving afterwards. Everything else is here,
+once: the bridge and its generations, the handshake that refuses what the model cannot load before any byte
+moves, the kept buffer the bytes land in (reused across updates and bridges, handed to the loader as views:
+nothing staged per name, cloned or re-assembled), the background landing of an atomic update, the commit,
+and what a failure midway means.
+
+An update, as the engine's RPCs drive it::
+
+    session.begin()                  # a new update: whatever an earlier one left uncommitted is dropped
+    session.receive(version)         # the handshake, here; then the bytes land (atomic: on a thread, the
+                                     #   engine keeps serving; streaming: loaded here as buckets arrive)
+    session.commit()                 # atomic: wait for the bytes, then the loader's load (the only stop)
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Protocol
+
+import torch
+
+from .._closing import Closing
+from ..errors import TornUpdateError
+from ..stateless import StatelessGroup
+from ..weights._bytes import BufferCache
+from ..weights.manifest import Manifest
+from ..weights.receiver import WeightReceiver, WeightUpdate
+from ._info import BridgeInfo
+
+__all__ = ["Loader", "WorkerSession"]
+
+Pairs = Iterator[tuple[str, torch.Tensor]]
+
+
+class Loader(Protocol):
+    """What an engine tells a :class:`WorkerSession` about its model.
+
+    ``check`` runs during the handshake, before any bytes move: None takes the manifest, a message refuses
+    it (every member then raises the same ``ManifestMismatchError`` and the bridge stays usable). ``load``
+    consumes the pairs (views of the kept buffer, valid until the next update: it may hold them until the
+    update is whole, never write to them). ``finish`` is called after every ``load``, returned or raised: it
+    leaves the model able to serve (a reload finalized, kernels repacked).
+    """
+
+    def check(self, manifest: Manifest) -> str | None: ...
+
+    def load(self, weights: Pairs) -> None: ...
+
+    def finish(self) -> None: ...
+
+
+class _Landing:
+    """An atomic update's bytes landing on a thread while the engine goes on serving."""
+
+    def __init__(self, update: WeightUpdate, log: logging.Logger) -> None:
+        self.version = update.version
+        self.staged: list[tuple[str, torch.Tensor]] | None = None
+        self.error: BaseException | None = None
+        self.seconds = 0.0
+
+        def run() -> None:
+            t0 = time.perf_counter()
+            try:
+                self.staged = list(update)  # views of the kept buffer
+            except BaseException as e:  # the sender was told by the receiver; the engine learns at commit
+                self.error = e
+                log.error("groupbridge: version %d did not land: %s: %s", self.version, type(e).__name__, e)
+            self.seconds = time.perf_counter() - t0
+
+        self._thread = threading.Thread(target=run, name=f"groupbridge-landing-{self.version}", daemon=True)
+        self._thread.start()
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    def wait(self, seconds: float) -> bool:
+        self._thread.join(seconds)
+        return not self._thread.is_alive()
+
+
+class WorkerSession(Closing):
+    """One inference worker's side of the bridge (see the module docstring).
+
+    Args:
+        loader: the engine's model, as a :class:`Loader`.
+        device: where bytes land (the model's device).
+        background: an atomic update's bytes land on a thread, so the engine serves until ``commit``;
+            False lands them inside ``receive`` (the engine's RPC), as a streaming update always does.
+        log: where the session's lines go (an engine's own logger keeps its format).
+    """
+
+    def __init__(
+        self,
+        loader: Loader,
+        *,
+        device: str | torch.device = "cpu",
+        background: bool = True,
+        log: logging.Logger | None = None,
+    ) -> None:
+        self.loader = loader
+        self.device = torch.device(device)
+        self.background = background
+        self.log = log if log is not None else logging.getLogger(__name__)
+        self.group: StatelessGroup | None = None
+        self.receiver: WeightReceiver | None = None
+        self.info: BridgeInfo | None = None
+        self.version: int | None = None
+        """The version the model holds (None: the weights it was started with)."""
+        self.timings: dict[str, float] = {}
+        """Seconds of the last update: ``handshake`` (with ``check``, the loader's dry run), ``receive``
+        (in the engine's RPC: streamed into the model, or landed when not in the background), ``landing``
+        (background), ``wait`` (commit waiting for the landing), ``load`` (the staged update into the
+        model)."""
+        self._buffers = BufferCache()
+        """The receive buffers (the kept copy of the weights among them), kept across bridge generations."""
+        self._landing: _Landing | None = None
+        self._received: int | None = None
+        self._staged: list[tuple[str, torch.Tensor]] | None = None
+
+    # ------------------------------------------------------------------ bridge
+
+    def join(self, info: BridgeInfo, rank: int) -> None:
+        """Join the bridge ``info`` describes as ``rank``; a bridge joined before is left first."""
+        self.close()
+        if rank >= info.world_size:
+            raise ValueError(
+                f"this worker is bridge rank {rank} but the trainer expects world_size={info.world_size} "
+                "(its sending ranks + the workers): tell the trainer how many workers join"
+            )
+        self.group = StatelessGroup.create(
+            info.host, info.port, rank=rank, world_size=info.world_size, name=info.name,
+            generation=info.generation, timeout=timedelta(seconds=info.timeout_s),
+            liveness_timeout=timedelta(seconds=info.liveness_s), token=info.token,
+        )  # fmt: skip
+        # no src: the handshake finds the senders (rank 0, or every trainer rank sending its shards)
+        self.receiver = WeightReceiver(self.group, device=self.device, buffers=self._buffers)
+        self.info = info
+        self.log.info("groupbridge: worker joined %s as rank %d of %d", info.host, rank, info.world_size)
+
+    def close(self) -> None:
+        """Leave the bridge. A landing in flight is aborted (its group is), and waited for, bounded."""
+        if self.group is not None and self._landing is not None and self._landing.running:
+            self.group.abort("the worker left the bridge during an update")
+        self._drop()
+        if self.receiver is not None:
+            self.receiver.close()
+            self.receiver = None
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+
+    # ------------------------------------------------------------------ one update
+
+    def begin(self) -> None:
+        """A new update: whatever an earlier one received and did not commit is dropped."""
+        self._drop()
+
+    def receive(self, version: int | None = None) -> None:
+        """The handshake (the loader's dry run of the manifest); then the bytes: an atomic update's land on
+        a thread (with ``background``) or here, a streaming update's are loaded here as they arrive."""
+        if self.receiver is None or self.info is None:
+            raise RuntimeError("the worker has not joined a bridge: call join() first")
+        self._drop()
+        t0 = time.perf_counter()
+        check: list[float] = []
+        # Every update lands in the receiver's kept copy of the weights and yields whole tensors as views of
+        # it, valid until the next update. A delta update still yields every tensor (a loader may need whole
+        # layers); only the changes travel.
+        update = self.receiver.receive(
+            timeout=timedelta(seconds=self.info.timeout_s), accept=lambda m: self._check(m, check),
+            only_changed=False, keep=True,
+        )  # fmt: skip
+        t1 = time.perf_counter()
+        if version is not None and update.version != version:
+            self.log.warning("groupbridge: the engine says version %d, the bridge %d", version,
+                             update.version)  # fmt: skip
+        self.timings = {"handshake": t1 - t0, "check": sum(check)}
+        if not self.info.atomic:
+            self._load(iter(update), update.version)
+        elif self.background:
+            self._landing = _Landing(update, self.log)
+        else:
+            self._staged = list(update)
+        self._received = update.version
+        self.timings["receive"] = time.perf_counter() - t1
+
+    def commit(self) -> int | None:
+        """Make the received update the model's: wait for its bytes (bounded), load them (atomic), and
+        return its version. None when there is nothing to commit: no update received since ``begin``, or
+        its bytes did not land (the sender was told then, and the failure logged: the model and ``version``
+        stay as they were, so a trainer recovering an engine left mid-update can always commit)."""
+        if self._received is None:
+            self.log.warning("groupbridge: commit with no update received: nothing loaded")
+            return None
+        version, landing, staged = self._received, self._landing, self._staged
+        self._received, self._landing, self._staged = None, None, None
+        if landing is not None:
+            t0 = time.perf_counter()
+            assert self.info is not None
+            if not landing.wait(self.info.timeout_s):
+                assert self.group is not None
+                self.group.abort(f"version {version} did not land within {self.info.timeout_s:g} s")
+                landing.wait(self.info.liveness_s + 5)
+                self.log.error("groupbridge: version %d did not land within %g s: nothing loaded",
+                               version, self.info.timeout_s)  # fmt: skip
+                return None
+            self.timings["wait"] = time.perf_counter() - t0
+            self.timings["landing"] = landing.seconds
+            if landing.error is not None:
+                return None
+            staged = landing.staged
+        if staged is not None:
+            t0 = time.perf_counter()
+            self._load(iter(staged), version)
+            self.timings["load"] = time.perf_counter() - t0
+        self.version = version
+        self.log.info("groupbridge: version %d committed: %s", version,
+                      ", ".join(f"{k} {v:.3f} s" for k, v in self.timings.items()))  # fmt: skip
+        return version
+
+    # ------------------------------------------------------------------ helpers
+
+    def _drop(self) -> None:
+        landing, self._landing = self._landing, None
+        if landing is not None and not landing.wait(self.info.liveness_s + 5 if self.info else 15.0):
+            self.log.error("groupbridge: an abandoned landing of version %d did not stop", landing.version)
+        self._received = None
+        self._staged = None
+
+    def _check(self, manifest: Manifest, seconds: list[float]) -> str | None:
+        t0 = time.perf_counter()
+        try:
+            return self.loader.check(manifest)
+        finally:
+            seconds.append(time.perf_counter() - t0)
+
+    def _load(self, weights: Pairs, version: int) -> None:
+        """The loader's load, then its finish, whatever happened; a load that fails midway is torn."""
+        loaded: list[str] = []
+
+        def counted() -> Pairs:
+            for name, t in weights:
+                loaded.append(name)
+                yield name, t
+
+        try:
+            self.loader.load(counted())
+        except Exception as e:
+            try:
+                self.loader.finish()
+            except Exception:
+                self.log.exception("groupbridge: finishing the interrupted load failed")
+            held = self.version if self.version is not None else "the initial one"
+            raise TornUpdateError(
+                f"loading version {version} failed after {len(loaded)} tensors: {type(e).__name__}: {e}; the "
+                f"model now holds a mix of two versions (its version stays {held}): send a full update "
+                "before trusting its output",
+                written=loaded,
+            ) from e
+        except BaseException:
+            self.loader.finish()
+            raise
+        self.loader.finish()
