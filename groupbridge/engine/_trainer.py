@@ -38,7 +38,7 @@ from ..weights.sender import SyncStats, WeightSender
 from ..weights.transports import TRANSPORTS
 from ._info import BridgeInfo, check_seconds
 
-__all__ = ["EngineControl", "TrainerConfig", "TrainerSession"]
+__all__ = ["EngineControl", "SessionState", "TrainerConfig", "TrainerSession"]
 
 logger = logging.getLogger(__name__)
 
@@ -289,6 +289,41 @@ class TrainerSession(Closing):
         self.last_stats = self.sender.send(named, v, timeout=timedelta(seconds=self.config.timeout))
         self.version = v
         return v
+
+
+class SessionState:
+    """An engine adapter's view of its :class:`TrainerSession` (``session``, None on a rank that does not
+    send): the state users read, under the same names in every adapter."""
+
+    session: TrainerSession | None
+
+    @property
+    def version(self) -> int | None:
+        """The last version the engine confirmed serving (rank 0), or this rank sent (other senders)."""
+        return self.session.version if self.session is not None else None
+
+    @property
+    def last_stats(self) -> SyncStats | None:
+        return self.session.last_stats if self.session is not None else None
+
+    @property
+    def last_seconds(self) -> dict[str, float]:
+        """Wall time of the last send: ``transfer`` (to every worker's acknowledgement), ``commit`` (the
+        engine's load of a staged update), ``total``."""
+        return self.session.last_seconds if self.session is not None else {}
+
+    @property
+    def group(self) -> StatelessGroup | None:
+        return self.session.group if self.session is not None else None
+
+    @property
+    def sender(self) -> WeightSender | None:
+        return self.session.sender if self.session is not None else None
+
+    @property
+    def address(self) -> Address | None:
+        """The bridge's address (rank 0, once connected): what the other sending ranks dial."""
+        return self.session.address if self.session is not None else None
 
 
 def usable(group: StatelessGroup) -> bool:

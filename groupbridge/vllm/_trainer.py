@@ -10,7 +10,6 @@ land while vLLM serves), ``finish_weight_update`` to commit (the load, and the s
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -22,16 +21,12 @@ from vllm.distributed.weight_transfer.base import (
     WeightSource,
 )
 
-from ..engine import TrainerConfig, TrainerSession
-from ..net import Address
-from ..stateless import StatelessGroup
-from ..weights.sender import SyncStats, WeightSender
+from ..engine import SessionState, TrainerConfig, TrainerSession
+from ..engine._vllm_control import VllmControl
 from ._plugin import BACKEND
 
 if TYPE_CHECKING:
     from typing_extensions import Self
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -50,29 +45,7 @@ class TrainerInitInfo(_VllmTrainerInitInfo, TrainerConfig):
         self.check_rank(self.rank)
 
 
-class VllmControl:
-    """vLLM's weight-sync client (offline, HTTP, Ray) as the session's engine control."""
-
-    def __init__(self, client: VLLMWeightSyncClient) -> None:
-        self.client = client
-
-    def join(self, info: dict[str, Any]) -> None:
-        self.client.init_weight_transfer_engine(info)
-
-    def begin(self, version: int) -> None:
-        _start(self.client)
-        self.client.update_weights({"version": version})
-
-    def commit(self, version: int) -> None:
-        self.client.finish_weight_update(weight_version=str(version))
-
-    def leave(self) -> None:
-        leave = getattr(self.client, "shutdown_weight_transfer_engine", None)
-        if callable(leave):
-            leave()
-
-
-class TrainerEngine(TrainerWeightTransferEngine[TrainerInitInfo]):
+class TrainerEngine(SessionState, TrainerWeightTransferEngine[TrainerInitInfo]):
     """Trainer engine of backend ``"groupbridge"`` (see the module docstring)."""
 
     init_info_cls = TrainerInitInfo
@@ -109,35 +82,6 @@ class TrainerEngine(TrainerWeightTransferEngine[TrainerInitInfo]):
             engine.session.connect()
         return engine
 
-    # the session's state, under the names this engine always had
-    @property
-    def version(self) -> int | None:
-        """The last version vLLM confirmed serving (rank 0)."""
-        return self.session.version if self.session is not None else None
-
-    @property
-    def last_stats(self) -> SyncStats | None:
-        return self.session.last_stats if self.session is not None else None
-
-    @property
-    def last_seconds(self) -> dict[str, float]:
-        """Wall time of the last ``send_weights``: ``transfer`` (to every worker's acknowledgement),
-        ``commit`` (``finish_weight_update``: the atomic load), ``total``."""
-        return self.session.last_seconds if self.session is not None else {}
-
-    @property
-    def group(self) -> StatelessGroup | None:
-        return self.session.group if self.session is not None else None
-
-    @property
-    def sender(self) -> WeightSender | None:
-        return self.session.sender if self.session is not None else None
-
-    @property
-    def address(self) -> Address | None:
-        """The bridge's address (rank 0, once connected): what the other sending ranks dial."""
-        return self.session.address if self.session is not None else None
-
     def connect(self) -> None:
         """Host a new bridge (the next generation) and have every vLLM worker join it."""
         assert self.session is not None
@@ -168,24 +112,3 @@ class TrainerEngine(TrainerWeightTransferEngine[TrainerInitInfo]):
         if isinstance(module, torch.nn.Module):
             return dict(module.named_parameters())
         return dict(iter(self.source))
-
-
-def _start(client: VLLMWeightSyncClient) -> None:
-    """``start_weight_update``, recovering an engine that a trainer left mid-update (it died between vLLM's
-    ``start_weight_update`` and the end of the update: vLLM then refuses every new start, and has no abort).
-    Our workers drop whatever an earlier session received when a new one joins, so finishing that update
-    commits nothing; then the start is tried again. Any other failure is raised as it was."""
-    try:
-        client.start_weight_update()
-        return
-    except Exception as e:
-        first = e
-    try:
-        client.finish_weight_update(weight_version=None)
-    except Exception:  # not a leftover update: the start failed for its own reason
-        raise first from None
-    logger.warning(
-        "groupbridge: vLLM was left mid-update by an earlier trainer (%s); finished it without loading "
-        "anything and started this update", first,
-    )  # fmt: skip
-    client.start_weight_update()

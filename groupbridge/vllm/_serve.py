@@ -1,0 +1,162 @@
+"""A ``vllm serve`` started here, for the tests and the benchmark: bounded start, HTTP helpers, a client that
+streams generations and records when each token arrived, and a stop that leaves nothing in /dev/shm."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from .._closing import Closing
+from ._stop import remove_new, segments, stop_server
+
+
+def _listening_port(pid: int, deadline: float) -> int:
+    """The TCP port process ``pid`` listens on (it was started with ``--port 0``: the kernel picked it)."""
+    import psutil  # type: ignore[import-untyped]
+
+    while time.monotonic() < deadline:
+        ports = [
+            c.laddr.port
+            for c in psutil.Process(pid).net_connections(kind="tcp")
+            if c.status == psutil.CONN_LISTEN and c.laddr.ip == "127.0.0.1"
+        ]
+        if ports:
+            return int(ports[0])
+        time.sleep(0.2)
+    raise TimeoutError(f"vllm serve (pid {pid}) did not listen within its start-up bound")
+
+
+def http(method: str, url: str, body: dict[str, Any] | None = None, timeout: float = 60) -> Any:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        raw = r.read()
+    return json.loads(raw) if raw else None
+
+
+class Server(Closing):
+    """``vllm serve MODEL`` with backend ``"groupbridge"`` on loopback, a port the kernel picks, healthy
+    within ``start_s`` or a ``TimeoutError`` with the end of its log. ``close()`` stops it and removes the
+    shared memory its processes left."""
+
+    def __init__(
+        self,
+        model: str | Path,
+        *,
+        log: str | Path,
+        tp: int = 1,
+        max_model_len: int = 128,
+        kv_cache_bytes: int = 1 << 30,
+        dtype: str = "float32",
+        start_s: float = 180.0,
+        extra: tuple[str, ...] = (),
+    ) -> None:
+        self.model = str(model)
+        self.log = Path(log)
+        self._shm = segments()
+        # two CPU workers on one NUMA node need their cores named (vLLM refuses to guess)
+        binds = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i) for i in range(tp))} if tp > 1 else {}
+        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", **binds)
+        # what `vllm serve` runs; the `vllm` command of vllm-cpu 0.32.0 fails looking up its own version
+        # (importlib.metadata.version("vllm"): the distribution is named vllm-cpu)
+        cmd = [
+            sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", self.model,
+            "--host", "127.0.0.1", "--port", "0", "--dtype", dtype, "--skip-tokenizer-init",
+            "--max-model-len", str(max_model_len), "--max-num-seqs", "4", "--enforce-eager",
+            "--tensor-parallel-size", str(tp), "--kv-cache-memory-bytes", str(kv_cache_bytes),
+            "--weight-transfer-config", json.dumps({"backend": "groupbridge"}), *extra,
+        ]  # fmt: skip
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        self.removed: list[str] = []
+        try:
+            deadline = time.monotonic() + start_s
+            self.base = f"http://127.0.0.1:{_listening_port(self.proc.pid, deadline)}"
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"vllm serve exited ({self.proc.returncode}):\n{self.tail()}")
+                try:
+                    http("GET", f"{self.base}/health", timeout=5)
+                    break
+                except Exception:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(
+                            f"vllm serve not healthy within {start_s:g} s:\n{self.tail()}"
+                        ) from None
+                    time.sleep(0.5)
+        except BaseException:
+            self.close()
+            raise
+
+    def tail(self, n: int = 3000) -> str:
+        return self.log.read_text(errors="replace")[-n:]
+
+    def weight_version(self) -> str:
+        return str(http("GET", f"{self.base}/weight_info")["weight_version"])
+
+    def complete(self, prompt: list[int], max_tokens: int) -> list[int]:
+        """Greedy token ids for ``prompt``."""
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                "return_token_ids": True}  # fmt: skip
+        return list(http("POST", f"{self.base}/v1/completions", body)["choices"][0]["token_ids"])
+
+    def close(self) -> None:
+        stop_server(self.proc)
+        # vLLM 0.32 never unlinks its CPU communicator's segments: whoever starts an engine cleans after it
+        self.removed = remove_new(self._shm)
+
+
+class Streamer:
+    """A client generating from ``server`` without pause (one streamed request after another, ``tokens``
+    each, ignoring end of sequence) and recording when each token arrived: what a user of a serving engine
+    sees during a weight update. ``stop()`` ends it (bounded) and returns the arrival times."""
+
+    def __init__(self, server: Server, prompt: list[int], tokens: int = 96) -> None:
+        self.times: list[float] = []
+        self.errors: list[BaseException] = []
+        self._stop = threading.Event()
+        body = json.dumps({
+            "model": server.model, "prompt": prompt, "max_tokens": tokens, "temperature": 0,
+            "stream": True, "ignore_eos": True,
+        }).encode()  # fmt: skip
+        url = f"{server.base}/v1/completions"
+
+        def run() -> None:
+            while not self._stop.is_set():
+                req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+                try:
+                    with urllib.request.urlopen(req, timeout=60) as r:
+                        for line in r:
+                            if line.startswith(b"data: {"):
+                                self.times.append(time.monotonic())
+                            if self._stop.is_set():
+                                return
+                except Exception as e:
+                    self.errors.append(e)
+                    return
+
+        self._thread = threading.Thread(target=run, name="groupbridge-streamer", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 60) -> list[float]:
+        self._stop.set()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"the streaming client did not stop within {timeout:g} s")
+        return list(self.times)
+
+
+def longest_gap(times: list[float], start: float, end: float) -> float:
+    """The longest time in [start, end] in which no token arrived."""
+    inside = [start] + [t for t in times if start < t < end] + [end]
+    return max(b - a for a, b in itertools.pairwise(inside))

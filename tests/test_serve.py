@@ -1,0 +1,175 @@
+"""A real ``vllm serve`` (backend "groupbridge") that keeps serving while an update's bytes land, driven by
+the engine layer over HTTP and by TRL's own asynchronous GRPO trainer.
+
+One server for the module (start-up ~30 s). Tokens are checked against ``transformers`` with the same
+weights (fp32, greedy), as in ``test_vllm``.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from groupbridge.engine import TrainerConfig, TrainerSession
+from groupbridge.engine._vllm_control import HttpClient, VllmControl
+from groupbridge.vllm._serve import Server, Streamer, http, longest_gap
+from groupbridge.vllm._stop import segments
+from groupbridge.vllm.models import make_model
+from tests.engines import PROMPTS, TOKENS, perturb, reference
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Any, Path]]:
+    path = tmp_path_factory.mktemp("qwen2-serve1")
+    model = make_model(path, "qwen2", seed=3)
+    before = segments()
+    srv = Server(path, log=path / "serve.log", max_model_len=512)
+    try:
+        yield srv, model, path
+    finally:
+        srv.close()
+    assert not segments() - before, "the server left shared memory behind"
+
+
+def slow(model: Any, seconds: float) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's parameters, one every ``seconds``: a trainer whose source is slow (a gather, a link),
+    so that the transfer lasts long enough to see whether serving goes on meanwhile."""
+    for name, p in model.named_parameters():
+        time.sleep(seconds)
+        yield name, p.detach()
+
+
+@pytest.mark.parametrize("atomic", [True, False], ids=["atomic", "streaming"])
+def test_a_client_keeps_getting_tokens_while_an_atomic_update_lands(
+    server: tuple[Server, Any, Path], atomic: bool
+) -> None:
+    """Atomic: the bytes land on a worker thread, the engine goes on generating, and only the commit (vLLM's
+    load) stops it. Streaming (layers are loaded as they arrive): the engine generates nothing until the
+    update ends; measured the same way, which shows that the measure sees a stall when there is one."""
+    srv, model, _ = server
+    perturb(model, 1 if atomic else 2)
+    specs = {n: (tuple(p.shape), p.dtype) for n, p in model.named_parameters()}
+    config = TrainerConfig(timeout=60, liveness=3, atomic=atomic, name="serve", bucket_bytes=256 << 10)
+    session = TrainerSession(config, VllmControl(HttpClient(srv.base, timeout=60)))
+    streamer = Streamer(srv, [5, 6, 7], tokens=400)
+    try:
+        deadline = time.monotonic() + 60
+        while len(streamer.times) < 20:  # it is generating
+            assert time.monotonic() < deadline and not streamer.errors, streamer.errors
+            time.sleep(0.05)
+        session.connect()
+        t0 = time.monotonic()
+        session.send(slow(model, 0.1), specs=specs)
+        transfer = session.last_seconds["transfer"]
+        times = streamer.stop()
+    finally:
+        streamer.stop()
+        session.close()
+    assert not streamer.errors, streamer.errors
+    assert transfer > 2.0, session.last_seconds  # 27 tensors, one every 0.1 s
+    gap = longest_gap(times, t0, t0 + transfer)
+    during = sum(t0 < t < t0 + transfer for t in times)
+    if atomic:
+        assert gap < 0.5 * transfer and during > 10, (gap, during, session.last_seconds)
+    else:
+        assert gap > 0.8 * transfer, (gap, during, session.last_seconds)
+    assert srv.weight_version() == str(session.version)
+    assert [srv.complete(p, TOKENS) for p in PROMPTS] == reference(model)
+
+
+def test_trl_async_grpo_trainer_sends_through_groupbridge(
+    server: tuple[Server, Any, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TRL's own ``AsyncGRPOTrainer`` (trl 1.16) with ``weight_transfer=gb.trl.WeightTransfer(url)``: at train
+    begin it calls ``init_weight_transfer``, ``pause``, ``send_weights`` (its own iterator of the policy's
+    parameters), ``resume``; at train end ``destroy``. The server then serves the trainer's weights and is
+    not left paused. What cannot run here: TRL's training step itself (its packed attention needs a
+    FlashAttention-3 kernel, CUDA only), so the rollout worker reports no rollouts and training stops after
+    the first sync; and TRL's peak-FLOPs probe asks CUDA for its device name, so it is stubbed."""
+    pytest.importorskip("trl")
+    import trl.experimental.async_grpo.async_grpo_trainer as grpo
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+    from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+
+    import groupbridge as gb
+    import groupbridge.trl
+
+    srv, model, _ = server
+    policy = tmp_path / "policy"
+    perturb(model, 3)
+    model.save_pretrained(policy)  # what TRL trains: the server's architecture, other weights
+    vocab = {f"w{i}": i for i in range(model.config.vocab_size - 3)}
+    vocab.update({"<pad>": len(vocab), "<eos>": len(vocab) + 1, "<unk>": len(vocab) + 2})
+    words = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=words, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>", padding_side="left"
+    )
+    monkeypatch.setattr(grpo, "get_peak_flops_per_device", lambda *a, **k: None)
+
+    calls: list[str] = []
+
+    class Recorded(gb.trl.WeightTransfer):
+        def init_weight_transfer(self) -> None:
+            calls.append("init")
+            super().init_weight_transfer()
+
+        def pause(self) -> None:
+            calls.append("pause")
+            super().pause()
+
+        def send_weights(self, iterator: Iterator[tuple[str, torch.Tensor]]) -> None:
+            calls.append("send")
+            super().send_weights(iterator)
+
+        def resume(self) -> None:
+            calls.append("resume")
+            super().resume()
+
+        def destroy(self) -> None:
+            calls.append("destroy")
+            super().destroy()
+
+    class NoRollouts:
+        """TRL's rollout-worker protocol, producing nothing: training stops at its first health check."""
+
+        def __init__(self) -> None:
+            self.rollout_buffer: queue.Queue[Any] = queue.Queue()
+            self.metrics_queue: queue.Queue[Any] = queue.Queue()
+
+        def start(self) -> None: ...
+
+        def stop(self) -> None: ...
+
+        def update_model_version(self, version: int) -> None: ...
+
+        def check_health(self, stale_after_s: float) -> None:
+            raise RuntimeError("no rollouts on this machine")
+
+    transfer = Recorded(srv.base, timeout=60, liveness=3, http_timeout=60)
+    args = AsyncGRPOConfig(
+        output_dir=str(tmp_path / "out"), bf16=False, use_cpu=True, max_steps=1, token_budget=0,
+        per_device_train_batch_size=2, num_generations=2, report_to=[], gradient_checkpointing=False,
+        save_strategy="no",
+    )  # fmt: skip
+    trainer = AsyncGRPOTrainer(
+        model=str(policy), reward_funcs=None, args=args, train_dataset=[{"prompt": "w1 w2"}] * 4,
+        processing_class=tokenizer, rollout_worker=NoRollouts(), weight_transfer=transfer,
+    )  # fmt: skip
+    with pytest.raises(RuntimeError, match="no rollouts"):
+        trainer.train()
+    assert calls == ["init", "pause", "send", "resume", "destroy"], calls
+    assert transfer.session is None and transfer.version is None  # destroyed
+    assert srv.weight_version() == "1"
+    assert http("GET", f"{srv.base}/is_paused")["is_paused"] is False
+    trained = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32)
+    assert [srv.complete(p, TOKENS) for p in PROMPTS] == reference(trained)
