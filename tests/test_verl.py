@@ -1,0 +1,128 @@
+"""groupbridge as verl's checkpoint engine "groupbridge" (verl 0.9.1), driven as verl's
+``CheckpointEngineManager`` drives every backend: the engine loaded through ``custom_backend_module`` and
+made by verl's own registry, ``prepare`` on every worker, ``build_topology`` on the driver,
+``init_process_group`` on every worker, ``send_weights`` on every actor rank beside ``receive_weights`` on
+the rollout worker, ``finalize``; three updates in a row on the same engines.
+
+What is not run here: verl's manager itself (it needs a Ray cluster of verl ``Worker``s, an FSDP actor and
+a rollout server; verl's own tests of it need GPUs), so this driver is the manager's calls in its order,
+each worker a process of its own; the actors' generators gather for real (two torch.distributed ranks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+import torch
+
+from tests.helpers import CTX, Ranks, share_port
+
+pytestmark = pytest.mark.timeout(180)
+
+SHAPES = {"embed.weight": (64, 16), "layer.0.w": (32, 16), "layer.0.b": (32,), "head.weight": (64, 16)}
+ACTORS, ROLLOUTS = 2, 1
+ROUNDS = [1, "all", 1]  # the engine's ``sources`` in each update
+
+
+def full(name: str, step: int) -> torch.Tensor:
+    i = list(SHAPES).index(name)
+    n = torch.Size(SHAPES[name]).numel()
+    return (torch.arange(n, dtype=torch.float32) + 1000 * step + 100 * i).reshape(SHAPES[name])
+
+
+def _worker(rank: int, meta: Any, topology: list[Any], gports: Any) -> list[Any]:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from verl.checkpoint_engine.base import CheckpointEngineRegistry
+    from verl.utils.import_utils import import_external_libs
+
+    import groupbridge as gb
+
+    import_external_libs("groupbridge.verl")  # what verl does with custom_backend_module
+    actor = rank < ACTORS
+    if actor:  # the actors' own world, for the gathers of their generators (FSDP's full_tensor)
+        lis, port = share_port(rank, ACTORS, gports, "127.0.0.1")
+        gb.init_global_group(rank=rank, world_size=ACTORS, listener=lis, init_method=None if lis else
+                             f"tcp://127.0.0.1:{port}", timeout=timedelta(seconds=30))  # fmt: skip
+    kw: dict[str, Any] = {"is_master": rank == 0} if actor else {}  # as verl's actor and rollout workers
+    kw.update(bucket_size=1 << 10, timeout=30, liveness=3)  # verl's bucket size, then engine_kwargs
+    engines = {s: CheckpointEngineRegistry.new("groupbridge", sources=s, **kw) for s in set(ROUNDS)}
+
+    def gathered(step: int) -> Any:
+        for name in SHAPES:
+            mine = torch.chunk(full(name, step), ACTORS)[rank].clone()
+            parts = [torch.empty_like(mine) for _ in range(ACTORS)]
+            dist.all_gather(parts, mine)
+            yield name, torch.cat(parts)
+
+    def boxes(step: int) -> Any:
+        for name in SHAPES:
+            pieces = torch.chunk(full(name, step), ACTORS)
+            offset = (sum(len(p) for p in pieces[:rank]),) + (0,) * (len(SHAPES[name]) - 1)
+            yield name, gb.Shard(pieces[rank].clone(), SHAPES[name], offset)
+
+    async def received(engine: Any, step: int) -> dict[str, torch.Tensor]:
+        return {n: t.clone() async for n, t in engine.receive_weights(global_steps=step)}
+
+    out: list[Any] = []
+    for step, sources in enumerate(ROUNDS, 1):
+        engine = engines[sources]
+        meta.put((rank, engine.prepare()))
+        engine.init_process_group(**topology[rank].get(timeout=60))
+        if actor:
+            weights = gathered(step) if sources == 1 else boxes(step)
+            out.append(asyncio.run(engine.send_weights(weights, global_steps=step)))
+        else:
+            got = asyncio.run(received(engine, step))
+            out.append(list(got) == list(SHAPES) and all(torch.equal(got[n], full(n, step)) for n in SHAPES))
+        engine.finalize()
+    if actor:
+        gb.destroy_global_group()
+    return out
+
+
+def test_verl_drives_the_groupbridge_checkpoint_engine() -> None:
+    pytest.importorskip("verl")
+    from groupbridge.verl import GroupBridgeCheckpointEngine
+
+    n = ACTORS + ROLLOUTS
+    meta, topology = CTX.Queue(), [CTX.Queue() for _ in range(n)]
+    ranks = Ranks(_worker, n, (meta, topology, CTX.Queue()))
+    for _ in ROUNDS:  # the driver's part of each update: gather metadata, build the topology, hand it out
+        got = dict(meta.get(timeout=90) for _ in range(n))
+        ordered = [got[r] for r in range(n)]  # actors first, then rollout workers, as verl's manager
+        actor_kw, rollout_kw = GroupBridgeCheckpointEngine.build_topology(ACTORS, ROLLOUTS, ordered)
+        for r in range(n):
+            kw = actor_kw if r < ACTORS else rollout_kw
+            topology[r].put({k: v[r if r < ACTORS else r - ACTORS] for k, v in kw.items()})
+    results = ranks.results(60)
+    assert all(ok for ok, _ in results.values()), results
+    assert results[ACTORS][1] == [True] * len(ROUNDS), results[ACTORS]
+    senders = [results[0][1], results[1][1]]
+    assert [bool(m) for m in senders[0]] == [True, True, True]  # rank 0 sends every update
+    assert [bool(m) for m in senders[1]] == [False, True, False]  # rank 1 only when every rank sends
+    assert all(m["groupbridge/gb_per_s"] > 0 for m in senders[0])
+
+
+def test_build_topology_refuses_what_it_cannot_wire() -> None:
+    pytest.importorskip("verl")
+    from groupbridge.verl import GroupBridgeCheckpointEngine as E
+
+    master = {"groupbridge": True, "master": True, "sources": 1, "host": "127.0.0.1", "port": 5}
+    other = {"groupbridge": True, "master": False, "sources": 1}
+    actor, rollout = E.build_topology(2, 2, [other, master, other, other])
+    assert actor["rank"] == [-1, 0] and rollout["rank"] == [1, 2] and actor["world_size"] == [3, 3]
+    all_ = dict(master, sources="all")
+    actor, rollout = E.build_topology(2, 1, [dict(other, sources="all"), all_, other])
+    assert actor["rank"] == [1, 0] and rollout["rank"] == [2] and actor["sources"] == [2, 2]
+    with pytest.raises(ValueError, match="disagree"):
+        E.build_topology(2, 1, [master, dict(other, sources="all"), other])
+    with pytest.raises(ValueError, match="exactly one"):
+        E.build_topology(2, 1, [master, master, other])
+    with pytest.raises(ValueError, match="metadata"):
+        E.build_topology(2, 1, [master, {"nccl": 1}, other])
+    with pytest.raises(ValueError, match="sources"):
+        E(1 << 20, sources=3)
