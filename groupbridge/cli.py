@@ -119,29 +119,40 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 def _bench_vllm(args: argparse.Namespace) -> int:
     from .bench.vllm_engine import run_vllm
+    from .bench.vllm_serving import run_serving
 
     size = "tiny" if args.quick else "bench"
     if not args.json:
         _console.echo(
             f"[bench] one update into vLLM ({size} Qwen2, bf16), {args.rounds} interleaved rounds: "
-            "groupbridge (auto, broadcast), safetensors + reload_weights, the same sync into a plain "
-            "torch model ..."
+            "groupbridge (auto, broadcast; atomic, streaming), safetensors + reload_weights, the same sync "
+            "into a plain torch model; then the serving stall of a client streaming from vllm serve ..."
         )
     records = run_vllm(size=size, rounds=args.rounds)
+    serving = run_serving(size=size, rounds=args.rounds)
     if args.json:
-        print(json.dumps(records, indent=1))
+        print(json.dumps({"update": records, "serving": serving}, indent=1))
         return 0
     _console.table(
         "one weight update into vLLM (seconds, median of rounds)",
-        ["mode", "bytes", "seconds", "min-max", "faster than reload", "vs engine-free", "vLLM load share"],
+        ["mode", "bytes", "seconds", "min-max", "faster than reload", "vs engine-free", "vLLM load"],
         [
             [
                 r["mode"], f"{r['bytes'] / 2**30:.2f} GiB", f"{r['seconds']:.2f}",
                 f"{r['min']:.2f}-{r['max']:.2f}",
                 f"{r['vs_reload']:.2f}x", f"{r['vs_engine_free']:.2f}x",
-                "-" if r["load_share"] is None else f"{100 * r['load_share']:.0f}%",
+                "-" if r["load"] is None else f"{r['load']:.2f}",
             ]
             for r in records
+        ],
+    )  # fmt: skip
+    _console.table(
+        "serving during an update: a client streaming from vllm serve (seconds, median of rounds)",
+        ["mode", "update", "stall (no tokens)", "worst stall", "vLLM load (commit)"],
+        [
+            [r["mode"], f"{r['seconds']:.2f}", f"{r['stall']:.2f}", f"{r['stall_max']:.2f}",
+             "-" if r["commit"] is None else f"{r['commit']:.2f}"]
+            for r in serving
         ],
     )  # fmt: skip
     return 0

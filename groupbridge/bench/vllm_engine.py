@@ -2,9 +2,10 @@
 
 Modes, interleaved round by round in one run (the machine's noise hits them alike):
 
-- ``groupbridge/<transport>``: backend ``"groupbridge"`` into an offline ``vllm.LLM`` (atomic: staged, then
-  loaded in ``finish_weight_update``); wall time of ``send_weights()``, and the share of it spent in vLLM's
-  load (``finish``).
+- ``groupbridge/<transport>``: backend ``"groupbridge"`` into an offline ``vllm.LLM``, atomic (landed in the
+  worker's kept buffer, then loaded in ``finish_weight_update``): wall time of ``send_weights()``, and of
+  its commit, vLLM's own ``load_weights`` of the staged tensors from memory (with the RPC to it);
+- ``groupbridge/<transport>/streaming``: buckets go into vLLM's loader as they arrive;
 - ``safetensors+reload``: what a CPU user does without us: the trainer writes safetensors
   (``save_pretrained``) and vLLM reloads them (``collective_rpc("reload_weights", weights_path=...)``).
 - ``engine-free``: the same groupbridge sync (auto transport, atomic, XXH3 checksum) into a plain torch model
@@ -92,16 +93,18 @@ def run_vllm(
                 for p in model.parameters():
                     p.add_(0.01)
             for transport in transports:
-                info = TrainerInitInfo(rank=0, transport=transport, timeout=600, first_version=100 * (r + 1))
-                eng = WeightTransferTrainerFactory.trainer_init(
-                    info, client=OfflineClient(llm), source=ModuleSource(model)
-                )
-                eng.send_weights()
-                times.setdefault(f"groupbridge/{transport}", []).append(eng.last_seconds["total"])
-                load_share.setdefault(f"groupbridge/{transport}", []).append(
-                    eng.last_seconds["commit"] / eng.last_seconds["total"]
-                )
-                eng.shutdown()
+                for atomic in (True, False):
+                    info = TrainerInitInfo(rank=0, transport=transport, timeout=600, atomic=atomic,
+                                           first_version=100 * (r + 1))  # fmt: skip
+                    eng = WeightTransferTrainerFactory.trainer_init(
+                        info, client=OfflineClient(llm), source=ModuleSource(model)
+                    )
+                    eng.send_weights()
+                    mode = f"groupbridge/{transport}" + ("" if atomic else "/streaming")
+                    times.setdefault(mode, []).append(eng.last_seconds["total"])
+                    if atomic:  # the commit is vLLM's load of the staged update (with its RPC)
+                        load_share.setdefault(mode, []).append(eng.last_seconds["commit"])
+                    eng.shutdown()
             t0 = time.perf_counter()
             model.save_pretrained(f"{tmp.name}/step")
             llm.collective_rpc("reload_weights", kwargs={"weights_path": f"{tmp.name}/step"})
@@ -128,6 +131,6 @@ def run_vllm(
         records.append({
             "mode": mode, "bytes": nbytes, "seconds": med, "min": min(ts), "max": max(ts), "rounds": len(ts),
             "vs_reload": baseline / med, "vs_engine_free": med / ceiling,
-            "load_share": statistics.median(load_share[mode]) if mode in load_share else None,
+            "load": statistics.median(load_share[mode]) if mode in load_share else None,
         })  # fmt: skip
     return records

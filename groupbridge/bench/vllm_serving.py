@@ -1,0 +1,105 @@
+"""The serving stall: how long a client streaming from ``vllm serve`` gets no tokens during a weight update.
+
+A client generates without pause from a real ``vllm serve`` (one streamed request after another) while the
+trainer updates the weights, round by round, interleaved:
+
+- ``groupbridge/atomic``: the bytes land on the worker's thread while vLLM serves; only the commit (vLLM's
+  load of the staged update, ``finish_weight_update``) stops it;
+- ``groupbridge/streaming``: buckets go into vLLM's loader as they arrive: serving stops for the transfer;
+- ``safetensors+reload``: ``save_pretrained`` then ``reload_weights`` (through the server's
+  ``/collective_rpc``): serving stops for the reload.
+
+The stall of an update is the longest time without a token from its start to the first token after it,
+less the client's usual time between tokens (the median of the 2 s before the update).
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+__all__ = ["run_serving"]
+
+MODES = ("groupbridge/atomic", "groupbridge/streaming", "safetensors+reload")
+
+
+def _stall(times: list[float], start: float, end: float, deadline_s: float = 30.0) -> tuple[float, float]:
+    """(stall, usual time between tokens) around an update in [start, end]: waits (bounded) for the first
+    token after ``end``."""
+    from ..vllm._serve import longest_gap
+
+    limit = time.monotonic() + deadline_s
+    while not any(t > end for t in times):
+        if time.monotonic() > limit:
+            raise TimeoutError(f"no token within {deadline_s:g} s of the update's end: serving stopped")
+        time.sleep(0.01)
+    after = min(t for t in times if t > end)
+    before = [t for t in times if start - 2.0 < t < start]
+    pace = statistics.median(b - a for a, b in itertools.pairwise(before)) if len(before) > 2 else 0.0
+    return max(0.0, longest_gap(times, start, after) - pace), pace
+
+
+def run_serving(size: str = "bench", rounds: int = 3) -> list[dict[str, Any]]:
+    """Per mode: update seconds, the stall, and (groupbridge) the commit: vLLM's load with its RPC."""
+    from ..engine import TrainerConfig, TrainerSession
+    from ..engine._vllm_control import HttpClient, VllmControl
+    from ..vllm._serve import Server, Streamer, http
+    from ..vllm.models import make_model
+
+    tmp = tempfile.TemporaryDirectory(prefix="gb-bench-serve-")
+    model = make_model(f"{tmp.name}/model", "qwen2", size, dtype="bfloat16")
+    specs = {n: (tuple(p.shape), p.dtype) for n, p in model.named_parameters()}
+    rows: dict[str, dict[str, list[float]]] = {m: {"seconds": [], "stall": [], "commit": []} for m in MODES}
+    srv = Server(f"{tmp.name}/model", log=f"{tmp.name}/serve.log", dtype="bfloat16", max_model_len=1024,
+                 start_s=300)  # fmt: skip
+    try:
+        streamer = Streamer(srv, [11, 12, 13, 14], tokens=960)
+        time.sleep(3.0)  # the client's pace settles
+        client = HttpClient(srv.base, timeout=600)
+        for r in range(rounds):
+            for mode in MODES:
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.add_(0.01)
+                commit = None
+                t0 = time.monotonic()
+                if mode == "safetensors+reload":
+                    model.save_pretrained(f"{tmp.name}/step")
+                    http("POST", f"{srv.base}/collective_rpc", {"method": "reload_weights",
+                         "kwargs": {"weights_path": f"{tmp.name}/step"}}, timeout=600)  # fmt: skip
+                    t1 = time.monotonic()
+                else:
+                    config = TrainerConfig(timeout=600, atomic=mode.endswith("atomic"), name="bench",
+                                           first_version=100 * (r + 1))  # fmt: skip
+                    with TrainerSession(config, VllmControl(client)) as session:
+                        session.connect()
+                        t0 = time.monotonic()
+                        session.send(dict(model.named_parameters()), specs=specs)
+                        t1 = time.monotonic()
+                        commit = session.last_seconds["commit"]
+                stall, _ = _stall(streamer.times, t0, t1)
+                rows[mode]["seconds"].append(t1 - t0)
+                rows[mode]["stall"].append(stall)
+                if commit is not None:
+                    rows[mode]["commit"].append(commit)
+                time.sleep(1.0)
+        streamer.stop()
+        if streamer.errors:
+            raise RuntimeError(f"the streaming client failed: {streamer.errors[0]}")
+    finally:
+        srv.close()
+        tmp.cleanup()
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return [
+        {
+            "mode": m, "bytes": nbytes, "rounds": len(v["seconds"]),
+            "seconds": statistics.median(v["seconds"]), "stall": statistics.median(v["stall"]),
+            "stall_max": max(v["stall"]), "commit": statistics.median(v["commit"]) if v["commit"] else None,
+        }
+        for m, v in rows.items()
+    ]  # fmt: skip
