@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from .engine import SessionState, TrainerConfig, TrainerSession
+from .engine._trainer import Described
 from .engine._vllm_control import HttpClient, VllmControl
 
 __all__ = ["WeightTransfer"]
@@ -50,6 +51,7 @@ class WeightTransfer(SessionState):
         self._pause = pause
         self._paused = False
         self._asked = False
+        self._described = Described()
         self.session: TrainerSession | None = None
 
     def __bool__(self) -> bool:  # TRL tests the object's truth before every call but the first
@@ -61,8 +63,11 @@ class WeightTransfer(SessionState):
         self.session.connect()
 
     def pause(self) -> None:
-        """Ask for the server to be paused at the swap (not now: the bytes land while it serves)."""
+        """Ask for the server to be paused at the swap (not now: the bytes land while it serves). A
+        streaming update (``atomic=False``) swaps layer by layer as bytes arrive: the server is paused now."""
         self._asked = True
+        if not self.config.atomic:
+            self._at_swap()
 
     def _at_swap(self) -> None:
         if self._asked and self._pause is not None and not self._paused:
@@ -73,7 +78,13 @@ class WeightTransfer(SessionState):
         """Send the trainer's (name, tensor) pairs as the next version; returns once the server serves it."""
         if self.session is None:
             raise RuntimeError("init_weight_transfer() has not been called")
-        self.session.send(iterator)
+        pairs, specs = self._described.pairs(iterator)
+        try:
+            self.session.send(pairs, specs=specs)
+        except Exception:
+            self._described.forget()  # a changed model is described again
+            raise
+        self._described.sent(pairs)
 
     def resume(self) -> None:
         """Resume the server if it was paused at the swap."""

@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Iterator
 from datetime import timedelta
 from typing import Any
 
 import torch
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 
+from .engine._trainer import Described
 from .net import Listener, listen
 from .stateless import StatelessGroup
 from .weights._bytes import BufferCache
@@ -57,6 +58,9 @@ class GroupBridgeCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         liveness: seconds after which a silent peer counts as gone.
         checksum: XXH3-64 checksum of every bucket, verified before an update is committed.
         device: where a rollout worker lands the bytes (its server adapter's device; default CPU).
+        atomic: a rollout worker yields nothing until every byte landed and was verified, so a sender
+            failing midway leaves its engine untouched; False yields
+            each tensor as it lands (the server adapter loads while bytes move; a failure midway is torn).
     """
 
     def __init__(
@@ -72,6 +76,7 @@ class GroupBridgeCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         liveness: float = 10.0,
         checksum: bool = True,
         device: str = "cpu",
+        atomic: bool = True,
     ) -> None:
         if sources not in (1, "all"):
             raise ValueError(f"sources={sources!r} must be 1 or 'all'")
@@ -87,6 +92,7 @@ class GroupBridgeCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         self.liveness = liveness
         self.checksum = checksum
         self.device = torch.device(device)
+        self.atomic = atomic
         self.rank: int | None = None
         self.group: StatelessGroup | None = None
         self.sender: WeightSender | None = None
@@ -97,7 +103,7 @@ class GroupBridgeCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         self._listener: Listener | None = None
         self._buffers = BufferCache()
         """A rollout worker's receive buffers (its kept copy of the weights): reused by every update."""
-        self._specs: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None
+        self._described = Described()
 
     # ------------------------------------------------------------------ topology
 
@@ -194,33 +200,43 @@ class GroupBridgeCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         if self.sources == "all":
             stats = await asyncio.to_thread(self.sender.send, dict(weights), version)
         else:
-            # the names and shapes of the first update describe the next ones: those then stream (a gather
-            # per tensor while bytes move) instead of being collected first
             stats = await asyncio.to_thread(self._send_streamed, weights, version)
         self.last_seconds = time.perf_counter() - t0
         return {"groupbridge/seconds": self.last_seconds, "groupbridge/gb_per_s": stats.gb_per_s}
 
     def _send_streamed(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> Any:
         assert self.sender is not None
-        if self._specs is None:
-            pairs = list(weights)
-            self._specs = {n: (tuple(t.shape), t.dtype) for n, t in pairs}
-            return self.sender.send(pairs, version)
-        return self.sender.send(iter(weights), version, specs=self._specs)
+        pairs, specs = self._described.pairs(weights)
+        try:
+            stats = self.sender.send(pairs, version, specs=specs)
+        except Exception:
+            self._described.forget()  # a changed model is described again
+            raise
+        self._described.sent(pairs)
+        return stats
 
     async def receive_weights(
         self, global_steps: int | None = None
     ) -> AsyncIterator[tuple[str, torch.Tensor]]:
-        """Yield (name, tensor) as they land: views of this worker's kept buffer, valid until the next update
-        (verl's server adapters copy them into the engine). The update commits on every receiver or none."""
+        """Yield (name, tensor): views of this worker's kept buffer, valid until the next update (verl's
+        server adapters copy them into the engine). ``atomic``: only once the whole update landed here and
+        was verified; else as each tensor lands."""
         if self.receiver is None:
             raise RuntimeError("init_process_group has not made this worker a receiver")
         self._next(global_steps)
         receiver = self.receiver
         update = await asyncio.to_thread(receiver.receive, keep=True, timeout=timedelta(seconds=self.timeout))
+        if self.atomic:
+            for item in await asyncio.to_thread(list, update):
+                yield item
+            return
         pairs = iter(update)
-        while (item := await asyncio.to_thread(next, pairs, None)) is not None:
-            yield item
+        while (pair := await asyncio.to_thread(_next, pairs)) is not None:
+            yield pair
+
+
+def _next(pairs: Iterator[tuple[str, torch.Tensor]]) -> tuple[str, torch.Tensor] | None:
+    return next(pairs, None)
 
 
 def _walk(weights: Iterable[Any]) -> None:

@@ -38,7 +38,7 @@ from ..weights.sender import SyncStats, WeightSender
 from ..weights.transports import TRANSPORTS
 from ._info import BridgeInfo, check_seconds
 
-__all__ = ["EngineControl", "SessionState", "TrainerConfig", "TrainerSession"]
+__all__ = ["Described", "EngineControl", "SessionState", "TrainerConfig", "TrainerSession"]
 
 logger = logging.getLogger(__name__)
 
@@ -152,6 +152,9 @@ class TrainerSession(Closing):
         self.generation = 0
         self.version: int | None = None
         """The last version the engine confirmed serving (rank 0), or this rank sent (the others)."""
+        self.sent: int | None = None
+        """The last version every worker acknowledged: they hold it, committed or not, and refuse it again
+        (a commit that failed leaves ``version`` behind ``sent``; the next default version follows both)."""
         self.last_stats: SyncStats | None = None
         self.last_seconds: dict[str, float] = {}
         """Wall time of the last send (rank 0), split: ``transfer`` (to every worker's acknowledgement),
@@ -201,8 +204,13 @@ class TrainerSession(Closing):
             if call.error is not None:
                 raise WeightSyncError(f"the engine's join failed: {call.error}") from e
             raise
-        call.join(c.timeout)
-        call.result()
+        try:
+            call.join(c.timeout)
+            call.result()
+        except BaseException:
+            self.group.close()
+            self.group = None
+            raise
         self.sender = WeightSender(
             self.group, transport=c.transport, checksum=c.checksum, bucket_bytes=c.bucket_bytes, delta=c.delta
         )
@@ -229,7 +237,8 @@ class TrainerSession(Closing):
     def next_version(self, version: int | None) -> int:
         if version is not None:
             return version
-        return self.version + 1 if self.version is not None else self.config.first_version
+        held = [v for v in (self.version, self.sent) if v is not None]
+        return max(held) + 1 if held else self.config.first_version
 
     def send(
         self,
@@ -243,13 +252,19 @@ class TrainerSession(Closing):
         source is pulled (a lazy source, e.g. one that gathers, is then consumed while bytes move)."""
         if self.rank > 0:
             return self._send_shards(named, version)
+        c = self.config
         v = self.next_version(version)
         if self.version is not None and v <= self.version:
             raise ValueError(f"version {v} is not newer than the version the engine serves ({self.version})")
         if self.group is None or not usable(self.group):
+            if c.sources > 1 and self.generation > 0:
+                raise WeightSyncError(
+                    f"the bridge of {c.sources} sending ranks broke: a new one needs every rank, so make new "
+                    "sessions on every rank (rank 0 alone would wait for ranks that never come)"
+                )
             self.connect()
         assert self.sender is not None and self.group is not None and self.control is not None
-        c, control, group = self.config, self.control, self.group
+        control, group = self.control, self.group
         t0 = time.perf_counter()
         call = Call("begin", lambda: control.begin(v), on_error=lambda e: abort_later(group, e, c.liveness))
         try:
@@ -261,6 +276,7 @@ class TrainerSession(Closing):
             raise WeightSyncError(f"the engine failed the update of version {v}: {call.error}") from e
         finally:
             call.cancel_abort()
+        self.sent = v
         call.join(c.timeout)
         call.result()
         t1 = time.perf_counter()
@@ -324,6 +340,36 @@ class SessionState:
     def address(self) -> Address | None:
         """The bridge's address (rank 0, once connected): what the other sending ranks dial."""
         return self.session.address if self.session is not None else None
+
+
+Specs = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+class Described:
+    """The names, shapes and dtypes of a trainer's (name, tensor) iterator, learned on its first send and
+    passed as ``specs`` to the next ones, which then stream (each tensor pulled, e.g. gathered, while bytes
+    move) instead of being collected first. TRL and verl hand a fresh generator each sync, never its
+    description."""
+
+    def __init__(self) -> None:
+        self.specs: Specs | None = None
+
+    def pairs(self, weights: Iterable[tuple[str, torch.Tensor]]) -> tuple[Any, Specs | None]:
+        """What to send and its specs. The first time, the iterator is collected to describe it, tensors on
+        an accelerator copied to host memory as they come: a generator that gathers each tensor (FSDP's
+        ``full_tensor()``) never holds the whole model on the device."""
+        if self.specs is not None:
+            return iter(weights), self.specs
+        pairs = [(n, t if t.device.type == "cpu" else t.detach().to("cpu")) for n, t in weights]
+        return pairs, None
+
+    def sent(self, pairs: Any) -> None:
+        """After a send that went through: remember what it described (a failed one is described again)."""
+        if self.specs is None and isinstance(pairs, list):
+            self.specs = {n: (tuple(t.shape), t.dtype) for n, t in pairs}
+
+    def forget(self) -> None:
+        self.specs = None
 
 
 def usable(group: StatelessGroup) -> bool:

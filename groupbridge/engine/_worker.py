@@ -27,7 +27,7 @@ from typing import Protocol
 import torch
 
 from .._closing import Closing
-from ..errors import TornUpdateError
+from ..errors import TornUpdateError, WeightSyncError
 from ..stateless import StatelessGroup
 from ..weights._bytes import BufferCache
 from ..weights.manifest import Manifest
@@ -147,9 +147,11 @@ class WorkerSession(Closing):
 
     def close(self) -> None:
         """Leave the bridge. A landing in flight is aborted (its group is), and waited for, bounded."""
-        if self.group is not None and self._landing is not None and self._landing.running:
-            self.group.abort("the worker left the bridge during an update")
-        self._drop()
+        try:
+            self._drop("the worker left the bridge during an update")
+        except WeightSyncError as e:  # its receiver is not closed under it: dropped, never reused
+            self.log.error("groupbridge: %s", e)
+            self.receiver = None
         if self.receiver is not None:
             self.receiver.close()
             self.receiver = None
@@ -161,14 +163,14 @@ class WorkerSession(Closing):
 
     def begin(self) -> None:
         """A new update: whatever an earlier one received and did not commit is dropped."""
-        self._drop()
+        self._drop("a new update began before the last one landed")
 
     def receive(self, version: int | None = None) -> None:
         """The handshake (the loader's dry run of the manifest); then the bytes: an atomic update's land on
         a thread (with ``background``) or here, a streaming update's are loaded here as they arrive."""
         if self.receiver is None or self.info is None:
             raise RuntimeError("the worker has not joined a bridge: call join() first")
-        self._drop()
+        self._drop("a new update began before the last one landed")
         t0 = time.perf_counter()
         check: list[float] = []
         # Every update lands in the receiver's kept copy of the weights and yields whole tensors as views of
@@ -206,9 +208,8 @@ class WorkerSession(Closing):
             t0 = time.perf_counter()
             assert self.info is not None
             if not landing.wait(self.info.timeout_s):
-                assert self.group is not None
-                self.group.abort(f"version {version} did not land within {self.info.timeout_s:g} s")
-                landing.wait(self.info.liveness_s + 5)
+                self._landing = landing
+                self._drop(f"version {version} did not land within {self.info.timeout_s:g} s")
                 self.log.error("groupbridge: version %d did not land within %g s: nothing loaded",
                                version, self.info.timeout_s)  # fmt: skip
                 return None
@@ -228,12 +229,24 @@ class WorkerSession(Closing):
 
     # ------------------------------------------------------------------ helpers
 
-    def _drop(self) -> None:
-        landing, self._landing = self._landing, None
-        if landing is not None and not landing.wait(self.info.liveness_s + 5 if self.info else 15.0):
-            self.log.error("groupbridge: an abandoned landing of version %d did not stop", landing.version)
+    def _drop(self, why: str) -> None:
+        """Forget what was received and not committed. A landing still running is stopped: the group is
+        aborted (its waits end within the liveness bound), then the thread waited for, bounded; one that
+        still runs keeps the session from receiving (two threads would write the same buffer)."""
         self._received = None
         self._staged = None
+        landing = self._landing
+        if landing is None:
+            return
+        if landing.running and self.group is not None:
+            self.group.abort(why)
+        bound = (self.info.liveness_s if self.info is not None else 10.0) + 5
+        if not landing.wait(bound):
+            raise WeightSyncError(
+                f"the landing of version {landing.version} did not stop within {bound:g} s after the bridge "
+                f"was aborted ({why}): this worker cannot receive on this bridge; join a new one"
+            )
+        self._landing = None
 
     def _check(self, manifest: Manifest, seconds: list[float]) -> str | None:
         t0 = time.perf_counter()

@@ -96,10 +96,11 @@ class TrainerEngine(SessionState, TrainerWeightTransferEngine[TrainerInitInfo]):
         """Send the source's weights as the next version (or ``version``) and make vLLM serve them."""
         assert self.source is not None
         meta = self.source.metadata()
-        if self.session is None:  # a rank that sends nothing: drive the source's gathers (collectives)
-            for _ in self.source:
-                pass
-            return
+        if self.session is None:
+            if self.info.sources == 1:  # drive the source's gathers (collectives); rank 0 ships them
+                for _ in self.source:
+                    pass
+            return  # with many sources no rank gathers: a rank that holds nothing to send has nothing to do
         named = self._held() if self.info.sources > 1 else iter(self.source)
         specs = {m.name: (tuple(m.shape), m.dtype) for m in meta}  # rank 0's manifest, before any pull
         self.session.send(named, version=version, specs=specs)

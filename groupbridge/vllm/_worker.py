@@ -73,6 +73,7 @@ class VllmLoader:
 
     def __init__(self, engine: WeightTransferEngine[Any, Any]) -> None:
         self.engine = engine  # its model may be retargeted (a draft model's update): read at each call
+        self._reloading = False
 
     def check(self, manifest: Manifest) -> str | None:
         return check_loadable(self.engine.model, manifest)
@@ -81,13 +82,16 @@ class VllmLoader:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         initialize_layerwise_reload(self.engine.model)
+        self._reloading = True
         self.engine.model.load_weights(weights)
 
     def finish(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-        finalize_layerwise_reload(self.engine.model, self.engine.model_config)
-        refresh_cpu_kernels(self.engine.model)
+        if self._reloading:  # not when the reload could not even begin: the model was never touched
+            self._reloading = False
+            finalize_layerwise_reload(self.engine.model, self.engine.model_config)
+            refresh_cpu_kernels(self.engine.model)
 
 
 class WorkerEngine(WeightTransferEngine[WorkerInitInfo, UpdateInfo]):
