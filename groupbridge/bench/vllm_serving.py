@@ -55,10 +55,10 @@ def run_serving(size: str = "bench", rounds: int = 3) -> list[dict[str, Any]]:
     model = make_model(f"{tmp.name}/model", "qwen2", size, dtype="bfloat16")
     specs = {n: (tuple(p.shape), p.dtype) for n, p in model.named_parameters()}
     rows: dict[str, dict[str, list[float]]] = {m: {"seconds": [], "stall": [], "commit": []} for m in MODES}
-    srv = Server(f"{tmp.name}/model", log=f"{tmp.name}/serve.log", dtype="bfloat16", max_model_len=1024,
+    srv = Server(f"{tmp.name}/model", log=f"{tmp.name}/serve.log", dtype="bfloat16", max_model_len=512,
                  start_s=300)  # fmt: skip
     try:
-        streamer = Streamer(srv, [11, 12, 13, 14], tokens=960)
+        streamer = Streamer(srv, [11, 12, 13, 14], tokens=480)
         time.sleep(3.0)  # the client's pace settles
         client = HttpClient(srv.base, timeout=600)
         for r in range(rounds):
@@ -100,6 +100,7 @@ def run_serving(size: str = "bench", rounds: int = 3) -> list[dict[str, Any]]:
             "mode": m, "bytes": nbytes, "rounds": len(v["seconds"]),
             "seconds": statistics.median(v["seconds"]), "stall": statistics.median(v["stall"]),
             "stall_max": max(v["stall"]), "commit": statistics.median(v["commit"]) if v["commit"] else None,
+            "stalls": v["stall"], "updates": v["seconds"], "commits": v["commit"],
         }
         for m, v in rows.items()
     ]  # fmt: skip

@@ -118,7 +118,7 @@ class WorkerSession(Closing):
         """Seconds of the last update: ``handshake`` (with ``check``, the loader's dry run), ``receive``
         (in the engine's RPC: streamed into the model, or landed when not in the background), ``landing``
         (background), ``wait`` (commit waiting for the landing), ``load`` (the staged update into the
-        model)."""
+        model, its ``finish`` among it: what the loader does after the pairs, e.g. repacking kernels)."""
         self._buffers = BufferCache()
         """The receive buffers (the kept copy of the weights among them), kept across bridge generations."""
         self._landing: _Landing | None = None
@@ -281,4 +281,6 @@ class WorkerSession(Closing):
         except BaseException:
             self.loader.finish()
             raise
+        t0 = time.perf_counter()
         self.loader.finish()
+        self.timings["finish"] = time.perf_counter() - t0

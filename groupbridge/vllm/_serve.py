@@ -3,6 +3,7 @@ streams generations and records when each token arrived, and a stop that leaves 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -18,20 +19,26 @@ from .._closing import Closing
 from ._stop import remove_new, segments, stop_server
 
 
-def _listening_port(pid: int, deadline: float) -> int:
-    """The TCP port process ``pid`` listens on (it was started with ``--port 0``: the kernel picked it)."""
+def _listening_port(proc: subprocess.Popen[bytes], deadline: float, log: Path) -> int:
+    """The TCP port the server listens on (it was started with ``--port 0``: the kernel picked it)."""
     import psutil  # type: ignore[import-untyped]
 
     while time.monotonic() < deadline:
-        ports = [
-            c.laddr.port
-            for c in psutil.Process(pid).net_connections(kind="tcp")
-            if c.status == psutil.CONN_LISTEN and c.laddr.ip == "127.0.0.1"
-        ]
-        if ports:
-            return int(ports[0])
+        if proc.poll() is not None:
+            raise RuntimeError(
+                f"vllm serve exited ({proc.returncode}) before listening:\n"
+                f"{log.read_text(errors='replace')[-3000:]}"
+            )
+        with contextlib.suppress(psutil.NoSuchProcess):
+            ports = [
+                c.laddr.port
+                for c in psutil.Process(proc.pid).net_connections(kind="tcp")
+                if c.status == psutil.CONN_LISTEN and c.laddr.ip == "127.0.0.1"
+            ]
+            if ports:
+                return int(ports[0])
         time.sleep(0.2)
-    raise TimeoutError(f"vllm serve (pid {pid}) did not listen within its start-up bound")
+    raise TimeoutError(f"vllm serve (pid {proc.pid}) did not listen within its start-up bound")
 
 
 def http(method: str, url: str, body: dict[str, Any] | None = None, timeout: float = 60) -> Any:
@@ -81,7 +88,7 @@ class Server(Closing):
         self.removed: list[str] = []
         try:
             deadline = time.monotonic() + start_s
-            self.base = f"http://127.0.0.1:{_listening_port(self.proc.pid, deadline)}"
+            self.base = f"http://127.0.0.1:{_listening_port(self.proc, deadline, self.log)}"
             while True:
                 if self.proc.poll() is not None:
                     raise RuntimeError(f"vllm serve exited ({self.proc.returncode}):\n{self.tail()}")
