@@ -20,8 +20,7 @@ from typing import Any
 
 import torch
 
-from .engine import SessionState, TrainerConfig, TrainerSession
-from .engine._trainer import Described
+from .engine import Described, SessionState, TrainerConfig, TrainerSession
 from .engine._vllm_control import HttpClient, VllmControl
 
 __all__ = ["WeightTransfer"]

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 
-from .engine._trainer import Described
+from .engine import Described
 from .net import Listener, listen
 from .stateless import StatelessGroup
 from .weights._bytes import BufferCache

@@ -94,7 +94,7 @@ def test_trainer_init_info_is_checked_before_anything_starts() -> None:
 def test_a_call_that_fails_after_its_abort_was_cancelled_aborts_nothing() -> None:
     """vLLM's side of an update failing after the trainer had already finished (and disarmed the abort)
     armed a timer anyway, which then aborted the next update (a retry within the liveness bound)."""
-    from groupbridge.engine._trainer import Call as _Call
+    from groupbridge.engine._calls import Call as _Call
 
     armed: list[BaseException] = []
 

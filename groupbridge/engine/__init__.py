@@ -9,11 +9,13 @@ beside the send, aborts, the kept buffer, background landing, commit and torn ha
 from __future__ import annotations
 
 from ._info import BridgeInfo, check_seconds
-from ._trainer import EngineControl, SessionState, TrainerConfig, TrainerSession
+from ._state import Described, SessionState
+from ._trainer import EngineControl, TrainerConfig, TrainerSession
 from ._worker import Loader, WorkerSession
 
 __all__ = [
     "BridgeInfo",
+    "Described",
     "EngineControl",
     "Loader",
     "SessionState",

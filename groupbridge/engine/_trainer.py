@@ -21,9 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Protocol
@@ -36,9 +35,10 @@ from ..net import Address, Listener, listen
 from ..stateless import StatelessGroup
 from ..weights.sender import SyncStats, WeightSender
 from ..weights.transports import TRANSPORTS
+from ._calls import Call, abort_later, usable
 from ._info import BridgeInfo, check_seconds
 
-__all__ = ["Described", "EngineControl", "SessionState", "TrainerConfig", "TrainerSession"]
+__all__ = ["EngineControl", "TrainerConfig", "TrainerSession"]
 
 logger = logging.getLogger(__name__)
 
@@ -305,140 +305,3 @@ class TrainerSession(Closing):
         self.last_stats = self.sender.send(named, v, timeout=timedelta(seconds=self.config.timeout))
         self.version = v
         return v
-
-
-class SessionState:
-    """An engine adapter's view of its :class:`TrainerSession` (``session``, None on a rank that does not
-    send): the state users read, under the same names in every adapter."""
-
-    session: TrainerSession | None
-
-    @property
-    def version(self) -> int | None:
-        """The last version the engine confirmed serving (rank 0), or this rank sent (other senders)."""
-        return self.session.version if self.session is not None else None
-
-    @property
-    def last_stats(self) -> SyncStats | None:
-        return self.session.last_stats if self.session is not None else None
-
-    @property
-    def last_seconds(self) -> dict[str, float]:
-        """Wall time of the last send: ``transfer`` (to every worker's acknowledgement), ``commit`` (the
-        engine's load of a staged update), ``total``."""
-        return self.session.last_seconds if self.session is not None else {}
-
-    @property
-    def group(self) -> StatelessGroup | None:
-        return self.session.group if self.session is not None else None
-
-    @property
-    def sender(self) -> WeightSender | None:
-        return self.session.sender if self.session is not None else None
-
-    @property
-    def address(self) -> Address | None:
-        """The bridge's address (rank 0, once connected): what the other sending ranks dial."""
-        return self.session.address if self.session is not None else None
-
-
-Specs = dict[str, tuple[tuple[int, ...], torch.dtype]]
-
-
-class Described:
-    """The names, shapes and dtypes of a trainer's (name, tensor) iterator, learned on its first send and
-    passed as ``specs`` to the next ones, which then stream (each tensor pulled, e.g. gathered, while bytes
-    move) instead of being collected first. TRL and verl hand a fresh generator each sync, never its
-    description."""
-
-    def __init__(self) -> None:
-        self.specs: Specs | None = None
-
-    def pairs(self, weights: Iterable[tuple[str, torch.Tensor]]) -> tuple[Any, Specs | None]:
-        """What to send and its specs. The first time, the iterator is collected to describe it, tensors on
-        an accelerator copied to host memory as they come: a generator that gathers each tensor (FSDP's
-        ``full_tensor()``) never holds the whole model on the device."""
-        if self.specs is not None:
-            return iter(weights), self.specs
-        pairs = [(n, t if t.device.type == "cpu" else t.detach().to("cpu")) for n, t in weights]
-        return pairs, None
-
-    def sent(self, pairs: Any) -> None:
-        """After a send that went through: remember what it described (a failed one is described again)."""
-        if self.specs is None and isinstance(pairs, list):
-            self.specs = {n: (tuple(t.shape), t.dtype) for n, t in pairs}
-
-    def forget(self) -> None:
-        self.specs = None
-
-
-def usable(group: StatelessGroup) -> bool:
-    try:
-        group.check_open()
-    except GroupBridgeError:
-        return False
-    return True
-
-
-def abort_later(group: StatelessGroup, error: BaseException, grace: float) -> Callable[[], None]:
-    """Abort ``group`` unless the sync ends on its own within ``grace`` seconds (a worker's refusal reaches
-    the sender through the bridge too, and must not be turned into an abort). Returns a canceller."""
-    cancelled = threading.Event()
-
-    def run() -> None:
-        if not cancelled.wait(grace):
-            group.abort(f"the engine's side of the update failed: {type(error).__name__}: {error}")
-
-    threading.Thread(target=run, name="groupbridge-engine-abort", daemon=True).start()
-    return cancelled.set
-
-
-class Call:
-    """``fn`` on a daemon thread, so the trainer can send while the engine's call waits for the bytes."""
-
-    def __init__(
-        self,
-        what: str,
-        fn: Callable[[], None],
-        on_error: Callable[[BaseException], Callable[[], None]] | None = None,
-    ) -> None:
-        self.what = what
-        self.error: BaseException | None = None
-        self._cancel: Callable[[], None] | None = None
-        self._cancelled = False
-        self._lock = threading.Lock()
-        self._on_error = on_error
-
-        def run() -> None:
-            try:
-                fn()
-            except BaseException as e:
-                self.error = e
-                with self._lock:  # after cancel_abort(), a late failure arms nothing (a retry is not aborted)
-                    if self._on_error is not None and not self._cancelled:
-                        self._cancel = self._on_error(e)
-
-        self._thread = threading.Thread(target=run, name=f"groupbridge-engine-{what}", daemon=True)
-        self._thread.start()
-
-    def join(self, seconds: float) -> None:
-        self._thread.join(seconds)
-
-    @property
-    def running(self) -> bool:
-        return self._thread.is_alive()
-
-    def cancel_abort(self) -> None:
-        """Disarm the abort this call's failure armed, or would arm if it failed later."""
-        with self._lock:
-            self._cancelled = True
-            if self._cancel is not None:
-                self._cancel()
-
-    def result(self) -> None:
-        if self._thread.is_alive():
-            raise WeightSyncError(f"the engine's {self.what} did not return within the bound")
-        if self.error is not None:
-            raise WeightSyncError(
-                f"the engine's {self.what} failed: {type(self.error).__name__}: {self.error}"
-            ) from self.error
