@@ -18,6 +18,7 @@ An update, as the engine's RPCs drive it::
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from collections.abc import Iterator
@@ -56,26 +57,67 @@ class Loader(Protocol):
     def finish(self) -> None: ...
 
 
-class _Landing:
-    """An atomic update's bytes landing on a thread while the engine goes on serving."""
+_END = object()
 
-    def __init__(self, update: WeightUpdate, log: logging.Logger) -> None:
+
+class _Landing:
+    """An update's bytes landing on a thread of their own, in the kept buffer: an atomic update's while the
+    engine goes on serving; a streaming update's ahead of the loader, which takes each tensor as it lands
+    (``pairs()``), so that the transfer and the load overlap instead of taking turns. Views of the kept
+    buffer stay valid until the next update, so landing ahead overwrites nothing the loader holds."""
+
+    def __init__(self, update: WeightUpdate, log: logging.Logger, *, stream: bool = False) -> None:
         self.version = update.version
         self.staged: list[tuple[str, torch.Tensor]] | None = None
         self.error: BaseException | None = None
         self.seconds = 0.0
+        self._queue: queue.SimpleQueue[object] | None = queue.SimpleQueue() if stream else None
+        self._stop = threading.Event()
 
         def run() -> None:
             t0 = time.perf_counter()
+            pairs = iter(update)
+            landed: list[tuple[str, torch.Tensor]] = []
             try:
-                self.staged = list(update)  # views of the kept buffer
+                for item in pairs:
+                    if self._stop.is_set():  # the loader failed: the sync is abandoned, the sender told
+                        pairs.close()  # type: ignore[attr-defined]
+                        break
+                    landed.append(item)
+                    if self._queue is not None:
+                        self._queue.put(item)
+                else:
+                    self.staged = landed
             except BaseException as e:  # the sender was told by the receiver; the engine learns at commit
                 self.error = e
                 log.error("groupbridge: version %d did not land: %s: %s", self.version, type(e).__name__, e)
-            self.seconds = time.perf_counter() - t0
+            finally:
+                self.seconds = time.perf_counter() - t0
+                if self._queue is not None:
+                    self._queue.put(_END)
 
         self._thread = threading.Thread(target=run, name=f"groupbridge-landing-{self.version}", daemon=True)
         self._thread.start()
+
+    def pairs(self, seconds: float) -> Pairs:
+        """The landed pairs as they land (``stream``); raises what stopped the landing. ``seconds`` bounds
+        the wait for each (the landing's own waits are bounded by the update's timeout)."""
+        assert self._queue is not None
+        while True:
+            try:
+                item = self._queue.get(timeout=seconds)
+            except queue.Empty:
+                raise TimeoutError(
+                    f"no tensor of version {self.version} landed within {seconds:g} s"
+                ) from None
+            if item is _END:
+                if self.error is not None:
+                    raise self.error
+                return
+            yield item  # type: ignore[misc]
+
+    def stop(self) -> None:
+        self._stop.set()
 
     @property
     def running(self) -> bool:
@@ -185,7 +227,17 @@ class WorkerSession(Closing):
             self.log.warning("groupbridge: the engine says version %d, the bridge %d", version,
                              update.version)  # fmt: skip
         self.timings = {"handshake": t1 - t0, "check": sum(check)}
-        if not self.info.atomic:
+        if not self.info.atomic and update.kept:
+            streamed = _Landing(update, self.log, stream=True)
+            try:
+                self._load(streamed.pairs(self.info.timeout_s), update.version)
+            finally:
+                streamed.stop()
+                if not streamed.wait(self.info.liveness_s + 5) and self.group is not None:
+                    self.group.abort(f"the landing of version {update.version} did not stop")
+                    streamed.wait(self.info.liveness_s + 5)
+            self.timings["landing"] = streamed.seconds
+        elif not self.info.atomic:
             self._load(iter(update), update.version)
         elif self.background:
             self._landing = _Landing(update, self.log)
