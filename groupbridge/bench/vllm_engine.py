@@ -11,8 +11,9 @@ Modes, interleaved round by round in one run (the machine's noise hits them alik
 - ``engine-free``: the same groupbridge sync (auto transport, atomic, XXH3 checksum) into a plain torch model
   in another process: the ceiling for the engine path.
 
-Each round opens a new trainer session per transport (the two cannot share one vLLM engine at once), so
-the worker's receive buffers are new every time: steady-state training, one session, reuses them.
+Each round opens a new trainer session per mode (they cannot share one engine's bridge at once); the worker
+keeps its receive buffers across sessions. One untimed update comes first: the engine's first reload and the
+first touch of the worker's kept buffer cost 3-5 s once, and would land on whichever mode goes first.
 """
 
 from __future__ import annotations
@@ -88,6 +89,12 @@ def run_vllm(
         lis, _ = publish_listener(0, 2, ports, "127.0.0.1")
         grp = gb.StatelessGroup.create(None, rank=0, world_size=2, listener=lis, name="anchor")
         snd = gb.WeightSender(grp, transport="auto", checksum=True)  # as TrainerInitInfo(checksum=True)
+        # untimed: the engine's first reload and the first touch of the worker's kept buffer (3-5 s once)
+        warm = TrainerInitInfo(rank=0, timeout=600, first_version=1)
+        client, source = OfflineClient(llm), ModuleSource(model)
+        eng = WeightTransferTrainerFactory.trainer_init(warm, client=client, source=source)
+        eng.send_weights()
+        eng.shutdown()
         for r in range(rounds):
             with torch.no_grad():
                 for p in model.parameters():

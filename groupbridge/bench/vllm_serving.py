@@ -61,6 +61,9 @@ def run_serving(size: str = "bench", rounds: int = 3) -> list[dict[str, Any]]:
         streamer = Streamer(srv, [11, 12, 13, 14], tokens=480)
         time.sleep(3.0)  # the client's pace settles
         client = HttpClient(srv.base, timeout=600)
+        with TrainerSession(TrainerConfig(timeout=600, name="bench"), VllmControl(client)) as session:
+            session.connect()  # untimed: the server's first reload and the first touch of its kept buffer
+            session.send(dict(model.named_parameters()), specs=specs)
         for r in range(rounds):
             for mode in MODES:
                 with torch.no_grad():
