@@ -15,7 +15,7 @@ VERL_PINS := verl==0.9.1 tensordict==0.10.0 pyvers==0.2.3 omegaconf==2.4.0 hydra
 	antlr4-python3-runtime==4.9.3 codetiming==1.4.0 orjson==3.13.0
 STAMP := $(VENV)/.groupbridge-setup
 
-.PHONY: setup demo test lint typecheck unit bench-check clean
+.PHONY: setup demo test lint typecheck unit test-slow bench-check clean
 
 setup: $(STAMP)
 
@@ -47,7 +47,11 @@ typecheck: setup
 	$(VENV)/bin/mypy
 
 unit: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not slow"
+
+# The heavy checks (about 2.5 minutes): CI runs them after `make test`.
+test-slow: setup
+	$(PY) -m pytest -q -m slow
 
 test: lint typecheck unit
 

@@ -266,6 +266,7 @@ def test_closed_group_errors_and_nothing_leaks() -> None:
 # ---------------------------------------------------------------- chaos, CI-sized
 
 
+@pytest.mark.slow
 @pytest.mark.chaos
 @pytest.mark.timeout(240)
 def test_chaos_short_run() -> None:
@@ -279,6 +280,7 @@ def test_chaos_short_run() -> None:
     assert {e.fault for e in report.episodes} == {"none", "kill", "stop"}
 
 
+@pytest.mark.slow
 @pytest.mark.chaos
 @pytest.mark.netns
 @pytest.mark.timeout(240)

@@ -387,6 +387,7 @@ class _Dict(torch.nn.Module):
         yield from self._given.items()
 
 
+@pytest.mark.slow
 def test_moe_updates_serve_the_trainers_weights(tmp_path_factory: pytest.TempPathFactory) -> None:
     path = tmp_path_factory.mktemp("qwen3moe")
     model = make_model(path, "qwen3_moe")
@@ -403,6 +404,7 @@ def test_moe_updates_serve_the_trainers_weights(tmp_path_factory: pytest.TempPat
         del llm
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_vllm_serve_with_tensor_parallel_2_over_http(tmp_path_factory: pytest.TempPathFactory) -> None:
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
