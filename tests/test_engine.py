@@ -3,7 +3,9 @@ model, driven through an EngineControl whose calls travel as messages to that pr
 
 What vLLM's tests cannot show without a GPU-sized model: the worker's engine keeps running while an atomic
 update lands (the "engine loop" ticks during the transfer), a commit that fails leaves versions the next
-send can follow, and a manifest the loader refuses is refused on both sides with the model untouched.
+send can follow, a manifest the loader refuses is refused on both sides with the model untouched, and the
+loader is handed views of one buffer the worker keeps across updates and bridges (nothing staged per name,
+cloned or re-assembled).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ def _engine(rank: int, calls: Any, replies: Any) -> dict[str, Any]:
 
     del rank
     model = {n: torch.zeros(s) for n, s in SHAPES.items()}
+    storages: list[list[int]] = []  # per load: where each tensor handed to the loader lives
 
     class Loader:
         def check(self, manifest: Manifest) -> str | None:
@@ -39,7 +42,9 @@ def _engine(rank: int, calls: Any, replies: Any) -> dict[str, Any]:
             return f"this model has no {unknown[0]}" if unknown else None
 
         def load(self, weights: Any) -> None:
+            storages.append([])
             for name, t in weights:
+                storages[-1].append(t.untyped_storage().data_ptr())
                 model[name].copy_(t)
 
         def finish(self) -> None: ...
@@ -72,7 +77,8 @@ def _engine(rank: int, calls: Any, replies: Any) -> dict[str, Any]:
                 session.close()
                 replies.put(("ok", None))
                 return {"ticks": ticks, "sum": float(sum(t.sum() for t in model.values())),
-                        "version": session.version, "timings": session.timings}  # fmt: skip
+                        "version": session.version, "timings": session.timings,
+                        "storages": storages}  # fmt: skip
             replies.put(("ok", dict(session.timings)))
         except Exception as e:
             replies.put(("error", f"{type(e).__name__}: {e}"))
@@ -141,11 +147,20 @@ def test_an_atomic_update_lands_while_the_engine_serves_and_versions_survive_a_f
         with pytest.raises(ManifestMismatchError, match="no extra"):
             session.send({"extra": torch.ones(2)})
         assert session.send(slow(4.0, 0), specs=specs) == 4
+
+        # a new bridge (the next generation): the worker joins it and keeps its receive buffers
+        session.connect()
+        assert session.send(slow(5.0, 0), specs=specs) == 5
     finally:
         session.close()
         control.rpc("stop")
     ((ok, out),) = worker.results(30).values()
     assert ok, out
-    assert out["version"] == 4 and out["sum"] == 4.0 * sum(64 * 64 for _ in SHAPES)
+    assert out["version"] == 5 and out["sum"] == 5.0 * sum(64 * 64 for _ in SHAPES)
+    # no copies the update does not need: every tensor the loader got, in every committed update (1, 3, 4,
+    # and 5 over the new bridge), is a view of the one buffer the worker keeps across updates and bridges
+    loads = out["storages"]
+    assert len(loads) == 4 and all(len(ptrs) == len(SHAPES) for ptrs in loads), loads
+    assert len({p for ptrs in loads for p in ptrs}) == 1, loads
     ticks = [t for t in out["ticks"] if t0 + 0.3 < t < t1 - 0.3]  # inside the first transfer
     assert len(ticks) > 10, "the engine's loop did not run while the update landed"
