@@ -60,7 +60,7 @@ def main() -> None:
     import vllm
     from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
 
-    from groupbridge.vllm import OfflineClient, TrainerInitInfo
+    from groupbridge.vllm import OfflineClient, TrainerInitInfo, shutdown
     from groupbridge.vllm.models import make_model
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -83,7 +83,9 @@ def main() -> None:
             )  # t+1, weights t
             gen.start()
             loss, mean_reward = train_step(model, opt, batch)  # learn from batch t meanwhile
-            gen.join()
+            gen.join(timeout=300)
+            if gen.is_alive():
+                raise TimeoutError(f"step {step}: vLLM generated no batch within 300 s")
             t0 = time.perf_counter()
             engine.send_weights()  # vLLM serves the new version from the next generate on
             sync = time.perf_counter() - t0
@@ -92,7 +94,8 @@ def main() -> None:
                 f"{nxt[0][1][:8]}"
             )
             batch = nxt
-        engine.shutdown()
+        engine.shutdown()  # the bridge first (the workers leave it), then vLLM's engine processes
+        shutdown(llm)
 
 
 if __name__ == "__main__":  # vLLM starts worker processes: a script that starts it needs this guard

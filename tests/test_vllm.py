@@ -7,6 +7,7 @@ weights (fp32: bf16 near-ties make the two disagree after a few tokens).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -47,6 +48,22 @@ def engine(path: Path, **kw: Any) -> Any:
         weight_transfer_config={"backend": "groupbridge"},
         **kw,
     )
+
+
+@contextlib.contextmanager
+def running(path: Path, **kw: Any) -> Iterator[Any]:
+    """An engine for the block, stopped at its end so that its processes exit in order and what they left in
+    /dev/shm goes: a test that starts an engine says that it stopped cleanly."""
+    before = segments()
+    llm = engine(path, **kw)
+    try:
+        yield llm
+    finally:
+        stop_offline(llm)
+        del llm
+        gc.collect()
+        remove_new(before)
+    assert not segments() - before, "the engine left shared memory behind"
 
 
 def served(llm: Any) -> list[list[int]]:
@@ -125,14 +142,8 @@ def test_worker_init_info_is_bounded_before_anything_is_shut_down() -> None:
 def dense(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Any]]:
     path = tmp_path_factory.mktemp("qwen2")
     model = make_model(path, "qwen2")
-    before = segments()
-    llm = engine(path)
-    yield llm, model
-    stop_offline(llm)  # its processes exit now, then what they left in /dev/shm goes
-    del llm
-    gc.collect()
-    remove_new(before)
-    assert not segments() - before
+    with running(path) as llm:
+        yield llm, model
 
 
 def trainer(llm: Any, model: Any, **kw: Any) -> Any:
@@ -391,8 +402,7 @@ class _Dict(torch.nn.Module):
 def test_moe_updates_serve_the_trainers_weights(tmp_path_factory: pytest.TempPathFactory) -> None:
     path = tmp_path_factory.mktemp("qwen3moe")
     model = make_model(path, "qwen3_moe")
-    llm = engine(path)
-    try:
+    with running(path) as llm:
         assert served(llm) == reference(model)
         eng = trainer(llm, model)
         for step in range(3):
@@ -400,8 +410,6 @@ def test_moe_updates_serve_the_trainers_weights(tmp_path_factory: pytest.TempPat
             eng.send_weights()
             assert llm.get_weight_version() == str(step + 1) and served(llm) == reference(model)
         eng.shutdown()
-    finally:
-        del llm
 
 
 @pytest.mark.slow

@@ -8,10 +8,12 @@ The ``vllm.general_plugins`` entry point registers backend ``"groupbridge"`` in 
 and the trainer, on every rank::
 
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory, ModuleSource
-    from groupbridge.vllm import TrainerInitInfo, OfflineClient
+    from groupbridge.vllm import TrainerInitInfo, OfflineClient, shutdown
     engine = WeightTransferTrainerFactory.trainer_init(
         TrainerInitInfo(rank=rank, host="::1"), client=OfflineClient(llm), source=ModuleSource(model))
     engine.send_weights()  # every step; vLLM serves versions 1, 2, 3 ...
+    engine.shutdown()  # the bridge (the workers leave it first)
+    shutdown(llm)  # then vLLM's engine processes, now and in order
 
 Importing this module registers the backend too (a trainer talking to ``vllm serve`` over HTTP never loads
 vLLM's plugins itself).
@@ -21,8 +23,9 @@ from __future__ import annotations
 
 from ._client import OfflineClient
 from ._plugin import BACKEND, register
+from ._stop import stop_offline as shutdown
 from ._trainer import TrainerEngine, TrainerInitInfo
 
 register()
 
-__all__ = ["BACKEND", "OfflineClient", "TrainerEngine", "TrainerInitInfo", "register"]
+__all__ = ["BACKEND", "OfflineClient", "TrainerEngine", "TrainerInitInfo", "register", "shutdown"]

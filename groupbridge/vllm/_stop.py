@@ -71,9 +71,12 @@ def stop_server(proc: subprocess.Popen[bytes], grace_s: float = 60.0) -> None:
     proc.wait(10)
 
 
-def stop_offline(llm: Any) -> None:
-    """Shut an offline ``vllm.LLM``'s engine down now (its processes exit), not whenever it is collected."""
+def stop_offline(llm: Any, grace_s: float = 60.0) -> None:
+    """Shut an offline ``vllm.LLM``'s engine down now: its processes exit in order, not whenever the object
+    is collected. ``grace_s`` bounds the wait for them: vLLM's own default, 5 s, is shorter than its engine
+    takes to stop its workers on a busy 2-core host, and it then force-kills the engine process (measured:
+    6 s). Exported as :func:`groupbridge.vllm.shutdown`."""
     engine_core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
     shutdown = getattr(engine_core, "shutdown", None)
     if callable(shutdown):
-        shutdown()
+        shutdown(timeout=grace_s)

@@ -1,0 +1,83 @@
+"""The README's vLLM quickstart as pasted, and the engine examples (vLLM, TRL, verl), run as a user runs them:
+a fresh interpreter each, bounded, every process they start reaped, nothing left in /dev/shm.
+
+Heavy (each starts a real engine or server): in ``make test-slow``, which CI runs after ``make test``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from groupbridge.vllm._stop import segments
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+ROOT = Path(__file__).parent.parent
+
+
+def run(argv: list[str], cwd: Path, seconds: float) -> str:
+    """Run a script in its own session; past ``seconds`` the whole session (the engine's processes too) is
+    killed and the test fails with the end of its output. Returns stdout and stderr together."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    before = segments()
+    proc = subprocess.Popen(
+        [sys.executable, *argv], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, _ = proc.communicate(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        # SIGINT first: the script's own clean-up runs (a server it started lives in a session of its own)
+        proc.send_signal(signal.SIGINT)
+        try:
+            out, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate(timeout=30)
+        pytest.fail(f"{argv[0]} ran past {seconds:g} s:\n{out[-4000:]}")
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # what is left of it: nothing, when it stopped cleanly
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, f"{argv[0]} exited {proc.returncode}:\n{out[-4000:]}"
+    assert "force killing" not in out, f"{argv[0]} left vLLM's engine to be killed at exit:\n{out[-3000:]}"
+    assert not segments() - before, f"{argv[0]} left shared memory behind"
+    return out
+
+
+def readme_block(heading: str) -> str:
+    """The first Python block under ``heading`` in the README."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split(f"\n{heading}\n", 1)[1]
+    match = re.search(r"```python\n(.*?)```", section, re.S)
+    assert match is not None, f"no Python block under {heading!r}"
+    return match.group(1)
+
+
+def test_the_readme_vllm_quickstart_runs_as_pasted(tmp_path: Path) -> None:
+    code = readme_block("## With vLLM").replace("/tmp/qwen2-tiny", str(tmp_path / "qwen2-tiny"))
+    (tmp_path / "quickstart.py").write_text(code)
+    out = run([str(tmp_path / "quickstart.py")], tmp_path, 240)
+    assert re.search(r"^1$", out, re.M), out[-3000:]  # the version vLLM serves after the first update
+
+
+def test_the_vllm_example_runs(tmp_path: Path) -> None:
+    out = run([str(ROOT / "examples" / "vllm_one_step_off_policy.py"), "--steps", "2"], tmp_path, 240)
+    assert re.search(r"^\s+2\s+2\s", out, re.M), out[-3000:]  # step 2 served version 2
+
+
+def test_the_trl_example_runs(tmp_path: Path) -> None:
+    out = run([str(ROOT / "examples" / "trl_async_grpo.py")], tmp_path, 240)
+    assert "the server serves version 3" in out, out[-3000:]
+
+
+def test_the_verl_example_runs(tmp_path: Path) -> None:
+    out = run([str(ROOT / "examples" / "verl_checkpoint_engine.py")], tmp_path, 120)
+    assert out.count("equal to the actor's") >= 2, out[-3000:]
