@@ -29,7 +29,7 @@ from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 import groupbridge as gb
 from groupbridge.vllm import OfflineClient, TrainerInitInfo
 from groupbridge.vllm._serve import Server
-from groupbridge.vllm._stop import remove_new, segments, stop_offline
+from groupbridge.vllm._stop import remove_new, segments, shutdown
 from groupbridge.vllm.models import make_model
 from tests.engines import PROMPTS, TOKENS, perturb, reference
 
@@ -59,7 +59,7 @@ def running(path: Path, **kw: Any) -> Iterator[Any]:
     try:
         yield llm
     finally:
-        stop_offline(llm)
+        shutdown(llm)
         del llm
         gc.collect()
         remove_new(before)
@@ -106,6 +106,64 @@ def test_trainer_init_info_is_checked_before_anything_starts() -> None:
     for bad in (0, -1, 1e9, 1e300, float("inf"), float("nan"), True, "60"):
         with pytest.raises(ValueError, match="timeout"):
             TrainerInitInfo(rank=0, timeout=bad)  # type: ignore[arg-type]
+
+
+class _Kernel:
+    """A CPU layer's kernel set-up: packing makes a new GEMM handle (as ``dispatch_cpu_unquantized_gemm``)."""
+
+    def __init__(self) -> None:
+        self.packed: list[str] = []
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        self.packed.append(layer.tag)  # type: ignore[arg-type]
+        layer.cpu_linear = lambda x, w, b: x  # type: ignore[assignment]
+
+
+def _tied_model() -> tuple[torch.nn.Module, _Kernel]:
+    kernel = _Kernel()
+    model = torch.nn.Module()
+    for tag in ("embed", "head", "other"):
+        layer = torch.nn.Module()
+        layer.tag = tag  # type: ignore[assignment]
+        layer.quant_method = kernel  # type: ignore[assignment]
+        setattr(model, tag, layer)
+    model.embed.weight = torch.nn.Parameter(torch.ones(4, 2), requires_grad=False)
+    model.head.weight = model.embed.weight  # tied
+    model.other.weight = torch.nn.Parameter(torch.ones(2, 2), requires_grad=False)
+    for layer in (model.embed, model.head, model.other):
+        kernel.process_weights_after_loading(layer)
+    kernel.packed.clear()
+    return model, kernel
+
+
+@pytest.mark.parametrize(
+    "rebuilt, before, packed",
+    [
+        (["embed"], True, ["head"]),  # a reload: the loaded layer rebuilt, its tied twin stale
+        ([], True, ["embed", "head"]),  # nothing rebuilt: both packed
+        (["embed"], False, ["embed", "head"]),  # no snapshot: every tied layer packed
+    ],
+)
+def test_a_reload_repacks_every_stale_tied_layer_and_only_those(
+    rebuilt: list[str], before: bool, packed: list[str]
+) -> None:
+    """The CPU-kernel fix after vLLM's layerwise reload: a tied layer keeps a handle of the old weights unless
+    the reload rebuilt it; untied layers are the reload's business."""
+    from groupbridge.vllm._worker import cpu_kernel_handles, refresh_cpu_kernels
+
+    model, kernel = _tied_model()
+    handles = cpu_kernel_handles(model) if before else None
+    assert handles is None or set(handles) == {id(model.embed), id(model.head)}  # ids only, tied only
+    for tag in rebuilt:  # what the layerwise reload processed
+        kernel.process_weights_after_loading(getattr(model, tag))
+    kernel.packed.clear()
+    assert refresh_cpu_kernels(model, handles) == len(packed)
+    assert kernel.packed == packed
+
+
+def test_shutdown_takes_an_offline_engine_only() -> None:
+    with pytest.raises(TypeError, match=r"offline vllm\.LLM"):
+        shutdown(object())
 
 
 def test_a_call_that_fails_after_its_abort_was_cancelled_aborts_nothing() -> None:

@@ -74,7 +74,7 @@ class VllmLoader:
     def __init__(self, engine: WeightTransferEngine[Any, Any]) -> None:
         self.engine = engine  # its model may be retargeted (a draft model's update): read at each call
         self._reloading = False
-        self._handles: dict[int, object] | None = None
+        self._handles: dict[int, int] | None = None
 
     def check(self, manifest: Manifest) -> str | None:
         return check_loadable(self.engine.model, manifest)
@@ -90,11 +90,11 @@ class VllmLoader:
     def finish(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
+        handles, self._handles = self._handles, None
         if self._reloading:  # not when the reload could not even begin: the model was never touched
             self._reloading = False
             finalize_layerwise_reload(self.engine.model, self.engine.model_config)
-            refresh_cpu_kernels(self.engine.model, self._handles)
-            self._handles = None
+            refresh_cpu_kernels(self.engine.model, handles)
 
 
 class WorkerEngine(WeightTransferEngine[WorkerInitInfo, UpdateInfo]):
@@ -134,14 +134,30 @@ class WorkerEngine(WeightTransferEngine[WorkerInitInfo, UpdateInfo]):
         self.session.commit()
 
 
-def cpu_kernel_handles(model: torch.nn.Module) -> dict[int, object]:
-    """Each layer's CPU GEMM handle (``cpu_linear``, made anew whenever vLLM processes the layer's weights),
-    by ``id(layer)``: taken before a reload, it tells :func:`refresh_cpu_kernels` which layers the reload
-    processed."""
-    return {id(m): h for m in model.modules() if (h := m.__dict__.get("cpu_linear")) is not None}
+def tied_layers(model: torch.nn.Module) -> list[list[torch.nn.Module]]:
+    """The groups of layers with a kernel (a ``quant_method``) whose weights share one tensor."""
+    owners: dict[int, list[torch.nn.Module]] = {}
+    for layer in model.modules():
+        weight = layer._parameters.get("weight")
+        if weight is not None and weight.numel() > 0 and getattr(layer, "quant_method", None) is not None:
+            owners.setdefault(weight.data_ptr(), []).append(layer)
+    return [layers for layers in owners.values() if len(layers) > 1]
 
 
-def refresh_cpu_kernels(model: torch.nn.Module, before: dict[int, object] | None = None) -> int:
+def cpu_kernel_handles(model: torch.nn.Module) -> dict[int, int]:
+    """``id(handle)`` of each tied layer's CPU GEMM handle (``cpu_linear``, made anew whenever vLLM processes
+    the layer's weights), by ``id(layer)``: taken before a reload, it tells :func:`refresh_cpu_kernels`
+    which tied layers the reload processed. Ids, not the handles: a handle holds the layer's packed weights,
+    and keeping the old ones alive through the reload would hold a second copy of them."""
+    return {
+        id(layer): id(handle)
+        for layers in tied_layers(model)
+        for layer in layers
+        if (handle := layer.__dict__.get("cpu_linear")) is not None
+    }
+
+
+def refresh_cpu_kernels(model: torch.nn.Module, before: dict[int, int] | None = None) -> int:
     """Redo CPU kernel set-up that vLLM 0.32 skips after a reload; returns how many layers were redone.
 
     Both are vLLM bugs measured here (its own ``reload_weights`` has them too):
@@ -155,17 +171,16 @@ def refresh_cpu_kernels(model: torch.nn.Module, before: dict[int, object] | None
       the old weights' values although the shared tensor holds the new ones.
 
     ``before`` (:func:`cpu_kernel_handles` taken before the reload): a tied layer whose handle the reload
-    made anew (the one that received the shared weight) is not packed again; without it, every tied layer
-    is. For the dense benchmark's 272 MB embedding that is one oneDNN packing less per update: in vLLM's
-    worker (one compute thread on a 2-core host), ``finish`` 0.48 -> 0.28 s and the commit 1.72 -> 1.40 s
-    (medians of 8 interleaved updates).
+    made anew (the one that received the shared weight) is not packed again; without it, or when in doubt
+    (a handle whose id is the old one's, no handle), every tied layer is. The dense benchmark's 272 MB
+    embedding is one oneDNN packing less per update: about 0.2 s of the commit in vLLM's worker, which
+    computes on one core of a 2-core host (measured 2026-12-02).
     """
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
         return 0
     redone = 0
-    owners: dict[int, list[torch.nn.Module]] = {}
     for layer in model.modules():
         kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
         experts = getattr(kernel, "fused_experts", None)
@@ -176,14 +191,11 @@ def refresh_cpu_kernels(model: torch.nn.Module, before: dict[int, object] | None
         ):
             experts.process_weights_after_loading(layer)
             redone += 1
-        weight = layer._parameters.get("weight")
-        if weight is not None and weight.numel() > 0 and getattr(layer, "quant_method", None) is not None:
-            owners.setdefault(weight.data_ptr(), []).append(layer)
-    for layers in owners.values():
-        if len(layers) > 1:  # tied
-            for layer in layers:
-                if before is not None and layer.__dict__.get("cpu_linear") is not before.get(id(layer)):
-                    continue  # made anew by the reload, from the new weights
-                layer.quant_method.process_weights_after_loading(layer)  # type: ignore[union-attr,operator]
-                redone += 1
+    for layers in tied_layers(model):
+        for layer in layers:
+            handle = layer.__dict__.get("cpu_linear")
+            if before is not None and handle is not None and id(handle) != before.get(id(layer)):
+                continue  # made anew by the reload, from the new weights
+            layer.quant_method.process_weights_after_loading(layer)  # type: ignore[union-attr,operator]
+            redone += 1
     return redone
