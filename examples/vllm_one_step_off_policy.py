@@ -67,35 +67,43 @@ def main() -> None:
         model = make_model(tmp, "qwen2")
         llm = vllm.LLM(
             tmp, dtype="float32", skip_tokenizer_init=True, max_model_len=128, enforce_eager=True,
-        kv_cache_memory_bytes=1 << 30,
+            kv_cache_memory_bytes=1 << 30,
             weight_transfer_config={"backend": "groupbridge"},
         )  # fmt: skip
-        engine = WeightTransferTrainerFactory.trainer_init(
-            TrainerInitInfo(rank=0, host=args.host), client=OfflineClient(llm), source=ModuleSource(model)
-        )
-        opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
-        batch = generate(llm, 0)
-        print(f"{'step':>4} {'version':>7} {'reward':>6} {'loss':>8} {'sync s':>6}  sample")
-        for step in range(1, args.steps + 1):
-            nxt: list[Any] = []
-            gen = threading.Thread(
-                target=lambda s=step, out=nxt: out.extend(generate(llm, s))
-            )  # t+1, weights t
-            gen.start()
-            loss, mean_reward = train_step(model, opt, batch)  # learn from batch t meanwhile
-            gen.join(timeout=300)
-            if gen.is_alive():
-                raise TimeoutError(f"step {step}: vLLM generated no batch within 300 s")
-            t0 = time.perf_counter()
-            engine.send_weights()  # vLLM serves the new version from the next generate on
-            sync = time.perf_counter() - t0
-            print(
-                f"{step:>4} {llm.get_weight_version():>7} {mean_reward:6.3f} {loss:8.4f} {sync:6.3f}  "
-                f"{nxt[0][1][:8]}"
+        try:
+            engine = WeightTransferTrainerFactory.trainer_init(
+                TrainerInitInfo(rank=0, host=args.host), client=OfflineClient(llm), source=ModuleSource(model)
             )
-            batch = nxt
-        engine.shutdown()  # the bridge first (the workers leave it), then vLLM's engine processes
-        shutdown(llm)
+            try:
+                loop(llm, engine, model, args.steps)
+            finally:
+                engine.shutdown()  # the bridge first (vLLM's workers leave it) ...
+        finally:
+            shutdown(llm)  # ... then vLLM's engine processes, whatever happened
+
+
+def loop(llm: Any, engine: Any, model: Any, steps: int) -> None:
+    """Generate batch t+1 with weights t while learning from batch t, then send the new weights."""
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    batch = generate(llm, 0)
+    print(f"{'step':>4} {'version':>7} {'reward':>6} {'loss':>8} {'sync s':>6}  sample")
+    for step in range(1, steps + 1):
+        nxt: list[Any] = []
+        # a daemon: a generation that never ends cannot keep the process from exiting after the timeout
+        gen = threading.Thread(target=lambda s=step, out=nxt: out.extend(generate(llm, s)), daemon=True)
+        gen.start()
+        loss, mean_reward = train_step(model, opt, batch)  # learn from batch t meanwhile
+        gen.join(timeout=300)
+        if gen.is_alive():
+            raise TimeoutError(f"step {step}: vLLM generated no batch within 300 s")
+        t0 = time.perf_counter()
+        engine.send_weights()  # vLLM serves the new version from the next generate on
+        sync = time.perf_counter() - t0
+        print(
+            f"{step:>4} {llm.get_weight_version():>7} {mean_reward:6.3f} {loss:8.4f} {sync:6.3f}  "
+            f"{nxt[0][1][:8]}"
+        )
+        batch = nxt
 
 
 if __name__ == "__main__":  # vLLM starts worker processes: a script that starts it needs this guard

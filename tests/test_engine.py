@@ -35,6 +35,7 @@ def _engine(rank: int, calls: Any, replies: Any) -> dict[str, Any]:
     del rank
     model = {n: torch.zeros(s) for n, s in SHAPES.items()}
     storages: list[list[int]] = []  # per load: where each tensor handed to the loader lives
+    held: list[Any] = []  # ... and that memory, held: a buffer made anew could not reuse its address
 
     class Loader:
         def check(self, manifest: Manifest) -> str | None:
@@ -45,6 +46,7 @@ def _engine(rank: int, calls: Any, replies: Any) -> dict[str, Any]:
             storages.append([])
             for name, t in weights:
                 storages[-1].append(t.untyped_storage().data_ptr())
+                held.append(t.untyped_storage())
                 model[name].copy_(t)
 
         def finish(self) -> None: ...

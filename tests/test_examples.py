@@ -12,21 +12,36 @@ import re
 import signal
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
 
-from groupbridge.vllm._stop import segments
+from groupbridge.vllm._stop import remove_new, segments
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 ROOT = Path(__file__).parent.parent
 
 
+def survivors(marker: str) -> list[int]:
+    """The processes whose environment carries ``marker``: what a script started (its server, its engine's
+    processes, in whatever session) and left running."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/environ", "rb") as f:
+            if marker.encode() in f.read():
+                found.append(int(pid))
+    return found
+
+
 def run(argv: list[str], cwd: Path, seconds: float) -> str:
-    """Run a script in its own session; past ``seconds`` the whole session (the engine's processes too) is
-    killed and the test fails with the end of its output. Returns stdout and stderr together."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    """Run a script in its own session; past ``seconds`` it is interrupted (its own clean-up runs), then
+    its session killed, and the test fails with the end of its output. After it, no process it started
+    may be left, nor anything in /dev/shm. Returns stdout and stderr together."""
+    marker = f"GROUPBRIDGE_TEST_RUN={uuid.uuid4().hex}"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_LOGGING_LEVEL": "INFO",
+           marker.split("=")[0]: marker.split("=")[1]}  # fmt: skip
     before = segments()
     proc = subprocess.Popen(
         [sys.executable, *argv], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -44,9 +59,13 @@ def run(argv: list[str], cwd: Path, seconds: float) -> str:
             out, _ = proc.communicate(timeout=30)
         pytest.fail(f"{argv[0]} ran past {seconds:g} s:\n{out[-4000:]}")
     finally:
-        with contextlib.suppress(ProcessLookupError):  # what is left of it: nothing, when it stopped cleanly
-            os.killpg(proc.pid, signal.SIGKILL)
+        left = [pid for pid in survivors(marker) if pid != os.getpid()]
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        remove_new(before)
     assert proc.returncode == 0, f"{argv[0]} exited {proc.returncode}:\n{out[-4000:]}"
+    assert not left, f"{argv[0]} left processes {left} running:\n{out[-3000:]}"
     assert "force killing" not in out, f"{argv[0]} left vLLM's engine to be killed at exit:\n{out[-3000:]}"
     assert not segments() - before, f"{argv[0]} left shared memory behind"
     return out
@@ -62,19 +81,21 @@ def readme_block(heading: str) -> str:
 
 
 def test_the_readme_vllm_quickstart_runs_as_pasted(tmp_path: Path) -> None:
-    code = readme_block("## With vLLM").replace("/tmp/qwen2-tiny", str(tmp_path / "qwen2-tiny"))
+    code = readme_block("## With vLLM")
+    assert "/tmp/qwen2-tiny" in code  # where the block builds its model: here, a folder of this test's
+    code = code.replace("/tmp/qwen2-tiny", str(tmp_path / "qwen2-tiny"))
     (tmp_path / "quickstart.py").write_text(code)
-    out = run([str(tmp_path / "quickstart.py")], tmp_path, 240)
+    out = run([str(tmp_path / "quickstart.py")], tmp_path, 180)
     assert re.search(r"^1$", out, re.M), out[-3000:]  # the version vLLM serves after the first update
 
 
 def test_the_vllm_example_runs(tmp_path: Path) -> None:
-    out = run([str(ROOT / "examples" / "vllm_one_step_off_policy.py"), "--steps", "2"], tmp_path, 240)
+    out = run([str(ROOT / "examples" / "vllm_one_step_off_policy.py"), "--steps", "2"], tmp_path, 180)
     assert re.search(r"^\s+2\s+2\s", out, re.M), out[-3000:]  # step 2 served version 2
 
 
 def test_the_trl_example_runs(tmp_path: Path) -> None:
-    out = run([str(ROOT / "examples" / "trl_async_grpo.py")], tmp_path, 240)
+    out = run([str(ROOT / "examples" / "trl_async_grpo.py")], tmp_path, 180)
     assert "the server serves version 3" in out, out[-3000:]
 
 

@@ -62,7 +62,7 @@ def run_vllm(
     import groupbridge as gb
 
     from ..vllm import OfflineClient, TrainerInitInfo
-    from ..vllm._stop import remove_new, segments, stop_offline
+    from ..vllm._stop import remove_new, segments, shutdown
     from ..vllm.models import make_model
 
     tmp = tempfile.TemporaryDirectory(prefix="gb-bench-vllm-")
@@ -125,7 +125,7 @@ def run_vllm(
         anchor.results(timeout=120)
     finally:
         anchor.reap()
-        stop_offline(llm)
+        shutdown(llm)
         del llm
         gc.collect()
         remove_new(shm_before)  # what the engine left in /dev/shm (vLLM 0.32 leaves some)

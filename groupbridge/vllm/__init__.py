@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from ._client import OfflineClient
 from ._plugin import BACKEND, register
-from ._stop import stop_offline as shutdown
+from ._stop import shutdown
 from ._trainer import TrainerEngine, TrainerInitInfo
 
 register()

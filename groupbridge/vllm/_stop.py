@@ -13,9 +13,10 @@ import contextlib
 import os
 import signal
 import subprocess
+from datetime import timedelta
 from typing import Any
 
-__all__ = ["remove_new", "segments", "stop_offline", "stop_server"]
+__all__ = ["remove_new", "segments", "shutdown", "stop_server"]
 
 SHM = "/dev/shm"
 PREFIXES = ("psm_", "vllm_dist_")
@@ -71,12 +72,21 @@ def stop_server(proc: subprocess.Popen[bytes], grace_s: float = 60.0) -> None:
     proc.wait(10)
 
 
-def stop_offline(llm: Any, grace_s: float = 60.0) -> None:
-    """Shut an offline ``vllm.LLM``'s engine down now: its processes exit in order, not whenever the object
-    is collected. ``grace_s`` bounds the wait for them: vLLM's own default, 5 s, is shorter than its engine
-    takes to stop its workers on a busy 2-core host, and it then force-kills the engine process (measured:
-    6 s). Exported as :func:`groupbridge.vllm.shutdown`."""
+def shutdown(llm: Any, *, timeout: timedelta = timedelta(seconds=60)) -> None:
+    """Stop an offline ``vllm.LLM``'s engine now: its processes exit in order, not whenever the object is
+    collected (vLLM then force-kills the engine process at interpreter exit). Call it after the trainer
+    engine's ``shutdown()``, which has vLLM's workers leave the bridge first. Calling it again does nothing.
+
+    Args:
+        llm: the offline engine.
+        timeout: how long its processes may take to exit before vLLM kills them. vLLM's own default, 5 s, is
+            shorter than its engine takes to stop its worker on a busy 2-core host (measured: 5-6 s).
+
+    Raises:
+        TypeError: ``llm`` is not an offline ``vllm.LLM`` (a server is stopped by whoever started it).
+    """
     engine_core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-    shutdown = getattr(engine_core, "shutdown", None)
-    if callable(shutdown):
-        shutdown(timeout=grace_s)
+    stop = getattr(engine_core, "shutdown", None)
+    if not callable(stop):
+        raise TypeError(f"shutdown() takes an offline vllm.LLM, got {type(llm).__name__}")
+    stop(timeout=timeout.total_seconds())
