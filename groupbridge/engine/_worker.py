@@ -205,14 +205,14 @@ class WorkerSession(Closing):
 
     def begin(self) -> None:
         """A new update: whatever an earlier one received and did not commit is dropped."""
-        self._drop("a new update began before the last one landed")
+        self._drop("a new update began before the last one landed", settle=True)
 
     def receive(self, version: int | None = None) -> None:
         """The handshake (the loader's dry run of the manifest); then the bytes: an atomic update's land on
         a thread (with ``background``) or here, a streaming update's are loaded here as they arrive."""
         if self.receiver is None or self.info is None:
             raise RuntimeError("the worker has not joined a bridge: call join() first")
-        self._drop("a new update began before the last one landed")
+        self._drop("a new update began before the last one landed", settle=True)
         t0 = time.perf_counter()
         check: list[float] = []
         # Every update lands in the receiver's kept copy of the weights and yields whole tensors as views of
@@ -281,18 +281,26 @@ class WorkerSession(Closing):
 
     # ------------------------------------------------------------------ helpers
 
-    def _drop(self, why: str) -> None:
+    def _drop(self, why: str, *, settle: bool = False) -> None:
         """Forget what was received and not committed. A landing still running is stopped: the group is
         aborted (its waits end within the liveness bound), then the thread waited for, bounded; one that
-        still runs keeps the session from receiving (two threads would write the same buffer)."""
+        still runs keeps the session from receiving (two threads would write the same buffer).
+
+        ``settle`` (a new update begins): the landing first gets the liveness bound to end on its own. The
+        trainer begins an update only once the last one returned on its side, and a landing whose sender
+        already returned may still be taking its last message (its thread outlives the acknowledgement the
+        sender waited for): aborting it then broke the new update (seen in CI, after a failed commit)."""
         self._received = None
         self._staged = None
         landing = self._landing
         if landing is None:
             return
+        liveness = self.info.liveness_s if self.info is not None else 10.0
+        if settle and landing.running:
+            landing.wait(liveness)
         if landing.running and self.group is not None:
             self.group.abort(why)
-        bound = (self.info.liveness_s if self.info is not None else 10.0) + 5
+        bound = liveness + 5
         if not landing.wait(bound):
             raise WeightSyncError(
                 f"the landing of version {landing.version} did not stop within {bound:g} s after the bridge "
