@@ -58,16 +58,17 @@ def run(argv: list[str], cwd: Path, seconds: float) -> str:
             os.killpg(proc.pid, signal.SIGKILL)
             out, _ = proc.communicate(timeout=30)
         pytest.fail(f"{argv[0]} ran past {seconds:g} s:\n{out[-4000:]}")
-    finally:
+    finally:  # what it left is noted first, then cleaned up, whatever happened
         left = [pid for pid in survivors(marker) if pid != os.getpid()]
         for pid in left:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+        leaked = segments() - before
         remove_new(before)
     assert proc.returncode == 0, f"{argv[0]} exited {proc.returncode}:\n{out[-4000:]}"
     assert not left, f"{argv[0]} left processes {left} running:\n{out[-3000:]}"
     assert "force killing" not in out, f"{argv[0]} left vLLM's engine to be killed at exit:\n{out[-3000:]}"
-    assert not segments() - before, f"{argv[0]} left shared memory behind"
+    assert not leaked, f"{argv[0]} left shared memory behind: {sorted(leaked)}"
     return out
 
 
