@@ -128,7 +128,7 @@ def test_an_atomic_update_lands_while_the_engine_serves_and_versions_survive_a_f
     worker = Ranks(_engine, 1, (calls, replies))
     control = Control(calls, replies)
     specs = {n: (s, torch.float32) for n, s in SHAPES.items()}
-    session = TrainerSession(TrainerConfig(timeout=30, liveness=3, bucket_bytes=32 << 10), control)
+    session = TrainerSession(TrainerConfig(timeout=30, liveness=10, bucket_bytes=32 << 10), control)
     try:
         session.connect()
         t0 = time.monotonic()

@@ -205,7 +205,7 @@ def dense(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Any]]
 
 
 def trainer(llm: Any, model: Any, **kw: Any) -> Any:
-    info = TrainerInitInfo(rank=0, timeout=60, liveness=3, **kw)
+    info = TrainerInitInfo(rank=0, timeout=60, liveness=10, **kw)  # the default: these tests are not about it
     return WeightTransferTrainerFactory.trainer_init(
         info, client=OfflineClient(llm), source=ModuleSource(model)
     )
@@ -262,7 +262,7 @@ def test_two_trainer_ranks_each_send_their_rows_and_vllm_serves_the_whole(dense:
     """No rank gathers the model: each sends its rows, the worker assembles whole tensors; two versions."""
     llm, model = dense
     lis = gb.listen("127.0.0.1", 0)
-    common: dict[str, Any] = dict(timeout=60, liveness=3, sources=2)
+    common: dict[str, Any] = dict(timeout=60, liveness=10, sources=2)
     infos = [TrainerInitInfo(rank=0, listener=lis, **common),
              TrainerInitInfo(rank=1, port=lis.port, **common)]  # fmt: skip
     engines: list[Any] = [None, None]
@@ -483,7 +483,7 @@ def test_vllm_serve_with_tensor_parallel_2_over_http(tmp_path_factory: pytest.Te
         assert [srv.complete(p, TOKENS) for p in PROMPTS] == reference(model)
         client = HTTPVLLMWeightSyncClient(srv.base, timeout=60)
         eng = WeightTransferTrainerFactory.trainer_init(
-            TrainerInitInfo(rank=0, workers=2, timeout=60, liveness=3),
+            TrainerInitInfo(rank=0, workers=2, timeout=60, liveness=10),
             client=client,
             source=ModuleSource(model),
         )
