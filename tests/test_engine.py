@@ -34,8 +34,9 @@ def _engine(rank: int, calls: Any, replies: Any) -> dict[str, Any]:
 
     del rank
     model = {n: torch.zeros(s) for n, s in SHAPES.items()}
-    storages: list[list[int]] = []  # per load: where each tensor handed to the loader lives
-    held: list[Any] = []  # ... and that memory, held: a buffer made anew could not reuse its address
+    # per load, the memory of each tensor handed to the loader, held: a buffer made anew could not take the
+    # address of one freed before it
+    storages: list[list[Any]] = []
 
     class Loader:
         def check(self, manifest: Manifest) -> str | None:
@@ -45,8 +46,7 @@ def _engine(rank: int, calls: Any, replies: Any) -> dict[str, Any]:
         def load(self, weights: Any) -> None:
             storages.append([])
             for name, t in weights:
-                storages[-1].append(t.untyped_storage().data_ptr())
-                held.append(t.untyped_storage())
+                storages[-1].append(t.untyped_storage())
                 model[name].copy_(t)
 
         def finish(self) -> None: ...
@@ -80,7 +80,7 @@ def _engine(rank: int, calls: Any, replies: Any) -> dict[str, Any]:
                 replies.put(("ok", None))
                 return {"ticks": ticks, "sum": float(sum(t.sum() for t in model.values())),
                         "version": session.version, "timings": session.timings,
-                        "storages": storages}  # fmt: skip
+                        "storages": [[m.data_ptr() for m in load] for load in storages]}  # fmt: skip
             replies.put(("ok", dict(session.timings)))
         except Exception as e:
             replies.put(("error", f"{type(e).__name__}: {e}"))

@@ -39,9 +39,10 @@ def run(argv: list[str], cwd: Path, seconds: float) -> str:
     """Run a script in its own session; past ``seconds`` it is interrupted (its own clean-up runs), then
     its session killed, and the test fails with the end of its output. After it, no process it started
     may be left, nor anything in /dev/shm. Returns stdout and stderr together."""
-    marker = f"GROUPBRIDGE_TEST_RUN={uuid.uuid4().hex}"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_LOGGING_LEVEL": "INFO",
-           marker.split("=")[0]: marker.split("=")[1]}  # fmt: skip
+    run_id = uuid.uuid4().hex
+    marker = f"GROUPBRIDGE_TEST_RUN={run_id}"  # as it reads in /proc/<pid>/environ
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_LOGGING_LEVEL": "INFO"}
+    env["GROUPBRIDGE_TEST_RUN"] = run_id
     before = segments()
     proc = subprocess.Popen(
         [sys.executable, *argv], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -148,7 +148,12 @@ def cpu_kernel_handles(model: torch.nn.Module) -> dict[int, int]:
     """``id(handle)`` of each tied layer's CPU GEMM handle (``cpu_linear``, made anew whenever vLLM processes
     the layer's weights), by ``id(layer)``: taken before a reload, it tells :func:`refresh_cpu_kernels`
     which tied layers the reload processed. Ids, not the handles: a handle holds the layer's packed weights,
-    and keeping the old ones alive through the reload would hold a second copy of them."""
+    and keeping the old ones alive through the reload would hold a second copy of them. Empty off the CPU
+    (nothing to refresh there: no walk of the model per update)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return {}
     return {
         id(layer): id(handle)
         for layers in tied_layers(model)
