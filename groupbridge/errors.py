@@ -12,6 +12,7 @@ errors, correct only by the order of its clauses.
 from __future__ import annotations
 
 __all__ = [
+    "CopyTimeoutError",
     "GroupBridgeError",
     "GroupClosedError",
     "GroupMismatchError",
@@ -47,6 +48,10 @@ class JoinTimeoutError(GroupBridgeError, TimeoutError):
 
 class PeerTimeoutError(GroupBridgeError, TimeoutError):
     """A peer did not answer within the timeout of an operation."""
+
+
+class CopyTimeoutError(GroupBridgeError, TimeoutError):
+    """A bulk copy on a thread the library owns did not finish within the operation's deadline."""
 
 
 class PeerDiedError(GroupBridgeError):

@@ -262,7 +262,7 @@ def _corrupted(rank: int, host: str, ports: Any, how: str) -> Any:
 def test_corrupted_delta_detected_before_it_is_applied() -> None:
     res = run_ranks(_corrupted, 2, "127.0.0.1", CTX.Queue(), "wire", timeout=50)
     first, *later = res[0]
-    assert "not applied everywhere" in first and "arrived corrupted" in first, first
+    assert "not committed on any receiver" in first and "arrived corrupted" in first, first
     assert later == [False, True]  # after a failed sync the next one is full, then deltas again
     (kind, msg, untouched), held, exact = res[1]
     assert kind == "failed" and untouched and held == 1 and exact, res[1]
@@ -270,16 +270,18 @@ def test_corrupted_delta_detected_before_it_is_applied() -> None:
 
 
 @pytest.mark.timeout(60)
-def test_a_receiver_whose_copy_differs_raises_and_the_next_sync_is_full() -> None:
+def test_a_receiver_whose_copy_differs_fails_the_sync_on_every_receiver() -> None:
+    """One commit: rank 2's delta does not check out, so rank 1 (whose bytes were fine) does not take the
+    version either; both streamed into their targets before the vote, so both say TORN and hold 1."""
     res = run_ranks(_corrupted, 3, "127.0.0.1", CTX.Queue(), "target", timeout=50)
     first, *later = res[0]
-    assert "not applied everywhere" in first and "rank 2:" in first and "rank 1:" not in first, first
+    assert "not committed on any receiver" in first and "rank 2:" in first and "rank 1:" not in first, first
     assert "differs from the sender's" in first
-    assert later == [False, True]  # receivers on versions 1 and 2: a full sync for both, then deltas
-    assert res[1] == ("no error", 2, True)
-    (kind, msg), held, exact = res[2]
-    assert kind == "torn" and "TORN" in msg and "differs from the sender's" in msg, msg
-    assert held == 1 and exact
+    assert later == [False, True]  # both on version 1 with torn targets: a full sync for both, then deltas
+    for rank in (1, 2):
+        (kind, msg), held, exact = res[rank]
+        assert kind == "torn" and "TORN" in msg and "differs from the sender's" in msg, (rank, msg)
+        assert held == 1 and exact, res[rank]
 
 
 def _killed(rank: int, host: str, ports: Any, atomic: bool) -> Any:

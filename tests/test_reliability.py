@@ -157,6 +157,13 @@ def _sync_failure(rank: int, ports: Any, how: str) -> str:
                 if n == 3:
                     break  # stop consuming early: the sync cannot finish, everyone must hear it
             return "stopped early"
+        if how == "dropped" and rank == 1:
+            upd = rcv.receive()
+            del upd  # never read: the handle still owns its step of the protocol
+            return "stopped early"
+        if how == "closed" and rank == 1:
+            rcv.receive().close()
+            return "stopped early"
         target = {k: torch.zeros_like(v) for k, v in model.items()}
         rcv.receive_into(target)
         return "received"
@@ -165,7 +172,7 @@ def _sync_failure(rank: int, ports: Any, how: str) -> str:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("how", ["generator", "consumer"])
+@pytest.mark.parametrize("how", ["generator", "consumer", "dropped", "closed"])
 def test_any_failure_mid_sync_reaches_every_member_quickly(how: str) -> None:
     res = run_ranks(_sync_failure, 3, CTX.Queue(), how, timeout=50)
     failed = [v for v in res if "Error after" in v]
@@ -174,10 +181,43 @@ def test_any_failure_mid_sync_reaches_every_member_quickly(how: str) -> None:
         for v in res[1:]:
             assert "rank 0 aborted" in v and "gather of w9 failed" in v and _took(v) < BOUND, v
     else:
+        why = "consumer stopped" if how == "consumer" else "dropped before it was read"
         assert res[1] == "stopped early", res
         for v in (res[0], res[2]):
-            assert "rank 1 aborted" in v and "consumer stopped" in v and _took(v) < BOUND, v
+            assert "rank 1 aborted" in v and why in v and _took(v) < BOUND, v
     assert len(failed) == (3 if how == "generator" else 2)
+
+
+def _many_sources_stopped(rank: int, ports: Any, how: str) -> str:
+    """Ranks 0 and 1 each hold half of every tensor; rank 2 takes them whole and stops early."""
+    g = make_group(rank, 3, "127.0.0.1", ports, liveness_timeout=LIVE, timeout=timedelta(seconds=60))
+    t0 = time.monotonic()
+    try:
+        if rank < 2:
+            full = {f"w{i}": torch.full((64, 16), float(i)) for i in range(8)}
+            boxes = {k: gb.Shard(v[32 * rank : 32 * rank + 32].clone(), (64, 16), (32 * rank, 0))
+                     for k, v in full.items()}  # fmt: skip
+            gb.WeightSender(g, bucket_bytes=4096).send(boxes, version=1)
+            return "sent"
+        rcv = gb.WeightReceiver(g)
+        if how == "break":
+            for _ in rcv.receive():
+                break
+        else:
+            upd = rcv.receive()
+            del upd
+        return "stopped early"
+    except gb.GroupBridgeError as e:
+        return _outcome(t0, e)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["break", "dropped"])
+def test_a_many_source_update_stopped_early_reaches_the_sources_quickly(how: str) -> None:
+    res = run_ranks(_many_sources_stopped, 3, CTX.Queue(), how, timeout=50)
+    assert res[2] == "stopped early", res
+    for v in res[:2]:
+        assert "rank 2 aborted" in v and _took(v) < BOUND, v
 
 
 def _receive_timeout(rank: int, ports: Any) -> str:

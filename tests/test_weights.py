@@ -330,7 +330,7 @@ def test_corrupted_bucket_detected() -> None:
     msg, untouched, version = res[1]
     assert "xxh3 mismatch in bucket(s) 1" in msg and "corrupted, short" in msg
     assert untouched and version is None
-    assert "not applied everywhere" in res[0] and "rank 1" in res[0]
+    assert "not committed on any receiver" in res[0] and "rank 1" in res[0]
 
 
 def _killed(rank: int, host: str, ports: Any, victim: int, atomic: bool) -> Any:
@@ -395,6 +395,53 @@ def test_receiver_killed_mid_sync() -> None:
     status, value = res[1]
     assert status and value[0] == "failed", value
     assert value[2] and value[3] == 1 and value[4] < 20, value  # untouched, still version 1, promptly
+
+
+def _dies_before_the_vote(rank: int, host: str, ports: Any) -> Any:
+    """Rank 2 lands every byte of version 2, then dies before it votes (killed where the vote is taken)."""
+    import groupbridge.weights.receiver as receiver_module
+
+    g = make_group(rank, 3, host, ports, liveness_timeout=timedelta(seconds=2))
+    shapes = [(f"w{i}", (64, 64)) for i in range(16)]
+    try:
+        if rank == 0:
+            snd = gb.WeightSender(g, transport="broadcast", bucket_bytes=16 << 10)
+            snd.send(make_model(shapes, seed=1), version=1)
+            t0 = time.monotonic()
+            try:
+                snd.send(make_model(shapes, seed=2), version=2)
+                return "finished"
+            except gb.GroupBridgeError as e:
+                return "failed", str(e), time.monotonic() - t0
+        target = make_model(shapes, seed=0)
+        rcv = gb.WeightReceiver(g, src=0)
+        rcv.receive_into(target)
+        before = {k: v.clone() for k, v in target.items()}
+        if rank == 2:
+            receiver_module.vote = lambda *args, **kwargs: os._exit(3)  # type: ignore[attr-defined]
+        t0 = time.monotonic()
+        try:
+            rcv.receive_into(target)
+            return "finished"
+        except gb.WeightSyncError as e:
+            same = all(torch.equal(before[k], target[k]) for k in target)
+            return "failed", str(e), time.monotonic() - t0, same, rcv.version
+    finally:
+        g.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_receiver_that_dies_before_the_vote_leaves_every_receiver_on_the_old_version() -> None:
+    """One commit with one sender: rank 1 landed every byte and would apply it, but rank 2 never voted;
+    rank 1 keeps version 1, its target untouched, and says who died within the liveness bound."""
+    res = Ranks(_dies_before_the_vote, 3, ("127.0.0.1", CTX.Queue())).results(45, expect=[0, 1])
+    status, value = res[1]
+    assert status and value[0] == "failed", value
+    _, msg, took, untouched, version = value
+    assert "rank 2" in msg and "untouched" in msg and untouched and version == 1, value
+    assert took < 2 + 5, value
+    status, value = res[0]
+    assert status and value[0] == "failed" and "rank 2" in value[1] and value[2] < 2 + 5, value
 
 
 # ---------------------------------------------------------------- several trainer ranks

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 
 from ..codec import dtype_from_name
-from ..errors import TornUpdateError, WeightSyncError
+from ..errors import SyncRefusedError, TornUpdateError, WeightSyncError
 from . import _bytes
 from ._copier import Copier
 from ._delta_sync import TargetStore
@@ -31,7 +31,7 @@ from .manifest import Entry, Manifest
 from .plan import Plan
 from .transports import Land, Landed, Landing
 
-__all__ = ["Applier", "Ring", "Scratch", "Staged", "Streaming", "torn"]
+__all__ = ["Applier", "Ring", "Scratch", "Staged", "Streaming", "refused", "torn"]
 
 Bucket = tuple[int, torch.Tensor, bool, list[int]]
 """(k, view of its new bytes, whether they are in the target already, the entries it changed)."""
@@ -53,6 +53,21 @@ def torn(
         f"TORN: {len(written)} of {total} tensors were (partly) written ({shown or 'none'}); the version "
         f"held is still {held}",
         written=written,
+    )
+
+
+def refused(
+    version: int, held: int | None, cause: BaseException, written: list[str], total: int
+) -> WeightSyncError:
+    """The error of a receiver when the sync failed at or before the vote: torn when it wrote (or yielded)
+    some tensors already, else untouched. A :class:`SyncRefusedError` that every member raised stays one
+    (the group is usable); a torn update is a :class:`TornUpdateError` whatever ended it."""
+    if written:
+        return torn(version, held, cause, written, total, "its tensors were written before the vote")
+    kind = SyncRefusedError if isinstance(cause, SyncRefusedError) else WeightSyncError
+    return kind(
+        f"receiving version {version} failed: {type(cause).__name__}: {cause}; the target is untouched and "
+        f"the version held is still {held}"
     )
 
 
@@ -84,6 +99,8 @@ class Applier:
         self.device = ring.device
         self.copier = copier
         self.names = names
+        self.written: list[str] = []
+        """The target's tensors this applier has (partly) overwritten so far: a failure then is torn."""
 
     def land(self, k: int) -> Landed:
         return self.ring.land(self.plan)(k)
@@ -232,7 +249,6 @@ class Streaming(Applier):
         super().__init__(plan, manifest, ring, copier, names)
         self.dest = dest
         self.delta = delta
-        self.written: list[str] = []
         self._seen: set[int] = set()
         self._wire_ok = [wire_typed(d, e) for d, e in zip(dest, self.entries, strict=True)]
         ok = self._wire_ok

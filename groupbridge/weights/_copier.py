@@ -15,20 +15,30 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
+from ..control import Deadline
+from ..errors import CopyTimeoutError
+
 __all__ = ["Copier", "Job"]
 
 T = TypeVar("T")
 
 
 class Job(Generic[T]):
-    """A callable queued on the copy thread."""
+    """A callable queued on the copy thread, collected within the sync's deadline."""
 
-    def __init__(self) -> None:
+    def __init__(self, thread: str, deadline: Deadline | None) -> None:
         self.out: list[Any] = []
         self.done = threading.Event()
+        self._thread = thread
+        self._deadline = deadline
 
     def result(self) -> T:
-        self.done.wait()
+        deadline = self._deadline
+        if not self.done.wait(None if deadline is None else max(0.0, deadline.left())):
+            raise CopyTimeoutError(
+                f"a copy on thread {self._thread} did not finish within the sync's {deadline} (the copy "
+                "thread is stuck or the machine is overloaded)"
+            )
         ok, value = self.out[0]
         if not ok:
             raise value
@@ -44,6 +54,8 @@ class Copier:
         )
         self._thread: threading.Thread | None = None
         self._name = name
+        self.deadline: Deadline | None = None
+        """The running sync's deadline: a job not done by then raises :class:`CopyTimeoutError`."""
 
     def _run(self) -> None:
         torch.set_num_threads(1)  # this thread only
@@ -70,7 +82,7 @@ class Copier:
                 target=self._run, name=f"groupbridge-copy-{self._name}", daemon=True
             )
             self._thread.start()
-        job: Job[T] = Job()
+        job: Job[T] = Job(f"groupbridge-copy-{self._name}", self.deadline)
         self._jobs.put((fn, job.out, job.done))
         return job
 

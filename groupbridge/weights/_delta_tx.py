@@ -108,6 +108,7 @@ class DeltaSender:
         runs while it does: the transfer starts once every bucket is described)."""
         if self._second is None:
             self._second = Copier(f"{self.group.name}-{self.group.rank}-diff")
+        self._second.deadline = self.copier.deadline
         return [self.copier, self._second]
 
     def send(

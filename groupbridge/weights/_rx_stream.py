@@ -139,19 +139,14 @@ def acknowledge(group: StatelessGroup, src: int, version: int) -> None:
 
 
 def tell_failure(group: StatelessGroup, src: int, e: BaseException, what: str) -> None:
-    """Tell the source how this side failed: a digest mismatch by a negative acknowledgement (the group
-    stays usable), anything else by aborting the group (the source cannot finish the sync)."""
-    if isinstance(e, VerifyFailed):
-        try:
-            group.send_obj({"ok": False, "error": str(e)}, dst=src, tag=ACK_TAG)
-        except GroupBridgeError:  # the source then times out on this rank; the caller gets ``e`` anyway
-            group.log.warning("could not tell the sender it refused the bytes")
-    else:
-        group.abort(f"rank {group.rank} gave up {what}: {type(e).__name__}: {e}")
+    """Tell the peers this side cannot finish the sync: the group is aborted with the reason, so every
+    member raises within the liveness bound. (Bytes that fail their digests are not told here: they are
+    this receiver's vote, and every member then refuses the sync alike, the group usable.)"""
+    group.abort(f"rank {group.rank} gave up {what}: {type(e).__name__}: {e}")
 
 
 def give_up(group: StatelessGroup, src: int, cause: BaseException, what: str, error: Exception) -> NoReturn:
-    """Tell the peers how ``what`` failed (see :func:`tell_failure`), then raise ``error`` from ``cause``;
+    """Tell the peers ``what`` failed (see :func:`tell_failure`), then raise ``error`` from ``cause``;
     an interrupt (a BaseException that is not an Exception) propagates unchanged."""
     tell_failure(group, src, cause, what)
     try:

@@ -11,11 +11,18 @@ The session is what every member of a sync agrees on, whatever moves the bytes:
    layout and whether it holds the delta's base. One problem anywhere and every member raises the same
    error (a :class:`SyncRefusedError` subclass) before any tensor byte moves; the group stays usable.
 3. **Streams** (see :class:`Stream`): the bytes of each source travel by their own plan and transport.
-4. **Commit**: every receiver acknowledges the version it now holds (or why it refused the bytes) to the
-   source, whose ``send`` returns only when every receiver did.
+4. **Vote** (one all-gather, :func:`vote`): every member says whether its part succeeded (the bytes sent;
+   the bytes landed and matched their digests). Nothing is applied and no receiver's version moves before
+   it: one problem anywhere and every member raises :class:`SyncRefusedError` (an atomic receiver's target
+   untouched, a streaming one's torn and said so), the group still usable. A member that dies or freezes
+   before it votes aborts the group through the liveness watcher, and everyone raises, naming it.
+5. **Commit**: once every member voted yes, atomic receivers apply what they staged, every receiver's
+   version moves, and each acknowledges to the sources, whose ``send`` returns only when every receiver
+   did. A receiver that dies after the vote leaves the live ones on the new version (they committed) and
+   the sources raising, naming it: the dead member is gone, and its replacement joins a new group.
 
-Today a sync has one source; the handshake already finds it from the gathered headers, so a source is a
-property of a stream and not of the protocol.
+One source sending whole tensors is one stream; many sources, or receivers that take boxes, are one stream
+per (source, receiver) pair (:mod:`._sharded`). The vote and the commit are the same for both.
 """
 
 from __future__ import annotations
@@ -61,6 +68,7 @@ __all__ = [
     "refuse",
     "remember",
     "sources_of",
+    "vote",
 ]
 
 ACK_TAG = "weights-ack"
@@ -401,3 +409,13 @@ def collect_acks(group: StatelessGroup, receivers: list[int], deadline: Deadline
             error = ack.get("error") if isinstance(ack, dict) else repr(ack)[:200]
             failures.append(f"rank {r}: {error}")
     return failures
+
+
+def vote(group: StatelessGroup, version: int, problem: str | None, deadline: Deadline) -> None:
+    """Step 4's gather: raise :class:`SyncRefusedError` on every member unless every member succeeded
+    (``problem``: why this member's part failed, or None)."""
+    votes = group.all_gather_obj(problem, timeout=deadline)
+    failed = [(r, v) for r, v in enumerate(votes) if v is not None]
+    if failed:
+        text = "\n".join(f"rank {r}: {str(v)[:2000]}" for r, v in failed)
+        raise SyncRefusedError(f"version {version} was not committed on any receiver:\n{text}")

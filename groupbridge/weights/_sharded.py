@@ -28,7 +28,7 @@ import torch
 
 from ..codec import dtype_from_name
 from ..control import Deadline
-from ..errors import ManifestMismatchError, ProtocolError, SyncRefusedError
+from ..errors import ManifestMismatchError, ProtocolError
 from ..stateless import StatelessGroup
 from . import _bytes
 from ._copier import Copier
@@ -44,6 +44,7 @@ from ._session import (
     knows,
     remember,
     sources_of,
+    vote,
 )
 from ._shard_plan import Bucket, Held, ShardPlan, plan_shards
 from ._sharded_delta import PairBases, pair_key
@@ -276,12 +277,3 @@ def total(buckets: tuple[Bucket, ...]) -> int:
 def start_of(buckets: tuple[Bucket, ...], k: int) -> int:
     """Where bucket k of a pair starts in the pair's bytes (its base)."""
     return sum(b.nbytes for b in buckets[:k])
-
-
-def vote(group: StatelessGroup, version: int, problem: str | None, deadline: Deadline) -> None:
-    """Step 4's gather: raise :class:`SyncRefusedError` on every member unless every member succeeded."""
-    votes = group.all_gather_obj(problem, timeout=deadline)
-    failed = [(r, v) for r, v in enumerate(votes) if v is not None]
-    if failed:
-        text = "\n".join(f"rank {r}: {str(v)[:2000]}" for r, v in failed)
-        raise SyncRefusedError(f"version {version} was not committed on any receiver:\n{text}")

@@ -292,8 +292,16 @@ def shards_named(
         slots[wire] = (staged, Box((0,) * len(shape), shape))
     rcv._held = None
     _land_shards(rcv, session, slots, deadline, [])
-    for wire, (t, _) in slots.items():
-        yield rcv._rename(wire), t
+    yielded = 0
+    try:
+        for wire, (t, _) in slots.items():
+            yield rcv._rename(wire), t
+            yielded += 1
+    except GeneratorExit:  # the sources wait for this receiver's acknowledgement: tell them now
+        tell_failure(rcv.group, session.sources[0], RuntimeError(
+            f"the consumer stopped after {yielded} of {len(slots)} tensors"), f"receiving version "
+            f"{session.header.version}")  # fmt: skip
+        raise
     rcv.version = session.header.version
     for src in session.sources:
         acknowledge(rcv.group, src, session.header.version)

@@ -7,8 +7,10 @@ the commit (the version held moves, the source is told).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+import weakref
+from collections.abc import Callable, Generator, Iterator, Mapping
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 import torch
@@ -16,12 +18,23 @@ import torch
 from .._closing import Closing
 from ..codec import dtype_from_name
 from ..control import Deadline
-from ..errors import WeightSyncError
+from ..errors import SyncRefusedError, WeightSyncError
 from ..stateless import StatelessGroup
 from . import _bytes
-from ._appliers import Applier, Bucket, Ring, Scratch, Staged, Streaming, run_through, torn, wire_typed
+from ._appliers import (
+    Applier,
+    Bucket,
+    Ring,
+    Scratch,
+    Staged,
+    Streaming,
+    refused,
+    run_through,
+    torn,
+    wire_typed,
+)
 from ._copier import Copier
-from ._rx_stream import RxStreams, acknowledge, give_up, tell_failure
+from ._rx_stream import RxStreams, VerifyFailed, acknowledge, give_up, tell_failure
 from ._session import (
     Header,
     Session,
@@ -29,6 +42,7 @@ from ._session import (
     laid_out_in_place,
     make_renamer,
     merged_plan,
+    vote,
 )
 from ._sharded import ShardedSession, open_session
 from ._sharded_delta import PairBases
@@ -58,7 +72,12 @@ class WeightUpdate:
     """
 
     def __init__(
-        self, session: Session | ShardedSession, pairs: Iterator[tuple[str, torch.Tensor]], kept: bool = False
+        self,
+        session: Session | ShardedSession,
+        pairs: Iterator[tuple[str, torch.Tensor]],
+        kept: bool = False,
+        *,
+        abandon: Callable[[str], None] | None = None,
     ) -> None:
         self.version = session.header.version
         self.manifest = session.manifest
@@ -67,12 +86,35 @@ class WeightUpdate:
         self.kept = session.header.keeps_base or kept
         """The yielded tensors are views of the receiver's kept copy: valid until the next sync."""
         self._pairs: Iterator[tuple[str, torch.Tensor]] | None = pairs
+        self._taken: Generator[tuple[str, torch.Tensor], None, None] | None = None
+        reason = f"the update of version {self.version} was dropped before it was read"
+        # a handle dropped unread (or closed) still owns its step of the protocol: the sources wait for it
+        self._finalizer = weakref.finalize(self, abandon or (lambda reason: None), reason)
+        self._finalizer.atexit = False
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         if self._pairs is None:
             raise RuntimeError("a WeightUpdate can be iterated once")
         pairs, self._pairs = self._pairs, None
+        self._finalizer.detach()  # from now on the iterator tells the peers if it is stopped early
+        if isinstance(pairs, Generator):
+            self._taken = pairs
         return pairs
+
+    def close(self) -> None:
+        """Give up this update if it was not read to the end: the sync is aborted for every member (they
+        raise within the liveness bound). Idempotent; a finished update is left as it is."""
+        if self._pairs is not None:
+            self._pairs = None
+            self._finalizer()
+        elif self._taken is not None:
+            self._taken.close()
+
+    def __enter__(self) -> WeightUpdate:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class WeightReceiver(Closing):
@@ -233,13 +275,15 @@ class WeightReceiver(Closing):
                 sender refused the sync.
         """
         deadline = self.group.deadline(timeout)
+        self._copier.deadline = deadline
         session = self._handshake(
             deadline, expected=self.expected, allow_stale=allow_stale, keep=("receive",), accept=accept
         )
+        abandon = partial(_abandon, self.group)
         if isinstance(session, ShardedSession):
-            return WeightUpdate(session, shards_named(self, session, deadline))
+            return WeightUpdate(session, shards_named(self, session, deadline), abandon=abandon)
         every = not (session.delta and only_changed)
-        return WeightUpdate(session, self._named(session, deadline, every, keep), kept=keep)
+        return WeightUpdate(session, self._named(session, deadline, every, keep), kept=keep, abandon=abandon)
 
     def _named(
         self, session: Session, deadline: Deadline, every: bool, keep: bool
@@ -264,6 +308,7 @@ class WeightReceiver(Closing):
         yielded: list[str] = []
         self._held = None
         what = f"receiving version {header.version}"
+        problem: str | None = None
         try:
             for index, t in run_through(self._buckets(session, plan, applier, deadline), applier):
                 for name in (names(index), *aliases.get(index, [])):
@@ -279,14 +324,40 @@ class WeightReceiver(Closing):
             stopped = RuntimeError(f"the consumer stopped after {len(yielded)} of {len(entries)} tensors")
             tell_failure(self.group, session.src, stopped, what)
             raise
+        except VerifyFailed as e:
+            problem = f"{e}"
         except BaseException as e:
             how = f"{len(yielded)} tensors were yielded (whatever consumed them is torn)"
             give_up(self.group, session.src, e, what, torn(header.version, self.version, e, yielded,
                                                            len(entries), how))  # fmt: skip
+        self._vote(session, problem, deadline, lambda e: refused(header.version, self.version, e, yielded,
+                                                                  len(entries)))  # fmt: skip
         self.version = header.version
         if header.keeps_base:
             self._held = (("receive",), header.version, manifest.digest)
         acknowledge(self.group, session.src, header.version)
+
+    def _vote(
+        self,
+        session: Session,
+        problem: str | None,
+        deadline: Deadline,
+        failed: Callable[[BaseException], Exception],
+    ) -> None:
+        """Every member's vote on the sync (see :func:`._session.vote`): returns when all landed and verified
+        their bytes; else raises ``failed(cause)`` (untouched or torn), the peers told."""
+        try:
+            vote(self.group, session.header.version, problem, deadline)
+        except BaseException as e:
+            if not isinstance(e, SyncRefusedError):  # every member raised a refusal alike; else tell them
+                tell_failure(self.group, session.src, e, f"voting on version {session.header.version}")
+            if not isinstance(e, Exception):
+                raise
+            err = failed(e)
+            try:
+                raise err from e
+            finally:
+                del err, e
 
     # ------------------------------------------------------------------ receive_into()
 
@@ -312,6 +383,7 @@ class WeightReceiver(Closing):
         hold the version last received (a target that differs is caught by the digests and raises).
         """
         deadline = self.group.deadline(timeout)
+        self._copier.deadline = deadline
         targets = tensors_of(target, "receive_into()")
         expected = self.expected if self.expected is not None else expected_specs(targets)
         keep = ("atomic" if atomic else "streaming", tuple(data_ptr(t) for t in targets.values()))
@@ -351,11 +423,16 @@ class WeightReceiver(Closing):
             applier = Streaming(
                 plan, manifest, ring, self._copier, names, dest, self._buffers, delta=session.delta
             )
+        problem: str | None = None
         try:
             for _ in run_through(self._buckets(session, plan, applier, deadline), applier):
                 pass
+        except VerifyFailed as e:
+            problem = f"{e}"
         except BaseException as e:
             give_up(self.group, session.src, e, what, applier.failed(e, version, self.version))
+        self._vote(session, problem, deadline, lambda e: refused(version, self.version, e, applier.written,
+                                                                  len(entries)))  # fmt: skip
         try:
             applier.commit()
         except BaseException as e:
@@ -372,3 +449,9 @@ class WeightReceiver(Closing):
 
 def _renamed(e: Entry, rename: Callable[[str], str]) -> Entry:
     return Entry(rename(e.name), e.shape, e.dtype, e.wire_dtype, e.alias_of)
+
+
+def _abandon(group: StatelessGroup, reason: str) -> None:
+    """An update dropped or closed unread: abort its sync for every member (no-op once the group closed)."""
+    if not group.closed:
+        group.abort(f"rank {group.rank}: {reason}")

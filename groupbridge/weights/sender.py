@@ -34,6 +34,7 @@ from ._session import (
     make_renamer,
     merged_plan,
     refuse,
+    vote,
 )
 from ._sharded import ShardedSession, boxes_of, open_session
 from ._sharded_delta import PairBases
@@ -166,6 +167,10 @@ class WeightSender(Closing):
     ) -> SyncStats:
         """Send ``named_tensors`` as ``version``; returns once every receiver confirmed it applied it.
 
+        One commit: receivers apply the version only after every member voted that its part succeeded, so a
+        receiver that refuses the bytes (digests) or dies before the vote leaves every receiver on the
+        version it held.
+
         ``named_tensors`` is a Mapping, an ``nn.Module`` or an iterable of (name, tensor) pairs. An iterator
         is consumed lazily, one tensor at a time, so a generator that gathers sharded parameters never holds
         the model: the manifest then comes from ``specs`` (name -> (shape, dtype), in order), or from the
@@ -189,6 +194,7 @@ class WeightSender(Closing):
             raise TypeError(f"version must be an int, got {type(version).__name__}")
         deadline = self.group.deadline(timeout)
         self.group.check_open()
+        self._copier.deadline = deadline
         try:
             items, manifest, shards = self._describe(named_tensors, specs)
             items, device = _peek_device(items)
@@ -312,6 +318,7 @@ class WeightSender(Closing):
             if header.verify:
                 self.group.broadcast_obj(full.digests, src=self.src, timeout=deadline)
             in_place, wire_bytes, changed = full.in_place, plan.total_bytes, 1.0
+        vote(self.group, header.version, None, deadline)  # every receiver landed and verified its bytes
         receivers = [r for r in range(self.group.world_size) if r != self.src]
         failures = collect_acks(self.group, receivers, deadline)
         seconds = time.perf_counter() - t0
