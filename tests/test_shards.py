@@ -308,3 +308,90 @@ def test_deltas_per_pair_with_many_sources_and_a_new_receiver_made_whole() -> No
         assert d2 and w2 < b2 / 4, src  # 2% changed: a small part travels
         assert d3 and w3 > 2 * w2, src  # the new receiver's pairs travel whole, the others as deltas
         assert d4 and w4 < b2 / 4, src
+
+
+def _lazy_shards(rank: int, ports: Any, first: str) -> Any:
+    """Three sources, each holding a third of the rows of 48 tensors; two receivers (one whole, one taking
+    the right half of the columns). Versions 2 and 3 come from a generator of ``gb.Shard`` that makes each
+    box as it is pulled (as an FSDP conversion does): the source never holds all of its boxes at once."""
+    import weakref
+
+    names = [f"layer{i}.w" for i in range(48)]  # 48 x 3 kB boxes per source; 4 kB buckets
+    alive = [0, 0]  # (now, peak)
+
+    def full(name: str, version: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(hash((name, version)) % (1 << 31))
+        return torch.randn(24, 96, generator=g)
+
+    def boxes(version: int) -> Any:
+        for name in names:
+            local = full(name, version)[8 * rank : 8 * rank + 8].clone()
+            alive[0] += 1
+            alive[1] = max(alive[1], alive[0])
+            weakref.finalize(local, lambda: alive.__setitem__(0, alive[0] - 1))
+            yield name, gb.Shard(local, (24, 96), (8 * rank, 0))
+            del local
+
+    with make_group(rank, 5, "127.0.0.1", ports) as g:
+        if rank < 3:
+            with gb.WeightSender(g, bucket_bytes=4096) as snd:
+                if first == "specs":
+                    specs = {n: ((8, 96), torch.float32, (24, 96), (8 * rank, 0)) for n in names}
+                    snd.send(boxes(1), version=1, specs=specs)
+                else:
+                    snd.send(dict(boxes(1)), version=1)
+                alive[1] = alive[0]
+                for v in (2, 3):
+                    snd.send(boxes(v), version=v)
+            return alive[1]
+        if rank == 3:
+            target: dict[str, Any] = {n: torch.zeros(24, 96) for n in names}
+        else:
+            target = {n: gb.Shard(torch.zeros(24, 48), (24, 96), (0, 48)) for n in names}
+        rcv = gb.WeightReceiver(g)
+        exact = []
+        for v in (1, 2, 3):
+            rcv.receive_into(target, atomic=v != 2)
+            got = {n: t.tensor if isinstance(t, gb.Shard) else t for n, t in target.items()}
+            want = {n: full(n, v)[:, 48:] if rank == 4 else full(n, v) for n in names}
+            exact.append(all(torch.equal(got[n], want[n]) for n in names) and rcv.version == v)
+        return exact
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("first", ["mapping", "specs"])
+def test_a_lazy_generator_of_shards_from_three_sources(first: str) -> None:
+    res = run_ranks(_lazy_shards, 5, CTX.Queue(), first, timeout=50)
+    assert res[3] == [True, True, True] and res[4] == [True, True, True], res
+    for peak in res[:3]:  # a bucket holds one box and a third; two receivers' buckets in flight
+        assert peak <= 8, res[:3]
+
+
+def _changed_box(rank: int, ports: Any) -> Any:
+    with make_group(rank, 3, "127.0.0.1", ports) as g:
+        if rank < 2:
+            snd = gb.WeightSender(g, bucket_bytes=4096)
+            whole = torch.ones(8, 4)
+            snd.send({"w": gb.Shard(whole[4 * rank : 4 * rank + 4], (8, 4), (4 * rank, 0))}, version=1)
+            moved = gb.Shard(whole[:4], (8, 4), (0, 0))  # rank 1 now says it holds rows 0-3
+            try:
+                snd.send(iter([("w", moved)]), version=2)
+                return "sent"
+            except (ValueError, gb.WeightSyncError) as e:
+                return f"{type(e).__name__}: {e}"
+        rcv = gb.WeightReceiver(g)
+        target = {"w": torch.zeros(8, 4)}
+        rcv.receive_into(target)
+        try:
+            rcv.receive_into(target)
+            return "received"
+        except gb.WeightSyncError as e:
+            return f"{type(e).__name__}: {e}", rcv.version, bool((target["w"] == 1).all())
+
+
+@pytest.mark.timeout(60)
+def test_a_lazy_source_whose_box_moved_is_refused() -> None:
+    res = run_ranks(_changed_box, 3, CTX.Queue(), timeout=50)
+    assert res[1].startswith("ValueError") and "announced as a box at [4, 0]" in res[1], res
+    msg, version, kept = res[2]
+    assert "rank 1" in msg and version == 1 and kept, res[2]

@@ -67,6 +67,8 @@ class Copier:
                 out.append((False, e))
             finally:
                 done.set()
+            # the last job's callable must not outlive it here: it may hold a sync's tensors until the next
+            del job, fn, out, done
 
     def run(self, fn: Callable[[], T]) -> T:
         return self.submit(fn).result()

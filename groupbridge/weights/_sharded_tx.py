@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import time
-from collections import deque
-from collections.abc import Callable, Mapping
+from collections import Counter, deque
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,24 +16,29 @@ from ..stateless import StatelessGroup, Work
 from . import _bytes, _delta, _sharded
 from ._copier import Copier
 from ._delta_sync import Description, delta_digest
-from ._session import collect_acks
+from ._session import collect_acks, vote
 from ._shard_plan import Bucket, ShardPlan
-from ._sharded import ShardedSession, Slot, piece_view, start_of, vote
-from ._sharded_delta import bucket_word
+from ._sharded import ShardedSession, Slot, piece_view, start_of
+from ._sharded_delta import PairBases, bucket_word
 from ._stats import SyncStats
+from .manifest import Manifest
 from .shard import Box
 
-if TYPE_CHECKING:
-    from .sender import Boxes, WeightSender
+Pairs = list[tuple[str, torch.Tensor]] | Iterator[tuple[str, torch.Tensor]]
+"""A source's (name, tensor) pairs: a list, or an iterator consumed lazily."""
 
-__all__ = ["send_sharded", "send_shards"]
+Boxes = dict[str, tuple[tuple[int, ...], tuple[int, ...]]]
+"""Boxes of global tensors a source holds: name -> (global shape, offset)."""
+
+__all__ = ["Boxes", "Pairs", "SourceSlots", "send_sharded", "send_shards"]
 
 
 def send_shards(x: _sharded.Exchange, fault: Callable[[int, torch.Tensor], None] | None = None) -> Sent:
     """This source's part of step 3: every receiver's buckets, all pairs at once (a delta pair: its
     description, then its changed buckets' encodings). ``fault`` (a test hook) sees every bucket before it
     is sent."""
-    group, session = x.group, x.session
+    group, session, slots = x.group, x.session, x.slots
+    assert isinstance(slots, SourceSlots)
     plan, verify = session.plan, session.header.verify
     queues: dict[int, deque[Callable[[], torch.Tensor]]] = {}
     digests: dict[int, list[int | bytes]] = {}
@@ -43,7 +47,7 @@ def send_shards(x: _sharded.Exchange, fault: Callable[[int, torch.Tensor], None]
         if delta:
             assert base is not None
             queues[dst] = _describe_delta(
-                group, session, dst, buckets, x.slots, base, x.copier, x.buffers, sent
+                group, session, dst, buckets, slots, base, x.copier, x.buffers, sent
             )
             continue
         digests[dst] = []
@@ -53,7 +57,7 @@ def send_shards(x: _sharded.Exchange, fault: Callable[[int, torch.Tensor], None]
                 k,
                 b,
                 dst,
-                x.slots,
+                slots,
                 plan,
                 x.copier,
                 x.buffers,
@@ -95,13 +99,15 @@ class Sent:
 
 
 def _full_bucket(
-    k: int, bucket: Bucket, dst: int, slots: Mapping[str, Slot], plan: ShardPlan, copier: Copier,
+    k: int, bucket: Bucket, dst: int, slots: SourceSlots, plan: ShardPlan, copier: Copier,
     buffers: _bytes.BufferCache, base: torch.Tensor | None, verify: str, digests: list[int | bytes],
     group: StatelessGroup, fault: Callable[[int, torch.Tensor], None] | None,
 ) -> torch.Tensor:  # fmt: skip
     """Pack bucket k of a whole pair (into its base too, when kept); the tensor to send."""
     buf = buffers.get(f"send{dst}-{k % _sharded.IN_FLIGHT}", bucket.nbytes, torch.device("cpu"))
+    slots.need(bucket)
     copier.run(partial(_pack, bucket, buf, slots, plan))
+    slots.packed(bucket)
     if base is not None:
         start = start_of(plan.buckets(group.rank, dst), k)
         copier.copy(base[start : start + bucket.nbytes], buf)
@@ -114,7 +120,7 @@ def _full_bucket(
 
 def _describe_delta(
     group: StatelessGroup, session: ShardedSession, dst: int, buckets: tuple[Bucket, ...],
-    slots: Mapping[str, Slot], base: torch.Tensor, copier: Copier, buffers: _bytes.BufferCache, sent: Sent,
+    slots: SourceSlots, base: torch.Tensor, copier: Copier, buffers: _bytes.BufferCache, sent: Sent,
 ) -> deque[Callable[[], torch.Tensor]]:  # fmt: skip
     """A delta pair: diff every bucket against the base (bringing it up to the new version), send the
     pair's description; the sends of the changed buckets' encodings, in order."""
@@ -125,7 +131,9 @@ def _describe_delta(
     for b in buckets:
         w = bucket_word(b, plan.dtypes)
         new = buffers.get("delta-new", b.nbytes, torch.device("cpu"))
+        slots.need(b)
         copier.run(partial(_pack, b, new, slots, plan))
+        slots.packed(b)
         old = base[pos : pos + b.nbytes]
         enc = copier.run(partial(_delta.encode, new, old, w, mask))
         payload = enc.payload if enc.payload is not None else (old if enc.code is _delta.Code.DENSE else None)
@@ -162,27 +170,98 @@ def _pack(bucket: Bucket, buf: torch.Tensor, slots: Mapping[str, Slot], plan: Sh
             end = p.offset + p.nbytes
 
 
+class SourceSlots(Mapping[str, Slot]):
+    """Where this source's boxes live, by wire name. A list of pairs is read at once; a lazy source is
+    pulled (on the caller's thread) as the buckets that read its tensors are packed, each tensor checked
+    against the manifest and let go once the last of those buckets is packed."""
+
+    def __init__(self, manifest: Manifest, items: Pairs, shards: Boxes, plan: ShardPlan, me: int) -> None:
+        self._entries = manifest.entries
+        self._shards = shards
+        self._items = iter(items)
+        self._lazy = not isinstance(items, list)
+        self._pulled = 0
+        self._slots: dict[str, Slot] = {}
+        self._left: Counter[str] = Counter(
+            p.name for (src, _), buckets in plan.pairs.items() if src == me for b in buckets for p in b.pieces
+        )
+        if not self._lazy:
+            self.finish()
+
+    def __getitem__(self, name: str) -> Slot:
+        return self._slots[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._slots)
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def need(self, bucket: Bucket) -> None:
+        """Pull every tensor ``bucket`` reads."""
+        for p in bucket.pieces:
+            while p.name not in self._slots:
+                if not self._pull():
+                    raise ValueError(f"the named tensors ended before {p.name!r}, which the manifest lists")
+
+    def packed(self, bucket: Bucket) -> None:
+        """``bucket`` is packed: a lazy source's tensors that no later bucket reads are let go."""
+        if not self._lazy:
+            return
+        for p in bucket.pieces:
+            self._left[p.name] -= 1
+            if self._left[p.name] <= 0:
+                self._slots.pop(p.name, None)
+
+    def finish(self) -> None:
+        """Pull the rest (a generator that gathers runs to its end on every source alike)."""
+        while self._pull():
+            pass
+
+    def _pull(self) -> bool:
+        if self._pulled == len(self._entries):
+            return False
+        try:
+            name, t = next(self._items)
+        except StopIteration:
+            raise ValueError(
+                f"the named tensors ended after {self._pulled} of {len(self._entries)} entries of the "
+                "manifest"
+            ) from None
+        e = self._entries[self._pulled]
+        if name != e.name or tuple(t.shape) != e.shape or str(t.dtype).removeprefix("torch.") != e.dtype:
+            raise ValueError(
+                f"tensor #{self._pulled} is {name!r} {list(t.shape)} {t.dtype}; the manifest says {e.name!r} "
+                f"{list(e.shape)} {e.dtype} (the order and shapes must not change)"
+            )
+        self._pulled += 1
+        if self._left[name] > 0 or not self._lazy:
+            offset = self._shards[name][1] if name in self._shards else (0,) * t.dim()
+            self._slots[name] = (t.detach(), Box(offset, tuple(t.shape)))
+        return True
+
+
 def send_sharded(
-    snd: WeightSender,
+    group: StatelessGroup,
     session: ShardedSession,
-    items: list[tuple[str, torch.Tensor]],
-    shards: Boxes,
+    slots: SourceSlots,
+    copier: Copier,
+    buffers: _bytes.BufferCache,
     deadline: Deadline,
+    bases: PairBases | None,
+    fault: Callable[[int, torch.Tensor], None] | None = None,
 ) -> SyncStats:
     """This member's part of a many-source sync: its pieces to every receiver, the vote, the acks."""
     t0 = time.perf_counter()
-    slots = {
-        name: (t, Box(shards[name][1] if name in shards else (0,) * t.dim(), tuple(t.shape)))
-        for name, t in items
-    }
-    bases = snd._pair_bases
+    me = group.rank
     try:
-        exchange = _sharded.Exchange(snd.group, session, slots, snd._copier, snd._scratch, deadline, bases)
-        sent = send_shards(exchange, snd._fault)
+        exchange = _sharded.Exchange(group, session, slots, copier, buffers, deadline, bases)
+        sent = send_shards(exchange, fault)
+        slots.finish()
         version = session.header.version
-        vote(snd.group, version, None, deadline)
-        receivers = [r for r in range(snd.group.world_size) if r not in session.sources]
-        failures = collect_acks(snd.group, receivers, deadline)
+        vote(group, version, None, deadline)
+        receivers = [r for r in range(group.world_size) if r not in session.sources]
+        failures = collect_acks(group, receivers, deadline)
         if failures:
             raise SyncRefusedError(f"version {version} was not applied everywhere:\n" + "\n".join(failures))
     except BaseException:
@@ -192,9 +271,9 @@ def send_sharded(
     if bases is not None:
         bases.commit(version)
     seconds = time.perf_counter() - t0
-    mine = {pair: b for pair, b in session.plan.pairs.items() if pair[0] == snd.src}
+    mine = {pair: b for pair, b in session.plan.pairs.items() if pair[0] == me}
     total = sum(b.nbytes for buckets in mine.values() for b in buckets)
-    snd.group.log.info(
+    group.log.info(
         "sent my shards of version %d: %.1f MB (%.1f MB on the wire%s) in %.3fs", version, total / 1e6,
         sent.wire_bytes / 1e6, ", deltas" if session.deltas else "", seconds,
     )  # fmt: skip
@@ -209,6 +288,6 @@ def send_sharded(
         receivers=len(receivers),
         wire_bytes=sent.wire_bytes,
         changed_fraction=sent.changed_words / sent.compared_words if sent.compared_words else 1.0,
-        delta=any(pair[0] == snd.src for pair in session.deltas),
+        delta=any(pair[0] == me for pair in session.deltas),
         base_bytes=bases.nbytes if bases is not None else 0,
     )

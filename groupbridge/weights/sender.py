@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from functools import partial
+from typing import Any
 
 import torch
 
@@ -38,7 +39,7 @@ from ._session import (
 )
 from ._sharded import ShardedSession, boxes_of, open_session
 from ._sharded_delta import PairBases
-from ._sharded_tx import send_sharded
+from ._sharded_tx import Boxes, Pairs, SourceSlots, send_sharded
 from ._source import Puller
 from ._stats import SyncStats
 from ._tx_stream import Fault, Progress, send_full
@@ -55,11 +56,10 @@ pays per-operation overhead; 256 MiB helps only flattened models with one receiv
 memory (two buckets on each side) while plain models with two receivers slowed; 64 MiB is the balance."""
 
 
-Pairs = list[tuple[str, torch.Tensor]] | Iterator[tuple[str, torch.Tensor]]
-"""A source's (name, tensor) pairs: a list, or an iterator consumed lazily."""
-
-Boxes = dict[str, tuple[tuple[int, ...], tuple[int, ...]]]
-"""Boxes of global tensors a source holds: name -> (global shape, offset)."""
+Specs = Mapping[
+    str, tuple[Sequence[int], torch.dtype] | tuple[Sequence[int], torch.dtype, Sequence[int], Sequence[int]]
+]
+"""A lazy source's description: name -> (shape, dtype), or (shape, dtype, global shape, offset) for a box."""
 
 NamedTensors = torch.nn.Module | Mapping[str, torch.Tensor | Shard] | Iterable[tuple[str, torch.Tensor]]
 """What ``send`` takes: a module, a mapping, or (name, tensor) pairs (a generator stays lazy)."""
@@ -145,6 +145,8 @@ class WeightSender(Closing):
         self._rename = make_renamer(rename)
         self._known: dict[str, Manifest] = {}
         self._manifest: Manifest | None = None
+        self._shards: Boxes = {}
+        """The boxes the previous send held: a lazy source's next sends are described by them."""
         self._plans = PlanCache()
         self._fault: Fault | None = None  # test hook: called with every bucket's bytes before they are posted
         self._delta = DeltaSender(group, self._copier, self._scratch, delta == "always") if delta else None
@@ -161,7 +163,7 @@ class WeightSender(Closing):
         named_tensors: NamedTensors,
         version: int,
         *,
-        specs: Mapping[str, tuple[Sequence[int], torch.dtype]] | None = None,
+        specs: Specs | None = None,
         timeout: timedelta | None = None,
         progress: Progress | None = None,
     ) -> SyncStats:
@@ -173,8 +175,12 @@ class WeightSender(Closing):
 
         ``named_tensors`` is a Mapping, an ``nn.Module`` or an iterable of (name, tensor) pairs. An iterator
         is consumed lazily, one tensor at a time, so a generator that gathers sharded parameters never holds
-        the model: the manifest then comes from ``specs`` (name -> (shape, dtype), in order), or from the
-        previous send; only a first send with neither collects the iterator once to describe it.
+        the model: the manifest then comes from ``specs`` (name -> (shape, dtype), in order; (shape, dtype,
+        global_shape, offset) for a box of a global tensor, yielded as a ``gb.Shard`` or a DTensor), or from
+        the previous send; only a first send with neither collects the iterator once to describe it. With
+        many sources a lazy source's tensors are pulled as the buckets that read them are packed and let go
+        after the last one (a delta pair packs all of its buckets first, holding what other pairs still
+        need).
         ``progress(bytes_sent, total_bytes)`` is called after every bucket (for a progress bar).
         ``timeout`` (default: the group's) bounds the whole sync, handshake to last acknowledgement.
 
@@ -203,7 +209,7 @@ class WeightSender(Closing):
             kind = "transport" if isinstance(e, TransportUnavailableError) else "input"
             refuse(self.group, f"{type(e).__name__}: {e}", deadline, kind)
             raise
-        self._manifest = manifest
+        self._manifest, self._shards = manifest, shards
         tx = self._tx(kind)
         plan = self._plan(manifest)
         header = Header(
@@ -219,7 +225,9 @@ class WeightSender(Closing):
                 in_place=_in_place(items, manifest, self._delta is not None), bases=self._pair_bases,
             )  # fmt: skip
             if isinstance(session, ShardedSession):
-                return send_sharded(self, session, list(items), shards, deadline)
+                slots = SourceSlots(manifest, items, shards, session.plan, self.src)
+                return send_sharded(self.group, session, slots, self._copier, self._scratch, deadline,
+                                    self._pair_bases, self._fault)  # fmt: skip
             return self._stream(session, plan, items, device, tx, deadline, progress)
         except BaseException as e:
             if isinstance(e, SyncRefusedError):  # every member ended the sync alike: the group is fine
@@ -233,26 +241,20 @@ class WeightSender(Closing):
             finally:  # no cycle through this frame: it would keep the sync's buffers until collected
                 del err
 
-    def _describe(
-        self, named_tensors: NamedTensors, specs: Mapping[str, tuple[Sequence[int], torch.dtype]] | None
-    ) -> tuple[Pairs, Manifest, Boxes]:
+    def _describe(self, named_tensors: NamedTensors, specs: Specs | None) -> tuple[Pairs, Manifest, Boxes]:
         """The (name, tensor) pairs on the wire's names, their manifest (of the local tensors), and the
         boxes of global tensors among them (``gb.Shard``, DTensor): name -> (global shape, offset)."""
         items = named_tensors_of(named_tensors)
         if not isinstance(items, list):
-            lazy = ((self._rename(n), _plain(n, t)) for n, t in items)
             if specs is not None:
-                meta = [
-                    (self._rename(n), torch.empty(tuple(s), dtype=d, device="meta"))
-                    for n, (s, d) in specs.items()
-                ]
-                return lazy, Manifest.build(meta, self.wire_dtype), {}
+                manifest, shards = self._from_specs(specs)
+                return self._lazy(items, shards), manifest, shards
             if self._manifest is not None:
-                return lazy, self._manifest, {}
+                return self._lazy(items, self._shards), self._manifest, self._shards
             self.group.log.warning(
                 "first send of an iterator without specs=: collecting it once to describe it"
             )
-            items = list(lazy)
+            items = list(items)
         pairs, shards = [], {}
         for n, value in items:
             name, shard = self._rename(n), box_of(value)
@@ -260,6 +262,38 @@ class WeightSender(Closing):
                 shards[name] = (shard.global_shape, shard.offset)
             pairs.append((name, shard.tensor if shard is not None else value))
         return pairs, Manifest.build(pairs, self.wire_dtype), shards
+
+    def _from_specs(self, specs: Specs) -> tuple[Manifest, Boxes]:
+        """A lazy source's manifest and boxes from ``specs``: name -> (shape, dtype), or (shape, dtype,
+        global shape, offset) for a box of a global tensor."""
+        meta, shards = [], {}
+        for n, spec in specs.items():
+            if not isinstance(spec, (tuple, list)) or len(spec) not in (2, 4):
+                raise ValueError(
+                    f"specs[{n!r}] must be (shape, dtype) or (shape, dtype, global_shape, offset), got "
+                    f"{spec!r}"
+                )
+            name, shape, dtype = self._rename(n), tuple(spec[0]), spec[1]
+            meta.append((name, torch.empty(shape, dtype=dtype, device="meta")))
+            if len(spec) == 4:
+                box = Shard(meta[-1][1], tuple(spec[2]), tuple(spec[3]))  # checks that the box fits
+                if not box.whole:
+                    shards[name] = (box.global_shape, box.offset)
+        return Manifest.build(meta, self.wire_dtype), shards
+
+    def _lazy(self, items: Iterator[tuple[str, Any]], shards: Boxes) -> Iterator[tuple[str, torch.Tensor]]:
+        """A lazy source's pairs on the wire's names, each a plain tensor (its box's): a value whose box is
+        not the one announced (by ``specs`` or the previous send) raises ValueError."""
+        for n, value in items:
+            name, shard = self._rename(n), box_of(value)
+            box = (shard.global_shape, shard.offset) if shard is not None and not shard.whole else None
+            if box != shards.get(name):
+                said = shards.get(name)
+                raise ValueError(
+                    f"{name!r} is {_box_text(box)}, but it was announced as {_box_text(said)} (by specs= or "
+                    "the previous send): the boxes of a lazy source must not change"
+                )
+            yield name, shard.tensor if shard is not None else value
 
     def _tx(self, kind: str) -> TxTransport:
         tx = self._transports.get(kind)
@@ -430,7 +464,7 @@ def _as_sync_error(e: BaseException, version: int) -> BaseException:
     return WeightSyncError(f"sending version {version} failed: {type(e).__name__}: {e}; the group is aborted")
 
 
-def _plain(name: str, value: torch.Tensor) -> torch.Tensor:
-    if box_of(value) is not None:
-        raise TypeError(f"{name!r} is a box of a global tensor in a lazy source: pass a mapping or a module")
-    return value
+def _box_text(box: tuple[tuple[int, ...], tuple[int, ...]] | None) -> str:
+    if box is None:
+        return "a whole tensor"
+    return f"a box at {list(box[1])} of a global tensor {list(box[0])}"
