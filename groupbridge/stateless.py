@@ -14,8 +14,10 @@ This module is the facade; each job lives in a part of its own under :mod:`group
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Iterable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -204,6 +206,19 @@ class StatelessGroup:
     def sealed(self) -> bool:
         """Whether control messages carry a MAC (the group has a token)."""
         return self._sealer.enabled
+
+    @contextlib.contextmanager
+    def depending_on(self, ranks: Iterable[int]) -> Iterator[None]:
+        """Within the block, every wait of this member also ends (with the error naming who) when one of
+        ``ranks`` dies, freezes or aborts, not only when a peer it waits on does. A weight sync runs inside
+        one over its members: it commits on all or none, so any member's failure ends it for everyone at
+        once, whoever each one is waiting on at the time."""
+        before = self._health.scope
+        self._health.scope = tuple(dict.fromkeys((*before, *(r for r in ranks if r != self.rank))))
+        try:
+            yield
+        finally:
+            self._health.scope = before
 
     def errored(self) -> BaseException | None:
         """What went wrong on a thread this group owns (its liveness watcher), if anything; the next call on

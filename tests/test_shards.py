@@ -68,12 +68,13 @@ def _exact(target: dict[str, Any], version: int) -> bool:
     return True
 
 
-def _many(rank: int, ports: Any, sources: int, mode: str) -> Any:
+def _many(rank: int, ports: Any, sources: int, mode: str, transport: str = "auto") -> Any:
     n = sources + 2
     with make_group(rank, n, "127.0.0.1", ports, token="t0ken" if mode == "atomic" else None) as g:
         if rank < sources:
-            with gb.WeightSender(g, bucket_bytes=1024) as snd:
-                return [snd.send(_source(rank, sources, v), version=v).bytes for v in (1, 2, 3)]
+            with gb.WeightSender(g, bucket_bytes=1024, transport=transport) as snd:
+                stats = [snd.send(_source(rank, sources, v), version=v) for v in (1, 2, 3)]
+                return [s.bytes for s in stats] if transport == "auto" else {s.transport for s in stats}
         rcv = gb.WeightReceiver(g)
         out = []
         for v in (1, 2, 3):
@@ -98,6 +99,20 @@ def test_sources_send_their_shards_receivers_take_whole_tensors_or_boxes(sources
         assert r == [(1, True), (2, True), (3, True)], res
     sent = [sum(r) for r in res[:sources]]
     assert max(sent) < 2.5 * min(sent), sent  # the replicated b and the shards spread over the sources
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(("transport", "carried_by"), [("p2p", "p2p"), ("broadcast", "p2p"), ("shm", "shm")])
+@pytest.mark.parametrize("mode", ["atomic", "streaming"])
+def test_pairs_travel_over_the_transport_that_carries_them(
+    transport: str, carried_by: str, mode: str
+) -> None:
+    """shm carries pairs (each receiver maps each source's ring); broadcast cannot (one source's fan-out):
+    its pairs go over p2p."""
+    res = run_ranks(_many, 5, CTX.Queue(), 3, mode, transport, timeout=80)
+    for r in res[3:]:
+        assert r == [(1, True), (2, True), (3, True)], res
+    assert all(r == {carried_by} for r in res[:3]), res
 
 
 def _fsdp(rank: int, ports: Any) -> Any:

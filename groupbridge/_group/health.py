@@ -29,6 +29,9 @@ class Health:
     def __init__(self, state: GroupState) -> None:
         self._state = state
         self.watcher: Watcher | None = None
+        self.scope: tuple[int, ...] = ()
+        """Ranks every wait depends on besides its own peers (a weight sync's members: one commit needs
+        them all, so a wait on one member ends when any other fails)."""
 
     def watch(
         self,
@@ -61,7 +64,7 @@ class Health:
     def set_awaited(self, peers: Iterable[int]) -> None:
         """The ranks the caller's current wait depends on: the watcher wakes it if one of them fails."""
         if self.watcher is not None:
-            self.watcher.awaited = tuple(peers)
+            self.watcher.awaited = tuple(dict.fromkeys((*peers, *self.scope)))
 
     def grace(self, extra: float) -> timedelta:
         """Two of the watcher's beats and ``extra`` seconds, at most 2 s: long enough for a peer's last
@@ -93,7 +96,7 @@ class Health:
             return None
         finding = w.finding
         if finding is None:
-            for peer in peers:
+            for peer in (*peers, *self.scope):
                 finding = w.silent(peer) or w.gone(peer)
                 if finding is not None:
                     break

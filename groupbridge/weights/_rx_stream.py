@@ -23,9 +23,9 @@ from . import _bytes, _delta
 from ._appliers import Applier, Bucket
 from ._copier import Copier
 from ._delta_sync import Description, delta_digest, delta_groups, wire_plan, word_counts
-from ._session import ACK_TAG, Session
+from ._session import ACK_TAG, Header, Session
 from .plan import Plan
-from .transports import RxTransport, Sync, spec
+from .transports import RxTransport, Sync, pair_transport, spec
 
 __all__ = ["Bucket", "RxStreams", "VerifyFailed"]
 
@@ -35,22 +35,37 @@ class VerifyFailed(WeightSyncError):
 
 
 class RxStreams:
-    """A receiver's transports (one per kind, kept across syncs) and the buckets of each stream."""
+    """A receiver's transports (one per kind and source, kept across syncs) and the buckets of each stream."""
 
     def __init__(self, group: StatelessGroup, copier: Copier) -> None:
         self.group = group
         self.copier = copier
-        self._transports: dict[str, RxTransport] = {}
+        self._transports: dict[tuple[str, int], RxTransport] = {}
 
-    def attach(self, session_src: int, transport: str, offer: dict[str, Any]) -> str | None:
+    def attach(self, src: int, transport: str, offer: dict[str, Any]) -> str | None:
         """In the handshake: attach to the transport the source names; why not, if this receiver cannot."""
-        rx = self._transports.get(transport)
+        rx = self._transports.get((transport, src))
         if rx is None:
-            rx = self._transports[transport] = spec(transport).make_rx(self.group)
-        return rx.attach(dict(offer), session_src)
+            rx = self._transports[(transport, src)] = spec(transport).make_rx(self.group)
+        return rx.attach(dict(offer), src)
+
+    def attach_pair(self, src: int, header: Header) -> str | None:
+        """In a many-source handshake: attach to what carries this source's pairs (see ``pair_transport``)."""
+        kind = pair_transport(header.transport)
+        return self.attach(src, kind, header.offer if kind == header.transport else {})
+
+    def pair(self, src: int, header: Header, deadline: Deadline) -> tuple[RxTransport, Sync[Any]]:
+        """The transport this source's pairs come over (attached in the handshake) and what it is told."""
+        kind = pair_transport(header.transport)
+        options = (
+            spec(kind).parse(header.transport_options, self.group.world_size, src)
+            if kind == header.transport
+            else spec(kind).options()
+        )
+        return self._transports[(kind, src)], Sync(header.sync_id, deadline, options, self.copier.copy)
 
     def _open(self, session: Session, plan: Plan, device: torch.device, sync: Sync[Any]) -> RxTransport:
-        rx = self._transports[session.header.transport]
+        rx = self._transports[(session.header.transport, session.src)]
         rx.open(plan, device, sync)
         return rx
 

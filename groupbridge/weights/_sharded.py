@@ -8,9 +8,11 @@ After the handshake's gather (:func:`._session.gather_posts`):
 2. **Plan**: every member computes the same :class:`._shard_plan.ShardPlan` from what each source holds and
    each receiver wants; a problem there, or in a receiver's verdict on the assembled global manifest (one
    more gather), refuses the sync on every member before any byte moves.
-3. **Transfer**: each source sends each receiver its buckets over the group's point-to-point operations,
-   every pair at once (a few buckets in flight per pair); each bucket is digested (XXH3-64, or the group's
-   MAC with a token) and the digests follow on the control plane. Receivers land the pieces in staging (an
+3. **Transfer**: each source sends its receivers' buckets as one stream over a transport that carries
+   pairs (``shm`` on one host, each receiver mapping each source's ring; ``p2p`` across hosts), in the
+   order every member walks them (round, source, receiver), so that the streams never wait on each other in
+   a cycle; each bucket is digested (XXH3-64, or the group's MAC with a token) and the digests follow on the
+   control plane. Receivers land the pieces in staging (an
    atomic receive, ``receive()``) or in the target itself (streaming).
 4. **Vote**: every member says whether its part succeeded (one gather). Only when all did do receivers
    apply what they staged; each then acknowledges to every source, whose ``send`` returns only after all
@@ -44,7 +46,6 @@ from ._session import (
     knows,
     remember,
     sources_of,
-    vote,
 )
 from ._shard_plan import Bucket, Held, ShardPlan, plan_shards
 from ._sharded_delta import PairBases, pair_key
@@ -54,7 +55,7 @@ from .shard import Box
 __all__ = [
     "DELTA_TAG",
     "DIGEST_TAG",
-    "IN_FLIGHT",
+    "Attach",
     "Exchange",
     "ShardedSession",
     "Slot",
@@ -63,13 +64,13 @@ __all__ = [
     "settle_shards",
     "start_of",
     "total",
-    "vote",
 ]
 
 DIGEST_TAG = "weights-digests"
 DELTA_TAG = "weights-delta"
-IN_FLIGHT = 2
-"""Buckets in flight per (source, receiver) pair."""
+
+Attach = Callable[[int, Header], str | None]
+"""A receiver's attachment to a source's transport in the handshake: (source, its header) -> why not."""
 
 Slot = tuple[torch.Tensor, Box]
 """Where a tensor's box lives on this member: (the tensor holding it, the box of the global tensor)."""
@@ -83,6 +84,8 @@ class ShardedSession:
     manifest: Manifest
     """The global tensors some receiver wants: names, global shapes, wire dtypes."""
     plan: ShardPlan
+    headers: Mapping[int, Header] = field(default_factory=dict)
+    """Every source's own header: its stream's sync id, transport and offer."""
     deltas: frozenset[tuple[int, int]] = frozenset()
     """The (source, receiver) pairs that travel as deltas (see :mod:`._sharded_delta`)."""
     keys: Mapping[tuple[int, int], str] = field(default_factory=dict)
@@ -175,10 +178,12 @@ def settle_shards(
     *,
     manifest: Manifest | None = None,
     check: Callable[[Header, Manifest], Verdict | None] | None = None,
+    attach: Attach | None = None,
     bases: PairBases | None = None,
 ) -> ShardedSession:
     """Steps 1 and 2 above; a source passes its ``manifest``, a receiver its ``check`` of the global
-    manifest (None: it takes it); a member that keeps pair bases (for deltas) says which it holds."""
+    manifest (None: it takes it) and how it ``attach``-es to each of its sources' transports; a member that
+    keeps pair bases (for deltas) says which it holds."""
     headers = {s: Header.from_wire(posts[s]["header"]) for s in sources}
     manifests: dict[int, Manifest] = {}
     for s in sources:
@@ -215,6 +220,12 @@ def settle_shards(
             if version is not None:
                 holding.append((dst if src == me else src, version))
     verdict = (check(lead, whole) if check is not None else None) or Verdict()
+    if attach is not None and verdict.problem is None:
+        for src in sorted({s for s, d in plan.pairs if d == me}):
+            problem = attach(src, headers[src])
+            if problem is not None:
+                verdict = Verdict(f"rank {me}: {problem}", "transport")
+                break
     verdict = replace(verdict, held=tuple(holding))
     gathered = group.all_gather_obj(verdict.to_wire(), timeout=deadline)
     verdicts = [Verdict.from_wire(v, r) for r, v in enumerate(gathered)]
@@ -224,7 +235,7 @@ def settle_shards(
         (s, r) for (s, r) in plan.pairs
         if headers[s].keeps_base and holds[s].get(r) is not None and holds[s].get(r) == holds[r].get(s)
     )  # fmt: skip
-    return ShardedSession(tuple(sources), lead, whole, plan, deltas, keys)
+    return ShardedSession(tuple(sources), lead, whole, plan, headers, deltas, keys)
 
 
 def open_session(
@@ -240,6 +251,7 @@ def open_session(
     src: int | None = None,
     judge: Judge | None = None,
     check: Callable[[Header, Manifest], Verdict | None] | None = None,
+    attach: Attach | None = None,
     bases: PairBases | None = None,
 ) -> Session | ShardedSession:
     """The whole handshake, for a source (``header``, ``manifest``, ``boxes``, ``in_place``) or a receiver
@@ -249,7 +261,7 @@ def open_session(
     sources = sources_of(group, posts, src)
     if is_sharded(posts, sources):
         return settle_shards(
-            group, deadline, known, posts, sources, manifest=manifest, check=check, bases=bases
+            group, deadline, known, posts, sources, manifest=manifest, check=check, attach=attach, bases=bases
         )
     return handshake(
         group, deadline, known, posts, sources[0], manifest=manifest, in_place=in_place, judge=judge

@@ -3,8 +3,8 @@ the vote, the commit."""
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import replace
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -12,26 +12,27 @@ import torch
 
 from ..codec import dtype_from_name, dtype_name
 from ..control import Deadline
-from ..stateless import StatelessGroup, Work
+from ..stateless import StatelessGroup
 from . import _bytes, _delta
 from ._appliers import torn
 from ._copier import Copier
 from ._delta_sync import Description, delta_digest, wire_plan
-from ._rx_stream import acknowledge, give_up, tell_failure
+from ._rx_stream import RxStreams, acknowledge, give_up, tell_failure
+from ._session import vote
 from ._shard_plan import Bucket, ShardPlan
 from ._sharded import (
     DELTA_TAG,
     DIGEST_TAG,
-    IN_FLIGHT,
     Exchange,
     ShardedSession,
     Slot,
     piece_view,
     start_of,
-    vote,
 )
 from ._sharded_delta import bucket_word
+from .plan import Plan
 from .shard import Box, Shard, box_of
+from .transports import Landed, Landing
 
 if TYPE_CHECKING:
     from .receiver import WeightReceiver
@@ -39,54 +40,52 @@ if TYPE_CHECKING:
 __all__ = ["data_ptr", "receive_shards", "shards_into", "shards_named", "wants_of"]
 
 
-def receive_shards(x: Exchange, written: list[str]) -> str | None:
+def receive_shards(x: Exchange, streams: RxStreams, written: list[str]) -> str | None:
     """This receiver's part of step 3: land every source's pieces in its slots (keyed by wire name);
-    ``written`` collects the names written. Returns why the bytes are refused (a digest mismatch), or None."""
+    ``written`` collects the names written. Each source's buckets come over its pair transport (attached in
+    the handshake), read in the order every member walks them: round, then source. Returns why the bytes
+    are refused (a digest mismatch), or None."""
     group, session = x.group, x.session
     verify = session.header.verify
-    feeds: dict[int, list[tuple[int, Callable[[torch.Tensor], None]]]] = {}
+    cpu = torch.device("cpu")
     after: list[Callable[[], str | None]] = []
     problems: list[str] = []
+    walks: dict[int, tuple[Iterator[tuple[int, torch.Tensor, bool]], list[Feed]]] = {}
     for src, buckets, base, delta in x.pairs(sending=False):
-        land = _Lander(group, session, src, buckets, x.slots, x.copier, base, written, problems)
+        lander = _Lander(group, session, src, buckets, x.slots, x.copier, base, written, problems)
         if delta:
-            wire = group.recv_obj(src, timeout=x.deadline, tag=DELTA_TAG)
-            feeds[src] = land.delta(wire)
+            feed = lander.delta(group.recv_obj(src, timeout=x.deadline, tag=DELTA_TAG))
         else:
-            feeds[src] = [(b.nbytes, partial(land.full, k)) for k, b in enumerate(buckets)]
+            feed = [(b.nbytes, partial(lander.full, k)) for k, b in enumerate(buckets)]
             if verify:
-                after.append(partial(land.check_digests, x.deadline))
-    posted: dict[int, deque[tuple[Callable[[torch.Tensor], None], torch.Tensor, Work]]] = {
-        s: deque() for s in feeds
-    }
-    nxt = dict.fromkeys(feeds, 0)
-
-    def post(src: int) -> None:
-        k = nxt[src]
-        nbytes, handle = feeds[src][k]
-        buf = x.buffers.get(f"recv{src}-{k % (IN_FLIGHT + 1)}", nbytes, torch.device("cpu"))
-        work = group.recv(buf, src, async_op=True)
-        assert work is not None
-        posted[src].append((handle, buf, work))
-        nxt[src] = k + 1
-
-    for src in feeds:
-        while nxt[src] < min(IN_FLIGHT, len(feeds[src])):
-            post(src)
-    while any(posted.values()):
-        for src, queue in posted.items():
-            if not queue:
-                continue
-            handle, buf, work = queue.popleft()
-            work.wait(x.deadline)
-            if nxt[src] < len(feeds[src]):
-                post(src)
-            handle(buf)
+                after.append(partial(lander.check_digests, x.deadline))
+        rx, sync = streams.pair(src, session.headers[src], x.deadline)
+        plan = Plan.of_sizes([n for n, _ in feed])
+        rx.open(plan, cpu, replace(sync, to=(group.rank,) * len(feed)))
+        land = partial(_land, x.buffers, f"recv{src}", rx.scratch_buffers, plan)
+        walks[src] = (rx.buckets(plan, land, x.deadline), feed)
+    for t in range(max((len(feed) for _, feed in walks.values()), default=0)):
+        for src in sorted(walks):
+            buckets_in, feed = walks[src]
+            if t < len(feed):
+                k, view, _ = next(buckets_in)
+                feed[k][1](view)
     for check in after:
         problem = check()
         if problem is not None:
             problems.append(problem)
     return problems[0] if problems else None
+
+
+Feed = tuple[int, Callable[[torch.Tensor], None]]
+"""A pair's bucket as its receiver takes it: (bytes, what lands it)."""
+
+
+def _land(buffers: _bytes.BufferCache, name: str, ring: int, plan: Plan, k: int) -> Landed:
+    """A pair's bucket lands in the receiver's own buffer (a ring per source), never in a transport's shared
+    slot: the receiver reads several sources in turn, and none may wait for it to come back to its stream."""
+    start, end = plan.bucket_range(k)
+    return Landed(buffers.get(f"{name}-{k % ring}", end - start, torch.device("cpu")), Landing.STAGING)
 
 
 class _Lander:
@@ -226,7 +225,9 @@ def _land_shards(rcv: WeightReceiver, session: ShardedSession, slots: dict[str, 
         rcv._pair_bases.clear()  # the senders keep none: nothing to apply a delta to, memory back
     try:
         problem = receive_shards(
-            Exchange(rcv.group, session, slots, rcv._copier, rcv._buffers, deadline, bases), written
+            Exchange(rcv.group, session, slots, rcv._copier, rcv._buffers, deadline, bases),
+            rcv._streams,
+            written,
         )
     except BaseException as e:
         rcv._pair_bases.abandon()

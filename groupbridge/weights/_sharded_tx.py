@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
+from typing import Any
 
 import torch
 
-from ..control import Deadline
 from ..errors import SyncRefusedError
-from ..stateless import StatelessGroup, Work
+from ..stateless import StatelessGroup
 from . import _bytes, _delta, _sharded
 from ._copier import Copier
 from ._delta_sync import Description, delta_digest
@@ -22,7 +22,9 @@ from ._sharded import ShardedSession, Slot, piece_view, start_of
 from ._sharded_delta import PairBases, bucket_word
 from ._stats import SyncStats
 from .manifest import Manifest
+from .plan import Plan
 from .shard import Box
+from .transports import Sync, TxTransport, pair_transport
 
 Pairs = list[tuple[str, torch.Tensor]] | Iterator[tuple[str, torch.Tensor]]
 """A source's (name, tensor) pairs: a list, or an iterator consumed lazily."""
@@ -33,58 +35,44 @@ Boxes = dict[str, tuple[tuple[int, ...], tuple[int, ...]]]
 __all__ = ["Boxes", "Pairs", "SourceSlots", "send_sharded", "send_shards"]
 
 
-def send_shards(x: _sharded.Exchange, fault: Callable[[int, torch.Tensor], None] | None = None) -> Sent:
-    """This source's part of step 3: every receiver's buckets, all pairs at once (a delta pair: its
-    description, then its changed buckets' encodings). ``fault`` (a test hook) sees every bucket before it
-    is sent."""
+def send_shards(
+    x: _sharded.Exchange, tx: TxTransport, sync: Sync[Any], fault: Callable[[int, torch.Tensor], None] | None
+) -> Sent:
+    """This source's part of step 3: every receiver's buckets as one stream over ``tx``, in the order every
+    member walks them (round, then receiver); a delta pair's description goes first on the control plane,
+    then its changed buckets' encodings take the place of its buckets. ``fault`` (a test hook) sees every
+    full bucket before it is posted."""
     group, session, slots = x.group, x.session, x.slots
     assert isinstance(slots, SourceSlots)
     plan, verify = session.plan, session.header.verify
-    queues: dict[int, deque[Callable[[], torch.Tensor]]] = {}
+    cpu = torch.device("cpu")
+    stream: list[tuple[int, int, int, Callable[[Callable[[], torch.Tensor]], torch.Tensor]]] = []
+    """(round, receiver, bytes, fill): ``fill(buffer)`` packs the bucket (into ``buffer()``), returns it."""
     digests: dict[int, list[int | bytes]] = {}
     sent = Sent()
     for dst, buckets, base, delta in x.pairs(sending=True):
         if delta:
             assert base is not None
-            queues[dst] = _describe_delta(
-                group, session, dst, buckets, slots, base, x.copier, x.buffers, sent
-            )
+            payloads = _describe_delta(group, session, dst, buckets, slots, base, x.copier, x.buffers, sent)
+            stream += [(j, dst, p.numel(), partial(_same, p)) for j, p in enumerate(payloads)]
             continue
-        digests[dst] = []
-        queues[dst] = deque(
-            partial(
-                _full_bucket,
+        mine = digests[dst] = []
+        stream += [
+            (
                 k,
-                b,
                 dst,
-                slots,
-                plan,
-                x.copier,
-                x.buffers,
-                base,
-                verify,
-                digests[dst],
-                group,
-                fault,
+                b.nbytes,
+                partial(_full_bucket, k, b, dst, slots, plan, x.copier, base, verify, mine, group, fault),
             )
             for k, b in enumerate(buckets)
-        )
-    pending: dict[int, deque[Work]] = {dst: deque() for dst in queues}
-    while any(queues.values()):
-        for dst, queue in queues.items():
-            if not queue:
-                continue
-            make = queue.popleft()
-            if len(pending[dst]) >= _sharded.IN_FLIGHT:
-                pending[dst].popleft().wait(x.deadline)
-            buf = make()
-            work = group.send(buf, dst, async_op=True)
-            assert work is not None
-            pending[dst].append(work)
-            sent.wire_bytes += buf.numel()
-    for works in pending.values():
-        while works:
-            works.popleft().wait(x.deadline)
+        ]
+    stream.sort(key=lambda e: (e[0], e[1]))
+    tx.open(Plan.of_sizes([e[2] for e in stream]), cpu, replace(sync, to=tuple(e[1] for e in stream)))
+    for k, (_, _, nbytes, fill) in enumerate(stream):
+        view = fill(partial(tx.buffer, k, nbytes, cpu))
+        tx.post(k, view)
+        sent.wire_bytes += nbytes
+    tx.finish()
     if verify:
         for dst, ds in digests.items():
             group.send_obj(ds, dst, tag=_sharded.DIGEST_TAG)
@@ -100,11 +88,11 @@ class Sent:
 
 def _full_bucket(
     k: int, bucket: Bucket, dst: int, slots: SourceSlots, plan: ShardPlan, copier: Copier,
-    buffers: _bytes.BufferCache, base: torch.Tensor | None, verify: str, digests: list[int | bytes],
-    group: StatelessGroup, fault: Callable[[int, torch.Tensor], None] | None,
+    base: torch.Tensor | None, verify: str, digests: list[int | bytes], group: StatelessGroup,
+    fault: Callable[[int, torch.Tensor], None] | None, buffer: Callable[[], torch.Tensor],
 ) -> torch.Tensor:  # fmt: skip
-    """Pack bucket k of a whole pair (into its base too, when kept); the tensor to send."""
-    buf = buffers.get(f"send{dst}-{k % _sharded.IN_FLIGHT}", bucket.nbytes, torch.device("cpu"))
+    """Pack bucket k of a whole pair into the transport's ``buffer()`` (and into its base, when kept)."""
+    buf = buffer()
     slots.need(bucket)
     copier.run(partial(_pack, bucket, buf, slots, plan))
     slots.packed(bucket)
@@ -121,9 +109,9 @@ def _full_bucket(
 def _describe_delta(
     group: StatelessGroup, session: ShardedSession, dst: int, buckets: tuple[Bucket, ...],
     slots: SourceSlots, base: torch.Tensor, copier: Copier, buffers: _bytes.BufferCache, sent: Sent,
-) -> deque[Callable[[], torch.Tensor]]:  # fmt: skip
+) -> list[torch.Tensor]:  # fmt: skip
     """A delta pair: diff every bucket against the base (bringing it up to the new version), send the
-    pair's description; the sends of the changed buckets' encodings, in order."""
+    pair's description; the changed buckets' encodings, in order."""
     plan, kind = session.plan, delta_digest(session.header)
     encs, digests, wire, pos = [], [], [], 0
     biggest = max((b.nbytes for b in buckets), default=1)
@@ -148,11 +136,11 @@ def _describe_delta(
         tuple(e.code for e, _ in encs), tuple(e.count for e, _ in encs), tuple(digests), tuple(wire)
     )
     group.send_obj(desc.to_wire(), dst, tag=_sharded.DELTA_TAG)
-    return deque(partial(_same, p) for _, p in encs if p is not None)
+    return [p for _, p in encs if p is not None]
 
 
-def _same(t: torch.Tensor) -> torch.Tensor:
-    return t
+def _same(t: torch.Tensor, buffer: Callable[[], torch.Tensor]) -> torch.Tensor:
+    return t  # a delta's payload is posted from where it lies (the transport copies it if it must)
 
 
 def _pack(bucket: Bucket, buf: torch.Tensor, slots: Mapping[str, Slot], plan: ShardPlan) -> None:
@@ -247,16 +235,18 @@ def send_sharded(
     slots: SourceSlots,
     copier: Copier,
     buffers: _bytes.BufferCache,
-    deadline: Deadline,
+    tx: TxTransport,
+    sync: Sync[Any],
     bases: PairBases | None,
     fault: Callable[[int, torch.Tensor], None] | None = None,
 ) -> SyncStats:
-    """This member's part of a many-source sync: its pieces to every receiver, the vote, the acks."""
+    """This member's part of a many-source sync: its pieces to every receiver over ``tx``, the vote, the
+    acks."""
     t0 = time.perf_counter()
-    me = group.rank
+    me, deadline = group.rank, sync.deadline
     try:
         exchange = _sharded.Exchange(group, session, slots, copier, buffers, deadline, bases)
-        sent = send_shards(exchange, fault)
+        sent = send_shards(exchange, tx, sync, fault)
         slots.finish()
         version = session.header.version
         vote(group, version, None, deadline)
@@ -284,7 +274,7 @@ def send_sharded(
         gb_per_s=total / seconds / 1e9 if seconds > 0 else float("inf"),
         buckets=sum(len(b) for b in mine.values()),
         in_place_buckets=0,
-        transport="p2p",
+        transport=pair_transport(session.headers[me].transport),
         receivers=len(receivers),
         wire_bytes=sent.wire_bytes,
         changed_fraction=sent.changed_words / sent.compared_words if sent.compared_words else 1.0,

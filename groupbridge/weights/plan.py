@@ -15,6 +15,7 @@ exactly this byte layout for any bucket size, and a side laid out so sends or re
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .manifest import Manifest
@@ -62,6 +63,16 @@ class Plan:
 
     def bucket_range(self, k: int) -> tuple[int, int]:
         return self.bounds[k]
+
+    @classmethod
+    def of_sizes(cls, sizes: Sequence[int]) -> Plan:
+        """Buckets of these sizes back to back, for a stream that is not one manifest's bytes (a many-source
+        sync's pairs): transports read only the bounds."""
+        bounds, pos = [], 0
+        for n in sizes:
+            bounds.append((pos, pos + n))
+            pos += n
+        return cls((), pos, max(sizes, default=0), tuple(bounds), tuple(() for _ in sizes))
 
     @classmethod
     def build(cls, manifest: Manifest, bucket_bytes: int, solo_bytes: int | None = None) -> Plan:

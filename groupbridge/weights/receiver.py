@@ -209,8 +209,9 @@ class WeightReceiver(Closing):
                 in_place=in_place, base=base and self._held == (keep, header.base, manifest.digest)
             )
 
+        attach = self._streams.attach_pair
         return open_session(self.group, deadline, self._known, wants=wants, src=self.src, judge=judge,
-                            check=check, bases=self._pair_bases)  # fmt: skip
+                            check=check, attach=attach, bases=self._pair_bases)  # fmt: skip
 
     def _dest(self, manifest: Manifest, targets: dict[str, torch.Tensor]) -> list[torch.Tensor | None]:
         """The targets in manifest order, where they can take the wire bytes as they are."""
@@ -276,14 +277,21 @@ class WeightReceiver(Closing):
         """
         deadline = self.group.deadline(timeout)
         self._copier.deadline = deadline
-        session = self._handshake(
-            deadline, expected=self.expected, allow_stale=allow_stale, keep=("receive",), accept=accept
-        )
+        with self.group.depending_on(range(self.group.world_size)):
+            session = self._handshake(
+                deadline, expected=self.expected, allow_stale=allow_stale, keep=("receive",), accept=accept
+            )
         abandon = partial(_abandon, self.group)
         if isinstance(session, ShardedSession):
-            return WeightUpdate(session, shards_named(self, session, deadline), abandon=abandon)
+            return WeightUpdate(session, self._scoped(shards_named(self, session, deadline)), abandon=abandon)
         every = not (session.delta and only_changed)
-        return WeightUpdate(session, self._named(session, deadline, every, keep), kept=keep, abandon=abandon)
+        pairs = self._scoped(self._named(session, deadline, every, keep))
+        return WeightUpdate(session, pairs, kept=keep, abandon=abandon)
+
+    def _scoped(self, pairs: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """An update's pairs, read with every wait depending on every member (see ``depending_on``)."""
+        with self.group.depending_on(range(self.group.world_size)):
+            yield from pairs
 
     def _named(
         self, session: Session, deadline: Deadline, every: bool, keep: bool
@@ -382,6 +390,10 @@ class WeightReceiver(Closing):
         sync. With deltas, the target must not be changed between syncs: its unchanged tensors are taken to
         hold the version last received (a target that differs is caught by the digests and raises).
         """
+        with self.group.depending_on(range(self.group.world_size)):
+            return self._receive_into(target, atomic, allow_stale, timeout)
+
+    def _receive_into(self, target: Any, atomic: bool, allow_stale: bool, timeout: timedelta | None) -> int:
         deadline = self.group.deadline(timeout)
         self._copier.deadline = deadline
         targets = tensors_of(target, "receive_into()")

@@ -46,7 +46,15 @@ from ._tx_stream import Fault, Progress, send_full
 from .manifest import Manifest, tensors_of
 from .plan import Plan, PlanCache
 from .shard import Shard, box_of
-from .transports import TRANSPORTS, Sync, TransportOptions, TxTransport, across_hosts, choose
+from .transports import (
+    TRANSPORTS,
+    Sync,
+    TransportOptions,
+    TxTransport,
+    across_hosts,
+    choose,
+    pair_transport,
+)
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "SyncStats", "WeightSender", "named_tensors_of"]
 
@@ -198,6 +206,17 @@ class WeightSender(Closing):
         """
         if isinstance(version, bool) or not isinstance(version, int):
             raise TypeError(f"version must be an int, got {type(version).__name__}")
+        with self.group.depending_on(range(self.group.world_size)):
+            return self._send(named_tensors, version, specs, timeout, progress)
+
+    def _send(
+        self,
+        named_tensors: NamedTensors,
+        version: int,
+        specs: Specs | None,
+        timeout: timedelta | None,
+        progress: Progress | None,
+    ) -> SyncStats:
         deadline = self.group.deadline(timeout)
         self.group.check_open()
         self._copier.deadline = deadline
@@ -225,9 +244,7 @@ class WeightSender(Closing):
                 in_place=_in_place(items, manifest, self._delta is not None), bases=self._pair_bases,
             )  # fmt: skip
             if isinstance(session, ShardedSession):
-                slots = SourceSlots(manifest, items, shards, session.plan, self.src)
-                return send_sharded(self.group, session, slots, self._copier, self._scratch, deadline,
-                                    self._pair_bases, self._fault)  # fmt: skip
+                return self._send_pairs(session, manifest, items, shards, kind, deadline)
             return self._stream(session, plan, items, device, tx, deadline, progress)
         except BaseException as e:
             if isinstance(e, SyncRefusedError):  # every member ended the sync alike: the group is fine
@@ -240,6 +257,22 @@ class WeightSender(Closing):
                 raise err from e
             finally:  # no cycle through this frame: it would keep the sync's buffers until collected
                 del err
+
+    def _send_pairs(
+        self, session: ShardedSession, manifest: Manifest, items: Pairs, shards: Boxes, kind: str,
+        deadline: Deadline,
+    ) -> SyncStats:  # fmt: skip
+        """A many-source sync: this source's pairs over the transport that carries them (see
+        ``pair_transport``: the chosen one when it can, else ``p2p``)."""
+        pairs = pair_transport(kind)
+        if pairs != kind and self.transport != "auto":
+            self.group.log.info("transport=%r carries one source's stream; this sync's pairs go over %s",
+                                self.transport, pairs)  # fmt: skip
+        options = self.options[kind] if pairs == kind else TRANSPORTS[pairs].options()
+        sync = Sync(session.headers[self.src].sync_id, deadline, options, self._copier.copy)
+        slots = SourceSlots(manifest, items, shards, session.plan, self.src)
+        return send_sharded(self.group, session, slots, self._copier, self._scratch, self._tx(pairs), sync,
+                            self._pair_bases, self._fault)  # fmt: skip
 
     def _describe(self, named_tensors: NamedTensors, specs: Specs | None) -> tuple[Pairs, Manifest, Boxes]:
         """The (name, tensor) pairs on the wire's names, their manifest (of the local tensors), and the
@@ -306,7 +339,7 @@ class WeightSender(Closing):
         same-host transport cannot get them; an explicit choice raises instead."""
         kind = choose(self.transport, self.group, device)
         try:
-            self._tx(kind).reserve(self._plan(manifest), device)
+            self._tx(kind).reserve(self._reservation(manifest, kind), device)
         except TransportUnavailableError as e:
             if self.transport != "auto":
                 raise
@@ -314,6 +347,18 @@ class WeightSender(Closing):
             self.group.log.warning("%s; using %s instead", e, fallback)
             return fallback
         return kind
+
+    def _reservation(self, manifest: Manifest, kind: str) -> Plan:
+        """What the transport reserves for: the bucket plan; for one that also carries a many-source sync's
+        pairs (known only after the handshake), buckets as big as a pair's may be too (``bucket_bytes``, or
+        one row of a tensor when that is bigger, at most every byte this source holds)."""
+        plan = self._plan(manifest)
+        if not TRANSPORTS[kind].pairs:
+            return plan
+        held = sum(-(-e.nbytes // 16) * 16 for e in manifest.entries if e.alias_of is None)
+        row = max((e.nbytes // e.shape[0] for e in manifest.entries if e.shape and e.shape[0]), default=0)
+        biggest = max((end - start for start, end in plan.bounds), default=0)
+        return Plan.of_sizes([max(biggest, min(max(self.bucket_bytes, row), held))])
 
     def _stream(
         self,
@@ -438,7 +483,8 @@ def _options_by_transport(
             TRANSPORTS.get(n) and TRANSPORTS[n].options is type(opts) for n in names
         ):
             raise TypeError(
-                f"transport_options takes transport options (RelayOptions, BroadcastOptions, SharedOptions), "
+                f"transport_options takes transport options (RelayOptions, BroadcastOptions, SharedOptions, "
+                f"P2POptions), "
                 f"got {type(opts).__name__}"
             )
         for name in names:

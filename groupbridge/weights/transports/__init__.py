@@ -4,6 +4,8 @@
 - ``relay``: a chunked, pipelined chain over the group's send/recv, so each link carries the bytes once.
 - ``shm``: a ring of shared-memory segments on one host; the sender fills, receivers copy out in parallel.
 - ``cuda_ipc``: the same over CUDA IPC buffers, for CUDA tensors on one host.
+- ``p2p``: the group's point-to-point send/recv, each bucket to its own receiver: a many-source sync's
+  pairs across hosts (``shm`` carries them on one host).
 
 Each states what it needs and can do in its :class:`TransportSpec`, and takes its own options dataclass
 (:class:`BroadcastOptions`, :class:`RelayOptions`, :class:`SharedOptions`), which the sender announces in
@@ -32,6 +34,8 @@ from .base import (
 )
 from .broadcast import SPEC as BROADCAST
 from .broadcast import BroadcastOptions
+from .p2p import SPEC as P2P
+from .p2p import P2POptions
 from .relay import SPEC as RELAY
 from .relay import RelayOptions
 from .shared import CUDA_IPC, SHM, SharedOptions
@@ -42,6 +46,7 @@ __all__ = [
     "Land",
     "Landed",
     "Landing",
+    "P2POptions",
     "RelayOptions",
     "RxTransport",
     "SharedOptions",
@@ -51,10 +56,17 @@ __all__ = [
     "TxTransport",
     "across_hosts",
     "choose",
+    "pair_transport",
     "spec",
 ]
 
-TRANSPORTS: dict[str, TransportSpec[Any]] = {s.name: s for s in (BROADCAST, RELAY, SHM, CUDA_IPC)}
+TRANSPORTS: dict[str, TransportSpec[Any]] = {s.name: s for s in (BROADCAST, RELAY, SHM, CUDA_IPC, P2P)}
+
+
+def pair_transport(kind: str) -> str:
+    """What carries a many-source sync's pairs from a source whose header names ``kind``: ``kind`` itself
+    when it can (``shm`` on one host), else ``p2p``."""
+    return kind if spec(kind).pairs else "p2p"
 
 
 def spec(kind: str) -> TransportSpec[Any]:

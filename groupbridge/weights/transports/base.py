@@ -96,6 +96,11 @@ class Sync(Generic[OptionsT]):
     part: int = 0
     """Which opening of the transport within this sync: a delta sync opens it once per group of buckets,
     each with a plan of its own."""
+    to: tuple[int, ...] | None = None
+    """The receiver of each bucket of the plan, when each goes to one receiver (a many-source sync: a
+    source's stream interleaves its pairs, and each receiver reads only its own); None: every receiver reads
+    every bucket. A receiver opens its pair's own plan with its own rank for every bucket. Only a transport
+    whose spec says ``pairs`` takes it."""
 
     @property
     def key(self) -> str:
@@ -118,7 +123,10 @@ class TxTransport(Protocol):
       with the group's token). Called every sync: a receiver new to the group attaches from it.
     - ``open(plan, device, sync)`` starts a stream of buckets, with no round trip to the receivers. Within one
       sync it may be called again after ``finish()`` with another plan and ``sync.part`` one higher (a delta
-      sync sends each group of buckets by its own plan).
+      sync sends each group of buckets by its own plan). With ``sync.to`` (a transport that carries pairs)
+      bucket k goes to receiver ``sync.to[k]`` alone, which opens a plan of its own buckets only; every
+      wait of the transport must then be for an earlier bucket of the source's stream (many streams run at
+      once, and every member walks them in one order: round, source, receiver).
     - for every bucket k in order: ``buffer(k, nbytes, device)`` where the source may pack it (it blocks
       until that buffer is free again: this is the back-pressure of the pipeline), then ``post(k, view)``.
       ``view`` need not come from ``buffer()``: a bucket laid out in the tensors' own storage, a kept base or
@@ -205,6 +213,9 @@ class TransportSpec(Generic[OptionsT]):
     cut_anywhere: bool = False
     """When every member's tensors lie in the plan's byte layout, it can cut the stream at any size without
     packing, so all members may use the merged plan (fewer, bigger operations)."""
+    pairs: bool = False
+    """It carries streams whose buckets each go to one receiver (``Sync.to``): a many-source sync's pairs.
+    A source whose transport cannot travels its pairs over ``p2p``."""
 
 
 def wire_int(d: Any, key: str, what: str, lo: int = 0, hi: int = 1 << 62) -> int:

@@ -170,6 +170,9 @@ class SharedTx:
         self._copy: Any = None
         self._posted = 0
         self._receivers = [r for r in range(group.world_size) if r != group.rank]
+        self._to: tuple[int, ...] | None = None
+        self._index: list[int] = []
+        """With ``Sync.to``: each bucket's place among its receiver's own (what that receiver calls it)."""
         self.external = 0
         """Buckets of the last sync that receivers read from the sender's own shared memory (no copy)."""
 
@@ -214,11 +217,20 @@ class SharedTx:
         self._copy = sync.copy
         self._key = sync.key
         self._posted = 0
+        self._to = sync.to
+        if sync.to is not None:
+            seen: dict[int, int] = {}
+            self._index = []
+            for dst in sync.to:
+                self._index.append(seen.get(dst, 0))
+                seen[dst] = self._index[-1] + 1
         if sync.part == 0:
             self.external = 0
 
     def _signal(self, what: str, k: int) -> str:
-        return f"{self._key}/{what}/{k}"
+        if self._to is None:
+            return f"{self._key}/{what}/{k}"
+        return f"{self._key}/{what}/{self._to[k]}/{self._index[k]}"
 
     def _wait_free(self, k: int) -> None:
         """Wait until every receiver is done with the bucket that used slot k % slots before."""
@@ -226,9 +238,10 @@ class SharedTx:
         if prev < 0:
             return
         assert self._deadline is not None
-        keys = [f"{self._signal('done', prev)}/{r}" for r in self._receivers]
+        receivers = self._receivers if self._to is None else [self._to[prev]]
+        keys = [f"{self._signal('done', prev)}/{r}" for r in receivers]
         ctl = self.group.control
-        ctl.get(keys, self._receivers, self._deadline, f"receivers done with bucket {prev}")
+        ctl.get(keys, receivers, self._deadline, f"receivers done with bucket {prev}")
         ctl.discard([*keys, self._signal("ready", prev)])  # deleted off the data path
 
     def buffer(self, k: int, nbytes: int, device: torch.device) -> torch.Tensor:
@@ -279,6 +292,8 @@ class SharedRx:
         """(source, generation) of the slots mapped."""
         self._key = ""
         self._copy: Any = None
+        self._pair = False
+        """This receiver's pair of a many-source stream (``Sync.to``): its buckets' signals carry its rank."""
         self._sources: dict[tuple[int, int], torch.Tensor] = {}
         """The sender's own shared storages mapped during the current sync (dropped at the next)."""
 
@@ -308,6 +323,10 @@ class SharedRx:
             )
         self._key = sync.key
         self._copy = sync.copy
+        self._pair = sync.to is not None
+
+    def _signal(self, what: str, k: int) -> str:
+        return f"{self._key}/{what}/{self.group.rank}/{k}" if self._pair else f"{self._key}/{what}/{k}"
 
     def _map(self, desc: Any, nbytes: int) -> torch.Tensor:
         if self.kind == "shm":
@@ -320,7 +339,7 @@ class SharedRx:
         ctl = self.group.control
         for k in range(len(plan.buckets)):
             start, end = plan.bucket_range(k)
-            raw = ctl.get_one(f"{self._key}/ready/{k}", self.src, deadline, f"bucket {k}")
+            raw = ctl.get_one(self._signal("ready", k), self.src, deadline, f"bucket {k}")
             try:
                 signal = json.loads(raw)
             except ValueError as e:
@@ -328,7 +347,9 @@ class SharedRx:
             slot = self._slot_for(signal, end - start)
             landed = land(k)
             view = landed.view
-            if landed.landing is Landing.SCRATCH and view.device == slot.device:
+            # a pair's slot is freed before the consumer sees the bytes: it reads several sources in turn,
+            # and the source must not wait for this receiver to come back to its stream
+            if landed.landing is Landing.SCRATCH and view.device == slot.device and not self._pair:
                 yield k, slot, False
             else:
                 self._copy(view, slot)
@@ -361,7 +382,7 @@ class SharedRx:
         return mapped[offset : offset + nbytes]
 
     def _done(self, k: int) -> None:
-        self.group.control.post(f"{self._key}/done/{k}/{self.group.rank}", b"1", f"bucket {k} done")
+        self.group.control.post(f"{self._signal('done', k)}/{self.group.rank}", b"1", f"bucket {k} done")
 
     def close(self) -> None:
         self._slots = []
@@ -393,7 +414,7 @@ def _spec(kind: str, device: str) -> TransportSpec[SharedOptions]:
         kind, SharedOptions, SharedOptions.parse,
         lambda group, options: SharedTx(group, options, kind),
         lambda group: SharedRx(group, kind),
-        one_host=True, devices=(device,),
+        one_host=True, devices=(device,), pairs=kind == "shm",
     )  # fmt: skip
 
 
