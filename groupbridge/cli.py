@@ -80,6 +80,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         return _bench_hosts(args)
     if args.sources:
         return _bench_sources(args)
+    if args.local_sources:
+        return _bench_local_sources(args)
     if args.control:
         return _bench_control(args)
     if args.engine == "vllm":
@@ -290,6 +292,34 @@ def _bench_sources(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_local_sources(args: argparse.Namespace) -> int:
+    from .bench.sources_local import LocalSourcesConfig, run_local_sources
+
+    cfg = LocalSourcesConfig(sources=args.local_sources, receivers=int(args.receivers.split(",")[0]),
+                             rounds=args.rounds, scale=args.scale)  # fmt: skip
+    if not args.json:
+        _console.echo(
+            f"[bench] many sources on one host: {cfg.sources} sources -> {cfg.receivers} receivers (whole "
+            "tensors, atomic), shm against p2p, interleaved ..."
+        )
+    r = run_local_sources(cfg)
+    if args.json:
+        print(json.dumps(r, indent=1))
+        return 0
+    rows = [
+        [k, f"{r[f'{k}_s']:.2f} / {r[f'{k}_worst_s']:.2f}", f"{r[f'{k}_vs_memcpy']:.2f}x",
+         f"{r['p2p_s'] / r[f'{k}_s']:.2f}x"]
+        for k in ("shm", "p2p")
+    ]  # fmt: skip
+    _console.table(
+        f"many sources on one host: dense ({r['model_bytes'] / 2**30:.2f} GiB bf16), {cfg.sources} sources, "
+        f"{cfg.receivers} receivers; memcpy of every receiver's bytes {r['memcpy_s']:.2f} s",
+        ["pairs over", "s per sync (median / worst)", "vs memcpy", "vs p2p"],
+        rows,
+    )
+    return 0
+
+
 def _cmd_chaos(args: argparse.Namespace) -> int:
     from .chaos import run_chaos
 
@@ -381,7 +411,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="many sources on simulated hosts (root): T trainer hosts with FSDP shards of the dense shape, "
         "4 inference hosts (2 replicas x TP 2); gather-then-send against every trainer sending",
     )
-    p.add_argument("--scale", type=int, default=1, help="with --sources: divide the dense shape's widths")
+    p.add_argument(
+        "--local-sources",
+        type=int,
+        default=0,
+        metavar="T",
+        help="many sources on one host: T sources with FSDP shards of the dense shape to --receivers "
+        "receivers, shm against p2p",
+    )
+    p.add_argument(
+        "--scale", type=int, default=1, help="with --sources/--local-sources: divide the dense shape's widths"
+    )
     p.add_argument("--link-rate", default="800mbit", help="link rate of simulated hosts (tc syntax)")
     p.add_argument("--payload-bytes", default="128MiB", help="payload for --simulate-hosts")
     p.add_argument("--plot", metavar="FILE.png", help="bandwidth against bucket size and receivers")

@@ -4,22 +4,23 @@ the vote, the commit."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from ..codec import dtype_from_name, dtype_name
 from ..control import Deadline
+from ..errors import ProtocolError, SyncRefusedError
 from ..stateless import StatelessGroup
 from . import _bytes, _delta
-from ._appliers import torn
+from ._appliers import refused, torn
 from ._copier import Copier
 from ._delta_sync import Description, delta_digest, wire_plan
 from ._rx_stream import RxStreams, acknowledge, give_up, tell_failure
 from ._session import vote
-from ._shard_plan import Bucket, ShardPlan
+from ._shard_plan import Bucket, ShardPlan, element_size
 from ._sharded import (
     DELTA_TAG,
     DIGEST_TAG,
@@ -29,15 +30,12 @@ from ._sharded import (
     piece_view,
     start_of,
 )
-from ._sharded_delta import bucket_word
+from ._sharded_delta import PairBases, bucket_word
 from .plan import Plan
 from .shard import Box, Shard, box_of
 from .transports import Landed, Landing
 
-if TYPE_CHECKING:
-    from .receiver import WeightReceiver
-
-__all__ = ["data_ptr", "receive_shards", "shards_into", "shards_named", "wants_of"]
+__all__ = ["Taker", "data_ptr", "receive_shards", "shards_into", "shards_named", "wants_of"]
 
 
 def receive_shards(x: Exchange, streams: RxStreams, written: list[str]) -> str | None:
@@ -62,7 +60,13 @@ def receive_shards(x: Exchange, streams: RxStreams, written: list[str]) -> str |
         rx, sync = streams.pair(src, session.headers[src], x.deadline)
         plan = Plan.of_sizes([n for n, _ in feed])
         rx.open(plan, cpu, replace(sync, to=(group.rank,) * len(feed)))
-        land = partial(_land, x.buffers, f"recv{src}", rx.scratch_buffers, plan)
+        # A bucket read where it lies (a shared slot) keeps the slot until this receiver comes back to that
+        # source's stream; the source may wait for that only when no other receiver's bucket lies between
+        # (it has no more receivers than slots), else it could wait on a later bucket: then copy out first.
+        receivers = sum(1 for s, _ in session.plan.pairs if s == src)
+        slots = getattr(sync.options, "slots", 0)
+        kind = Landing.SCRATCH if receivers <= slots else Landing.STAGING
+        land = partial(_land, x.buffers, f"recv{src}", rx.scratch_buffers, plan, kind)
         walks[src] = (rx.buckets(plan, land, x.deadline), feed)
     for t in range(max((len(feed) for _, feed in walks.values()), default=0)):
         for src in sorted(walks):
@@ -70,6 +74,9 @@ def receive_shards(x: Exchange, streams: RxStreams, written: list[str]) -> str |
             if t < len(feed):
                 k, view, _ = next(buckets_in)
                 feed[k][1](view)
+                if k == len(feed) - 1:  # the pair's last: let its transport free what it holds now
+                    for _ in buckets_in:
+                        raise ProtocolError(f"rank {src}'s stream has more buckets than its plan")
     for check in after:
         problem = check()
         if problem is not None:
@@ -81,11 +88,11 @@ Feed = tuple[int, Callable[[torch.Tensor], None]]
 """A pair's bucket as its receiver takes it: (bytes, what lands it)."""
 
 
-def _land(buffers: _bytes.BufferCache, name: str, ring: int, plan: Plan, k: int) -> Landed:
-    """A pair's bucket lands in the receiver's own buffer (a ring per source), never in a transport's shared
-    slot: the receiver reads several sources in turn, and none may wait for it to come back to its stream."""
+def _land(buffers: _bytes.BufferCache, name: str, ring: int, plan: Plan, kind: Landing, k: int) -> Landed:
+    """Where a pair's bucket lands: the receiver's own buffer (a ring per source); SCRATCH lets a transport
+    with a shared slot hand out the slot itself instead."""
     start, end = plan.bucket_range(k)
-    return Landed(buffers.get(f"{name}-{k % ring}", end - start, torch.device("cpu")), Landing.STAGING)
+    return Landed(buffers.get(f"{name}-{k % ring}", end - start, torch.device("cpu")), kind)
 
 
 class _Lander:
@@ -216,52 +223,88 @@ def _slot(value: Any) -> Slot:
     return value, Box((0,) * value.dim(), tuple(value.shape))
 
 
-def _land_shards(rcv: WeightReceiver, session: ShardedSession, slots: dict[str, Slot], deadline: Deadline,
-                 written: list[str]) -> None:  # fmt: skip
+@dataclass(frozen=True, slots=True)
+class Taker:
+    """What a receiver lends its part of a many-source sync: its group, transports, copy thread, buffers
+    (kept across syncs), pair bases, names, the version it holds, and what it does once the sync commits."""
+
+    group: StatelessGroup
+    streams: RxStreams
+    copier: Copier
+    buffers: _bytes.BufferCache
+    bases: PairBases
+    rename: Callable[[str], str]
+    held: int | None
+    """The version held before this sync."""
+    committed: Callable[[int], None]
+    """Called once the vote passed and the version is applied, before the sources are acknowledged."""
+    device: torch.device
+
+
+def _land_shards(
+    taker: Taker, session: ShardedSession, slots: dict[str, Slot], deadline: Deadline, written: list[str]
+) -> None:
     """Receive every source's pieces into ``slots``, then vote; raises (the peers told) on failure."""
     what = f"receiving version {session.header.version}"
-    bases = rcv._pair_bases if session.header.keeps_base else None
+    bases = taker.bases if session.header.keeps_base else None
     if bases is None:
-        rcv._pair_bases.clear()  # the senders keep none: nothing to apply a delta to, memory back
+        taker.bases.clear()  # the senders keep none: nothing to apply a delta to, memory back
+    x = Exchange(taker.group, session, slots, taker.copier, taker.buffers, deadline, bases)
     try:
-        problem = receive_shards(
-            Exchange(rcv.group, session, slots, rcv._copier, rcv._buffers, deadline, bases),
-            rcv._streams,
-            written,
-        )
+        problem = receive_shards(x, taker.streams, written)
     except BaseException as e:
-        rcv._pair_bases.abandon()
-        tell_failure(rcv.group, session.sources[0], e, what)
+        taker.bases.abandon()
+        tell_failure(taker.group, session.sources[0], e, what)
         raise
     try:
-        vote(rcv.group, session.header.version, problem, deadline)
-    except BaseException:
-        rcv._pair_bases.abandon()
+        vote(taker.group, session.header.version, problem, deadline)
+    except BaseException as e:
+        taker.bases.abandon()
+        if not isinstance(e, SyncRefusedError):  # every member raised a refusal alike; else tell them
+            tell_failure(taker.group, session.sources[0], e, f"voting on version {session.header.version}")
         raise
-    rcv._pair_bases.commit(session.header.version)  # the bases hold it on every pair: the vote passed
+    taker.bases.commit(session.header.version)  # the bases hold it on every pair: the vote passed
 
 
-def shards_into(
-    rcv: WeightReceiver, session: ShardedSession, targets: dict[str, Any], atomic: bool, deadline: Deadline
-) -> int:
-    """``receive_into`` of a many-source sync: staged (atomic) or straight into the targets' boxes."""
-    version = session.header.version
-    dest = {wire: _slot(targets[rcv._rename(wire)]) for wire in session.plan.order}
-    slots = {
-        wire: (torch.empty(box.shape, dtype=dtype_from_name(session.plan.dtypes[wire])), box)
-        if atomic
-        else (t, box)
-        for wire, (t, box) in dest.items()
+def _staging(
+    taker: Taker, plan: ShardPlan, boxes: Mapping[str, Box], device: torch.device
+) -> dict[str, Slot]:
+    """One kept buffer (pre-touched after the first sync) holding every wanted box, one view per tensor."""
+    offsets, pos = {}, 0
+    for wire in plan.order:
+        offsets[wire] = pos
+        pos += -(-boxes[wire].numel * element_size(plan.dtypes[wire]) // 16) * 16
+    buffer = taker.buffers.get("staging", pos, device)
+    return {
+        wire: (_bytes.typed_view(buffer, offsets[wire], dtype_from_name(plan.dtypes[wire]), box.shape), box)
+        for wire, box in boxes.items()
     }
+
+
+def _commit(taker: Taker, session: ShardedSession) -> None:
+    taker.committed(session.header.version)
+    for src in session.sources:
+        acknowledge(taker.group, src, session.header.version)
+
+
+def shards_into(taker: Taker, session: ShardedSession, targets: dict[str, Any], atomic: bool,
+                deadline: Deadline) -> int:  # fmt: skip
+    """``receive_into`` of a many-source sync: staged in a kept buffer (atomic) or straight into the
+    targets' boxes."""
+    version = session.header.version
+    dest = {wire: _slot(targets[taker.rename(wire)]) for wire in session.plan.order}
+    if atomic:
+        slots = _staging(taker, session.plan, {w: box for w, (_, box) in dest.items()}, torch.device("cpu"))
+    else:
+        slots = dict(dest)
     written: list[str] = []
-    rcv._held = None
     try:
-        _land_shards(rcv, session, slots, deadline, written)
+        _land_shards(taker, session, slots, deadline, written)
     except BaseException as e:
-        if atomic or not written:
+        if not isinstance(e, Exception):
             raise
-        names = [rcv._rename(w) for w in written]
-        raise torn(version, rcv.version, e, names, len(dest), "some tensors were written") from e
+        names = [] if atomic else [taker.rename(w) for w in written]
+        raise refused(version, taker.held, e, names, len(dest)) from e
     if atomic:
 
         def apply() -> None:
@@ -270,39 +313,37 @@ def shards_into(
                     dest[wire][0].copy_(staged)
 
         try:
-            rcv._copier.run(apply)
+            taker.copier.run(apply)
         except BaseException as e:
-            give_up(rcv.group, session.sources[0], e, f"applying version {version}", torn(
-                version, rcv.version, e, [rcv._rename(w) for w in dest], len(dest), "every byte arrived"
+            give_up(taker.group, session.sources[0], e, f"applying version {version}", torn(
+                version, taker.held, e, [taker.rename(w) for w in dest], len(dest), "every byte arrived"
             ))  # fmt: skip
-    rcv.version = version
-    for src in session.sources:
-        acknowledge(rcv.group, src, version)
+    _commit(taker, session)
     return version
 
 
 def shards_named(
-    rcv: WeightReceiver, session: ShardedSession, deadline: Deadline
+    taker: Taker, session: ShardedSession, deadline: Deadline, keep: bool
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """``receive()`` of a many-source sync: whole tensors, staged, yielded once every member voted yes."""
+    """``receive()`` of a many-source sync: whole tensors, staged, yielded once every member voted yes
+    (``keep``: views of one buffer the receiver keeps, valid until the next sync; else tensors of their
+    own)."""
     plan = session.plan
-    slots: dict[str, Slot] = {}
-    for wire in plan.order:
-        shape = plan.global_shapes[wire]
-        staged = torch.empty(shape, dtype=dtype_from_name(plan.dtypes[wire]), device=rcv.device)
-        slots[wire] = (staged, Box((0,) * len(shape), shape))
-    rcv._held = None
-    _land_shards(rcv, session, slots, deadline, [])
+    whole = {w: Box((0,) * len(plan.global_shapes[w]), plan.global_shapes[w]) for w in plan.order}
+    if keep:
+        slots = _staging(taker, plan, whole, taker.device)
+    else:
+        slots = {w: (torch.empty(box.shape, dtype=dtype_from_name(plan.dtypes[w]), device=taker.device), box)
+                 for w, box in whole.items()}  # fmt: skip
+    _land_shards(taker, session, slots, deadline, [])
     yielded = 0
     try:
         for wire, (t, _) in slots.items():
-            yield rcv._rename(wire), t
+            yield taker.rename(wire), t
             yielded += 1
     except GeneratorExit:  # the sources wait for this receiver's acknowledgement: tell them now
-        tell_failure(rcv.group, session.sources[0], RuntimeError(
+        tell_failure(taker.group, session.sources[0], RuntimeError(
             f"the consumer stopped after {yielded} of {len(slots)} tensors"), f"receiving version "
             f"{session.header.version}")  # fmt: skip
         raise
-    rcv.version = session.header.version
-    for src in session.sources:
-        acknowledge(rcv.group, src, session.header.version)
+    _commit(taker, session)

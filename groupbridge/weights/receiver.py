@@ -46,7 +46,7 @@ from ._session import (
 )
 from ._sharded import ShardedSession, open_session
 from ._sharded_delta import PairBases
-from ._sharded_rx import data_ptr, shards_into, shards_named, wants_of
+from ._sharded_rx import Taker, data_ptr, shards_into, shards_named, wants_of
 from .manifest import Entry, Manifest, compare, expected_specs, mismatch_message, tensors_of
 from .plan import Plan, PlanCache
 
@@ -283,10 +283,21 @@ class WeightReceiver(Closing):
             )
         abandon = partial(_abandon, self.group)
         if isinstance(session, ShardedSession):
-            return WeightUpdate(session, self._scoped(shards_named(self, session, deadline)), abandon=abandon)
+            self._held = None
+            pairs = shards_named(self._taker(), session, deadline, keep)
+            return WeightUpdate(session, self._scoped(pairs), kept=keep, abandon=abandon)
         every = not (session.delta and only_changed)
         pairs = self._scoped(self._named(session, deadline, every, keep))
         return WeightUpdate(session, pairs, kept=keep, abandon=abandon)
+
+    def _taker(self) -> Taker:
+        """What a many-source receive borrows from this receiver."""
+
+        def committed(version: int) -> None:
+            self.version = version
+
+        return Taker(self.group, self._streams, self._copier, self._buffers, self._pair_bases, self._rename,
+                     self.version, committed, self.device)  # fmt: skip
 
     def _scoped(self, pairs: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """An update's pairs, read with every wait depending on every member (see ``depending_on``)."""
@@ -408,7 +419,8 @@ class WeightReceiver(Closing):
             wants=wants_of(targets, self._renames),
         )
         if isinstance(session, ShardedSession):
-            return shards_into(self, session, targets, atomic, deadline)
+            self._held = None
+            return shards_into(self._taker(), session, targets, atomic, deadline)
         header, manifest = session.header, session.manifest
         version = header.version
         what = f"receiving version {version}"

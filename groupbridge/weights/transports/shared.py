@@ -347,10 +347,8 @@ class SharedRx:
             slot = self._slot_for(signal, end - start)
             landed = land(k)
             view = landed.view
-            # a pair's slot is freed before the consumer sees the bytes: it reads several sources in turn,
-            # and the source must not wait for this receiver to come back to its stream
-            if landed.landing is Landing.SCRATCH and view.device == slot.device and not self._pair:
-                yield k, slot, False
+            if landed.landing is Landing.SCRATCH and view.device == slot.device:
+                yield k, slot, False  # the slot is freed when the next bucket is asked for
             else:
                 self._copy(view, slot)
                 _sync(view)
