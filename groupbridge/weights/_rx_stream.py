@@ -10,24 +10,24 @@ bytes of the new version are in ``view`` and ``entries`` are the manifest entrie
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any, NoReturn
 
 import torch
 
 from ..control import Deadline
-from ..errors import GroupBridgeError, WeightSyncError
+from ..errors import GroupBridgeError, SyncRefusedError, WeightSyncError
 from ..stateless import StatelessGroup
 from . import _bytes, _delta
 from ._appliers import Applier, Bucket
 from ._copier import Copier
 from ._delta_sync import Description, delta_digest, delta_groups, wire_plan, word_counts
-from ._session import ACK_TAG, Header, Session
+from ._session import ACK_TAG, Header, Session, vote
 from .plan import Plan
 from .transports import RxTransport, Sync, pair_transport, spec
 
-__all__ = ["Bucket", "RxStreams", "VerifyFailed"]
+__all__ = ["Bucket", "RxStreams", "VerifyFailed", "acknowledge", "give_up", "settle", "tell_failure"]
 
 
 class VerifyFailed(WeightSyncError):
@@ -135,6 +135,13 @@ class RxStreams:
         if failed is not None:
             raise VerifyFailed(failed)
 
+    def buckets(self, session: Session, plan: Plan, applier: Applier, deadline: Deadline) -> Iterator[Bucket]:
+        """The buckets of the session's stream, full or a delta, as they arrive."""
+        sync = self.sync(session, deadline)
+        if session.delta:
+            return self.delta(session, plan, applier, sync)
+        return self.full(session, plan, applier, sync)
+
     def close(self) -> None:
         for rx in self._transports.values():
             rx.close()
@@ -170,3 +177,27 @@ def give_up(group: StatelessGroup, src: int, cause: BaseException, what: str, er
         raise error from cause
     finally:  # this frame must not hold what it raised: a cycle would keep the sync's buffers (shared
         del cause, error  # slots among them) mapped until the cycle collector runs
+
+
+def settle(
+    group: StatelessGroup,
+    src: int,
+    version: int,
+    problem: str | None,
+    deadline: Deadline,
+    failed: Callable[[BaseException], Exception],
+) -> None:
+    """This receiver's vote on the sync (see :func:`._session.vote`): returns when every member landed and
+    verified its bytes; else raises ``failed(cause)`` (untouched or torn), the peers told."""
+    try:
+        vote(group, version, problem, deadline)
+    except BaseException as e:
+        if not isinstance(e, SyncRefusedError):  # every member raised a refusal alike; else tell them
+            tell_failure(group, src, e, f"voting on version {version}")
+        if not isinstance(e, Exception):
+            raise
+        err = failed(e)
+        try:
+            raise err from e
+        finally:  # no cycle through this frame (see give_up)
+            del err, e

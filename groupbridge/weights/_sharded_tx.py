@@ -16,6 +16,7 @@ from ..stateless import StatelessGroup
 from . import _bytes, _delta, _sharded
 from ._copier import Copier
 from ._delta_sync import Description, delta_digest
+from ._described import Boxes, Pairs
 from ._session import collect_acks, vote
 from ._shard_plan import Bucket, ShardPlan
 from ._sharded import ShardedSession, Slot, piece_view, start_of
@@ -26,13 +27,7 @@ from .plan import Plan
 from .shard import Box
 from .transports import Sync, TxTransport, pair_transport
 
-Pairs = list[tuple[str, torch.Tensor]] | Iterator[tuple[str, torch.Tensor]]
-"""A source's (name, tensor) pairs: a list, or an iterator consumed lazily."""
-
-Boxes = dict[str, tuple[tuple[int, ...], tuple[int, ...]]]
-"""Boxes of global tensors a source holds: name -> (global shape, offset)."""
-
-__all__ = ["Boxes", "Pairs", "SourceSlots", "send_sharded", "send_shards"]
+__all__ = ["SourceSlots", "send_sharded", "send_shards"]
 
 
 def send_shards(

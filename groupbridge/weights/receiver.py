@@ -18,12 +18,11 @@ import torch
 from .._closing import Closing
 from ..codec import dtype_from_name
 from ..control import Deadline
-from ..errors import SyncRefusedError, WeightSyncError
+from ..errors import WeightSyncError
 from ..stateless import StatelessGroup
 from . import _bytes
 from ._appliers import (
     Applier,
-    Bucket,
     Ring,
     Scratch,
     Staged,
@@ -34,7 +33,7 @@ from ._appliers import (
     wire_typed,
 )
 from ._copier import Copier
-from ._rx_stream import RxStreams, VerifyFailed, acknowledge, give_up, tell_failure
+from ._rx_stream import RxStreams, VerifyFailed, acknowledge, give_up, settle, tell_failure
 from ._session import (
     Header,
     Session,
@@ -42,7 +41,6 @@ from ._session import (
     laid_out_in_place,
     make_renamer,
     merged_plan,
-    vote,
 )
 from ._sharded import ShardedSession, open_session
 from ._sharded_delta import PairBases
@@ -202,8 +200,8 @@ class WeightReceiver(Closing):
                 problem = f"{type(e).__name__}: {e}"
             if problem is not None:
                 return Verdict(f"rank {self.group.rank}: {problem}", "transport")
-            in_place = targets is not None and laid_out_in_place(manifest, self._dest(manifest, targets),
-                                                                 receiving=True)  # fmt: skip
+            dest = _dest(manifest, targets, self._rename) if targets is not None else None
+            in_place = dest is not None and laid_out_in_place(manifest, dest, receiving=True)
             base = header.base is not None and header.base == self.version
             return Verdict(
                 in_place=in_place, base=base and self._held == (keep, header.base, manifest.digest)
@@ -213,27 +211,11 @@ class WeightReceiver(Closing):
         return open_session(self.group, deadline, self._known, wants=wants, src=self.src, judge=judge,
                             check=check, attach=attach, bases=self._pair_bases)  # fmt: skip
 
-    def _dest(self, manifest: Manifest, targets: dict[str, torch.Tensor]) -> list[torch.Tensor | None]:
-        """The targets in manifest order, where they can take the wire bytes as they are."""
-        dest: list[torch.Tensor | None] = []
-        for e in manifest.entries:
-            d = targets.get(self._rename(e.name))
-            dest.append(d if d is not None and d.dtype == dtype_from_name(e.wire_dtype) else None)
-        return dest
-
     def _plan(self, session: Session) -> Plan:
         if session.merged:
             return merged_plan(session.manifest)
         header = session.header
         return self._plans.get(session.manifest, header.bucket_bytes, header.solo_bytes)
-
-    def _buckets(
-        self, session: Session, plan: Plan, applier: Applier, deadline: Deadline
-    ) -> Iterator[Bucket]:
-        sync = self._streams.sync(session, deadline)
-        if session.delta:
-            return self._streams.delta(session, plan, applier, sync)
-        return self._streams.full(session, plan, applier, sync)
 
     def _name(self, manifest: Manifest) -> Callable[[int], str]:
         return lambda i: self._rename(manifest.entries[i].name)
@@ -329,7 +311,7 @@ class WeightReceiver(Closing):
         what = f"receiving version {header.version}"
         problem: str | None = None
         try:
-            for index, t in run_through(self._buckets(session, plan, applier, deadline), applier):
+            for index, t in run_through(self._streams.buckets(session, plan, applier, deadline), applier):
                 for name in (names(index), *aliases.get(index, [])):
                     yielded.append(name)
                     yield name, t
@@ -349,34 +331,15 @@ class WeightReceiver(Closing):
             how = f"{len(yielded)} tensors were yielded (whatever consumed them is torn)"
             give_up(self.group, session.src, e, what, torn(header.version, self.version, e, yielded,
                                                            len(entries), how))  # fmt: skip
-        self._vote(session, problem, deadline, lambda e: refused(header.version, self.version, e, yielded,
-                                                                  len(entries)))  # fmt: skip
+
+        def failed(e: BaseException) -> Exception:
+            return refused(header.version, self.version, e, yielded, len(entries))
+
+        settle(self.group, session.src, header.version, problem, deadline, failed)
         self.version = header.version
         if header.keeps_base:
             self._held = (("receive",), header.version, manifest.digest)
         acknowledge(self.group, session.src, header.version)
-
-    def _vote(
-        self,
-        session: Session,
-        problem: str | None,
-        deadline: Deadline,
-        failed: Callable[[BaseException], Exception],
-    ) -> None:
-        """Every member's vote on the sync (see :func:`._session.vote`): returns when all landed and verified
-        their bytes; else raises ``failed(cause)`` (untouched or torn), the peers told."""
-        try:
-            vote(self.group, session.header.version, problem, deadline)
-        except BaseException as e:
-            if not isinstance(e, SyncRefusedError):  # every member raised a refusal alike; else tell them
-                tell_failure(self.group, session.src, e, f"voting on version {session.header.version}")
-            if not isinstance(e, Exception):
-                raise
-            err = failed(e)
-            try:
-                raise err from e
-            finally:
-                del err, e
 
     # ------------------------------------------------------------------ receive_into()
 
@@ -449,14 +412,17 @@ class WeightReceiver(Closing):
             )
         problem: str | None = None
         try:
-            for _ in run_through(self._buckets(session, plan, applier, deadline), applier):
+            for _ in run_through(self._streams.buckets(session, plan, applier, deadline), applier):
                 pass
         except VerifyFailed as e:
             problem = f"{e}"
         except BaseException as e:
             give_up(self.group, session.src, e, what, applier.failed(e, version, self.version))
-        self._vote(session, problem, deadline, lambda e: refused(version, self.version, e, applier.written,
-                                                                  len(entries)))  # fmt: skip
+
+        def failed(e: BaseException) -> Exception:
+            return refused(version, self.version, e, applier.written, len(entries))
+
+        settle(self.group, session.src, version, problem, deadline, failed)
         try:
             applier.commit()
         except BaseException as e:
@@ -479,3 +445,14 @@ def _abandon(group: StatelessGroup, reason: str) -> None:
     """An update dropped or closed unread: abort its sync for every member (no-op once the group closed)."""
     if not group.closed:
         group.abort(f"rank {group.rank}: {reason}")
+
+
+def _dest(
+    manifest: Manifest, targets: dict[str, torch.Tensor], rename: Callable[[str], str]
+) -> list[torch.Tensor | None]:
+    """The targets in manifest order, where they can take the wire bytes as they are."""
+    dest: list[torch.Tensor | None] = []
+    for e in manifest.entries:
+        d = targets.get(rename(e.name))
+        dest.append(d if d is not None and d.dtype == dtype_from_name(e.wire_dtype) else None)
+    return dest

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import itertools
 import secrets
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from functools import partial
-from typing import Any
 
 import torch
 
@@ -26,12 +24,12 @@ from . import _bytes
 from ._copier import Copier
 from ._delta_sync import delta_digest
 from ._delta_tx import DeltaSender
+from ._described import Boxes, Described, NamedTensors, Pairs, Specs, in_place, named_tensors_of, peek_device
 from ._session import (
     Header,
     Session,
     Stream,
     collect_acks,
-    laid_out_in_place,
     make_renamer,
     merged_plan,
     refuse,
@@ -39,13 +37,12 @@ from ._session import (
 )
 from ._sharded import ShardedSession, boxes_of, open_session
 from ._sharded_delta import PairBases
-from ._sharded_tx import Boxes, Pairs, SourceSlots, send_sharded
+from ._sharded_tx import SourceSlots, send_sharded
 from ._source import Puller
 from ._stats import SyncStats
 from ._tx_stream import Fault, Progress, send_full
-from .manifest import Manifest, tensors_of
+from .manifest import Manifest
 from .plan import Plan, PlanCache
-from .shard import Shard, box_of
 from .transports import (
     TRANSPORTS,
     Sync,
@@ -62,28 +59,6 @@ DEFAULT_BUCKET_BYTES = 64 << 20
 """Chosen by ``groupbridge bench --bucket-bytes 16MiB,64MiB,256MiB`` on 2 cores over gloo loopback: 16 MiB
 pays per-operation overhead; 256 MiB helps only flattened models with one receiver and holds four times the
 memory (two buckets on each side) while plain models with two receivers slowed; 64 MiB is the balance."""
-
-
-Specs = Mapping[
-    str, tuple[Sequence[int], torch.dtype] | tuple[Sequence[int], torch.dtype, Sequence[int], Sequence[int]]
-]
-"""A lazy source's description: name -> (shape, dtype), or (shape, dtype, global shape, offset) for a box."""
-
-NamedTensors = torch.nn.Module | Mapping[str, torch.Tensor | Shard] | Iterable[tuple[str, torch.Tensor]]
-"""What ``send`` takes: a module, a mapping, or (name, tensor) pairs (a generator stays lazy)."""
-
-
-def named_tensors_of(obj: NamedTensors) -> Pairs:
-    """Normalise a module, mapping or iterable of pairs; iterators stay lazy."""
-    if isinstance(obj, (torch.nn.Module, Mapping)):
-        return list(tensors_of(obj).items())
-    if isinstance(obj, (list, tuple)):
-        return list(obj)
-    if isinstance(obj, Iterable):
-        return iter(obj)
-    raise TypeError(
-        f"expected a module, a mapping or an iterable of (name, tensor), got {type(obj).__name__}"
-    )
 
 
 class WeightSender(Closing):
@@ -150,11 +125,8 @@ class WeightSender(Closing):
         self._transports: dict[str, TxTransport] = {}
         self._copier = Copier(f"{group.name}-{group.rank}")
         self._scratch = _bytes.BufferCache()
-        self._rename = make_renamer(rename)
         self._known: dict[str, Manifest] = {}
-        self._manifest: Manifest | None = None
-        self._shards: Boxes = {}
-        """The boxes the previous send held: a lazy source's next sends are described by them."""
+        self._described = Described(group, make_renamer(rename), wire_dtype)
         self._plans = PlanCache()
         self._fault: Fault | None = None  # test hook: called with every bucket's bytes before they are posted
         self._delta = DeltaSender(group, self._copier, self._scratch, delta == "always") if delta else None
@@ -221,14 +193,14 @@ class WeightSender(Closing):
         self.group.check_open()
         self._copier.deadline = deadline
         try:
-            items, manifest, shards = self._describe(named_tensors, specs)
-            items, device = _peek_device(items)
+            items, manifest, shards = self._described.describe(named_tensors, specs)
+            items, device = peek_device(items)
             kind = self._choose(device, manifest)
         except (ValueError, TypeError, TransportUnavailableError) as e:
             kind = "transport" if isinstance(e, TransportUnavailableError) else "input"
             refuse(self.group, f"{type(e).__name__}: {e}", deadline, kind)
             raise
-        self._manifest, self._shards = manifest, shards
+        self._described.remember(manifest, shards)
         tx = self._tx(kind)
         plan = self._plan(manifest)
         header = Header(
@@ -241,7 +213,7 @@ class WeightSender(Closing):
         try:
             session = open_session(
                 self.group, deadline, self._known, header=header, boxes=boxes_of(shards), manifest=manifest,
-                in_place=_in_place(items, manifest, self._delta is not None), bases=self._pair_bases,
+                in_place=in_place(items, manifest, self._delta is not None), bases=self._pair_bases,
             )  # fmt: skip
             if isinstance(session, ShardedSession):
                 return self._send_pairs(session, manifest, items, shards, kind, deadline)
@@ -274,60 +246,6 @@ class WeightSender(Closing):
         return send_sharded(self.group, session, slots, self._copier, self._scratch, self._tx(pairs), sync,
                             self._pair_bases, self._fault)  # fmt: skip
 
-    def _describe(self, named_tensors: NamedTensors, specs: Specs | None) -> tuple[Pairs, Manifest, Boxes]:
-        """The (name, tensor) pairs on the wire's names, their manifest (of the local tensors), and the
-        boxes of global tensors among them (``gb.Shard``, DTensor): name -> (global shape, offset)."""
-        items = named_tensors_of(named_tensors)
-        if not isinstance(items, list):
-            if specs is not None:
-                manifest, shards = self._from_specs(specs)
-                return self._lazy(items, shards), manifest, shards
-            if self._manifest is not None:
-                return self._lazy(items, self._shards), self._manifest, self._shards
-            self.group.log.warning(
-                "first send of an iterator without specs=: collecting it once to describe it"
-            )
-            items = list(items)
-        pairs, shards = [], {}
-        for n, value in items:
-            name, shard = self._rename(n), box_of(value)
-            if shard is not None and not shard.whole:
-                shards[name] = (shard.global_shape, shard.offset)
-            pairs.append((name, shard.tensor if shard is not None else value))
-        return pairs, Manifest.build(pairs, self.wire_dtype), shards
-
-    def _from_specs(self, specs: Specs) -> tuple[Manifest, Boxes]:
-        """A lazy source's manifest and boxes from ``specs``: name -> (shape, dtype), or (shape, dtype,
-        global shape, offset) for a box of a global tensor."""
-        meta, shards = [], {}
-        for n, spec in specs.items():
-            if not isinstance(spec, (tuple, list)) or len(spec) not in (2, 4):
-                raise ValueError(
-                    f"specs[{n!r}] must be (shape, dtype) or (shape, dtype, global_shape, offset), got "
-                    f"{spec!r}"
-                )
-            name, shape, dtype = self._rename(n), tuple(spec[0]), spec[1]
-            meta.append((name, torch.empty(shape, dtype=dtype, device="meta")))
-            if len(spec) == 4:
-                box = Shard(meta[-1][1], tuple(spec[2]), tuple(spec[3]))  # checks that the box fits
-                if not box.whole:
-                    shards[name] = (box.global_shape, box.offset)
-        return Manifest.build(meta, self.wire_dtype), shards
-
-    def _lazy(self, items: Iterator[tuple[str, Any]], shards: Boxes) -> Iterator[tuple[str, torch.Tensor]]:
-        """A lazy source's pairs on the wire's names, each a plain tensor (its box's): a value whose box is
-        not the one announced (by ``specs`` or the previous send) raises ValueError."""
-        for n, value in items:
-            name, shard = self._rename(n), box_of(value)
-            box = (shard.global_shape, shard.offset) if shard is not None and not shard.whole else None
-            if box != shards.get(name):
-                said = shards.get(name)
-                raise ValueError(
-                    f"{name!r} is {_box_text(box)}, but it was announced as {_box_text(said)} (by specs= or "
-                    "the previous send): the boxes of a lazy source must not change"
-                )
-            yield name, shard.tensor if shard is not None else value
-
     def _tx(self, kind: str) -> TxTransport:
         tx = self._transports.get(kind)
         if tx is None:
@@ -339,7 +257,9 @@ class WeightSender(Closing):
         same-host transport cannot get them; an explicit choice raises instead."""
         kind = choose(self.transport, self.group, device)
         try:
-            self._tx(kind).reserve(self._reservation(manifest, kind), device)
+            self._tx(kind).reserve(
+                _reservation(self._plan(manifest), manifest, kind, self.bucket_bytes), device
+            )
         except TransportUnavailableError as e:
             if self.transport != "auto":
                 raise
@@ -347,18 +267,6 @@ class WeightSender(Closing):
             self.group.log.warning("%s; using %s instead", e, fallback)
             return fallback
         return kind
-
-    def _reservation(self, manifest: Manifest, kind: str) -> Plan:
-        """What the transport reserves for: the bucket plan; for one that also carries a many-source sync's
-        pairs (known only after the handshake), buckets as big as a pair's may be too (``bucket_bytes``, or
-        one row of a tensor when that is bigger, at most every byte this source holds)."""
-        plan = self._plan(manifest)
-        if not TRANSPORTS[kind].pairs:
-            return plan
-        held = sum(-(-e.nbytes // 16) * 16 for e in manifest.entries if e.alias_of is None)
-        row = max((e.nbytes // e.shape[0] for e in manifest.entries if e.shape and e.shape[0]), default=0)
-        biggest = max((end - start for start, end in plan.bounds), default=0)
-        return Plan.of_sizes([max(biggest, min(max(self.bucket_bytes, row), held))])
 
     def _stream(
         self,
@@ -447,30 +355,6 @@ class WeightSender(Closing):
         self._scratch.clear()
 
 
-def _in_place(items: Pairs, manifest: Manifest, delta: bool) -> bool:
-    """This source's tensors lie in the merged plan's layout (it may then be agreed; never with deltas,
-    whose base is kept in the bucket plan's layout)."""
-    if delta or not isinstance(items, list):
-        return False
-    if any(e.dtype != e.wire_dtype for e in manifest.entries):
-        return False
-    return laid_out_in_place(manifest, [t for _, t in items], receiving=False)
-
-
-def _peek_device(
-    items: list[tuple[str, torch.Tensor]] | Iterator[tuple[str, torch.Tensor]],
-) -> tuple[list[tuple[str, torch.Tensor]] | Iterator[tuple[str, torch.Tensor]], torch.device]:
-    """The device the tensors live on (the first non-empty one's), without consuming a lazy source."""
-    if isinstance(items, list):
-        device = next((t.device for _, t in items if t.numel()), torch.device("cpu"))
-        return items, device
-    try:
-        first = next(items)
-    except StopIteration:
-        return iter(()), torch.device("cpu")
-    return itertools.chain([first], items), first[1].device
-
-
 def _options_by_transport(
     given: TransportOptions | Sequence[TransportOptions] | None, group: StatelessGroup, src: int
 ) -> dict[str, TransportOptions]:
@@ -510,7 +394,13 @@ def _as_sync_error(e: BaseException, version: int) -> BaseException:
     return WeightSyncError(f"sending version {version} failed: {type(e).__name__}: {e}; the group is aborted")
 
 
-def _box_text(box: tuple[tuple[int, ...], tuple[int, ...]] | None) -> str:
-    if box is None:
-        return "a whole tensor"
-    return f"a box at {list(box[1])} of a global tensor {list(box[0])}"
+def _reservation(plan: Plan, manifest: Manifest, kind: str, bucket_bytes: int) -> Plan:
+    """What transport ``kind`` reserves for: the bucket plan; for one that also carries a many-source sync's
+    pairs (known only after the handshake), buckets as big as a pair's may be too (``bucket_bytes``, or one
+    row of a tensor when that is bigger, at most every byte this source holds)."""
+    if not TRANSPORTS[kind].pairs:
+        return plan
+    held = sum(-(-e.nbytes // 16) * 16 for e in manifest.entries if e.alias_of is None)
+    row = max((e.nbytes // e.shape[0] for e in manifest.entries if e.shape and e.shape[0]), default=0)
+    biggest = max((end - start for start, end in plan.bounds), default=0)
+    return Plan.of_sizes([max(biggest, min(max(bucket_bytes, row), held))])
