@@ -209,10 +209,8 @@ class StatelessGroup:
 
     @contextlib.contextmanager
     def depending_on(self, ranks: Iterable[int]) -> Iterator[None]:
-        """Within the block, every wait of this member also ends (with the error naming who) when one of
-        ``ranks`` dies, freezes or aborts, not only when a peer it waits on does. A weight sync runs inside
-        one over its members: it commits on all or none, so any member's failure ends it for everyone at
-        once, whoever each one is waiting on at the time."""
+        """Within the block, every wait also ends (naming who) when one of ``ranks`` fails, not only when a
+        peer it waits on does: a weight sync commits on all its members or none, so it runs inside one."""
         before = self._health.scope
         self._health.scope = tuple(dict.fromkeys((*before, *(r for r in ranks if r != self.rank))))
         try:

@@ -7,8 +7,7 @@ the commit (the version held moves, the source is told).
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Callable, Generator, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from functools import partial
 from typing import Any
@@ -45,74 +44,11 @@ from ._session import (
 from ._sharded import ShardedSession, open_session
 from ._sharded_delta import PairBases
 from ._sharded_rx import Taker, data_ptr, shards_into, shards_named, wants_of
+from ._update import WeightUpdate, abandon_update
 from .manifest import Entry, Manifest, compare, expected_specs, mismatch_message, tensors_of
 from .plan import Plan, PlanCache
 
 __all__ = ["WeightReceiver", "WeightUpdate"]
-
-
-class WeightUpdate:
-    """One incoming version; iterate it for (name, tensor) pairs as buckets arrive.
-
-    A yielded tensor is a view into a receive buffer (with ``shm``, into the sender's shared slot) and stays
-    valid only until the tensors of the next bucket are yielded: consume or copy it before asking for more
-    (``load_weights`` copies each tensor at once). A tensor that spans buckets is yielded as its own copy.
-    Tied names are yielded right after the tensor they share. The receiver's ``version`` becomes this
-    update's version only once iteration has finished and the digests (when on) matched: a consumer that
-    applies tensors as they come must treat a failure as a torn update. Stopping early (``break``, an
-    exception in the consumer, dropping the iterator) aborts the sync for everyone, since the sender cannot
-    finish it; the ``timeout`` given to :meth:`WeightReceiver.receive` bounds the whole update.
-
-    When the sender sends deltas (``WeightSender(delta=True)``) the receiver keeps the version it holds (one
-    copy of the model's wire bytes) and yields views of that copy instead, valid until the next sync and
-    not to be written to; a delta update (``delta`` True) yields only the tensors that changed, each whole,
-    so an engine's ``load_weights`` touches only them.
-    """
-
-    def __init__(
-        self,
-        session: Session | ShardedSession,
-        pairs: Iterator[tuple[str, torch.Tensor]],
-        kept: bool = False,
-        *,
-        abandon: Callable[[str], None] | None = None,
-    ) -> None:
-        self.version = session.header.version
-        self.manifest = session.manifest
-        self.delta = session.delta
-        """This update travels as a delta against the version held."""
-        self.kept = session.header.keeps_base or kept
-        """The yielded tensors are views of the receiver's kept copy: valid until the next sync."""
-        self._pairs: Iterator[tuple[str, torch.Tensor]] | None = pairs
-        self._taken: Generator[tuple[str, torch.Tensor], None, None] | None = None
-        reason = f"the update of version {self.version} was dropped before it was read"
-        # a handle dropped unread (or closed) still owns its step of the protocol: the sources wait for it
-        self._finalizer = weakref.finalize(self, abandon or (lambda reason: None), reason)
-        self._finalizer.atexit = False
-
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        if self._pairs is None:
-            raise RuntimeError("a WeightUpdate can be iterated once")
-        pairs, self._pairs = self._pairs, None
-        self._finalizer.detach()  # from now on the iterator tells the peers if it is stopped early
-        if isinstance(pairs, Generator):
-            self._taken = pairs
-        return pairs
-
-    def close(self) -> None:
-        """Give up this update if it was not read to the end: the sync is aborted for every member (they
-        raise within the liveness bound). Idempotent; a finished update is left as it is."""
-        if self._pairs is not None:
-            self._pairs = None
-            self._finalizer()
-        elif self._taken is not None:
-            self._taken.close()
-
-    def __enter__(self) -> WeightUpdate:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 class WeightReceiver(Closing):
@@ -127,9 +63,8 @@ class WeightReceiver(Closing):
             when this is not given.
         rename: a callable or mapping from names on the wire to this receiver's names.
         device: where received buckets land for ``receive()`` (default: CPU).
-        buffers: where receive buffers come from, owned by the caller and kept across receivers (an engine's
-            worker keeps one across bridge generations: the first update of a new bridge then lands in memory
-            already touched, not in a fresh model-size buffer whose page faults slow that update down).
+        buffers: receive buffers owned by the caller, kept across receivers (an engine's worker keeps one
+            across bridges: a new bridge's first update lands in memory already touched, not page-faulting).
     """
 
     def __init__(
@@ -176,19 +111,8 @@ class WeightReceiver(Closing):
     ) -> Session | ShardedSession:
         """This receiver's part of the handshake: its verdict on the sources' headers and manifest."""
 
-        def check(header: Header, manifest: Manifest) -> Verdict | None:
-            if not allow_stale and self.version is not None and header.version <= self.version:
-                return Verdict(
-                    f"holds version {self.version}; version {header.version} is not newer", "stale"
-                )
-            renamed = Manifest(tuple(_renamed(e, self._rename) for e in manifest.entries))
-            if expected is not None:
-                problems = compare(renamed, expected)
-                if any(problems.values()):
-                    return Verdict(mismatch_message(problems, f"rank {self.group.rank}"), "manifest")
-            if accept is not None and (problem := accept(renamed)) is not None:
-                return Verdict(problem, "manifest")
-            return None
+        check = partial(_check, self.version, rename=self._rename, expected=expected, accept=accept,
+                        allow_stale=allow_stale, rank=self.group.rank)  # fmt: skip
 
         def judge(src: int, header: Header, manifest: Manifest) -> Verdict:
             refused = check(header, manifest)
@@ -216,9 +140,6 @@ class WeightReceiver(Closing):
             return merged_plan(session.manifest)
         header = session.header
         return self._plans.get(session.manifest, header.bucket_bytes, header.solo_bytes)
-
-    def _name(self, manifest: Manifest) -> Callable[[int], str]:
-        return lambda i: self._rename(manifest.entries[i].name)
 
     def close(self) -> None:
         """Release transport mappings, buffers and the copy thread. The group stays open."""
@@ -263,13 +184,13 @@ class WeightReceiver(Closing):
             session = self._handshake(
                 deadline, expected=self.expected, allow_stale=allow_stale, keep=("receive",), accept=accept
             )
-        abandon = partial(_abandon, self.group)
+        abandon = partial(abandon_update, self.group)
         if isinstance(session, ShardedSession):
             self._held = None
             pairs = shards_named(self._taker(), session, deadline, keep)
-            return WeightUpdate(session, self._scoped(pairs), kept=keep, abandon=abandon)
+            return WeightUpdate(session, _scoped(self.group, pairs), kept=keep, abandon=abandon)
         every = not (session.delta and only_changed)
-        pairs = self._scoped(self._named(session, deadline, every, keep))
+        pairs = _scoped(self.group, self._named(session, deadline, every, keep))
         return WeightUpdate(session, pairs, kept=keep, abandon=abandon)
 
     def _taker(self) -> Taker:
@@ -281,11 +202,6 @@ class WeightReceiver(Closing):
         return Taker(self.group, self._streams, self._copier, self._buffers, self._pair_bases, self._rename,
                      self.version, committed, self.device)  # fmt: skip
 
-    def _scoped(self, pairs: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        """An update's pairs, read with every wait depending on every member (see ``depending_on``)."""
-        with self.group.depending_on(range(self.group.world_size)):
-            yield from pairs
-
     def _named(
         self, session: Session, deadline: Deadline, every: bool, keep: bool
     ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -295,7 +211,7 @@ class WeightReceiver(Closing):
         entries = manifest.entries
         plan = self._plan(session)
         ring = Ring(self._buffers, self.device)
-        names = self._name(manifest)
+        names = _namer(manifest, self._rename)
         applier: Applier
         if header.keeps_base or keep:
             buffer = self._buffers.get("base", plan.total_bytes, self.device)
@@ -398,7 +314,7 @@ class WeightReceiver(Closing):
         dest: list[torch.Tensor] = [d for d in found if d is not None]
         device = next((d.device for d in dest), self.device)
         ring = Ring(self._buffers, device)
-        names = self._name(manifest)
+        names = _namer(manifest, self._rename)
         self._held = None
         applier: Applier
         if atomic:
@@ -441,12 +357,6 @@ def _renamed(e: Entry, rename: Callable[[str], str]) -> Entry:
     return Entry(rename(e.name), e.shape, e.dtype, e.wire_dtype, e.alias_of)
 
 
-def _abandon(group: StatelessGroup, reason: str) -> None:
-    """An update dropped or closed unread: abort its sync for every member (no-op once the group closed)."""
-    if not group.closed:
-        group.abort(f"rank {group.rank}: {reason}")
-
-
 def _dest(
     manifest: Manifest, targets: dict[str, torch.Tensor], rename: Callable[[str], str]
 ) -> list[torch.Tensor | None]:
@@ -456,3 +366,43 @@ def _dest(
         d = targets.get(rename(e.name))
         dest.append(d if d is not None and d.dtype == dtype_from_name(e.wire_dtype) else None)
     return dest
+
+
+def _check(
+    held: int | None,
+    header: Header,
+    manifest: Manifest,
+    *,
+    rename: Callable[[str], str],
+    expected: dict[str, tuple[tuple[int, ...], str]] | None,
+    accept: Callable[[Manifest], str | None] | None,
+    allow_stale: bool,
+    rank: int,
+) -> Verdict | None:
+    """A receiver's refusal of a sync (a version not newer than ``held``, other tensors than expected, its
+    ``accept`` saying no), or None."""
+    if not allow_stale and held is not None and header.version <= held:
+        return Verdict(f"holds version {held}; version {header.version} is not newer", "stale")
+    renamed = Manifest(tuple(_renamed(e, rename) for e in manifest.entries))
+    if expected is not None:
+        problems = compare(renamed, expected)
+        if any(problems.values()):
+            return Verdict(mismatch_message(problems, f"rank {rank}"), "manifest")
+    if accept is not None and (problem := accept(renamed)) is not None:
+        return Verdict(problem, "manifest")
+    return None
+
+
+def _scoped(
+    group: StatelessGroup, pairs: Iterator[tuple[str, torch.Tensor]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """An update's pairs, read with every wait depending on every member (see ``depending_on``)."""
+    with group.depending_on(range(group.world_size)):
+        yield from pairs
+
+
+Named = tuple[str, torch.Tensor]
+
+
+def _namer(manifest: Manifest, rename: Callable[[str], str]) -> Callable[[int], str]:
+    return lambda i: rename(manifest.entries[i].name)

@@ -1,0 +1,85 @@
+"""The handle of an incoming version (``WeightReceiver.receive()``): iterated once, and a step of the
+sync's protocol until it is read to the end, so dropping or closing it unread tells the peers."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Generator, Iterator
+
+import torch
+
+from ..stateless import StatelessGroup
+from ._session import Session
+from ._sharded import ShardedSession
+
+__all__ = ["WeightUpdate", "abandon_update"]
+
+
+class WeightUpdate:
+    """One incoming version; iterate it for (name, tensor) pairs as buckets arrive.
+
+    A yielded tensor is a view into a receive buffer (with ``shm``, into the sender's shared slot) and stays
+    valid only until the tensors of the next bucket are yielded: consume or copy it before asking for more
+    (``load_weights`` copies each tensor at once). A tensor that spans buckets is yielded as its own copy.
+    Tied names are yielded right after the tensor they share. The receiver's ``version`` becomes this
+    update's version only once iteration has finished and the digests (when on) matched: a consumer that
+    applies tensors as they come must treat a failure as a torn update. Stopping early (``break``, an
+    exception in the consumer, dropping the iterator) aborts the sync for everyone, since the sender cannot
+    finish it; the ``timeout`` given to :meth:`WeightReceiver.receive` bounds the whole update.
+
+    When the sender sends deltas (``WeightSender(delta=True)``) the receiver keeps the version it holds (one
+    copy of the model's wire bytes) and yields views of that copy instead, valid until the next sync and
+    not to be written to; a delta update (``delta`` True) yields only the tensors that changed, each whole,
+    so an engine's ``load_weights`` touches only them.
+    """
+
+    def __init__(
+        self,
+        session: Session | ShardedSession,
+        pairs: Iterator[tuple[str, torch.Tensor]],
+        kept: bool = False,
+        *,
+        abandon: Callable[[str], None] | None = None,
+    ) -> None:
+        self.version = session.header.version
+        self.manifest = session.manifest
+        self.delta = session.delta
+        """This update travels as a delta against the version held."""
+        self.kept = session.header.keeps_base or kept
+        """The yielded tensors are views of the receiver's kept copy: valid until the next sync."""
+        self._pairs: Iterator[tuple[str, torch.Tensor]] | None = pairs
+        self._taken: Generator[tuple[str, torch.Tensor], None, None] | None = None
+        reason = f"the update of version {self.version} was dropped before it was read"
+        # a handle dropped unread (or closed) still owns its step of the protocol: the sources wait for it
+        self._finalizer = weakref.finalize(self, abandon or (lambda reason: None), reason)
+        self._finalizer.atexit = False
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if self._pairs is None:
+            raise RuntimeError("a WeightUpdate can be iterated once")
+        pairs, self._pairs = self._pairs, None
+        self._finalizer.detach()  # from now on the iterator tells the peers if it is stopped early
+        if isinstance(pairs, Generator):
+            self._taken = pairs
+        return pairs
+
+    def close(self) -> None:
+        """Give up this update if it was not read to the end: the sync is aborted for every member (they
+        raise within the liveness bound). Idempotent; a finished update is left as it is."""
+        if self._pairs is not None:
+            self._pairs = None
+            self._finalizer()
+        elif self._taken is not None:
+            self._taken.close()
+
+    def __enter__(self) -> WeightUpdate:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def abandon_update(group: StatelessGroup, reason: str) -> None:
+    """An update dropped or closed unread: abort its sync for every member (no-op once the group closed)."""
+    if not group.closed:
+        group.abort(f"rank {group.rank}: {reason}")
