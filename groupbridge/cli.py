@@ -279,6 +279,8 @@ def _bench_sources(args: argparse.Namespace) -> int:
         [r["sources"], f"{r['gather_then_send_s']:.2f} / {r['gather_then_send_worst_s']:.2f}",
          f"{r['many_sources_s']:.2f} / {r['many_sources_worst_s']:.2f}", f"{r['link_bound_s']:.2f}",
          f"{r['b_over_c']:.2f}x", f"{r['a_over_b']:.2f}x",
+         f"{r['deltas_s']:.2f} / {r['deltas_worst_s']:.2f} ({r['deltas_changed_fraction']:.1%} changed)",
+         f"{r['d_over_b']:.2f}x",
          f"{r['peak_rss_gib_rank0_b']:.2f} / {r['peak_rss_gib_rank0_all']:.2f}"]
         for r in records
     ]  # fmt: skip
@@ -286,7 +288,7 @@ def _bench_sources(args: argparse.Namespace) -> int:
     _console.table(
         f"many sources: dense ({gib:.2f} GiB bf16), links at {cfg.rate}, s per sync (median / worst)",
         ["trainer hosts", "(a) gather + send", "(b) many sources", "(c) link bound", "b/c", "a/b",
-         "rank 0 peak RSS GiB (b / a+b)"],
+         "(d) many sources, deltas", "d/b", "rank 0 peak RSS GiB (b / a+b+d)"],
         rows,
     )  # fmt: skip
     return 0

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from datetime import timedelta
 from typing import Any
 
@@ -207,16 +207,10 @@ class StatelessGroup:
         """Whether control messages carry a MAC (the group has a token)."""
         return self._sealer.enabled
 
-    @contextlib.contextmanager
-    def depending_on(self, ranks: Iterable[int]) -> Iterator[None]:
+    def depending_on(self, ranks: Iterable[int]) -> contextlib.AbstractContextManager[None]:
         """Within the block, every wait also ends (naming who) when one of ``ranks`` fails, not only when a
         peer it waits on does: a weight sync commits on all its members or none, so it runs inside one."""
-        before = self._health.scope
-        self._health.scope = tuple(dict.fromkeys((*before, *(r for r in ranks if r != self.rank))))
-        try:
-            yield
-        finally:
-            self._health.scope = before
+        return self._health.depending_on(r for r in ranks if r != self.rank)
 
     def errored(self) -> BaseException | None:
         """What went wrong on a thread this group owns (its liveness watcher), if anything; the next call on

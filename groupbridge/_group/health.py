@@ -3,7 +3,8 @@ why the group broke (see :mod:`groupbridge._liveness` for what the watcher finds
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -60,6 +61,16 @@ class Health:
         with s.teardown_lock:
             if s.client is not None:
                 s.client.interrupt()
+
+    @contextlib.contextmanager
+    def depending_on(self, ranks: Iterable[int]) -> Iterator[None]:
+        """Add ``ranks`` to :attr:`scope` for the block."""
+        before = self.scope
+        self.scope = tuple(dict.fromkeys((*before, *ranks)))
+        try:
+            yield
+        finally:
+            self.scope = before
 
     def set_awaited(self, peers: Iterable[int]) -> None:
         """The ranks the caller's current wait depends on: the watcher wakes it if one of them fails."""

@@ -6,7 +6,9 @@ Side by side in one run, interleaved by round:
 - (a) today's way: the trainers gather the model onto rank 0 (over their links), which then sends it whole
   through the best single-source transport (relay, a chain through the four hosts);
 - (b) many sources: every trainer sends each receiver the rows it holds that the receiver wants;
-- (c) the link bound: the most bytes any one link carries in (b), at the link rate.
+- (c) the link bound: the most bytes any one link carries in (b), at the link rate;
+- (d) many sources sending deltas (``WeightSender(delta=True)``, on a bridge of its own so that its bases
+  outlive the full syncs of (b)), after about 2 % of every source's values changed (every 50th element).
 
 Peak memory is each trainer rank's peak resident size after the (b)-only warm-up round and after the run
 (the gather of (a) holds the whole model on rank 0).
@@ -74,6 +76,9 @@ def _role(rank: int, cfg: SourcesConfig, t: int, hosts: list[tuple[str, str]], p
     lis2, port2 = publish_listener(rank, n, ports, hosts[0][1]) if rank == 0 or rank >= t else (None, None)
     g.barrier()
     port2 = g.broadcast_obj(port2, src=0)
+    lis3, port3 = publish_listener(rank, n, ports, hosts[0][1])
+    gd = StatelessGroup.create(hosts[0][1], port3, rank=rank, world_size=n, listener=lis3, name="deltas",
+                               timeout=timeout)  # fmt: skip
     ga = None
     if rank == 0 or rank >= t:
         ra = 0 if rank == 0 else rank - t + 1
@@ -81,13 +86,14 @@ def _role(rank: int, cfg: SourcesConfig, t: int, hosts: list[tuple[str, str]], p
                                    name="gathered", timeout=timeout)  # fmt: skip
     shapes = dict(dense_shapes(cfg.scale))
     names = list(shapes)
-    out: dict[str, Any] = {"a": [], "b": []}
+    out: dict[str, Any] = {"a": [], "b": [], "d": []}
     if rank < t:
         shards = {}
         for name, shape in shapes.items():
             lo, hi = _rows(shape[0], t, rank)
             shards[name] = Shard(_rows_of(name, shape, lo, hi), shape, (lo,) + (0,) * (len(shape) - 1))
         snd = WeightSender(g, bucket_bytes=cfg.bucket_bytes)
+        snd_d = WeightSender(gd, bucket_bytes=cfg.bucket_bytes, delta=True)
         relay = None
         if ga is not None:
             chunks = RelayOptions(chunk_bytes=4 << 20)
@@ -103,6 +109,7 @@ def _role(rank: int, cfg: SourcesConfig, t: int, hosts: list[tuple[str, str]], p
             halves[name] = Shard(local, shape, (lo,) + (0,) * (len(shape) - 1))
         whole = {k: torch.zeros(s, dtype=torch.bfloat16) for k, s in shapes.items()}
         rcv = WeightReceiver(g)
+        rcv_d = WeightReceiver(gd)
         rcv_a = WeightReceiver(ga) if ga is not None else None
     version = 0
 
@@ -116,6 +123,30 @@ def _role(rank: int, cfg: SourcesConfig, t: int, hosts: list[tuple[str, str]], p
         else:
             rcv.receive_into(halves, atomic=False)
         return time.perf_counter() - t0
+
+    step = 0
+
+    def deltas() -> float:
+        nonlocal version
+        version += 1
+        gd.barrier()
+        t0 = time.perf_counter()
+        if rank < t:
+            stats = snd_d.send(shards, version=version)
+            out.setdefault("changed", []).append(stats.changed_fraction)
+            out.setdefault("wire", []).append(stats.wire_bytes)
+        else:
+            rcv_d.receive_into(halves, atomic=False)
+        return time.perf_counter() - t0
+
+    def change() -> None:
+        """About 2 % of every source's values: every 50th element, another one each round."""
+        nonlocal step
+        step += 1
+        if rank < t:
+            with torch.no_grad():
+                for s in shards.values():
+                    s.tensor.view(-1)[step % 50 :: 50] += 1
 
     def gather_then_send() -> float:
         nonlocal version
@@ -134,12 +165,17 @@ def _role(rank: int, cfg: SourcesConfig, t: int, hosts: list[tuple[str, str]], p
 
     many()  # warm-up: buffers made, manifests known; not timed
     out["rss_b"] = _rss_gib()
+    deltas()  # the deltas' first sync is a full one: every pair's base
+    out.pop("changed", None)
+    out.pop("wire", None)
     for rnd in range(cfg.rounds):
-        for mode in ("a", "b") if rnd % 2 == 0 else ("b", "a"):
-            out[mode].append(gather_then_send() if mode == "a" else many())
+        change()
+        for mode in ("a", "b", "d") if rnd % 2 == 0 else ("d", "b", "a"):
+            out[mode].append({"a": gather_then_send, "b": many, "d": deltas}[mode]())
     out["rss_all"] = _rss_gib()
     if ga is not None:
         ga.close()
+    gd.close()
     g.close()
     return out
 
@@ -183,11 +219,15 @@ def run_sources(cfg: SourcesConfig) -> list[dict[str, Any]]:
             hosts = [(h.namespace, h.address) for h in sim.hosts]
             res = run_roles(_role, n, (cfg, t, hosts, mp.get_context("spawn").Queue()), timeout=3600)
         link = _link_bytes(shapes, t)
-        a, b = res[0]["a"], res[0]["b"]
+        a, b, d = res[0]["a"], res[0]["b"], res[0]["d"]
         records.append({
             "sources": t, "model_bytes": total, "link_rate": cfg.rate,
             "gather_then_send_s": statistics.median(a), "gather_then_send_worst_s": max(a),
             "many_sources_s": statistics.median(b), "many_sources_worst_s": max(b),
+            "deltas_s": statistics.median(d), "deltas_worst_s": max(d),
+            "d_over_b": statistics.median(d) / statistics.median(b),
+            "deltas_changed_fraction": statistics.median(c for r in range(t) for c in res[r]["changed"]),
+            "deltas_wire_bytes": sum(statistics.median(res[r]["wire"]) for r in range(t)),
             "link_bound_s": link / rate, "link_bound_bytes": link,
             "b_over_c": statistics.median(b) / (link / rate),
             "a_over_b": statistics.median(a) / statistics.median(b),
