@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from .._procs import publish_listener, run_roles
+from ..net import listen
 from ..stateless import StatelessGroup
 from ..weights import RelayOptions, WeightReceiver, WeightSender
 from ..weights.shard import Shard
@@ -76,7 +77,9 @@ def _role(rank: int, cfg: SourcesConfig, t: int, hosts: list[tuple[str, str]], p
     lis2, port2 = publish_listener(rank, n, ports, hosts[0][1]) if rank == 0 or rank >= t else (None, None)
     g.barrier()
     port2 = g.broadcast_obj(port2, src=0)
-    lis3, port3 = publish_listener(rank, n, ports, hosts[0][1])
+    # (d) on a bridge of its own; its port told over the first one (the port queue serves one group)
+    lis3 = listen(hosts[0][1], 0) if rank == 0 else None
+    port3 = g.broadcast_obj(lis3.address.port if lis3 is not None else None, src=0)
     gd = StatelessGroup.create(hosts[0][1], port3, rank=rank, world_size=n, listener=lis3, name="deltas",
                                timeout=timeout)  # fmt: skip
     ga = None
