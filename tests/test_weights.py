@@ -397,6 +397,57 @@ def test_receiver_killed_mid_sync() -> None:
     assert value[2] and value[3] == 1 and value[4] < 20, value  # untouched, still version 1, promptly
 
 
+def _one_refuses(rank: int, host: str, ports: Any) -> Any:
+    """Rank 2's bytes of version 2 fail their digests (its digest of them is made wrong in its process):
+    one commit, so rank 1, whose bytes were fine, does not take version 2 either."""
+    import groupbridge.weights._rx_stream as rx_stream
+
+    shapes = [(f"w{i}", (64, 64)) for i in range(16)]
+    with make_group(rank, 3, host, ports) as g:
+        if rank == 0:
+            snd = gb.WeightSender(g, transport="broadcast", bucket_bytes=16 << 10, checksum=True)
+            snd.send(make_model(shapes, seed=1), version=1)
+            try:
+                snd.send(make_model(shapes, seed=2), version=2)
+                second = "sent"
+            except gb.SyncRefusedError as e:
+                second = str(e)
+            snd.send(make_model(shapes, seed=3), version=3)  # the group goes on
+            return second
+        target = make_model(shapes, seed=0)
+        rcv = gb.WeightReceiver(g, src=0)
+        rcv.receive_into(target)
+        before = {k: v.clone() for k, v in target.items()}
+        if rank == 2:
+            digest = rx_stream._bytes.digest
+            rx_stream._bytes.digest = lambda *a: 0  # type: ignore[assignment,attr-defined]
+        try:
+            rcv.receive_into(target)
+            second = "received"
+        except gb.SyncRefusedError as e:
+            same = all(torch.equal(before[k], target[k]) for k in target)
+            second = (str(e), same, rcv.version)
+        if rank == 2:
+            rx_stream._bytes.digest = digest  # type: ignore[attr-defined]
+        rcv.receive_into(target)
+        return (
+            second,
+            rcv.version,
+            all(torch.equal(target[k], t) for k, t in make_model(shapes, seed=3).items()),
+        )
+
+
+@pytest.mark.timeout(60)
+def test_a_receiver_whose_bytes_fail_their_digests_leaves_every_receiver_on_the_old_version() -> None:
+    res = run_ranks(_one_refuses, 3, "127.0.0.1", CTX.Queue(), timeout=50)
+    assert "not committed on any receiver" in res[0] and "rank 2: xxh3 mismatch" in res[0], res[0]
+    assert "rank 1:" not in res[0], res[0]
+    for rank in (1, 2):
+        (msg, untouched, held), version, exact = res[rank]
+        assert "untouched" in msg and "still 1" in msg and untouched and held == 1, res[rank]
+        assert version == 3 and exact, res[rank]  # the next sync lands on both
+
+
 def _dies_before_the_vote(rank: int, host: str, ports: Any) -> Any:
     """Rank 2 lands every byte of version 2, then dies before it votes (killed where the vote is taken)."""
     import groupbridge.weights._rx_stream as rx_stream
