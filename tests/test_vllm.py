@@ -495,5 +495,6 @@ def test_vllm_serve_with_tensor_parallel_2_over_http(tmp_path_factory: pytest.Te
         eng.shutdown()
     finally:
         srv.close()  # vLLM 0.32 never unlinks its CPU communicator's segments: the server's close does
-    assert any("cpushm" in n for n in srv.removed), srv.removed  # it did leave them; they are gone now
+    if "CPU SHM communicator disabled" not in srv.tail(10**7):  # vLLM falls back to gloo on some hosts
+        assert any("cpushm" in n for n in srv.removed), srv.removed  # it did leave them; they are gone now
     assert not segments() - shm_before
