@@ -28,6 +28,7 @@ from .net import Address, Listener, listen
 from .stateless import StatelessGroup, Work
 from .weights import (
     BroadcastOptions,
+    P2POptions,
     RelayOptions,
     SharedOptions,
     SyncStats,
@@ -52,6 +53,7 @@ __all__ = [
     "JoinTimeoutError",
     "Listener",
     "ManifestMismatchError",
+    "P2POptions",
     "PeerDiedError",
     "PeerTimeoutError",
     "ProtocolError",

@@ -7,12 +7,13 @@ from .manifest import Manifest
 from .plan import Plan
 from .receiver import WeightReceiver, WeightUpdate
 from .sender import DEFAULT_BUCKET_BYTES, SyncStats, WeightSender
-from .transports import BroadcastOptions, RelayOptions, SharedOptions
+from .transports import BroadcastOptions, P2POptions, RelayOptions, SharedOptions
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "BroadcastOptions",
     "Manifest",
+    "P2POptions",
     "Plan",
     "RelayOptions",
     "SharedOptions",

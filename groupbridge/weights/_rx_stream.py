@@ -160,17 +160,17 @@ def acknowledge(group: StatelessGroup, src: int, version: int) -> None:
         ) from e
 
 
-def tell_failure(group: StatelessGroup, src: int, e: BaseException, what: str) -> None:
+def tell_failure(group: StatelessGroup, e: BaseException, what: str) -> None:
     """Tell the peers this side cannot finish the sync: the group is aborted with the reason, so every
     member raises within the liveness bound. (Bytes that fail their digests are not told here: they are
     this receiver's vote, and every member then refuses the sync alike, the group usable.)"""
     group.abort(f"rank {group.rank} gave up {what}: {type(e).__name__}: {e}")
 
 
-def give_up(group: StatelessGroup, src: int, cause: BaseException, what: str, error: Exception) -> NoReturn:
+def give_up(group: StatelessGroup, cause: BaseException, what: str, error: Exception) -> NoReturn:
     """Tell the peers ``what`` failed (see :func:`tell_failure`), then raise ``error`` from ``cause``;
     an interrupt (a BaseException that is not an Exception) propagates unchanged."""
-    tell_failure(group, src, cause, what)
+    tell_failure(group, cause, what)
     try:
         if not isinstance(cause, Exception):
             raise cause
@@ -181,7 +181,6 @@ def give_up(group: StatelessGroup, src: int, cause: BaseException, what: str, er
 
 def settle(
     group: StatelessGroup,
-    src: int,
     version: int,
     problem: str | None,
     deadline: Deadline,
@@ -193,7 +192,7 @@ def settle(
         vote(group, version, problem, deadline)
     except BaseException as e:
         if not isinstance(e, SyncRefusedError):  # every member raised a refusal alike; else tell them
-            tell_failure(group, src, e, f"voting on version {version}")
+            tell_failure(group, e, f"voting on version {version}")
         if not isinstance(e, Exception):
             raise
         err = failed(e)

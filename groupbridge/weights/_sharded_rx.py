@@ -254,14 +254,14 @@ def _land_shards(
         problem = receive_shards(x, taker.streams, written)
     except BaseException as e:
         taker.bases.abandon()
-        tell_failure(taker.group, session.sources[0], e, what)
+        tell_failure(taker.group, e, what)
         raise
     try:
         vote(taker.group, session.header.version, problem, deadline)
     except BaseException as e:
         taker.bases.abandon()
         if not isinstance(e, SyncRefusedError):  # every member raised a refusal alike; else tell them
-            tell_failure(taker.group, session.sources[0], e, f"voting on version {session.header.version}")
+            tell_failure(taker.group, e, f"voting on version {session.header.version}")
         raise
     taker.bases.commit(session.header.version)  # the bases hold it on every pair: the vote passed
 
@@ -315,7 +315,7 @@ def shards_into(taker: Taker, session: ShardedSession, targets: dict[str, Any], 
         try:
             taker.copier.run(apply)
         except BaseException as e:
-            give_up(taker.group, session.sources[0], e, f"applying version {version}", torn(
+            give_up(taker.group, e, f"applying version {version}", torn(
                 version, taker.held, e, [taker.rename(w) for w in dest], len(dest), "every byte arrived"
             ))  # fmt: skip
     _commit(taker, session)
@@ -342,7 +342,7 @@ def shards_named(
             yield taker.rename(wire), t
             yielded += 1
     except GeneratorExit:  # the sources wait for this receiver's acknowledgement: tell them now
-        tell_failure(taker.group, session.sources[0], RuntimeError(
+        tell_failure(taker.group, RuntimeError(
             f"the consumer stopped after {yielded} of {len(slots)} tensors"), f"receiving version "
             f"{session.header.version}")  # fmt: skip
         raise

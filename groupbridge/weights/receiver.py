@@ -239,19 +239,19 @@ class WeightReceiver(Closing):
                         yield name, t
         except GeneratorExit:
             stopped = RuntimeError(f"the consumer stopped after {len(yielded)} of {len(entries)} tensors")
-            tell_failure(self.group, session.src, stopped, what)
+            tell_failure(self.group, stopped, what)
             raise
         except VerifyFailed as e:
             problem = f"{e}"
         except BaseException as e:
             how = f"{len(yielded)} tensors were yielded (whatever consumed them is torn)"
-            give_up(self.group, session.src, e, what, torn(header.version, self.version, e, yielded,
+            give_up(self.group, e, what, torn(header.version, self.version, e, yielded,
                                                            len(entries), how))  # fmt: skip
 
         def failed(e: BaseException) -> Exception:
             return refused(header.version, self.version, e, yielded, len(entries))
 
-        settle(self.group, session.src, header.version, problem, deadline, failed)
+        settle(self.group, header.version, problem, deadline, failed)
         self.version = header.version
         if header.keeps_base:
             self._held = (("receive",), header.version, manifest.digest)
@@ -309,7 +309,7 @@ class WeightReceiver(Closing):
         missing = [self._rename(e.name) for e, d in zip(entries, found, strict=True) if d is None]
         if missing:  # only possible when expected= differs from the target
             err = WeightSyncError(f"target has no tensor named {', '.join(missing[:20])}")
-            tell_failure(self.group, session.src, err, what)
+            tell_failure(self.group, err, what)
             raise err
         dest: list[torch.Tensor] = [d for d in found if d is not None]
         device = next((d.device for d in dest), self.device)
@@ -333,16 +333,16 @@ class WeightReceiver(Closing):
         except VerifyFailed as e:
             problem = f"{e}"
         except BaseException as e:
-            give_up(self.group, session.src, e, what, applier.failed(e, version, self.version))
+            give_up(self.group, e, what, applier.failed(e, version, self.version))
 
         def failed(e: BaseException) -> Exception:
             return refused(version, self.version, e, applier.written, len(entries))
 
-        settle(self.group, session.src, version, problem, deadline, failed)
+        settle(self.group, version, problem, deadline, failed)
         try:
             applier.commit()
         except BaseException as e:
-            give_up(self.group, session.src, e, f"applying version {version}",
+            give_up(self.group, e, f"applying version {version}",
                     applier.commit_failed(e, version, self.version))  # fmt: skip
         self.version = version
         if header.keeps_base and (
