@@ -3,6 +3,7 @@ dtype and receive mode, receivers that do not hold the base, corruption, a sende
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from datetime import timedelta
@@ -13,6 +14,7 @@ import torch
 
 import groupbridge as gb
 from groupbridge.errors import ProtocolError
+from groupbridge.testing import inject_faults
 from groupbridge.weights import _delta
 from groupbridge.weights._delta import Code
 from tests.helpers import CTX, Ranks, make_group, run_ranks
@@ -228,17 +230,23 @@ def _corrupted(rank: int, host: str, ports: Any, how: str) -> Any:
     (rank 1's does): rank 2 misses version 2, so version 3 is a full sync for both."""
     with make_group(rank, 2 if how == "wire" else 3, host, ports) as g:
         if rank == 0:
-            snd = gb.WeightSender(g, transport="broadcast", bucket_bytes=16 << 10, delta="always")
-            snd.send(_layers(1, 1), version=1)
-            if how == "wire":
-                snd._fault = lambda j, view: view[8:16].add_(1) if j == 3 else None
-            try:
-                snd.send(_layers(1, 2), version=2)
-                first = "no error"
-            except gb.WeightSyncError as e:
-                first = str(e)
-            snd._fault = None
-            return first, snd.send(_layers(1, 3), version=3).delta, snd.send(_layers(1, 4), version=4).delta
+            with inject_faults() as faults:
+                snd = gb.WeightSender(g, transport="broadcast", bucket_bytes=16 << 10, delta="always")
+                snd.send(_layers(1, 1), version=1)
+                if how == "wire":  # the fourth payload posted is changed after its digest was taken
+                    posted = itertools.count()
+                    faults.post = lambda _, view: view[8:16].add_(1) if next(posted) == 3 else None
+                try:
+                    snd.send(_layers(1, 2), version=2)
+                    first = "no error"
+                except gb.WeightSyncError as e:
+                    first = str(e)
+                faults.post = None
+                return (
+                    first,
+                    snd.send(_layers(1, 3), version=3).delta,
+                    snd.send(_layers(1, 4), version=4).delta,
+                )
         rcv = gb.WeightReceiver(g, src=0)
         target = _layers(0)
         rcv.receive_into(target, atomic=how == "wire")
@@ -289,10 +297,12 @@ def _killed(rank: int, host: str, ports: Any, atomic: bool) -> Any:
     t0 = time.monotonic()
     try:
         if rank == 0:
-            snd = gb.WeightSender(g, transport="broadcast", bucket_bytes=16 << 10, delta="always")
-            snd.send(_layers(1, 1), version=1)
-            snd._fault = lambda j, view: os._exit(3) if j == 20 else time.sleep(0.02)
-            snd.send(_layers(1, 2), version=2)
+            with inject_faults() as faults:
+                snd = gb.WeightSender(g, transport="broadcast", bucket_bytes=16 << 10, delta="always")
+                snd.send(_layers(1, 1), version=1)
+                posted = itertools.count()
+                faults.post = lambda _, view: os._exit(3) if next(posted) == 20 else time.sleep(0.02)
+                snd.send(_layers(1, 2), version=2)
             return "finished"
         target = _layers(0)
         rcv = gb.WeightReceiver(g, src=0)

@@ -6,6 +6,7 @@ of their own beside the bridge.
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from datetime import timedelta
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 import groupbridge as gb
+from groupbridge.testing import inject_faults
 from tests.helpers import CTX, Ranks, make_group, run_ranks
 
 SHAPES = {"w": (12, 16), "v": (8, 10), "b": (16,), "e": (6, 4)}
@@ -205,40 +207,32 @@ def _killed(rank: int, ports: Any, victim: int) -> Any:
     g = make_group(rank, 4, "127.0.0.1", ports, liveness_timeout=timedelta(seconds=2))
     try:
         if rank < 2:
-            snd = gb.WeightSender(g, bucket_bytes=8192)
-            snd.send(_big(rank, 1), version=1)
-            if rank == victim:
-                snd._fault = lambda k, buf: os._exit(3) if k == 10 else None
+            with inject_faults() as faults:
+                snd = gb.WeightSender(g, bucket_bytes=8192)
+                snd.send(_big(rank, 1), version=1)
+                if rank == victim:
+                    faults.post = lambda k, buf: os._exit(3) if k == 10 else None
+                t0 = time.monotonic()
+                try:
+                    snd.send(_big(rank, 2), version=2)
+                    return "sent"
+                except gb.GroupBridgeError as e:
+                    return "failed", str(e), time.monotonic() - t0
+        with inject_faults() as faults:
+            rcv = gb.WeightReceiver(g)
+            target = {f"w{i}": torch.zeros(64, 64) for i in range(32)}
+            rcv.receive_into(target)
+            before = {k: v.clone() for k, v in target.items()}
+            if rank == victim:  # midway through the second sync (64 buckets per receiver)
+                landed = itertools.count()
+                faults.land = lambda k, view: os._exit(3) if next(landed) == 20 else None
             t0 = time.monotonic()
             try:
-                snd.send(_big(rank, 2), version=2)
-                return "sent"
+                rcv.receive_into(target)
+                return "received"
             except gb.GroupBridgeError as e:
-                return "failed", str(e), time.monotonic() - t0
-        if rank == victim:
-            import groupbridge.weights._sharded_rx as sharded
-
-            calls = []
-            unpack = sharded._unpack
-
-            def dying(*args: Any) -> None:
-                calls.append(1)
-                if len(calls) == 64 + 20:  # the second sync (64 buckets each), midway
-                    os._exit(3)
-                unpack(*args)
-
-            sharded._unpack = dying  # type: ignore[assignment]
-        rcv = gb.WeightReceiver(g)
-        target = {f"w{i}": torch.zeros(64, 64) for i in range(32)}
-        rcv.receive_into(target)
-        before = {k: v.clone() for k, v in target.items()}
-        t0 = time.monotonic()
-        try:
-            rcv.receive_into(target)
-            return "received"
-        except gb.GroupBridgeError as e:
-            same = all(torch.equal(before[k], target[k]) for k in target)
-            return "failed", str(e), time.monotonic() - t0, same, rcv.version
+                same = all(torch.equal(before[k], target[k]) for k in target)
+                return "failed", str(e), time.monotonic() - t0, same, rcv.version
     finally:
         g.close()
 

@@ -13,6 +13,7 @@ import torch
 
 import groupbridge as gb
 from groupbridge.bench import netns
+from groupbridge.testing import inject_faults
 from tests.helpers import CTX, Ranks, make_group, run_ranks
 from tests.weights_models import bit_equal, every_dtype, make_model, zeros_like_model
 
@@ -88,9 +89,10 @@ def _killed(rank: int, host: str, ports: Any, victim: int) -> Any:
     t0 = time.monotonic()
     try:
         if rank == 0:
-            snd = gb.WeightSender(g, bucket_bytes=64 << 10, transport="shm")
-            snd._fault = lambda k, view: os._exit(3) if (victim == 0 and k == 10) else time.sleep(0.01)
-            snd.send(make_model(shapes, seed=1), version=1)
+            with inject_faults() as faults:
+                faults.post = lambda k, view: os._exit(3) if (victim == 0 and k == 10) else time.sleep(0.01)
+                snd = gb.WeightSender(g, bucket_bytes=64 << 10, transport="shm")
+                snd.send(make_model(shapes, seed=1), version=1)
             return "finished"
         rcv = gb.WeightReceiver(g, src=0)
         if rank == victim:

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import groupbridge as gb
+from groupbridge.testing import inject_faults
 from groupbridge.weights.manifest import Manifest, compare, expected_specs, mismatch_message
 from groupbridge.weights.plan import Plan
 from tests.helpers import CTX, Ranks, host_params, make_group, run_ranks, share_port
@@ -308,12 +309,13 @@ def _corrupt(rank: int, host: str, ports: Any) -> Any:
     with make_group(rank, 2, host, ports) as g:
         sd = every_dtype(seed=1)
         if rank == 0:
-            snd = gb.WeightSender(g, transport="broadcast", bucket_bytes=BUCKET, checksum=True)
-            snd._fault = lambda k, view: view[:16].zero_() if k == 1 else None
-            try:
-                snd.send(sd, version=1)
-            except gb.WeightSyncError as e:
-                return str(e)
+            with inject_faults() as faults:
+                faults.post = lambda k, view: view[:16].zero_() if k == 1 else None
+                snd = gb.WeightSender(g, transport="broadcast", bucket_bytes=BUCKET, checksum=True)
+                try:
+                    snd.send(sd, version=1)
+                except gb.WeightSyncError as e:
+                    return str(e)
             return "no error"
         target = zeros_like_model(sd)
         rcv = gb.WeightReceiver(g, src=0)
@@ -341,11 +343,12 @@ def _killed(rank: int, host: str, ports: Any, victim: int, atomic: bool) -> Any:
         if rank == 0:
             # with digests, receivers accept nothing before the sender's last word: a dead member anywhere
             # leaves every target untouched (atomic) whatever arrived
-            snd = gb.WeightSender(g, transport="broadcast", bucket_bytes=16 << 10, checksum=True)
-            snd.send(sd, version=1)
-            if victim == 0:
-                snd._fault = lambda k, view: os._exit(3) if k == 10 else time.sleep(0.05)
-            snd.send(make_model([(f"w{i}", (64, 64)) for i in range(64)], seed=2), version=2)
+            with inject_faults() as faults:
+                snd = gb.WeightSender(g, transport="broadcast", bucket_bytes=16 << 10, checksum=True)
+                snd.send(sd, version=1)
+                if victim == 0:
+                    faults.post = lambda k, view: os._exit(3) if k == 10 else time.sleep(0.05)
+                snd.send(make_model([(f"w{i}", (64, 64)) for i in range(64)], seed=2), version=2)
             return "finished"
         target = make_model([(f"w{i}", (64, 64)) for i in range(64)], seed=0)
         rcv = gb.WeightReceiver(g, src=0)
@@ -398,10 +401,8 @@ def test_receiver_killed_mid_sync() -> None:
 
 
 def _one_refuses(rank: int, host: str, ports: Any) -> Any:
-    """Rank 2's bytes of version 2 fail their digests (its digest of them is made wrong in its process):
-    one commit, so rank 1, whose bytes were fine, does not take version 2 either."""
-    import groupbridge.weights._rx_stream as rx_stream
-
+    """Rank 2's bytes of version 2 fail their digests (its transport changes one bucket as it lands): one
+    commit, so rank 1, whose bytes were fine, does not take version 2 either."""
     shapes = [(f"w{i}", (64, 64)) for i in range(16)]
     with make_group(rank, 3, host, ports) as g:
         if rank == 0:
@@ -415,21 +416,20 @@ def _one_refuses(rank: int, host: str, ports: Any) -> Any:
             snd.send(make_model(shapes, seed=3), version=3)  # the group goes on
             return second
         target = make_model(shapes, seed=0)
-        rcv = gb.WeightReceiver(g, src=0)
-        rcv.receive_into(target)
-        before = {k: v.clone() for k, v in target.items()}
-        if rank == 2:
-            digest = rx_stream._bytes.digest
-            rx_stream._bytes.digest = lambda *a: 0  # type: ignore[assignment,attr-defined]
-        try:
+        with inject_faults() as faults:
+            rcv = gb.WeightReceiver(g, src=0)
             rcv.receive_into(target)
-            second = "received"
-        except gb.SyncRefusedError as e:
-            same = all(torch.equal(before[k], target[k]) for k in target)
-            second = (str(e), same, rcv.version)
-        if rank == 2:
-            rx_stream._bytes.digest = digest  # type: ignore[attr-defined]
-        rcv.receive_into(target)
+            before = {k: v.clone() for k, v in target.items()}
+            if rank == 2:
+                faults.land = lambda k, view: view[:8].add_(1) if k == 2 else None
+            try:
+                rcv.receive_into(target)
+                second = "received"
+            except gb.SyncRefusedError as e:
+                same = all(torch.equal(before[k], target[k]) for k in target)
+                second = (str(e), same, rcv.version)
+            faults.land = None
+            rcv.receive_into(target)
         return (
             second,
             rcv.version,

@@ -24,7 +24,7 @@ from ._copier import Copier, Job
 from ._delta_sync import Description, Policy, delta_groups, wire_plan, word_counts
 from ._session import Session, Stream
 from ._source import Puller
-from ._tx_stream import Fault, Progress
+from ._tx_stream import Progress
 from .manifest import Manifest
 from .plan import Plan
 from .transports import TxTransport
@@ -118,7 +118,6 @@ class DeltaSender:
         puller: Puller,
         verify: str,
         progress: Progress | None,
-        fault: Fault | None,
     ) -> SentDelta:
         """Diff every bucket against the base (bringing it up to the new version), describe each group of
         buckets, then send the changed buckets' payloads."""
@@ -171,8 +170,6 @@ class DeltaSender:
                 enc = done[i][0]
                 start, end = plan.bucket_range(a + i)
                 payload = enc.payload if enc.payload is not None else base[start:end]
-                if fault is not None:
-                    fault(a + i, payload)
                 tx.post(j, payload)
         if opened:
             tx.finish()

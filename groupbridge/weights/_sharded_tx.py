@@ -30,13 +30,10 @@ from .transports import Sync, TxTransport, pair_transport
 __all__ = ["SourceSlots", "send_sharded", "send_shards"]
 
 
-def send_shards(
-    x: _sharded.Exchange, tx: TxTransport, sync: Sync[Any], fault: Callable[[int, torch.Tensor], None] | None
-) -> Sent:
+def send_shards(x: _sharded.Exchange, tx: TxTransport, sync: Sync[Any]) -> Sent:
     """This source's part of step 3: every receiver's buckets as one stream over ``tx``, in the order every
     member walks them (round, then receiver); a delta pair's description goes first on the control plane,
-    then its changed buckets' encodings take the place of its buckets. ``fault`` (a test hook) sees every
-    full bucket before it is posted."""
+    then its changed buckets' encodings take the place of its buckets."""
     group, session, slots = x.group, x.session, x.slots
     assert isinstance(slots, SourceSlots)
     plan, verify = session.plan, session.header.verify
@@ -57,7 +54,7 @@ def send_shards(
                 k,
                 dst,
                 b.nbytes,
-                partial(_full_bucket, k, b, dst, slots, plan, x.copier, base, verify, mine, group, fault),
+                partial(_full_bucket, k, b, dst, slots, plan, x.copier, base, verify, mine, group),
             )
             for k, b in enumerate(buckets)
         ]
@@ -84,7 +81,7 @@ class Sent:
 def _full_bucket(
     k: int, bucket: Bucket, dst: int, slots: SourceSlots, plan: ShardPlan, copier: Copier,
     base: torch.Tensor | None, verify: str, digests: list[int | bytes], group: StatelessGroup,
-    fault: Callable[[int, torch.Tensor], None] | None, buffer: Callable[[], torch.Tensor],
+    buffer: Callable[[], torch.Tensor],
 ) -> torch.Tensor:  # fmt: skip
     """Pack bucket k of a whole pair into the transport's ``buffer()`` (and into its base, when kept)."""
     buf = buffer()
@@ -96,8 +93,6 @@ def _full_bucket(
         copier.copy(base[start : start + bucket.nbytes], buf)
     if verify:
         digests.append(_bytes.digest(buf, verify, group))
-    if fault is not None:
-        fault(k, buf)
     return buf
 
 
@@ -233,7 +228,6 @@ def send_sharded(
     tx: TxTransport,
     sync: Sync[Any],
     bases: PairBases | None,
-    fault: Callable[[int, torch.Tensor], None] | None = None,
 ) -> SyncStats:
     """This member's part of a many-source sync: its pieces to every receiver over ``tx``, the vote, the
     acks."""
@@ -241,7 +235,7 @@ def send_sharded(
     me, deadline = group.rank, sync.deadline
     try:
         exchange = _sharded.Exchange(group, session, slots, copier, buffers, deadline, bases)
-        sent = send_shards(exchange, tx, sync, fault)
+        sent = send_shards(exchange, tx, sync)
         slots.finish()
         version = session.header.version
         vote(group, version, None, deadline)

@@ -22,13 +22,10 @@ from ._session import Stream
 from ._source import Puller
 from .transports import TxTransport
 
-__all__ = ["Fault", "Progress", "SentFull", "send_full"]
+__all__ = ["Progress", "SentFull", "send_full"]
 
 Progress = Callable[[int, int], None]
 """``progress(bytes_sent, total_bytes)``, called after every bucket."""
-
-Fault = Callable[[int, torch.Tensor], None]
-"""A test hook: called with every bucket's bytes just before they are posted."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +46,6 @@ def send_full(
     base: torch.Tensor | None = None,
     sample: Callable[[torch.Tensor, int], None] | None = None,
     progress: Progress | None = None,
-    fault: Fault | None = None,
 ) -> SentFull:
     """Send every bucket of ``stream.plan``. With ``base`` (the source keeps one for deltas) each bucket is
     also written there, packed there rather than into the transport's buffer (one copy, not two); with
@@ -79,8 +75,6 @@ def send_full(
             copier.run(partial(_bytes.pack, view, segs, live, puller.wire))
         if digest is not None:
             digests.append(digest(view))
-        if fault is not None:
-            fault(k, view)
         tx.post(k, view)
         if progress is not None:
             progress(end, plan.total_bytes)

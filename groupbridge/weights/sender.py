@@ -40,7 +40,7 @@ from ._sharded_delta import PairBases
 from ._sharded_tx import SourceSlots, send_sharded
 from ._source import Puller
 from ._stats import SyncStats
-from ._tx_stream import Fault, Progress, send_full
+from ._tx_stream import Progress, send_full
 from .manifest import Manifest
 from .plan import Plan, PlanCache
 from .transports import (
@@ -128,7 +128,6 @@ class WeightSender(Closing):
         self._known: dict[str, Manifest] = {}
         self._described = Described(group, make_renamer(rename), wire_dtype)
         self._plans = PlanCache()
-        self._fault: Fault | None = None  # test hook: called with every bucket's bytes before they are posted
         self._delta = DeltaSender(group, self._copier, self._scratch, delta == "always") if delta else None
         self._pair_bases = PairBases() if delta else None
         """With many sources and ``delta``: what this member last sent each receiver."""
@@ -244,7 +243,7 @@ class WeightSender(Closing):
         sync = Sync(session.headers[self.src].sync_id, deadline, options, self._copier.copy)
         slots = SourceSlots(manifest, items, shards, session.plan, self.src)
         return send_sharded(self.group, session, slots, self._copier, self._scratch, self._tx(pairs), sync,
-                            self._pair_bases, self._fault)  # fmt: skip
+                            self._pair_bases)  # fmt: skip
 
     def _tx(self, kind: str) -> TxTransport:
         tx = self._transports.get(kind)
@@ -292,7 +291,7 @@ class WeightSender(Closing):
             sampler = partial(self._delta.sample, puller, plan) if sample else None
         if session.delta:
             assert self._delta is not None
-            sent = self._delta.send(tx, stream, puller, delta_digest(header), progress, self._fault)
+            sent = self._delta.send(tx, stream, puller, delta_digest(header), progress)
             in_place, wire_bytes, changed = sent.in_place, sent.wire_bytes, sent.changed
         else:
             full = send_full(
@@ -300,7 +299,7 @@ class WeightSender(Closing):
                 digest=(lambda v: _bytes.digest(v, header.verify, self.group)) if header.verify else None,
                 base=base,
                 sample=sampler,
-                progress=progress, fault=self._fault,
+                progress=progress,
             )  # fmt: skip
             if header.verify:
                 self.group.broadcast_obj(full.digests, src=self.src, timeout=deadline)
