@@ -92,6 +92,32 @@ def _many(rank: int, ports: Any, sources: int, mode: str, transport: str = "auto
         return out
 
 
+def _relaid(rank: int, ports: Any) -> Any:
+    """Every member keeps the last plan; a sync whose boxes changed is planned again: sources split w by
+    rows, then by columns; receiver 3 wants w whole, then its right half, then whole again."""
+    with make_group(rank, 4, "127.0.0.1", ports) as g:
+        if rank < 2:
+            with gb.WeightSender(g, bucket_bytes=1024) as snd:
+                for v, dim in ((1, 0), (2, 1), (3, 1), (4, 0)):
+                    snd.send({"w": _chunk(_full("w", v), 2, rank, dim)}, version=v)
+            return "sent"
+        rcv = gb.WeightReceiver(g)
+        exact = []
+        for v, half in ((1, False), (2, True), (3, False), (4, True)):
+            target: dict[str, Any] = {"w": torch.zeros(SHAPES["w"])}
+            if rank == 3 and half:
+                target["w"] = gb.Shard(torch.zeros(12, 8), (12, 16), (0, 8))
+            rcv.receive_into(target)
+            exact.append(_exact(target, v))
+        return exact
+
+
+@pytest.mark.timeout(60)
+def test_a_sync_whose_boxes_changed_is_planned_again() -> None:
+    res = run_ranks(_relaid, 4, CTX.Queue(), timeout=50)
+    assert res == ["sent", "sent", [True] * 4, [True] * 4], res
+
+
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("sources", [2, 3])
 @pytest.mark.parametrize("mode", ["atomic", "streaming", "receive"])

@@ -95,8 +95,9 @@ def _role(rank: int, cfg: SourcesConfig, t: int, hosts: list[tuple[str, str]], p
         for name, shape in shapes.items():
             lo, hi = _rows(shape[0], t, rank)
             shards[name] = Shard(_rows_of(name, shape, lo, hi), shape, (lo,) + (0,) * (len(shape) - 1))
-        snd = WeightSender(g, bucket_bytes=cfg.bucket_bytes)
-        snd_d = WeightSender(gd, bucket_bytes=cfg.bucket_bytes, delta=True)
+        # p2p, named: the simulated hosts share one kernel, where ``auto`` would find shared memory
+        snd = WeightSender(g, transport="p2p", bucket_bytes=cfg.bucket_bytes)
+        snd_d = WeightSender(gd, transport="p2p", bucket_bytes=cfg.bucket_bytes, delta=True)
         relay = None
         if ga is not None:
             chunks = RelayOptions(chunk_bytes=4 << 20)
@@ -122,7 +123,7 @@ def _role(rank: int, cfg: SourcesConfig, t: int, hosts: list[tuple[str, str]], p
         g.barrier()
         t0 = time.perf_counter()
         if rank < t:
-            snd.send(shards, version=version)
+            assert snd.send(shards, version=version).transport == "p2p"
         else:
             rcv.receive_into(halves, atomic=False)
         return time.perf_counter() - t0

@@ -22,6 +22,8 @@ After the handshake's gather (:func:`._session.gather_posts`):
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -57,6 +59,7 @@ __all__ = [
     "DIGEST_TAG",
     "Attach",
     "Exchange",
+    "PlanMemo",
     "ShardedSession",
     "Slot",
     "open_session",
@@ -180,10 +183,11 @@ def settle_shards(
     check: Callable[[Header, Manifest], Verdict | None] | None = None,
     attach: Attach | None = None,
     bases: PairBases | None = None,
+    plans: PlanMemo | None = None,
 ) -> ShardedSession:
     """Steps 1 and 2 above; a source passes its ``manifest``, a receiver its ``check`` of the global
     manifest (None: it takes it) and how it ``attach``-es to each of its sources' transports; a member that
-    keeps pair bases (for deltas) says which it holds."""
+    keeps pair bases (for deltas) says which it holds; ``plans`` keeps the last plan for the next sync."""
     headers = {s: Header.from_wire(posts[s]["header"]) for s in sources}
     manifests: dict[int, Manifest] = {}
     for s in sources:
@@ -205,14 +209,18 @@ def settle_shards(
             "the senders announce different versions: "
             + ", ".join(f"rank {s}: {v}" for s, v in sorted(versions.items()))
         )
-    held = {s: _held(manifests[s], posts[s].get("boxes"), s) for s in sources}
-    every = _union(held)
-    wanted = {r: _wanted(p, every, r) for r, p in enumerate(posts) if r not in sources}
-    plan = plan_shards(held, wanted, lead.bucket_bytes)
-    whole = Manifest(tuple(Entry(n, plan.global_shapes[n], plan.dtypes[n], plan.dtypes[n], None)
-                           for n in plan.order))  # fmt: skip
     me = group.rank
-    keys = {pair: pair_key(b) for pair, b in plan.pairs.items() if me in pair}
+
+    def planned() -> Planned:
+        held = {s: _held(manifests[s], posts[s].get("boxes"), s) for s in sources}
+        every = _union(held)
+        wanted = {r: _wanted(p, every, r) for r, p in enumerate(posts) if r not in sources}
+        plan = plan_shards(held, wanted, lead.bucket_bytes)
+        whole = Manifest(tuple(Entry(n, plan.global_shapes[n], plan.dtypes[n], plan.dtypes[n], None)
+                               for n in plan.order))  # fmt: skip
+        return plan, whole, {pair: pair_key(b) for pair, b in plan.pairs.items() if me in pair}
+
+    plan, whole, keys = plans.get(_layout_key(posts, sources, headers, me), planned) if plans else planned()
     holding = []
     if bases is not None:
         for (src, dst), key in keys.items():
@@ -253,6 +261,7 @@ def open_session(
     check: Callable[[Header, Manifest], Verdict | None] | None = None,
     attach: Attach | None = None,
     bases: PairBases | None = None,
+    plans: PlanMemo | None = None,
 ) -> Session | ShardedSession:
     """The whole handshake, for a source (``header``, ``manifest``, ``boxes``, ``in_place``) or a receiver
     (``wants``, ``src``, ``judge`` for one source, ``check`` for many): one sync with one source sending whole
@@ -261,11 +270,45 @@ def open_session(
     sources = sources_of(group, posts, src)
     if is_sharded(posts, sources):
         return settle_shards(
-            group, deadline, known, posts, sources, manifest=manifest, check=check, attach=attach, bases=bases
-        )
+            group, deadline, known, posts, sources,
+            manifest=manifest, check=check, attach=attach, bases=bases, plans=plans,
+        )  # fmt: skip
     return handshake(
         group, deadline, known, posts, sources[0], manifest=manifest, in_place=in_place, judge=judge
     )
+
+
+Planned = tuple[ShardPlan, Manifest, dict[tuple[int, int], str]]
+"""A many-source plan, the global manifest it assembles, and this member's pairs' cut keys."""
+
+
+class PlanMemo:
+    """One member's last many-source plan, reused while every source holds and every receiver wants the same
+    boxes of the same manifests. Planning walks every cell of every tensor in Python: measured about 0.2 s
+    per sync on every member (290 tensors, 4 sources, 4 receivers, 2 cores), as long as the dense sync it
+    plans on one host."""
+
+    def __init__(self) -> None:
+        self._key: bytes | None = None
+        self._planned: Planned | None = None
+
+    def get(self, key: bytes, make: Callable[[], Planned]) -> Planned:
+        if self._planned is None or self._key != key:
+            self._key, self._planned = None, None
+            self._planned = make()  # a plan that raised is not kept
+            self._key = key
+        return self._planned
+
+
+def _layout_key(posts: list[Any], sources: list[int], headers: Mapping[int, Header], me: int) -> bytes:
+    """What a plan depends on: each source's manifest and boxes, each receiver's wants, the bucket size."""
+    layout = [
+        me,
+        headers[sources[0]].bucket_bytes,
+        [(s, headers[s].digest, posts[s].get("boxes")) for s in sources],
+        [(r, p.get("wants") if isinstance(p, dict) else p) for r, p in enumerate(posts) if r not in sources],
+    ]
+    return hashlib.sha256(json.dumps(layout, sort_keys=True, default=repr).encode()).digest()
 
 
 def _union(held: Mapping[int, list[Held]]) -> list[Held]:

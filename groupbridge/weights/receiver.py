@@ -41,7 +41,7 @@ from ._session import (
     make_renamer,
     merged_plan,
 )
-from ._sharded import ShardedSession, open_session
+from ._sharded import PlanMemo, ShardedSession, open_session
 from ._sharded_delta import PairBases
 from ._sharded_rx import Taker, data_ptr, shards_into, shards_named, wants_of
 from ._update import WeightUpdate, abandon_update
@@ -94,6 +94,7 @@ class WeightReceiver(Closing):
         self._own_buffers = buffers is None
         self._plans = PlanCache()
         self._pair_bases = PairBases()
+        self._shard_plans = PlanMemo()
         """With many sources whose senders keep bases: what this receiver last took from each."""
         self._held: tuple[Any, ...] | None = None
         """For delta syncs: (how the base is kept, version, manifest digest) of the version held in full."""
@@ -133,7 +134,8 @@ class WeightReceiver(Closing):
 
         attach = self._streams.attach_pair
         return open_session(self.group, deadline, self._known, wants=wants, src=self.src, judge=judge,
-                            check=check, attach=attach, bases=self._pair_bases)  # fmt: skip
+                            check=check, attach=attach, bases=self._pair_bases,
+                            plans=self._shard_plans)  # fmt: skip
 
     def _plan(self, session: Session) -> Plan:
         if session.merged:

@@ -35,7 +35,7 @@ from ._session import (
     refuse,
     vote,
 )
-from ._sharded import ShardedSession, boxes_of, open_session
+from ._sharded import PlanMemo, ShardedSession, boxes_of, open_session
 from ._sharded_delta import PairBases
 from ._sharded_tx import SourceSlots, send_sharded
 from ._source import Puller
@@ -130,6 +130,7 @@ class WeightSender(Closing):
         self._plans = PlanCache()
         self._delta = DeltaSender(group, self._copier, self._scratch, delta == "always") if delta else None
         self._pair_bases = PairBases() if delta else None
+        self._shard_plans = PlanMemo()
         """With many sources and ``delta``: what this member last sent each receiver."""
         """Present when asked for deltas: the base, the policy and the diff."""
 
@@ -213,6 +214,7 @@ class WeightSender(Closing):
             session = open_session(
                 self.group, deadline, self._known, header=header, boxes=boxes_of(shards), manifest=manifest,
                 in_place=in_place(items, manifest, self._delta is not None), bases=self._pair_bases,
+                plans=self._shard_plans,
             )  # fmt: skip
             if isinstance(session, ShardedSession):
                 return self._send_pairs(session, manifest, items, shards, kind, deadline)
