@@ -319,6 +319,11 @@ def _bench_local_sources(args: argparse.Namespace) -> int:
         ["pairs over", "s per sync (median / worst)", "vs memcpy", "vs p2p"],
         rows,
     )
+    _console.echo(
+        "[bench] a lazy source of shards over shm: the most memory a send added per source "
+        + ", ".join(f"{x:.0f}" for x in r["lazy_extra_mib"])
+        + f" MiB, against its shard {max(r['shard_mib']):.0f} MiB and a bucket {r['bucket_mib']:.0f} MiB"
+    )
     return 0
 
 

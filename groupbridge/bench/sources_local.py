@@ -4,6 +4,11 @@ point to point (loopback TCP through the group's send/recv), interleaved by roun
 
 The anchor is the physical limit on this host: one process copying the bytes every receiver takes
 (``R`` x the model) with memcpy, measured in the same run.
+
+Then one more sync over shared memory from a lazy source: each source yields its ``gb.Shard``s one at a time,
+made as it goes (as a trainer converting per parameter would), and reports the most resident memory the
+send added (peak minus the resident size before it; Linux's VmHWM, reset just before), beside its shard's
+size (what converting everything first would hold) and the bucket size.
 """
 
 from __future__ import annotations
@@ -39,14 +44,28 @@ class LocalSourcesConfig:
     bucket_bytes: int = 32 << 20
 
 
-def _role(rank: int, cfg: LocalSourcesConfig, ports: Any) -> dict[str, list[float]]:
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def _reset_peak() -> None:
+    """Start VmHWM over from the resident size now (Linux: writing 5 to clear_refs)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _role(rank: int, cfg: LocalSourcesConfig, ports: Any) -> dict[str, Any]:
     torch.set_num_threads(1)
     n = cfg.sources + cfg.receivers
     lis, port = publish_listener(rank, n, ports, "127.0.0.1")
     g = StatelessGroup.create("127.0.0.1", port, rank=rank, world_size=n, listener=lis,
                               timeout=timedelta(seconds=900))  # fmt: skip
     shapes = dict(dense_shapes(cfg.scale))
-    out: dict[str, list[float]] = {k: [] for k in TRANSPORTS}
+    out: dict[str, Any] = {k: [] for k in TRANSPORTS}
     if rank < cfg.sources:
         shards = {}
         for name, shape in shapes.items():
@@ -75,10 +94,27 @@ def _role(rank: int, cfg: LocalSourcesConfig, ports: Any) -> dict[str, list[floa
     for rnd in range(cfg.rounds):
         for kind in TRANSPORTS if rnd % 2 == 0 else TRANSPORTS[::-1]:
             out[kind].append(sync(kind))
+    # a lazy source: boxes made one at a time as the buckets need them, the manifest from the last send
+    version += 1
+    g.barrier()
     if rank < cfg.sources:
+        shard_bytes = sum(s.tensor.nbytes for s in shards.values())
+        del shards
+
+        def lazy() -> Any:
+            for name, shape in shapes.items():
+                lo, hi = _rows(shape[0], cfg.sources, rank)
+                yield name, Shard(_rows_of(name, shape, lo, hi), shape, (lo,) + (0,) * (len(shape) - 1))
+
+        before = _status_kib("VmRSS")
+        _reset_peak()
+        senders["shm"].send(lazy(), version=version)
+        out["lazy_extra_mib"] = (_status_kib("VmHWM") - before) / 1024
+        out["shard_mib"] = shard_bytes / 2**20
         for s in senders.values():
             s.close()
     else:
+        rcv.receive_into(whole, atomic=True)
         rcv.close()
     g.close()
     return out
@@ -114,4 +150,7 @@ def run_local_sources(cfg: LocalSourcesConfig) -> dict[str, Any]:
         record[f"{kind}_worst_s"] = max(per_round)
         record[f"{kind}_vs_memcpy"] = copy_s / statistics.median(per_round)
     record["shm_over_p2p"] = record["p2p_s"] / record["shm_s"]
+    record["lazy_extra_mib"] = [res[r]["lazy_extra_mib"] for r in range(cfg.sources)]
+    record["shard_mib"] = [res[r]["shard_mib"] for r in range(cfg.sources)]
+    record["bucket_mib"] = cfg.bucket_bytes / 2**20
     return record
