@@ -277,6 +277,41 @@ def test_a_member_killed_mid_sync_commits_nowhere_and_is_named(victim: int) -> N
             assert out[3] is True and out[4] == 1, res  # atomic targets untouched, version 1 still held
 
 
+def _replicas(rank: int, ports: Any) -> Any:
+    """Receivers 2 and 3 want the same (whole) tensors: from each source their pairs have one cut and share
+    one base. At version 3 rank 3 is new (its pair travels whole) while rank 2's is a delta of that cut."""
+    with make_group(rank, 4, "127.0.0.1", ports) as g:
+        if rank < 2:
+            snd = gb.WeightSender(g, delta=True, bucket_bytes=8192)
+            out = []
+            for v in (1, 2, 3, 4):
+                full = _evolving(v)
+                st = snd.send({"w": _chunk(full["w"], 2, rank, 0), "b": full["b"]}, version=v)
+                out.append((st.delta, st.wire_bytes, st.bytes, st.base_bytes))
+            return out
+        rcv = gb.WeightReceiver(g)
+        exact = []
+        target = {k: torch.zeros_like(t) for k, t in _evolving(1).items() if k in ("w", "b")}
+        for v in (1, 2, 3, 4):
+            if rank == 3 and v == 3:
+                rcv.close()
+                rcv = gb.WeightReceiver(g)
+            rcv.receive_into(target, atomic=v % 2 == 0)
+            exact.append(all(torch.equal(target[k], _evolving(v)[k]) for k in target))
+        return exact
+
+
+@pytest.mark.timeout(60)
+def test_pairs_of_one_cut_share_one_base() -> None:
+    res = run_ranks(_replicas, 4, CTX.Queue(), timeout=50)
+    assert res[2] == [True] * 4 and res[3] == [True] * 4, res
+    for src in res[:2]:
+        (_, w1, b1, k1), (d2, w2, b2, _), (d3, w3, _, _), (d4, w4, _, k4) = src
+        assert w1 == b1 and k1 == b1 // 2 == k4, src  # one base for both receivers' pairs: half the bytes
+        assert d2 and w2 < b2 / 4 and d4 and w4 < b2 / 4, src
+        assert d3 and b1 // 2 < w3 < b1 // 2 + w2, src  # rank 3's pair whole, rank 2's a delta
+
+
 def _evolving(version: int) -> dict[str, torch.Tensor]:
     """The global model at ``version``: random at 1, then 2% of each tensor's elements changed per version."""
     g = torch.Generator().manual_seed(11)

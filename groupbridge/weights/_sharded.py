@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -59,6 +59,7 @@ __all__ = [
     "DIGEST_TAG",
     "Attach",
     "Exchange",
+    "Pair",
     "PlanMemo",
     "ShardedSession",
     "Slot",
@@ -112,17 +113,32 @@ class Exchange:
     deadline: Deadline
     bases: PairBases | None = None
 
-    def pairs(self, sending: bool) -> Iterator[tuple[int, tuple[Bucket, ...], torch.Tensor | None, bool]]:
-        """This member's pairs: (peer, the pair's buckets, its base for this sync when bases are kept,
-        whether it travels as a delta)."""
+    def pairs(self, sending: bool) -> list[Pair]:
+        """This member's pairs, their bases begun for this sync when bases are kept."""
         me, session = self.group.rank, self.session
+        out = []
         for (src, dst), buckets in session.plan.pairs.items():
             if (src if sending else dst) != me:
                 continue
             peer = dst if sending else src
             key = session.keys[(src, dst)]
-            base = self.bases.begin(peer, key, total(buckets)) if self.bases is not None else None
-            yield peer, buckets, base, (src, dst) in session.deltas
+            base = self.bases.begin(peer, key, total(buckets))[0] if self.bases is not None else None
+            out.append(Pair(peer, buckets, base, (src, dst) in session.deltas, key))
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class Pair:
+    """One of this member's pairs in a sync."""
+
+    peer: int
+    buckets: tuple[Bucket, ...]
+    base: torch.Tensor | None
+    """Its base for this sync, when bases are kept (shared by the pairs of one cut)."""
+    delta: bool
+    """It travels as a delta."""
+    key: str
+    """Its cut (:func:`._sharded_delta.pair_key`)."""
 
 
 def boxes_of(shards: Mapping[str, tuple[tuple[int, ...], tuple[int, ...]]]) -> dict[str, Any] | None:

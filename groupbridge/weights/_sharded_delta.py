@@ -41,35 +41,43 @@ def bucket_word(bucket: Bucket, dtypes: Any) -> int:
 
 
 class PairBases:
-    """One member's bases, one per peer: (key of the cut, version held or None, the bytes)."""
+    """One member's delta bases, one per cut (:func:`pair_key`) with the version it holds: pairs with the
+    same cut share one base (a source's replicas of a receiver's box: both tensor-parallel rank 0s of two
+    replicas want the same rows from it), so a source diffs those bytes once and keeps them once."""
 
     def __init__(self) -> None:
-        self._bases: dict[int, tuple[str, int | None, torch.Tensor]] = {}
-        self._begun: list[int] = []
+        self._bases: dict[str, tuple[int | None, torch.Tensor]] = {}
+        """key of the cut -> (the version held, or None while a sync is rewriting it; the bytes)."""
+        self._peers: dict[int, str] = {}
+        """peer -> the key of the cut of the pair with it."""
+        self._begun: set[str] = set()
 
     def held(self, peer: int, key: str) -> int | None:
         """The version this member holds for the pair with ``peer``, if its cut is ``key``."""
-        base = self._bases.get(peer)
-        return base[1] if base is not None and base[0] == key else None
+        base = self._bases.get(key) if self._peers.get(peer) == key else None
+        return base[0] if base is not None else None
 
-    def begin(self, peer: int, key: str, nbytes: int) -> torch.Tensor:
-        """The pair's base for this sync, invalid until :meth:`commit` (kept bytes when the cut is the
-        same: a delta is applied to them)."""
-        base = self._bases.get(peer)
-        if base is None or base[0] != key or base[2].numel() != nbytes:
-            self._bases.pop(peer, None)  # free the old one first
+    def begin(self, peer: int, key: str, nbytes: int) -> tuple[torch.Tensor, bool]:
+        """The base of the pair with ``peer`` for this sync, invalid until :meth:`commit` (kept bytes when
+        the cut is the same: a delta is applied to them); and whether this sync began it already (for a
+        pair of the same cut: its bytes are being brought up to date once, for both)."""
+        again = key in self._begun
+        self._peers[peer] = key
+        self._drop_unused()  # free what no pair cuts so any more before allocating
+        base = self._bases.get(key)
+        if base is None or base[1].numel() != nbytes:
+            self._bases.pop(key, None)
             buffer = _bytes.new_buffer(nbytes, torch.device("cpu"))
         else:
-            buffer = base[2]
-        self._bases[peer] = (key, None, buffer)
-        self._begun.append(peer)
-        return buffer
+            buffer = base[1]
+        self._bases[key] = (None, buffer)
+        self._begun.add(key)
+        return buffer, again
 
     def commit(self, version: int) -> None:
         """The sync committed: every base begun in it holds ``version``."""
-        for peer in self._begun:
-            key, _, buffer = self._bases[peer]
-            self._bases[peer] = (key, version, buffer)
+        for key in self._begun:
+            self._bases[key] = (version, self._bases[key][1])
         self._begun.clear()
 
     def abandon(self) -> None:
@@ -78,8 +86,14 @@ class PairBases:
 
     def clear(self) -> None:
         self._bases.clear()
+        self._peers.clear()
         self._begun.clear()
+
+    def _drop_unused(self) -> None:
+        used = set(self._peers.values())
+        for key in [k for k in self._bases if k not in used]:
+            del self._bases[key]
 
     @property
     def nbytes(self) -> int:
-        return sum(b[2].numel() for b in self._bases.values())
+        return sum(b[1].numel() for b in self._bases.values())

@@ -49,9 +49,10 @@ def receive_shards(x: Exchange, streams: RxStreams, written: list[str]) -> str |
     after: list[Callable[[], str | None]] = []
     problems: list[str] = []
     walks: dict[int, tuple[Iterator[tuple[int, torch.Tensor, bool]], list[Feed]]] = {}
-    for src, buckets, base, delta in x.pairs(sending=False):
-        lander = _Lander(group, session, src, buckets, x.slots, x.copier, base, written, problems)
-        if delta:
+    for pair in x.pairs(sending=False):
+        src, buckets = pair.peer, pair.buckets
+        lander = _Lander(group, session, src, buckets, x.slots, x.copier, pair.base, written, problems)
+        if pair.delta:
             feed = lander.delta(group.recv_obj(src, timeout=x.deadline, tag=DELTA_TAG))
         else:
             feed = [(b.nbytes, partial(lander.full, k)) for k, b in enumerate(buckets)]

@@ -42,19 +42,32 @@ def send_shards(x: _sharded.Exchange, tx: TxTransport, sync: Sync[Any]) -> Sent:
     """(round, receiver, bytes, fill): ``fill(buffer)`` packs the bucket (into ``buffer()``), returns it."""
     digests: dict[int, list[int | bytes]] = {}
     sent = Sent()
-    for dst, buckets, base, delta in x.pairs(sending=True):
-        if delta:
+    pairs = x.pairs(sending=True)
+    # pairs of one cut share a base: a delta brings it up to date once (described before any full pair's
+    # bytes are packed, so it diffs the old bytes), and else the first full pair of the cut writes it
+    described: dict[str, tuple[Any, list[torch.Tensor]]] = {}
+    written = {p.key for p in pairs if p.delta}
+    for pair in pairs:
+        dst, buckets, base = pair.peer, pair.buckets, pair.base
+        if pair.delta:
             assert base is not None
-            payloads = _describe_delta(group, session, dst, buckets, slots, base, x.copier, x.buffers, sent)
+            if pair.key not in described:
+                described[pair.key] = _describe_delta(
+                    group, session, buckets, slots, base, x.copier, x.buffers, sent
+                )
+            desc, payloads = described[pair.key]
+            group.send_obj(desc, dst, tag=_sharded.DELTA_TAG)
             stream += [(j, dst, p.numel(), partial(_same, p)) for j, p in enumerate(payloads)]
             continue
+        keep = base if pair.key not in written else None
+        written.add(pair.key)
         mine = digests[dst] = []
         stream += [
             (
                 k,
                 dst,
                 b.nbytes,
-                partial(_full_bucket, k, b, dst, slots, plan, x.copier, base, verify, mine, group),
+                partial(_full_bucket, k, b, dst, slots, plan, x.copier, keep, verify, mine, group),
             )
             for k, b in enumerate(buckets)
         ]
@@ -97,11 +110,11 @@ def _full_bucket(
 
 
 def _describe_delta(
-    group: StatelessGroup, session: ShardedSession, dst: int, buckets: tuple[Bucket, ...],
+    group: StatelessGroup, session: ShardedSession, buckets: tuple[Bucket, ...],
     slots: SourceSlots, base: torch.Tensor, copier: Copier, buffers: _bytes.BufferCache, sent: Sent,
-) -> list[torch.Tensor]:  # fmt: skip
-    """A delta pair: diff every bucket against the base (bringing it up to the new version), send the
-    pair's description; the changed buckets' encodings, in order."""
+) -> tuple[Any, list[torch.Tensor]]:  # fmt: skip
+    """A delta pair: diff every bucket against the base (bringing it up to the new version); the pair's
+    description (as it goes on the wire) and the changed buckets' encodings, in order."""
     plan, kind = session.plan, delta_digest(session.header)
     encs, digests, wire, pos = [], [], [], 0
     biggest = max((b.nbytes for b in buckets), default=1)
@@ -125,8 +138,7 @@ def _describe_delta(
     desc = Description(
         tuple(e.code for e, _ in encs), tuple(e.count for e, _ in encs), tuple(digests), tuple(wire)
     )
-    group.send_obj(desc.to_wire(), dst, tag=_sharded.DELTA_TAG)
-    return [p for _, p in encs if p is not None]
+    return desc.to_wire(), [p for _, p in encs if p is not None]
 
 
 def _same(t: torch.Tensor, buffer: Callable[[], torch.Tensor]) -> torch.Tensor:
