@@ -94,8 +94,8 @@ class WeightReceiver(Closing):
         self._own_buffers = buffers is None
         self._plans = PlanCache()
         self._pair_bases = PairBases()
+        """With many sources whose senders keep bases: what this receiver last took, one base per cut."""
         self._shard_plans = PlanMemo()
-        """With many sources whose senders keep bases: what this receiver last took from each."""
         self._held: tuple[Any, ...] | None = None
         """For delta syncs: (how the base is kept, version, manifest digest) of the version held in full."""
 
@@ -111,7 +111,6 @@ class WeightReceiver(Closing):
         wants: dict[str, Any] | None = None,
     ) -> Session | ShardedSession:
         """This receiver's part of the handshake: its verdict on the sources' headers and manifest."""
-
         check = partial(_check, self.version, rename=self._rename, expected=expected, accept=accept,
                         allow_stale=allow_stale, rank=self.group.rank)  # fmt: skip
 
@@ -132,9 +131,8 @@ class WeightReceiver(Closing):
                 in_place=in_place, base=base and self._held == (keep, header.base, manifest.digest)
             )
 
-        attach = self._streams.attach_pair
         return open_session(self.group, deadline, self._known, wants=wants, src=self.src, judge=judge,
-                            check=check, attach=attach, bases=self._pair_bases,
+                            check=check, attach=self._streams.attach_pair, bases=self._pair_bases,
                             plans=self._shard_plans)  # fmt: skip
 
     def _plan(self, session: Session) -> Plan:

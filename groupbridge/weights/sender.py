@@ -129,10 +129,10 @@ class WeightSender(Closing):
         self._described = Described(group, make_renamer(rename), wire_dtype)
         self._plans = PlanCache()
         self._delta = DeltaSender(group, self._copier, self._scratch, delta == "always") if delta else None
-        self._pair_bases = PairBases() if delta else None
-        self._shard_plans = PlanMemo()
-        """With many sources and ``delta``: what this member last sent each receiver."""
         """Present when asked for deltas: the base, the policy and the diff."""
+        self._pair_bases = PairBases() if delta else None
+        """With many sources and ``delta``: the bytes this member last sent, one base per cut."""
+        self._shard_plans = PlanMemo()
 
     @property
     def delta(self) -> bool:
