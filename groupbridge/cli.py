@@ -261,6 +261,7 @@ def _bench_hosts(args: argparse.Namespace) -> int:
 
 
 def _bench_sources(args: argparse.Namespace) -> int:
+    from .bench import report
     from .bench.sources import SourcesConfig, run_sources
 
     cfg = SourcesConfig(
@@ -275,26 +276,12 @@ def _bench_sources(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(records, indent=1))
         return 0
-    rows = [
-        [r["sources"], f"{r['gather_then_send_s']:.2f} / {r['gather_then_send_worst_s']:.2f}",
-         f"{r['many_sources_s']:.2f} / {r['many_sources_worst_s']:.2f}", f"{r['link_bound_s']:.2f}",
-         f"{r['b_over_c']:.2f}x", f"{r['a_over_b']:.2f}x",
-         f"{r['deltas_s']:.2f} / {r['deltas_worst_s']:.2f} ({r['deltas_changed_fraction']:.1%} changed)",
-         f"{r['d_over_b']:.2f}x",
-         f"{r['peak_rss_gib_rank0_b']:.2f} / {r['peak_rss_gib_rank0_all']:.2f}"]
-        for r in records
-    ]  # fmt: skip
-    gib = records[0]["model_bytes"] / 2**30 if records else 0
-    _console.table(
-        f"many sources: dense ({gib:.2f} GiB bf16), links at {cfg.rate}, s per sync (median / worst)",
-        ["trainer hosts", "(a) gather + send", "(b) many sources", "(c) link bound", "b/c", "a/b",
-         "(d) many sources, deltas", "d/b", "rank 0 peak RSS GiB (b / a+b+d)"],
-        rows,
-    )  # fmt: skip
+    report.sources_table(records, cfg.rate)
     return 0
 
 
 def _bench_local_sources(args: argparse.Namespace) -> int:
+    from .bench import report
     from .bench.sources_local import LocalSourcesConfig, run_local_sources
 
     cfg = LocalSourcesConfig(sources=args.local_sources, receivers=int(args.receivers.split(",")[0]),
@@ -308,22 +295,7 @@ def _bench_local_sources(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(r, indent=1))
         return 0
-    rows = [
-        [k, f"{r[f'{k}_s']:.2f} / {r[f'{k}_worst_s']:.2f}", f"{r[f'{k}_vs_memcpy']:.2f}x",
-         f"{r['p2p_s'] / r[f'{k}_s']:.2f}x"]
-        for k in ("shm", "p2p")
-    ]  # fmt: skip
-    _console.table(
-        f"many sources on one host: dense ({r['model_bytes'] / 2**30:.2f} GiB bf16), {cfg.sources} sources, "
-        f"{cfg.receivers} receivers; memcpy of every receiver's bytes {r['memcpy_s']:.2f} s",
-        ["pairs over", "s per sync (median / worst)", "vs memcpy", "vs p2p"],
-        rows,
-    )
-    _console.echo(
-        "[bench] a lazy source of shards over shm: the most memory a send added per source "
-        + ", ".join(f"{x:.0f}" for x in r["lazy_extra_mib"])
-        + f" MiB, against its shard {max(r['shard_mib']):.0f} MiB and a bucket {r['bucket_mib']:.0f} MiB"
-    )
+    report.local_sources_table(r)
     return 0
 
 
