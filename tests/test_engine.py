@@ -166,3 +166,56 @@ def test_an_atomic_update_lands_while_the_engine_serves_and_versions_survive_a_f
     assert len({p for ptrs in loads for p in ptrs}) == 1, loads
     ticks = [t for t in out["ticks"] if t0 + 0.3 < t < t1 - 0.3]  # inside the first transfer
     assert len(ticks) > 10, "the engine's loop did not run while the update landed"
+
+
+def test_a_commit_with_nothing_received_raises_and_keeps_the_version() -> None:
+    """What an engine's finish after a trainer that never sent (or a new trainer's join, which drops what
+    an earlier one staged) reaches: an error, never a version reported that nothing loaded."""
+    from groupbridge.engine import WorkerSession
+
+    class Loader:
+        def check(self, manifest: Any) -> None:
+            return None
+
+        def load(self, weights: Any) -> None:
+            raise AssertionError("nothing may be loaded")
+
+        def finish(self) -> None: ...
+
+    session = WorkerSession(Loader())
+    session.version = 4
+    with pytest.raises(WeightSyncError, match=r"nothing to commit.*still holds 4"):
+        session.commit()
+    session.abandon()  # nothing to abandon: a no-op
+    assert session.version == 4
+
+
+def _failing(value: float, after: int) -> Any:
+    for i, (name, shape) in enumerate(SHAPES.items()):
+        if i == after:
+            raise RuntimeError("the trainer's source failed midway")
+        yield name, torch.full(shape, value)
+
+
+def test_a_landing_that_failed_commits_nothing_and_the_next_update_lands() -> None:
+    """The trainer's sync fails midway (its source raises): the worker's landing fails with it, a commit
+    then raises 'did not land' and leaves version 1 loaded; the next send (a new bridge) lands."""
+    calls, replies = CTX.Queue(), CTX.Queue()
+    worker = Ranks(_engine, 1, (calls, replies))
+    control = Control(calls, replies)
+    specs = {n: (s, torch.float32) for n, s in SHAPES.items()}
+    session = TrainerSession(TrainerConfig(timeout=30, liveness=2, bucket_bytes=32 << 10), control)
+    try:
+        assert session.send(slow(1.0, 0), specs=specs) == 1
+        with pytest.raises(WeightSyncError, match="source failed midway"):
+            session.send(_failing(2.0, 4), specs=specs)
+        with pytest.raises(RuntimeError, match=r"version 2 did not land.*nothing loaded"):
+            control.commit(2)  # what an engine's finish after the failed send reaches
+        assert session.version == 1
+        assert session.send(slow(3.0, 0), specs=specs) == 2  # version 2 again: nobody holds it
+    finally:
+        session.close()
+        control.rpc("stop")
+    ((ok, out),) = worker.results(30).values()
+    assert ok, out
+    assert out["version"] == 2 and out["sum"] == 3.0 * sum(64 * 64 for _ in SHAPES)

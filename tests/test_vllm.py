@@ -338,7 +338,7 @@ def test_streaming_updates(dense: tuple[Any, Any]) -> None:
 
 def test_a_new_trainer_recovers_an_engine_left_mid_update(dense: tuple[Any, Any]) -> None:
     """A trainer that died between vLLM's start_weight_update and update_weights left the engine refusing
-    every new start ("already active"; vLLM has no abort): the next trainer finishes that update, loading
+    every new start ("already active"; vLLM has no abort): the next trainer abandons that update, loading
     nothing, and goes on."""
     llm, model = dense
     llm.start_weight_update()  # the earlier trainer's start, then nothing: it died
@@ -387,9 +387,9 @@ def test_a_trainer_killed_midway_leaves_vllm_serving_the_old_weights(
     dense: tuple[Any, Any], tmp_path: Path, mode: str
 ) -> None:
     """Atomic: ``update_weights`` returned after the handshake (the bytes land while vLLM serves); the
-    landing fails, ``finish_weight_update`` loads nothing, vLLM still serves the old weights. Streaming: the
-    error names the update torn. Both: the old weight_version, and a new trainer (a new bridge generation)
-    then takes over."""
+    landing fails, ``finish_weight_update`` raises and loads nothing, vLLM still serves the old weights and
+    reports the old version (vLLM is left mid-update). Streaming: the error names the update torn. Both: a
+    new trainer (a new bridge generation) then takes over, abandoning what was left."""
     llm, model = dense
     version, tokens = llm.get_weight_version(), served(llm)
     state = tmp_path / "state.pt"
@@ -425,7 +425,9 @@ def test_a_trainer_killed_midway_leaves_vllm_serving_the_old_weights(
         assert time.monotonic() - t0 < 20
         if mode == "atomic":
             assert not failed, failed  # it returned at the handshake, before the trainer died
-            llm.finish_weight_update()  # waits (bounded) for the landing, which failed: nothing is loaded
+            # waits (bounded) for the landing, which failed: nothing is loaded, and the finish says so
+            with pytest.raises(Exception, match="version 999 did not land"):
+                llm.finish_weight_update(weight_version="999")
             assert time.monotonic() - t0 < 20
             assert llm.get_weight_version() == version and served(llm) == tokens
         else:
@@ -441,6 +443,43 @@ def test_a_trainer_killed_midway_leaves_vllm_serving_the_old_weights(
         perturb(model, 30)
         eng.send_weights()
         assert llm.get_weight_version() == "1000" and served(llm) == reference(model)
+    finally:
+        eng.shutdown()
+
+
+def test_a_trainer_joining_between_a_send_and_its_finish_leaves_that_finish_raising(
+    dense: tuple[Any, Any],
+) -> None:
+    """Trainer A's bytes are staged on the worker; trainer B joins (a new bridge: what A staged is dropped);
+    A's finish then raises instead of reporting a version nothing loaded; B's first update lands."""
+    llm, model = dense
+    version, tokens = llm.get_weight_version(), served(llm)
+    lis = gb.listen("127.0.0.1", 0)
+    info = {"host": "127.0.0.1", "port": lis.port, "world_size": 2, "name": "vllm", "generation": 41,
+            "atomic": True, "timeout_s": 60, "liveness_s": 5}  # fmt: skip
+    joined = threading.Thread(
+        target=llm.init_weight_transfer_engine, args=({"init_info": info},), daemon=True
+    )
+    joined.start()
+    group = gb.StatelessGroup.create(None, rank=0, world_size=2, listener=lis, name="vllm", generation=41)
+    joined.join(30)
+    llm.start_weight_update()
+    update = threading.Thread(
+        target=llm.update_weights, args=({"update_info": {"version": 77}},), daemon=True
+    )
+    update.start()
+    staged = {n: p.detach() + 1.0 for n, p in model.named_parameters()}
+    gb.WeightSender(group).send(staged, version=77)  # every worker acknowledged: staged, not loaded
+    update.join(30)
+    eng = trainer(llm, model, first_version=2000)  # B joins: A's staged update is dropped
+    group.close()
+    try:
+        with pytest.raises(Exception, match="nothing to commit"):
+            llm.finish_weight_update(weight_version="77")
+        assert llm.get_weight_version() == version and served(llm) == tokens
+        perturb(model, 31)
+        eng.send_weights()  # recovers the engine A left mid-update: abandons it, then lands
+        assert llm.get_weight_version() == "2000" and served(llm) == reference(model)
     finally:
         eng.shutdown()
 
@@ -494,7 +533,7 @@ def test_vllm_serve_with_tensor_parallel_2_over_http(tmp_path_factory: pytest.Te
             assert [srv.complete(p, TOKENS) for p in PROMPTS] == reference(model)
         eng.shutdown()
     finally:
-        srv.close()  # vLLM 0.32 never unlinks its CPU communicator's segments: the server's close does
-    if "CPU SHM communicator disabled" not in srv.tail(10**7):  # vLLM falls back to gloo on some hosts
-        assert any("cpushm" in n for n in srv.removed), srv.removed  # it did leave them; they are gone now
-    assert not segments() - shm_before
+        # vLLM 0.32 never unlinks its CPU communicator's segments (when it uses one: it falls back to gloo
+        # on some hosts, and whether its log says so varied between runs here): the server's close does
+        srv.close()
+    assert not segments() - shm_before, srv.removed

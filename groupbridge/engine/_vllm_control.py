@@ -57,24 +57,30 @@ class VllmControl:
 
 
 def start_update(client: SyncClient) -> None:
-    """``start_weight_update``, recovering an engine that a trainer left mid-update (it died between vLLM's
-    ``start_weight_update`` and the end of the update: vLLM then refuses every new start, and has no abort).
-    Our workers drop whatever an earlier session received when a new one joins, so finishing that update
-    commits nothing; then the start is tried again. Any other failure is raised as it was."""
+    """``start_weight_update``, recovering an engine that a trainer left mid-update (it died, or its update
+    failed, between vLLM's ``start_weight_update`` and ``finish_weight_update``: vLLM then refuses every new
+    start, and has no abort). The workers are asked to abandon that update (``update_weights`` with
+    ``abandon``: they drop what it staged, load nothing, and raise, which is what makes vLLM leave its update
+    state); then the start is tried again. A start that fails again raises the first failure."""
     try:
         client.start_weight_update()
         return
     except Exception as e:
         first = e
     try:
-        client.finish_weight_update(weight_version=None)
-    except Exception:  # not a leftover update: the start failed for its own reason
-        raise first from None
+        client.update_weights({"version": 0, "abandon": True})
+    except Exception as e:  # expected: the workers end the update by raising
+        abandoned = str(e)
+    else:
+        abandoned = "no error"
+    try:
+        client.start_weight_update()
+    except Exception:
+        raise first from None  # not a leftover update: the start failed for its own reason
     logger.warning(
-        "groupbridge: vLLM was left mid-update by an earlier trainer (%s); finished it without loading "
-        "anything and started this update", first,
+        "groupbridge: vLLM was left mid-update by an earlier trainer (%s); abandoned that update, nothing "
+        "loaded (%s), and started this one", first, abandoned[:300],
     )  # fmt: skip
-    client.start_weight_update()
 
 
 class HttpClient:

@@ -246,14 +246,23 @@ class WorkerSession(Closing):
         self._received = update.version
         self.timings["receive"] = time.perf_counter() - t1
 
-    def commit(self) -> int | None:
+    def commit(self) -> int:
         """Make the received update the model's: wait for its bytes (bounded), load them (atomic), and
-        return its version. None when there is nothing to commit: no update received since ``begin``, or
-        its bytes did not land (the sender was told then, and the failure logged: the model and ``version``
-        stay as they were, so a trainer recovering an engine left mid-update can always commit)."""
+        return its version.
+
+        Raises:
+            WeightSyncError: nothing to commit, and why: no update received since ``begin`` (or a new bridge
+                dropped it), its bytes did not land (the sync failed or was refused on some member: the
+                sender was told then), or they did not land in time. The model and ``version`` stay as
+                they were; an engine that reports a version only after a commit returns (vLLM) keeps
+                reporting the one it serves.
+        """
         if self._received is None:
-            self.log.warning("groupbridge: commit with no update received: nothing loaded")
-            return None
+            held = self.version if self.version is not None else "the initial weights"
+            raise WeightSyncError(
+                f"nothing to commit: no update was received since the last one began (a trainer that "
+                f"joined since drops what an earlier one sent); the model still holds {held}"
+            )
         version, landing, staged = self._received, self._landing, self._staged
         self._received, self._landing, self._staged = None, None, None
         if landing is not None:
@@ -262,13 +271,16 @@ class WorkerSession(Closing):
             if not landing.wait(self.info.timeout_s):
                 self._landing = landing
                 self._drop(f"version {version} did not land within {self.info.timeout_s:g} s")
-                self.log.error("groupbridge: version %d did not land within %g s: nothing loaded",
-                               version, self.info.timeout_s)  # fmt: skip
-                return None
+                raise WeightSyncError(
+                    f"version {version} did not land within {self.info.timeout_s:g} s: nothing loaded"
+                )
             self.timings["wait"] = time.perf_counter() - t0
             self.timings["landing"] = landing.seconds
             if landing.error is not None:
-                return None
+                raise WeightSyncError(
+                    f"version {version} did not land ({type(landing.error).__name__}: {landing.error}): "
+                    "nothing loaded"
+                ) from landing.error
             staged = landing.staged
         if staged is not None:
             t0 = time.perf_counter()
@@ -278,6 +290,11 @@ class WorkerSession(Closing):
         self.log.info("groupbridge: version %d committed: %s", version,
                       ", ".join(f"{k} {v:.3f} s" for k, v in self.timings.items()))  # fmt: skip
         return version
+
+    def abandon(self) -> None:
+        """Drop an update received and not committed (a trainer recovering an engine another left
+        mid-update): the model and ``version`` stay as they are."""
+        self._drop("the trainer abandoned the update", settle=True)
 
     # ------------------------------------------------------------------ helpers
 

@@ -39,6 +39,9 @@ from ..engine import BridgeInfo, WorkerSession
 from ..weights.manifest import Manifest
 from ._dryrun import check_loadable
 
+ABANDONED = "groupbridge: the update was abandoned as the trainer asked"
+"""What a worker raises to end an update on purpose (see :class:`UpdateInfo`)."""
+
 # under vLLM's logger tree, so these lines appear in vLLM's own log (a server's, a worker's) with its format
 logger = logging.getLogger("vllm.groupbridge")
 
@@ -50,13 +53,20 @@ class WorkerInitInfo(BridgeInfo, WeightTransferInitInfo):
 
 @dataclass
 class UpdateInfo(WeightTransferUpdateInfo):
-    """One update (plain JSON): the version the trainer sends; the manifest comes over the bridge."""
+    """One update (plain JSON): the version the trainer sends; the manifest comes over the bridge.
+
+    ``abandon``: drop the update in progress instead (a trainer recovering an engine another left
+    mid-update). vLLM has no abort; the worker raises :data:`ABANDONED`, and a failed ``update_weights`` is
+    what makes vLLM leave its update state, so a new ``start_weight_update`` is accepted."""
 
     version: int
+    abandon: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.version, bool) or not isinstance(self.version, int):
             raise ValueError(f"version must be an int, got {self.version!r}")
+        if not isinstance(self.abandon, bool):
+            raise ValueError(f"abandon must be a bool, got {self.abandon!r}")
 
 
 def worker_rank(parallel_config: Any, sources: int = 1) -> int:
@@ -128,9 +138,14 @@ class WorkerEngine(WeightTransferEngine[WorkerInitInfo, UpdateInfo]):
         self.session.begin()
 
     def receive_weights(self, update_info: UpdateInfo) -> None:
+        if update_info.abandon:
+            self.session.abandon()
+            raise RuntimeError(f"{ABANDONED}: nothing loaded, version {self.version} still served")
         self.session.receive(update_info.version)
 
     def finish_weight_update(self) -> None:
+        """Load the staged update. Raises (vLLM then keeps the version it reports) when there is nothing to
+        load: see :meth:`groupbridge.engine.WorkerSession.commit`."""
         self.session.commit()
 
 
