@@ -496,6 +496,40 @@ class _Dict(torch.nn.Module):
 
 
 @pytest.mark.slow
+def test_a_fleet_of_two_engines_is_updated_as_one(
+    dense: tuple[Any, Any], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Two offline engines behind one FleetClient: one bridge, every worker of both votes, both swap; three
+    updates, each engine serving the trainer's tokens and version. A trainer that counts the workers wrong
+    is refused before anything starts."""
+    from groupbridge.vllm import FleetClient
+
+    llm, model = dense
+    path = tmp_path_factory.mktemp("qwen2-second")
+    make_model(path, "qwen2", seed=3)  # other weights than the first engine's: the first update aligns both
+    with running(path) as second:
+        fleet = FleetClient([OfflineClient(llm), OfflineClient(second)])
+        with pytest.raises(ValueError, match=r"TrainerInitInfo\(workers=2\)"):
+            WeightTransferTrainerFactory.trainer_init(
+                TrainerInitInfo(rank=0, workers=1, timeout=60, liveness=10), client=fleet,
+                source=ModuleSource(model),
+            )  # fmt: skip
+        info = TrainerInitInfo(
+            rank=0, workers=fleet.total_workers, timeout=60, liveness=10, first_version=500
+        )
+        eng = WeightTransferTrainerFactory.trainer_init(info, client=fleet, source=ModuleSource(model))
+        try:
+            for step in range(3):
+                perturb(model, 60 + step)
+                eng.send_weights()
+                want = reference(model)
+                for e in (llm, second):
+                    assert e.get_weight_version() == str(500 + step) and served(e) == want, step
+        finally:
+            eng.shutdown()
+
+
+@pytest.mark.slow
 def test_moe_updates_serve_the_trainers_weights(tmp_path_factory: pytest.TempPathFactory) -> None:
     path = tmp_path_factory.mktemp("qwen3moe")
     model = make_model(path, "qwen3_moe")

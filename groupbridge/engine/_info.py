@@ -36,6 +36,10 @@ class BridgeInfo:
     liveness_s: float = 10.0
     sources: int = 1
     """Trainer ranks on the bridge (ranks 0 .. sources-1); the workers follow them."""
+    rank_offset: int = 0
+    """Where this engine's workers start among the workers: with several engines on one bridge (a fleet),
+    engine k's workers follow those of engines 0 .. k-1. A worker's rank is ``sources + rank_offset + its
+    index in its engine``."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 < self.port < 65536:
@@ -44,4 +48,13 @@ class BridgeInfo:
             raise ValueError(f"sources={self.sources!r} must be >= 1 (the trainer ranks on the bridge)")
         if not isinstance(self.world_size, int) or self.world_size < self.sources + 1:
             raise ValueError(f"world_size={self.world_size!r}: the trainer ranks and at least one worker")
+        if (
+            isinstance(self.rank_offset, bool)
+            or not isinstance(self.rank_offset, int)
+            or not 0 <= self.rank_offset < self.world_size - self.sources
+        ):
+            raise ValueError(
+                f"rank_offset={self.rank_offset!r} must be an int in [0, {self.world_size - self.sources}) "
+                "(the workers of the engines before this one)"
+            )
         check_seconds(timeout_s=self.timeout_s, liveness_s=self.liveness_s)

@@ -284,8 +284,8 @@ class TrainerSession(Closing):
             control.commit(v)
         except Exception as e:
             raise WeightSyncError(
-                f"the engine's commit of version {v} failed: {type(e).__name__}: {e}; it still serves the "
-                "version it served before"
+                f"the engine's commit of version {v} failed: {type(e).__name__}: {e}; an engine whose commit "
+                "failed still serves the version it served before"
             ) from e
         t2 = time.perf_counter()
         self.version, self.last_stats = v, stats

@@ -15,12 +15,19 @@ and the trainer, on every rank::
     engine.shutdown()  # the bridge (the workers leave it first)
     shutdown(llm)  # then vLLM's engine processes, now and in order
 
+Several engines (replicas) updated as one, committed on every worker of every engine or on none::
+
+    fleet = FleetClient([OfflineClient(llm_a), OfflineClient(llm_b)], workers=[1, 2])
+    engine = WeightTransferTrainerFactory.trainer_init(
+        TrainerInitInfo(rank=0, workers=fleet.total_workers), client=fleet, source=ModuleSource(model))
+
 Importing this module registers the backend too (a trainer talking to ``vllm serve`` over HTTP never loads
 vLLM's plugins itself).
 """
 
 from __future__ import annotations
 
+from ..engine._vllm_fleet import FleetClient
 from ._client import OfflineClient
 from ._plugin import BACKEND, register
 from ._stop import shutdown
@@ -28,4 +35,12 @@ from ._trainer import TrainerEngine, TrainerInitInfo
 
 register()
 
-__all__ = ["BACKEND", "OfflineClient", "TrainerEngine", "TrainerInitInfo", "register", "shutdown"]
+__all__ = [
+    "BACKEND",
+    "FleetClient",
+    "OfflineClient",
+    "TrainerEngine",
+    "TrainerInitInfo",
+    "register",
+    "shutdown",
+]

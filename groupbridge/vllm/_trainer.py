@@ -77,6 +77,12 @@ class TrainerEngine(SessionState, TrainerWeightTransferEngine[TrainerInitInfo]):
             )
         if source is None:
             raise ValueError("backend 'groupbridge' sends a WeightSource each step: pass source=")
+        fleet = getattr(client, "total_workers", None)  # a FleetClient knows its engines' workers
+        if isinstance(fleet, int) and fleet != init_info.workers and init_info.is_sender:
+            raise ValueError(
+                f"workers={init_info.workers}, but the fleet's engines have {fleet} workers "
+                f"({getattr(client, 'workers', '?')} per engine): pass TrainerInitInfo(workers={fleet})"
+            )
         engine = cls(client=client, source=source, is_sender=init_info.is_sender, info=init_info)
         if engine.session is not None:
             engine.session.connect()

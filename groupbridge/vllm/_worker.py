@@ -69,12 +69,13 @@ class UpdateInfo(WeightTransferUpdateInfo):
             raise ValueError(f"abandon must be a bool, got {self.abandon!r}")
 
 
-def worker_rank(parallel_config: Any, sources: int = 1) -> int:
-    """This worker's rank on the bridge (the trainer ranks come first)."""
+def worker_rank(parallel_config: Any, sources: int = 1, rank_offset: int = 0) -> int:
+    """This worker's rank on the bridge: the trainer ranks come first, then the workers of the engines
+    before this one in a fleet (``rank_offset``)."""
     from vllm.distributed.parallel_state import get_world_group
 
     index = parallel_config.data_parallel_index * parallel_config.world_size + get_world_group().rank_in_group
-    return sources + int(index)
+    return sources + rank_offset + int(index)
 
 
 class VllmLoader:
@@ -129,7 +130,9 @@ class WorkerEngine(WeightTransferEngine[WorkerInitInfo, UpdateInfo]):
 
     def init_transfer_engine(self, init_info: WorkerInitInfo) -> None:
         self.session.close()
-        self.session.join(init_info, worker_rank(self.parallel_config, init_info.sources))
+        self.session.join(
+            init_info, worker_rank(self.parallel_config, init_info.sources, init_info.rank_offset)
+        )
 
     def shutdown(self) -> None:
         self.session.close()
