@@ -219,3 +219,38 @@ def test_a_landing_that_failed_commits_nothing_and_the_next_update_lands() -> No
     ((ok, out),) = worker.results(30).values()
     assert ok, out
     assert out["version"] == 2 and out["sum"] == 3.0 * sum(64 * 64 for _ in SHAPES)
+
+
+def test_a_second_send_while_one_runs_is_refused_at_once() -> None:
+    calls, replies = CTX.Queue(), CTX.Queue()
+    worker = Ranks(_engine, 1, (calls, replies))
+    control = Control(calls, replies)
+    specs = {n: (s, torch.float32) for n, s in SHAPES.items()}
+    session = TrainerSession(TrainerConfig(timeout=30, liveness=10, bucket_bytes=32 << 10), control)
+    try:
+        session.connect()
+        pulling, go = threading.Event(), threading.Event()
+
+        def held() -> Any:  # the first send's source, paused midway until the second send was refused
+            for i, (name, shape) in enumerate(SHAPES.items()):
+                if i == 1:
+                    pulling.set()
+                    go.wait(20)
+                yield name, torch.full(shape, 1.0)
+
+        first: list[int] = []
+        t = threading.Thread(target=lambda: first.append(session.send(held(), specs=specs)))
+        t.start()
+        assert pulling.wait(20)
+        with pytest.raises(RuntimeError, match="already running"):
+            session.send(slow(2.0, 0), specs=specs)
+        go.set()
+        t.join(30)
+        assert first == [1]
+        assert session.send(slow(3.0, 0), specs=specs) == 2
+    finally:
+        session.close()
+        control.rpc("stop")
+    ((ok, out),) = worker.results(30).values()
+    assert ok, out
+    assert out["version"] == 2 and out["sum"] == 3.0 * sum(64 * 64 for _ in SHAPES)

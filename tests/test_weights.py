@@ -605,3 +605,44 @@ def _kept(rank: int, ports: Any, transport: str) -> Any:
 def test_receive_keep_yields_views_of_one_kept_buffer(transport: str) -> None:
     res = run_ranks(_kept, 2, CTX.Queue(), transport, timeout=50)
     assert res[1] == [(True, 1, True), (True, 1, True)], res
+
+
+def _two_sends(rank: int, host: str, ports: Any) -> Any:
+    import threading
+
+    shapes = [(f"w{i}", (16, 16)) for i in range(4)]
+    with make_group(rank, 2, host, ports) as g:
+        if rank == 1:
+            rcv = gb.WeightReceiver(g, src=0)
+            target = make_model(shapes, seed=0)
+            rcv.receive_into(target)
+            return rcv.version
+        snd = gb.WeightSender(g)
+        pulling, go = threading.Event(), threading.Event()
+
+        def held() -> Iterator[tuple[str, torch.Tensor]]:
+            for i, (name, t) in enumerate(make_model(shapes, seed=1).items()):
+                if i == 1:
+                    pulling.set()
+                    go.wait(20)
+                yield name, t
+
+        specs = {n: (tuple(t.shape), t.dtype) for n, t in make_model(shapes, seed=1).items()}
+        t = threading.Thread(target=snd.send, args=(held(), 1), kwargs={"specs": specs})
+        t.start()
+        assert pulling.wait(20)
+        try:
+            snd.send(make_model(shapes, seed=2), version=2)
+            refused = "sent"
+        except RuntimeError as e:
+            refused = str(e)
+        go.set()
+        t.join(30)
+        return refused
+
+
+@pytest.mark.timeout(60)
+def test_a_second_send_on_one_sender_is_refused_while_the_first_runs() -> None:
+    res = run_ranks(_two_sends, 2, "127.0.0.1", CTX.Queue(), timeout=50)
+    assert "already running" in res[0] and "version 2 not sent" in res[0], res
+    assert res[1] == 1, res

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -156,6 +157,7 @@ class TrainerSession(Closing):
         """The last version every worker acknowledged: they hold it, committed or not, and refuse it again
         (a commit that failed leaves ``version`` behind ``sent``; the next default version follows both)."""
         self.last_stats: SyncStats | None = None
+        self._sending = threading.Lock()
         self.last_seconds: dict[str, float] = {}
         """Wall time of the last send (rank 0), split: ``transfer`` (to every worker's acknowledgement),
         ``commit`` (the engine's load of a staged update), ``total``."""
@@ -249,7 +251,23 @@ class TrainerSession(Closing):
     ) -> int:
         """Send ``named`` as the next version (or ``version``); on rank 0, make the engine serve it.
         Returns the version. ``specs`` (name -> (shape, dtype)) lets the manifest be checked before the
-        source is pulled (a lazy source, e.g. one that gathers, is then consumed while bytes move)."""
+        source is pulled (a lazy source, e.g. one that gathers, is then consumed while bytes move).
+
+        Raises RuntimeError at once when another thread's send is running on this session (the engine's
+        update calls of two sends would interleave)."""
+        if not self._sending.acquire(blocking=False):
+            raise RuntimeError("a send is already running on this trainer: one update at a time")
+        try:
+            return self._send(named, version, specs)
+        finally:
+            self._sending.release()
+
+    def _send(
+        self,
+        named: Iterable[tuple[str, Any]] | Mapping[str, Any],
+        version: int | None,
+        specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]] | None,
+    ) -> int:
         if self.rank > 0:
             return self._send_shards(named, version)
         c = self.config

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import secrets
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
@@ -133,6 +134,7 @@ class WeightSender(Closing):
         self._pair_bases = PairBases() if delta else None
         """With many sources and ``delta``: the bytes this member last sent, one base per cut."""
         self._shard_plans = PlanMemo()
+        self._sending = threading.Lock()
 
     @property
     def delta(self) -> bool:
@@ -178,8 +180,13 @@ class WeightSender(Closing):
         """
         if isinstance(version, bool) or not isinstance(version, int):
             raise TypeError(f"version must be an int, got {type(version).__name__}")
-        with self.group.depending_on(range(self.group.world_size)):
-            return self._send(named_tensors, version, specs, timeout, progress)
+        if not self._sending.acquire(blocking=False):  # a second sync would interleave with the first's
+            raise RuntimeError(f"a send is already running on this WeightSender (version {version} not sent)")
+        try:
+            with self.group.depending_on(range(self.group.world_size)):
+                return self._send(named_tensors, version, specs, timeout, progress)
+        finally:
+            self._sending.release()
 
     def _send(
         self,
