@@ -646,3 +646,41 @@ def test_a_second_send_on_one_sender_is_refused_while_the_first_runs() -> None:
     res = run_ranks(_two_sends, 2, "127.0.0.1", CTX.Queue(), timeout=50)
     assert "already running" in res[0] and "version 2 not sent" in res[0], res
     assert res[1] == 1, res
+
+
+def _announced(rank: int, host: str, ports: Any, sources: int) -> Any:
+    """A sender announces a 256 GiB tensor (a stride-0 view of 4 bytes): receive(), which allocates from the
+    announced sizes, refuses it before anything is allocated, on every member; the group goes on."""
+    huge = 1 << 36  # float32 elements: 256 GiB, more than any host this runs on
+    with make_group(rank, sources + 1, host, ports) as g:
+        if rank < sources:
+            snd = gb.WeightSender(g, transport="broadcast" if sources == 1 else "auto")
+            big: Any = torch.zeros(1).expand(huge)
+            if sources > 1:  # each holds half of it, a stride-0 view too
+                big = gb.Shard(torch.zeros(1).expand(huge // 2), (huge,), (huge // 2 * rank,))
+            try:
+                snd.send({"big": big, "w": torch.ones(4)}, version=1)
+                first = "sent"
+            except gb.SyncRefusedError as e:
+                first = str(e)
+            snd.send({"w": torch.full((4,), 2.0)}, version=2)
+            return first
+        rcv = gb.WeightReceiver(g)
+        try:
+            dict(rcv.receive())
+            first = "received"
+        except gb.SyncRefusedError as e:
+            first = str(e)
+        got = dict(rcv.receive())
+        return first, rcv.version, bool((got["w"] == 2.0).all())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sources", [1, 2])
+def test_receive_refuses_announced_sizes_beyond_this_hosts_memory(sources: int) -> None:
+    res = run_ranks(_announced, sources + 1, "127.0.0.1", CTX.Queue(), sources, timeout=50)
+    for r in range(sources):
+        assert "256.0 GiB" in res[r] and "more than this host's memory" in res[r], res
+    first, version, exact = res[sources]
+    assert "256.0 GiB" in first and "nothing is allocated" in first, first
+    assert version == 2 and exact, res

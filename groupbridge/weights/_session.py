@@ -203,7 +203,8 @@ class Verdict:
     """Why this receiver cannot take the sync, or None."""
     kind: str = "other"
     """What the problem is: ``stale`` (not a newer version), ``manifest`` (other tensors than expected),
-    ``transport`` (it cannot attach to the transport) or ``other``."""
+    ``transport`` (it cannot attach to the transport), ``size`` (more than the receiver may allocate) or
+    ``other``."""
     in_place: bool = False
     """Its tensors lie in the plan's byte layout (see :data:`MERGED_BYTES`)."""
     base: bool = False
@@ -211,7 +212,7 @@ class Verdict:
     held: tuple[tuple[int, int], ...] = ()
     """Many sources: (peer, version) of every pair base this member holds for the sync's cut."""
 
-    KINDS = ("stale", "manifest", "transport", "other")
+    KINDS = ("stale", "manifest", "transport", "size", "other")
 
     def to_wire(self) -> dict[str, Any]:
         wire: dict[str, Any] = {"problem": self.problem, "kind": self.kind, "in_place": self.in_place,

@@ -7,6 +7,7 @@ the commit (the version held moves, the source is told).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from functools import partial
@@ -379,10 +380,18 @@ def _check(
     allow_stale: bool,
     rank: int,
 ) -> Verdict | None:
-    """A receiver's refusal of a sync (a version not newer than ``held``, other tensors than expected, its
-    ``accept`` saying no), or None."""
+    """A receiver's refusal of a sync (a version not newer than ``held``, more bytes than this host's memory
+    where no target or ``expected=`` bounds them, other tensors than expected, its ``accept`` saying no),
+    or None."""
     if not allow_stale and held is not None and header.version <= held:
         return Verdict(f"holds version {held}; version {header.version} is not newer", "stale")
+    if expected is None and manifest.nbytes > (cap := host_memory()):
+        return Verdict(
+            f"rank {rank}: version {header.version} announces {manifest.nbytes / 2**30:.1f} GiB of tensors, "
+            f"more than this host's memory ({cap / 2**30:.1f} GiB): nothing is allocated from sizes that no "
+            "target and no expected= bound",
+            "size",
+        )
     renamed = Manifest(tuple(_renamed(e, rename) for e in manifest.entries))
     if expected is not None:
         problems = compare(renamed, expected)
@@ -391,6 +400,15 @@ def _check(
     if accept is not None and (problem := accept(renamed)) is not None:
         return Verdict(problem, "manifest")
     return None
+
+
+def host_memory() -> int:
+    """This host's physical memory: the cap on what ``receive()`` allocates from the sizes a sender announced
+    (a receiver with targets or ``expected=`` allocates only what those say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not a POSIX host: a bound still, if a loose one
+        return 1 << 40
 
 
 def _scoped(
