@@ -684,3 +684,50 @@ def test_receive_refuses_announced_sizes_beyond_this_hosts_memory(sources: int) 
     first, version, exact = res[sources]
     assert "256.0 GiB" in first and "nothing is allocated" in first, first
     assert version == 2 and exact, res
+
+
+def _out_of_memory(rank: int, host: str, ports: Any, sources: int) -> Any:
+    """The receiver cannot allocate its staging buffer (its address space is capped just before): it raises
+    a WeightSyncError saying so, and every sender raises within the liveness bound, naming it."""
+    import resource
+
+    shapes = [(f"w{i}", (2048, 2048)) for i in range(8)]  # 128 MiB
+    g = make_group(rank, sources + 1, host, ports, liveness_timeout=timedelta(seconds=2))
+    try:
+        if rank < sources:
+            model = make_model(shapes, seed=1)
+            mine: Any = model
+            if sources > 1:
+                mine = {n: gb.Shard(t[1024 * rank : 1024 * (rank + 1)].clone(), t.shape, (1024 * rank, 0))
+                        for n, t in model.items()}  # fmt: skip
+            t0 = time.monotonic()
+            try:
+                gb.WeightSender(g, transport="broadcast" if sources == 1 else "p2p").send(mine, version=1)
+                return "sent"
+            except gb.GroupBridgeError as e:
+                return str(e), time.monotonic() - t0
+        target = make_model(shapes, seed=0)
+        rcv = gb.WeightReceiver(g)
+        with open("/proc/self/status") as f:
+            vm = next(int(line.split()[1]) for line in f if line.startswith("VmSize:")) * 1024
+        resource.setrlimit(resource.RLIMIT_AS, (vm + (32 << 20), resource.RLIM_INFINITY))
+        try:
+            rcv.receive_into(target, atomic=True)
+            return "received"
+        except gb.WeightSyncError as e:
+            return type(e).__name__, str(e)
+        finally:
+            resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    finally:
+        g.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sources", [1, 2])
+def test_a_receiver_that_cannot_allocate_tells_every_sender(sources: int) -> None:
+    res = run_ranks(_out_of_memory, sources + 1, "127.0.0.1", CTX.Queue(), sources, timeout=50)
+    kind, msg = res[sources]
+    assert kind == "WeightSyncError" and "could not allocate" in msg, res[sources]
+    for r in range(sources):
+        text, took = res[r]
+        assert "rank" in text and str(sources) in text and took < 2 + 5, res[r]

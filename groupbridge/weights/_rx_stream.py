@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from functools import partial
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import torch
 
@@ -26,6 +26,8 @@ from ._delta_sync import Description, delta_digest, delta_groups, wire_plan, wor
 from ._session import ACK_TAG, Header, Session, vote
 from .plan import Plan
 from .transports import RxTransport, Sync, pair_transport, spec
+
+T = TypeVar("T")
 
 __all__ = ["Bucket", "RxStreams", "VerifyFailed", "acknowledge", "give_up", "settle", "tell_failure"]
 
@@ -165,6 +167,20 @@ def tell_failure(group: StatelessGroup, e: BaseException, what: str) -> None:
     member raises within the liveness bound. (Bytes that fail their digests are not told here: they are
     this receiver's vote, and every member then refuses the sync alike, the group usable.)"""
     group.abort(f"rank {group.rank} gave up {what}: {type(e).__name__}: {e}")
+
+
+def allocated(group: StatelessGroup, what: str, make: Callable[[], T]) -> T:
+    """``make()``: the buffers a sync needs on this receiver. A failure (out of memory, an address-space
+    limit) is told to the peers as any other (they raise within the liveness bound, naming this rank) and
+    raised here as a :class:`WeightSyncError`."""
+    try:
+        return make()
+    except BaseException as e:
+        error = WeightSyncError(
+            f"rank {group.rank} could not allocate what {what} needs: {type(e).__name__}: {e}; nothing was "
+            "applied"
+        )
+        give_up(group, e, what, error)
 
 
 def give_up(group: StatelessGroup, cause: BaseException, what: str, error: Exception) -> NoReturn:

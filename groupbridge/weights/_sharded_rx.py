@@ -18,7 +18,7 @@ from . import _bytes, _delta
 from ._appliers import refused, torn
 from ._copier import Copier
 from ._delta_sync import Description, delta_digest, wire_plan
-from ._rx_stream import RxStreams, acknowledge, give_up, tell_failure
+from ._rx_stream import RxStreams, acknowledge, allocated, give_up, tell_failure
 from ._session import vote
 from ._shard_plan import Bucket, ShardPlan, element_size
 from ._sharded import (
@@ -294,10 +294,14 @@ def shards_into(taker: Taker, session: ShardedSession, targets: dict[str, Any], 
     targets' boxes."""
     version = session.header.version
     dest = {wire: _slot(targets[taker.rename(wire)]) for wire in session.plan.order}
-    if atomic:
-        slots = _staging(taker, session.plan, {w: box for w, (_, box) in dest.items()}, torch.device("cpu"))
-    else:
-        slots = dict(dest)
+    boxes = {w: box for w, (_, box) in dest.items()}
+    what = f"receiving version {version}"
+    cpu = torch.device("cpu")
+    slots = (
+        allocated(taker.group, what, lambda: _staging(taker, session.plan, boxes, cpu))
+        if atomic
+        else dict(dest)
+    )
     written: list[str] = []
     try:
         _land_shards(taker, session, slots, deadline, written)
@@ -331,11 +335,14 @@ def shards_named(
     own)."""
     plan = session.plan
     whole = {w: Box((0,) * len(plan.global_shapes[w]), plan.global_shapes[w]) for w in plan.order}
-    if keep:
-        slots = _staging(taker, plan, whole, taker.device)
-    else:
-        slots = {w: (torch.empty(box.shape, dtype=dtype_from_name(plan.dtypes[w]), device=taker.device), box)
-                 for w, box in whole.items()}  # fmt: skip
+
+    def make() -> dict[str, Slot]:
+        if keep:
+            return _staging(taker, plan, whole, taker.device)
+        return {w: (torch.empty(box.shape, dtype=dtype_from_name(plan.dtypes[w]), device=taker.device), box)
+                for w, box in whole.items()}  # fmt: skip
+
+    slots = allocated(taker.group, f"receiving version {session.header.version}", make)
     _land_shards(taker, session, slots, deadline, [])
     yielded = 0
     try:

@@ -33,7 +33,7 @@ from ._appliers import (
     wire_typed,
 )
 from ._copier import Copier
-from ._rx_stream import RxStreams, VerifyFailed, acknowledge, give_up, settle, tell_failure
+from ._rx_stream import RxStreams, VerifyFailed, acknowledge, allocated, give_up, settle, tell_failure
 from ._session import (
     Header,
     Session,
@@ -317,16 +317,12 @@ class WeightReceiver(Closing):
         ring = Ring(self._buffers, device)
         names = _namer(manifest, self._rename)
         self._held = None
-        applier: Applier
-        if atomic:
-            buffer = self._buffers.get("base" if header.keeps_base else "staging", plan.total_bytes, device)
-            applier = Staged(
-                buffer, plan, manifest, ring, self._copier, names, dest=dest, delta=session.delta
-            )
-        else:
-            applier = Streaming(
-                plan, manifest, ring, self._copier, names, dest, self._buffers, delta=session.delta
-            )
+        applier: Applier = allocated(self.group, what, lambda: Staged(
+            self._buffers.get("base" if header.keeps_base else "staging", plan.total_bytes, device),
+            plan, manifest, ring, self._copier, names, dest=dest, delta=session.delta,
+        ) if atomic else Streaming(
+            plan, manifest, ring, self._copier, names, dest, self._buffers, delta=session.delta
+        ))  # fmt: skip
         problem: str | None = None
         try:
             for _ in run_through(self._streams.buckets(session, plan, applier, deadline), applier):
