@@ -270,8 +270,8 @@ class Tensors:
             self._health.check_peers(peers)
             if deadline.expired():
                 raise PeerTimeoutError(
-                    f"rank {self._state.rank} of {self._state.where()} waited {deadline} for {what} from "
-                    f"rank(s) {ranks(peers)}"
+                    f"rank {self._state.rank} of {self._state.where()} waited {deadline} for {what}: rank(s) "
+                    f"{ranks(peers)} did not take part in time"
                 )
 
     # ------------------------------------------------------------------ operations
@@ -299,9 +299,10 @@ class Tensors:
         opts.rootRank = src
         opts.rootTensor = 0
         peers = s.others() if s.rank == src else [src]
-        return self._start(
-            f"broadcast from rank {src}", peers, lambda: pg.broadcast([tensor], opts), async_op, False
+        what = (
+            f"the broadcast from rank {src}" if s.rank != src else f"its broadcast to rank(s) {ranks(peers)}"
         )
+        return self._start(what, peers, lambda: pg.broadcast([tensor], opts), async_op, False)
 
     def all_reduce(self, tensor: torch.Tensor, op: str, async_op: bool) -> Work | None:
         pg = self._backend_for(tensor)

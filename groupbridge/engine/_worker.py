@@ -90,7 +90,8 @@ class _Landing:
                     self.staged = landed
             except BaseException as e:  # the sender was told by the receiver; the engine learns at commit
                 self.error = e
-                log.error("groupbridge: version %d did not land: %s: %s", self.version, type(e).__name__, e)
+                log.error("groupbridge: version %d did not land (%s: %s); the model is untouched (a landing "
+                          "fills only the kept buffer)", self.version, type(e).__name__, e)  # fmt: skip
             finally:
                 self.seconds = time.perf_counter() - t0
                 if self._queue is not None:

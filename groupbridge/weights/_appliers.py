@@ -44,14 +44,16 @@ Names = Callable[[int], str]
 
 
 def torn(
-    version: int, held: int | None, cause: BaseException, written: list[str], total: int, how: str
-) -> TornUpdateError:
-    """The one wording of a torn update: what failed, which tensors were written, which version is held."""
+    version: int, held: int | None, cause: BaseException, written: list[str], total: int, how: str,
+    *, subject: str = "the target is TORN", verb: str = "(partly) written",
+) -> TornUpdateError:  # fmt: skip
+    """The one wording of a torn update: what failed, which tensors were written (for ``receive()``:
+    yielded, and what is torn is whatever consumed them), which version is held."""
     shown = ", ".join(written[:20]) + (f" ... and {len(written) - 20} more" if len(written) > 20 else "")
     return TornUpdateError(
-        f"receiving version {version} failed after {how}: {type(cause).__name__}: {cause}; the target is "
-        f"TORN: {len(written)} of {total} tensors were (partly) written ({shown or 'none'}); the version "
-        f"held is still {held}",
+        f"receiving version {version} failed after {how}: {type(cause).__name__}: {cause}; {subject}: "
+        f"{len(written)} of {total} tensors were {verb} ({shown or 'none'}); the version held is still "
+        f"{held}",
         written=written,
     )
 

@@ -245,9 +245,9 @@ class WeightReceiver(Closing):
         except VerifyFailed as e:
             problem = f"{e}"
         except BaseException as e:
-            how = f"{len(yielded)} tensors were yielded (whatever consumed them is torn)"
-            give_up(self.group, e, what, torn(header.version, self.version, e, yielded,
-                                                           len(entries), how))  # fmt: skip
+            give_up(self.group, e, what, torn(header.version, self.version, e, yielded, len(entries),
+                    "some tensors were yielded", subject="whatever consumed them holds part of it",
+                    verb="yielded"))  # fmt: skip
 
         def failed(e: BaseException) -> Exception:
             return refused(header.version, self.version, e, yielded, len(entries))
