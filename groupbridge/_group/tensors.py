@@ -209,13 +209,15 @@ class Tensors:
         log = self._state.log
 
         def release() -> None:
-            for g in groups:
-                try:
-                    _torch_private.abort_backend(g)
-                except RuntimeError:  # already failed; dropping it is all that is left
-                    log.debug("abort of a process group failed", exc_info=True)
-            groups.clear()  # the last references: destroyed here, not on the caller's thread
-            released.set()
+            try:
+                for g in groups:
+                    try:
+                        _torch_private.abort_backend(g)
+                    except Exception:  # already failed, or a backend without abort: dropping it is all left
+                        log.debug("abort of a process group failed", exc_info=True)
+                groups.clear()  # the last references: destroyed here, not on the caller's thread
+            finally:
+                released.set()
 
         background(release, f"groupbridge-abort-{self._state.name}-{self._state.rank}")
         released.wait(0.5)

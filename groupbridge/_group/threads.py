@@ -3,7 +3,8 @@
 The registry is process-wide, not per group, on purpose: these threads outlive the group that started them
 (a teardown releases its process groups on one and returns; the group may be gone before the thread ends),
 and what they guard against is the process exiting, which is one event for all groups. One set and one
-:mod:`atexit` hook, registered when this module is first imported, cover every group of the process.
+:mod:`atexit` hook, registered when the first such thread starts (importing has no side effect), cover every
+group of the process.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ __all__ = ["EXIT_GRACE_S", "background"]
 
 _BACKGROUND: set[threading.Thread] = set()
 _BACKGROUND_LOCK = threading.Lock()
+_HOOKED = False
 EXIT_GRACE_S = 10.0
 """How long interpreter exit waits for gloo work left running in the background (see :func:`background`)."""
 
@@ -34,14 +36,17 @@ def background(fn: Callable[[], None], name: str) -> threading.Thread:
             with _BACKGROUND_LOCK:
                 _BACKGROUND.discard(threading.current_thread())
 
+    global _HOOKED
     thread = threading.Thread(target=run, name=name, daemon=True)
     with _BACKGROUND_LOCK:
+        if not _HOOKED:
+            atexit.register(_await_background)
+            _HOOKED = True
         _BACKGROUND.add(thread)
     thread.start()
     return thread
 
 
-@atexit.register
 def _await_background() -> None:
     end = time.monotonic() + EXIT_GRACE_S
     with _BACKGROUND_LOCK:

@@ -77,7 +77,10 @@ class Call:
 
     def result(self) -> None:
         if self._thread.is_alive():
-            raise WeightSyncError(f"the engine's {self.what} did not return within the bound")
+            raise WeightSyncError(
+                f"the engine's {self.what} did not return within the bound; the call is still running in the "
+                "engine, which may yet complete it"
+            )
         if self.error is not None:
             raise WeightSyncError(
                 f"the engine's {self.what} failed: {type(self.error).__name__}: {self.error}"

@@ -70,7 +70,10 @@ class TransportOptions(Protocol):
         on it); ValueError if they do not fit it."""
         ...
 
-    def to_wire(self) -> dict[str, Any]: ...
+    def to_wire(self) -> dict[str, Any]:
+        """These options as they go in the sync's header (JSON-like, sealed with the group's token when it has
+        one); the transport's spec ``parse``-s them back on each receiver, checked as hostile."""
+        ...
 
 
 def _copy_here(dst: torch.Tensor, src: torch.Tensor) -> None:
