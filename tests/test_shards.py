@@ -465,3 +465,48 @@ def test_a_lazy_source_whose_box_moved_is_refused() -> None:
     assert res[1].startswith("ValueError") and "announced as a box at [4, 0]" in res[1], res
     msg, version, kept = res[2]
     assert "rank 1" in msg and version == 1 and kept, res[2]
+
+
+def _disagree(rank: int, ports: Any) -> Any:
+    """Both sources hold b whole (replicas); at version 2 source 1's copy differs in one element: every
+    member refuses the sync, naming b and both holders; the receivers' targets stay on version 1; the next
+    sync, whose copies agree, lands."""
+    with make_group(rank, 4, "127.0.0.1", ports) as g:
+        if rank < 2:
+            snd = gb.WeightSender(g, bucket_bytes=1024)
+            out = []
+            for v in (1, 2, 3):
+                mine = _source(rank, 2, v)
+                if v == 2 and rank == 1:
+                    mine["b"] = mine["b"].clone()
+                    mine["b"][5] += 1
+                try:
+                    snd.send(mine, version=v)
+                    out.append("sent")
+                except gb.SyncRefusedError as e:
+                    out.append(str(e))
+            return out
+        rcv = gb.WeightReceiver(g)
+        target = {k: torch.zeros(SHAPES[k], dtype=DTYPES[k]) for k in SHAPES}
+        out = []
+        for v in (1, 2, 3):
+            try:
+                rcv.receive_into(target)
+                out.append((rcv.version, _exact(target, v)))
+            except gb.SyncRefusedError as e:
+                out.append((str(e), rcv.version, _exact(target, 1)))
+        return out
+
+
+@pytest.mark.timeout(60)
+def test_replicas_that_disagree_are_refused_on_every_member() -> None:
+    res = run_ranks(_disagree, 4, CTX.Queue(), timeout=50)
+    for r in (0, 1):
+        first, second, third = res[r]
+        assert first == "sent" and third == "sent", res[r]
+        assert "copies of b at [0] of shape [16] differ" in second and "rank(s) 0" in second, second
+        assert "rank(s) 1" in second and "not committed on any receiver" in second, second
+    for r in (2, 3):
+        first, (msg, held, untouched), third = res[r]
+        assert first == (1, True) and third == (3, True), res[r]
+        assert "copies of b" in msg and held == 1 and untouched, res[r]

@@ -412,11 +412,42 @@ def collect_acks(group: StatelessGroup, receivers: list[int], deadline: Deadline
     return failures
 
 
-def vote(group: StatelessGroup, version: int, problem: str | None, deadline: Deadline) -> None:
+def vote(
+    group: StatelessGroup,
+    version: int,
+    problem: str | None,
+    deadline: Deadline,
+    replicas: Mapping[str, str] | None = None,
+) -> None:
     """Step 4's gather: raise :class:`SyncRefusedError` on every member unless every member succeeded
-    (``problem``: why this member's part failed, or None)."""
-    votes = group.all_gather_obj(problem, timeout=deadline)
-    failed = [(r, v) for r, v in enumerate(votes) if v is not None]
+    (``problem``: why this member's part failed, or None). A source of a many-source sync adds ``replicas``:
+    the digest of every replicated cell it holds (see ``ShardPlan.replicated``); cells whose holders'
+    digests differ fail the sync on every member alike."""
+    ballot: Any = problem if replicas is None else {"problem": problem, "replicas": dict(replicas)}
+    votes = group.all_gather_obj(ballot, timeout=deadline)
+    failed: list[tuple[int, str]] = []
+    held: dict[str, dict[str, list[int]]] = {}
+    for r, v in enumerate(votes):
+        if isinstance(v, dict):
+            cells = v.get("replicas")
+            if (
+                not isinstance(cells, dict)
+                or len(cells) > 1 << 20
+                or not all(isinstance(k, str) and isinstance(d, str) for k, d in cells.items())
+            ):
+                failed.append((r, "its vote is malformed"))
+                continue
+            for cell, digest in cells.items():
+                held.setdefault(cell, {}).setdefault(digest, []).append(r)
+            v = v.get("problem")
+        if v is not None:
+            failed.append((r, str(v)))
+    for cell, digests in sorted(held.items()):
+        if len(digests) > 1:
+            who = "; ".join(f"rank(s) {', '.join(map(str, rs))} hold one copy" for rs in digests.values())
+            failed.append((min(min(rs) for rs in digests.values()),
+                           f"the sources' copies of {cell} differ ({who}): replicas that disagree are "
+                           "refused, not mixed"))  # fmt: skip
     if failed:
-        text = "\n".join(f"rank {r}: {str(v)[:2000]}" for r, v in failed)
+        text = "\n".join(f"rank {r}: {v[:2000]}" for r, v in failed)
         raise SyncRefusedError(f"version {version} was not committed on any receiver:\n{text}")

@@ -65,6 +65,10 @@ class ShardPlan:
     """(source, receiver) -> the buckets that pair moves, in order."""
     sent: Mapping[int, int]
     """Bytes each source sends in all."""
+    replicated: tuple[tuple[str, Box, tuple[int, ...]], ...] = ()
+    """(tensor, cell, its holders) of every wanted cell more than one source holds (replicas, overlapping
+    shards): each holder digests the whole cell and the vote compares them, so replicas that disagree are
+    refused instead of mixed."""
 
     def buckets(self, src: int, dst: int) -> tuple[Bucket, ...]:
         return self.pairs.get((src, dst), ())
@@ -116,9 +120,10 @@ def plan_shards(
                 wants.setdefault(w.name, []).append((dst, w.box))
     load = dict.fromkeys(held, 0)
     pieces: dict[tuple[int, int], list[tuple[str, Box]]] = {}
+    replicated: list[tuple[str, Box, tuple[int, ...]]] = []
     for name in order:
         for src, dst, box in _assign(name, holders.get(name, []), wants.get(name, []), load, problems,
-                                     element_size(dtypes[name])):  # fmt: skip
+                                     element_size(dtypes[name]), replicated):  # fmt: skip
             pieces.setdefault((src, dst), []).append((name, box))
     if problems:
         shown = "\n".join(problems[:50]) + (
@@ -126,7 +131,7 @@ def plan_shards(
         )
         raise ManifestMismatchError(f"the senders' and receivers' tensors do not fit together:\n{shown}")
     pairs = {pair: _bucketed(boxes, dtypes, bucket_bytes) for pair, boxes in sorted(pieces.items()) if boxes}
-    return ShardPlan(tuple(n for n in order if n in wants), dtypes, shapes, pairs, load)
+    return ShardPlan(tuple(n for n in order if n in wants), dtypes, shapes, pairs, load, tuple(replicated))
 
 
 def _assign(
@@ -136,8 +141,10 @@ def _assign(
     load: dict[int, int],
     problems: list[str],
     itemsize: int,
+    replicated: list[tuple[str, Box, tuple[int, ...]]],
 ) -> list[tuple[int, int, Box]]:
-    """(source, receiver, box) for every cell of tensor ``name`` some receiver wants."""
+    """(source, receiver, box) for every cell of tensor ``name`` some receiver wants; each such cell that
+    several sources hold goes to ``replicated`` too."""
     if not wants:
         return []
     boxes = [b for _, b in holders] + [b for _, b in wants]
@@ -163,6 +170,8 @@ def _assign(
             missing.append(cell)
             continue
         rows = cell.shape[0] if dims else 1
+        if len(have) > 1:
+            replicated.append((name, cell, tuple(have)))
         parts = _split_rows(cell, min(len(have), rows)) if len(have) > 1 else [cell]
         for part in parts:
             src = min(have, key=lambda s: (load[s], s))

@@ -5,13 +5,17 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
 import torch
+import xxhash
 
-from ..errors import SyncRefusedError
+from ..control import Deadline
+from ..errors import CopyTimeoutError, SyncRefusedError
 from ..stateless import StatelessGroup
 from . import _bytes, _delta, _sharded
 from ._copier import Copier
@@ -172,6 +176,12 @@ class SourceSlots(Mapping[str, Slot]):
         self._lazy = not isinstance(items, list)
         self._pulled = 0
         self._slots: dict[str, Slot] = {}
+        self._replicated: dict[str, list[Box]] = {}
+        for name, cell, holders in plan.replicated:
+            if me in holders:
+                self._replicated.setdefault(name, []).append(cell)
+        self._replicas: dict[str, Future[str]] = {}
+        self._hasher: ThreadPoolExecutor | None = None
         self._left: Counter[str] = Counter(
             p.name for (src, _), buckets in plan.pairs.items() if src == me for b in buckets for p in b.pieces
         )
@@ -203,6 +213,22 @@ class SourceSlots(Mapping[str, Slot]):
             if self._left[p.name] <= 0:
                 self._slots.pop(p.name, None)
 
+    def replicas(self, deadline: Deadline) -> dict[str, str]:
+        """The digest of every replicated cell this source holds (see ``ShardPlan.replicated``), for the
+        vote to compare across each cell's holders. Taken on a thread of their own as tensors are pulled
+        (hashing releases the GIL), so they overlap the stream instead of adding to it."""
+        try:
+            return {where: f.result(timeout=max(deadline.left(), 0.0)) for where, f in self._replicas.items()}
+        except FutureTimeout:
+            raise CopyTimeoutError(f"digesting this source's replicated cells ran past {deadline}") from None
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self._hasher is not None:
+            self._hasher.shutdown(wait=False, cancel_futures=True)
+            self._hasher = None
+
     def finish(self) -> None:
         """Pull the rest (a generator that gathers runs to its end on every source alike)."""
         while self._pull():
@@ -225,10 +251,20 @@ class SourceSlots(Mapping[str, Slot]):
                 f"{list(e.shape)} {e.dtype} (the order and shapes must not change)"
             )
         self._pulled += 1
+        offset = self._shards[name][1] if name in self._shards else (0,) * t.dim()
+        for cell in self._replicated.get(name, ()):
+            if self._hasher is None:
+                self._hasher = ThreadPoolExecutor(1, thread_name_prefix="groupbridge-replicas")
+            where = f"{name} at {list(cell.offset)} of shape {list(cell.shape)}"
+            self._replicas[where] = self._hasher.submit(_cell_digest, t.detach()[cell.slices(offset)])
         if self._left[name] > 0 or not self._lazy:
-            offset = self._shards[name][1] if name in self._shards else (0,) * t.dim()
             self._slots[name] = (t.detach(), Box(offset, tuple(t.shape)))
         return True
+
+
+def _cell_digest(cell: torch.Tensor) -> str:
+    data = cell.contiguous().reshape(-1).view(torch.uint8).cpu().numpy().data
+    return f"{xxhash.xxh3_64_intdigest(data):016x}"
 
 
 def send_sharded(
@@ -250,12 +286,13 @@ def send_sharded(
         sent = send_shards(exchange, tx, sync)
         slots.finish()
         version = session.header.version
-        vote(group, version, None, deadline)
+        vote(group, version, None, deadline, replicas=slots.replicas(deadline))
         receivers = [r for r in range(group.world_size) if r not in session.sources]
         failures = collect_acks(group, receivers, deadline)
         if failures:
             raise SyncRefusedError(f"version {version} was not applied everywhere:\n" + "\n".join(failures))
     except BaseException:
+        slots.close()
         if bases is not None:
             bases.abandon()
         raise
