@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import time
 from datetime import timedelta
@@ -18,12 +19,17 @@ from tests.helpers import CTX, Ranks, make_group, run_ranks
 from tests.weights_models import bit_equal, every_dtype, make_model, zeros_like_model
 
 
-def _shm_files() -> list[str]:
-    """Files in /dev/shm that look like ours: slots are memfd files with no name, so never any."""
-    try:
-        return sorted(n for n in os.listdir("/dev/shm") if "groupbridge" in n)
-    except FileNotFoundError:
-        return []
+def _slots_held() -> int:
+    """Shared-memory slots this process still maps or holds open. Slots are memfd files (no name in
+    /dev/shm, so nothing there can leak); what could leak is a mapping or a descriptor a closed sender or
+    receiver kept, and that is what this counts."""
+    gc.collect()  # views of a slot that nothing references any more are unmapped with their storage
+    with open("/proc/self/maps") as f:
+        held = sum("groupbridge-slot" in line for line in f)
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            held += "groupbridge-slot" in os.readlink(f"/proc/self/fd/{fd}")
+    return held
 
 
 def _sync(rank: int, host: str, ports: Any, n: int, transport: str, mode: str, ns: list[str] | None) -> Any:
@@ -40,7 +46,7 @@ def _sync(rank: int, host: str, ports: Any, n: int, transport: str, mode: str, n
             )
             kinds = [snd.send(every_dtype(seed=v), version=v).transport for v in (1, 2)]
             snd.close()
-            return kinds
+            return kinds, _slots_held()
         rcv = gb.WeightReceiver(g, src=0)
         target = zeros_like_model(every_dtype())
         ok = []
@@ -52,7 +58,9 @@ def _sync(rank: int, host: str, ports: Any, n: int, transport: str, mode: str, n
                 rcv.receive_into(target, atomic=(mode == "atomic"))
                 got = target
             ok.append(all(bit_equal(got[k], want[k].contiguous()) for k in want))
-        return ok
+        rcv.close()
+        del got
+        return ok, _slots_held()
 
 
 @pytest.mark.timeout(90)
@@ -60,9 +68,9 @@ def _sync(rank: int, host: str, ports: Any, n: int, transport: str, mode: str, n
 @pytest.mark.parametrize(("transport", "n"), [("shm", 2), ("shm", 3), ("relay", 4), ("auto", 3)])
 def test_one_host_bit_exact(transport: str, n: int, mode: str) -> None:
     res = run_ranks(_sync, n, "127.0.0.1", CTX.Queue(), n, transport, mode, None, timeout=80)
-    assert res[0] == [("shm" if transport == "auto" else transport)] * 2
-    assert all(r == [True, True] for r in res[1:]), res
-    assert _shm_files() == []
+    assert res[0][0] == [("shm" if transport == "auto" else transport)] * 2
+    assert all(r[0] == [True, True] for r in res[1:]), res
+    assert [r[1] for r in res] == [0] * n, res  # no slot mapped or open after close, on any member
 
 
 def _unavailable(rank: int, host: str, ports: Any) -> str:
@@ -87,24 +95,27 @@ def _killed(rank: int, host: str, ports: Any, victim: int) -> Any:
     g = make_group(rank, 3, host, ports, liveness_timeout=timedelta(seconds=2))
     shapes = [(f"w{i}", (128, 128)) for i in range(64)]  # 2 MiB over 64 kB buckets
     t0 = time.monotonic()
+    end: Any = None  # the sender or receiver, closed before the slots this process holds are counted
     try:
         if rank == 0:
             with inject_faults() as faults:
                 faults.post = lambda k, view: os._exit(3) if (victim == 0 and k == 10) else time.sleep(0.01)
-                snd = gb.WeightSender(g, bucket_bytes=64 << 10, transport="shm")
-                snd.send(make_model(shapes, seed=1), version=1)
+                end = gb.WeightSender(g, bucket_bytes=64 << 10, transport="shm")
+                end.send(make_model(shapes, seed=1), version=1)
             return "finished"
-        rcv = gb.WeightReceiver(g, src=0)
+        end = gb.WeightReceiver(g, src=0)
         if rank == victim:
-            for i, _ in enumerate(rcv.receive()):
+            for i, _ in enumerate(end.receive()):
                 if i == 8:
                     os._exit(3)
-        rcv.receive_into(make_model(shapes, seed=0))
+        end.receive_into(make_model(shapes, seed=0))
         return "finished"
     except gb.GroupBridgeError as e:
-        return f"{type(e).__name__} after {time.monotonic() - t0:.1f}s"
+        failed = f"{type(e).__name__} after {time.monotonic() - t0:.1f}s"
     finally:
         g.close()
+    end.close()  # out of the except block: the error's frames no longer hold views of the slots
+    return failed, _slots_held()
 
 
 @pytest.mark.timeout(60)
@@ -113,10 +124,10 @@ def test_shm_killed_member_leaves_nothing_behind(victim: int) -> None:
     survivors = [r for r in range(3) if r != victim]
     res = Ranks(_killed, 3, ("127.0.0.1", CTX.Queue(), victim)).results(45, expect=survivors)
     for r in survivors:
-        status, value = res[r]
+        status, (value, held) = res[r]
         assert status and "Error after" in value, value
         assert float(value.split(" after ")[1].rstrip("s")) < 20
-    assert _shm_files() == []
+        assert held == 0, (r, held)  # nothing of the failed sync's slots mapped or open after close
 
 
 # ---------------------------------------------------------------- simulated hosts
