@@ -144,8 +144,8 @@ def test_across_simulated_ipv6_hosts(transport: str) -> None:
         host = sim.hosts[0].address
         names = [h.namespace for h in sim.hosts]
         res = run_ranks(_sync, 4, host, CTX.Queue(), 4, transport, "streaming", names, timeout=100)
-    assert res[0] == [transport] * 2
-    assert all(r == [True, True] for r in res[1:]), res
+    assert res[0] == ([transport] * 2, 0)
+    assert all(r == ([True, True], 0) for r in res[1:]), res
     assert not any(n in os.popen("ip netns list").read() for n in names)
 
 
