@@ -1,5 +1,5 @@
 """Every environment variable groupbridge reads, in one place (and GLOO_SOCKET_IFNAME, which
-:func:`groupbridge.init_global_group` sets when unset, see there).
+:func:`groupbridge.init_global_group` sets when unset, see there, unless GROUPBRIDGE_SET_GLOO_IFNAME=0).
 
 Launchers (torchrun, Ray, Slurm wrappers) describe a process's place in its world through RANK, WORLD_SIZE,
 LOCAL_RANK, MASTER_ADDR and MASTER_PORT; some setups use DIST_INIT_METHOD instead. Explicit arguments to the
@@ -22,6 +22,7 @@ __all__ = [
     "gloo_ifname",
     "read_dist_env",
     "set_gloo_ifname",
+    "sets_gloo_ifname",
     "tuning_int",
     "warn_overwrite_env",
 ]
@@ -117,6 +118,19 @@ def tuning_int(name: str, default: int, minimum: int = 1) -> int:
 def gloo_ifname() -> str | None:
     """GLOO_SOCKET_IFNAME: the interface gloo binds to, when the user chose one."""
     return os.environ.get(GLOO_IFNAME) or None
+
+
+SET_GLOO_IFNAME = "GROUPBRIDGE_SET_GLOO_IFNAME"
+
+
+def sets_gloo_ifname() -> bool:
+    """Whether :func:`groupbridge.init_global_group` may set GLOO_SOCKET_IFNAME when it is unset:
+    GROUPBRIDGE_SET_GLOO_IFNAME=0 leaves gloo to its own choice (the host name's address), and the process
+    environment untouched. ValueError for a value other than 0 or 1."""
+    value = os.environ.get(SET_GLOO_IFNAME, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{SET_GLOO_IFNAME}={value!r} must be 0 or 1")
+    return value != "0"
 
 
 def set_gloo_ifname(iface: str) -> None:

@@ -17,7 +17,15 @@ import torch.distributed as dist
 
 from . import _torch_private
 from .devices import accelerator, parse_backend, split_backend
-from .env import GLOO_IFNAME, DistEnv, gloo_ifname, parse_int, read_dist_env, set_gloo_ifname
+from .env import (
+    GLOO_IFNAME,
+    DistEnv,
+    gloo_ifname,
+    parse_int,
+    read_dist_env,
+    set_gloo_ifname,
+    sets_gloo_ifname,
+)
 from .net import Address, Listener, interface_toward, listen
 from .store import host_store
 
@@ -245,9 +253,10 @@ def _bind_gloo_toward(host: str | None) -> None:
 
     Left to itself gloo binds to whatever this machine's host name resolves to; where that is a loopback
     address (Debian's default 127.0.1.1 entry does this on many real machines) ranks on other nodes cannot
-    connect and the first collective times out. An explicit GLOO_SOCKET_IFNAME always wins.
+    connect and the first collective times out. An explicit GLOO_SOCKET_IFNAME always wins, and
+    GROUPBRIDGE_SET_GLOO_IFNAME=0 leaves gloo to itself.
     """
-    if host is None or gloo_ifname() is not None:
+    if host is None or gloo_ifname() is not None or not sets_gloo_ifname():
         return
     try:
         iface = interface_toward(Address.parse(host).with_port(9))

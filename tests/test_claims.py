@@ -115,3 +115,23 @@ def test_dist_init_method_and_gloo_ifname(ifname: str | None) -> None:
     assert all(r["sum"] == 2.0 and r["world"] == 2 for r in res), res
     # unset: set to the interface toward the rendezvous host; explicit: left exactly as the user set it
     assert all(r["ifname"] == "lo" for r in res), res
+
+
+def test_gloo_ifname_is_left_alone_when_the_user_opts_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GROUPBRIDGE_SET_GLOO_IFNAME=0: the process environment is not touched (gloo chooses by host name);
+    a value other than 0 or 1 is an error naming the variable."""
+    from groupbridge.global_group import _bind_gloo_toward
+
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.setenv("GROUPBRIDGE_SET_GLOO_IFNAME", "0")
+    _bind_gloo_toward("127.0.0.1")
+    assert "GLOO_SOCKET_IFNAME" not in os.environ
+    monkeypatch.setenv("GROUPBRIDGE_SET_GLOO_IFNAME", "yes")
+    with pytest.raises(ValueError, match="GROUPBRIDGE_SET_GLOO_IFNAME='yes' must be 0 or 1"):
+        _bind_gloo_toward("127.0.0.1")
+    monkeypatch.delenv("GROUPBRIDGE_SET_GLOO_IFNAME")
+    try:
+        _bind_gloo_toward("127.0.0.1")
+        assert os.environ.get("GLOO_SOCKET_IFNAME") == "lo"  # the default: the interface toward the host
+    finally:  # never left to the tests after this one (ranks spawned later inherit the environment)
+        os.environ.pop("GLOO_SOCKET_IFNAME", None)
