@@ -21,6 +21,7 @@ from .errors import (
     TornUpdateError,
     TransportRefusedError,
     TransportUnavailableError,
+    VerificationError,
     WeightSyncError,
 )
 from .global_group import GlobalGroup, destroy_global_group, init_global_group
@@ -67,6 +68,7 @@ __all__ = [
     "TornUpdateError",
     "TransportRefusedError",
     "TransportUnavailableError",
+    "VerificationError",
     "WeightReceiver",
     "WeightSender",
     "WeightSyncError",

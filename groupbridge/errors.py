@@ -88,6 +88,21 @@ class TornUpdateError(WeightSyncError):
         self.written = written
 
 
+class VerificationError(WeightSyncError):
+    """An update arrived whole and was installed, but the engine's output disagreed with the trainer's model
+    (a :class:`groupbridge.engine.Probe`): every replica was rolled back to ``served`` (None: the rollback
+    was not possible, and the message says what each replica serves)."""
+
+    def __init__(
+        self, message: str, *, version: int, replica: int, difference: float, served: int | None
+    ) -> None:
+        super().__init__(message)
+        self.version = version
+        self.replica = replica
+        self.difference = difference
+        self.served = served
+
+
 class TransportUnavailableError(GroupBridgeError):
     """An explicitly requested transport cannot work between these members."""
 

@@ -10,16 +10,18 @@ cloned or re-assembled).
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 
-from groupbridge.engine import TrainerConfig, TrainerSession
-from groupbridge.errors import ManifestMismatchError, WeightSyncError
+from groupbridge.engine import Probe, TrainerConfig, TrainerSession
+from groupbridge.errors import ManifestMismatchError, VerificationError, WeightSyncError
 from tests.helpers import CTX, Ranks
 
 pytestmark = pytest.mark.timeout(90)
@@ -54,12 +56,15 @@ def _engine(rank: int, calls: Any, replies: Any) -> dict[str, Any]:
     session = WorkerSession(Loader())
     ticks: list[float] = []
     fail_commit = False
+    loader = session.loader
+    honest_load = Loader.load
     while True:
         try:
             call, arg = calls.get(timeout=0.01)
         except queue.Empty:
             ticks.append(time.monotonic())  # the engine's loop: one step of serving
             continue
+        result: Any = None
         try:
             if call == "join":
                 session.join(BridgeInfo(**arg), 1)
@@ -73,6 +78,23 @@ def _engine(rank: int, calls: Any, replies: Any) -> dict[str, Any]:
                 session.commit()
             elif call == "fail_next_commit":
                 fail_commit = True
+            elif call in ("break_next_load", "tear_next_load"):
+                # a loader bug on the next load only: one tensor written wrong (every byte arrived
+                # verified), or a load that fails midway (the model holds two versions)
+                def bad(self: Any, weights: Any, tear: bool = call == "tear_next_load") -> None:
+                    type(self).load = honest_load
+                    for i, (name, t) in enumerate(weights):
+                        if tear and i == 3:
+                            raise RuntimeError("the loader failed midway")
+                        model[name].copy_(t + (0.5 if i == 2 else 0.0))
+
+                type(loader).load = bad
+            elif call == "rollback":
+                session.begin()
+                session.stage_rollback(arg)
+                session.commit()
+            elif call == "probe":  # what the engine serves, read through the installed weights
+                result = [float(model[n].mean()) for n in SHAPES]
             elif call == "leave":
                 session.close()
             elif call == "stop":
@@ -81,7 +103,7 @@ def _engine(rank: int, calls: Any, replies: Any) -> dict[str, Any]:
                 return {"ticks": ticks, "sum": float(sum(t.sum() for t in model.values())),
                         "version": session.version, "timings": session.timings,
                         "storages": [[m.data_ptr() for m in load] for load in storages]}  # fmt: skip
-            replies.put(("ok", dict(session.timings)))
+            replies.put(("ok", result if result is not None else dict(session.timings)))
         except Exception as e:
             replies.put(("error", f"{type(e).__name__}: {e}"))
 
@@ -115,6 +137,36 @@ class Control:
 
     def leave(self) -> None:
         self.rpc("leave")
+
+    def probe(self, tokens: list[int]) -> list[list[float]]:
+        return [self.rpc("probe", tokens)]
+
+    def rollback(self, version: int) -> None:
+        self.rpc("rollback", version)
+
+
+@contextlib.contextmanager
+def rig(**config: Any) -> Iterator[tuple[TrainerSession, Control, dict[str, Any]]]:
+    """A trainer session driving one worker process; the dict is filled, once the block ends, with what
+    the worker reports at its stop (its model's sum, version, timings, the storages its loads got)."""
+    calls, replies = CTX.Queue(), CTX.Queue()
+    worker = Ranks(_engine, 1, (calls, replies))
+    control = Control(calls, replies)
+    config = {"timeout": 30, "liveness": 10, "bucket_bytes": 32 << 10, **config}
+    session = TrainerSession(TrainerConfig(**config), control)
+    out: dict[str, Any] = {}
+    try:
+        yield session, control, out
+    finally:
+        session.close()
+        control.rpc("stop")
+        ((ok, res),) = worker.results(30).values()
+        assert ok, res
+        out.update(res)
+
+
+SPECS = {n: (s, torch.float32) for n, s in SHAPES.items()}
+WHOLE = sum(64 * 64 for _ in SHAPES)
 
 
 def slow(value: float, seconds: float) -> Any:
@@ -254,3 +306,67 @@ def test_a_second_send_while_one_runs_is_refused_at_once() -> None:
     ((ok, out),) = worker.results(30).values()
     assert ok, out
     assert out["version"] == 2 and out["sum"] == 3.0 * sum(64 * 64 for _ in SHAPES)
+
+
+def _means(value: float) -> list[float]:
+    """What the probe of a model whose every tensor holds ``value`` reads."""
+    return [value] * len(SHAPES)
+
+
+def test_a_probe_that_disagrees_rolls_back_and_the_next_update_lands() -> None:
+    """A loader bug after a verified transfer (one tensor written wrong): the probe sees it, the worker loads
+    version 2 again from its rollback copy, the send raises naming the replica; version 4 then lands."""
+    values = {1: 1.0, 2: 2.0, 3: 3.0, 4: 4.0}
+    probe = Probe(list(range(len(SHAPES) + 1)), lambda v: _means(values[v]), atol=1e-3)
+    with rig(verify=probe) as (session, control, out):
+        for v in (1, 2):
+            assert session.send(slow(values[v], 0), specs=SPECS) == v
+        assert control.probe([])[0] == _means(2.0)
+        control.rpc("break_next_load")
+        with pytest.raises(
+            VerificationError, match=r"replica 0 serves version 3.*rolled back to version 2"
+        ) as e:
+            session.send(slow(3.0, 0), specs=SPECS)
+        assert (e.value.replica, e.value.served, e.value.version) == (0, 2, 3)
+        assert e.value.difference == pytest.approx(0.5)  # the tensor the loader wrote wrong
+        assert control.probe([])[0] == _means(2.0)  # version 2's bytes, every tensor
+        assert session.version == 2 and session.sent == 3
+        assert session.last_seconds["unverified"] >= session.last_seconds["verify"] > 0
+        assert session.send(slow(4.0, 0), specs=SPECS) == 4
+    assert out["version"] == 4 and out["sum"] == 4.0 * WHOLE
+
+
+def test_a_torn_commit_is_rolled_back_to_the_whole_previous_version() -> None:
+    """Rollback without a probe: a load that fails midway leaves the model holding two versions; the trainer
+    has the worker load version 1 again, and says so."""
+    with rig(rollback=True) as (session, control, out):
+        assert session.send(slow(1.0, 0), specs=SPECS) == 1
+        control.rpc("tear_next_load")
+        with pytest.raises(WeightSyncError, match=r"commit of version 2 failed.*rolled back to version 1"):
+            session.send(slow(2.0, 0), specs=SPECS)
+        assert control.probe([])[0] == _means(1.0)
+        assert session.send(slow(3.0, 0), specs=SPECS) == 3
+    assert out["version"] == 3 and out["sum"] == 3.0 * WHOLE
+
+
+def test_without_rollback_a_failed_probe_cannot_happen_and_a_torn_commit_says_so() -> None:
+    with pytest.raises(ValueError, match="verify needs rollback"):
+        TrainerConfig(verify=Probe([1, 2], lambda v: [0.0]), rollback=False)
+    with rig() as (session, control, out):
+        assert session.send(slow(1.0, 0), specs=SPECS) == 1
+        control.rpc("tear_next_load")
+        with pytest.raises(WeightSyncError, match=r"rollback is off"):
+            session.send(slow(2.0, 0), specs=SPECS)
+        with pytest.raises(RuntimeError, match=r"cannot roll back to version 1: .* none"):
+            control.rollback(1)
+        assert session.send(slow(3.0, 0), specs=SPECS) == 3
+    assert out["sum"] == 3.0 * WHOLE
+
+
+def test_the_first_update_cannot_be_rolled_back_and_the_error_says_what_is_served() -> None:
+    probe = Probe([0, 1, 2, 3, 4, 5, 6, 7, 8], lambda v: _means(9.0), atol=1e-3)
+    with rig(verify=probe) as (session, _, out):
+        with pytest.raises(VerificationError, match="no earlier version of this trainer") as e:
+            session.send(slow(1.0, 0), specs=SPECS)
+        assert e.value.served is None and session.version is None
+    assert out["version"] == 1

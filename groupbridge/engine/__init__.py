@@ -3,12 +3,13 @@
 An engine adapter supplies two small things: on the trainer, an :class:`EngineControl` (how to have the
 workers join, begin an update, commit it, leave); on each worker, a :class:`Loader` (how to dry-run a
 manifest, load pairs, and leave the model serving). The bridge, its generations, versions, the control call
-beside the send, aborts, the kept buffer, background landing, commit and torn handling are here, once.
+beside the send, aborts, the kept buffer, background landing, commit and torn handling, the probe after a swap and the rollback are here, once.
 """
 
 from __future__ import annotations
 
 from ._info import BridgeInfo, check_seconds
+from ._probe import Probe, causal_logprobs
 from ._state import Described, SessionState
 from ._trainer import EngineControl, TrainerConfig, TrainerSession
 from ._worker import Loader, WorkerSession
@@ -18,9 +19,11 @@ __all__ = [
     "Described",
     "EngineControl",
     "Loader",
+    "Probe",
     "SessionState",
     "TrainerConfig",
     "TrainerSession",
     "WorkerSession",
+    "causal_logprobs",
     "check_seconds",
 ]

@@ -36,6 +36,9 @@ class BridgeInfo:
     liveness_s: float = 10.0
     sources: int = 1
     """Trainer ranks on the bridge (ranks 0 .. sources-1); the workers follow them."""
+    rollback: bool = False
+    """Keep the bytes of the version served before each update (one more copy of the model's wire bytes in
+    host memory), so that the trainer can have it served again (see :mod:`._rollback`)."""
     rank_offset: int = 0
     """Where this engine's workers start among the workers: with several engines on one bridge (a fleet),
     engine k's workers follow those of engines 0 .. k-1. A worker's rank is ``sources + rank_offset + its

@@ -9,7 +9,11 @@ receive), commit it (the workers load it and serve it). One :meth:`TrainerSessio
    update's bytes then land on a thread of theirs while the engine serves);
 2. here, :meth:`groupbridge.WeightSender.send`, which returns once every worker acknowledged the bytes
    (atomic: staged, the model untouched; streaming: loaded);
-3. ``control.commit(version)``: the workers load what they staged, and the engine serves ``version``.
+3. ``control.commit(version)``: the workers load what they staged, and the engine serves ``version``;
+4. with ``verify`` (a :class:`Probe`): ``control.probe(tokens)`` on every replica; one that disagrees with
+   the trainer's model makes ``control.rollback(previous)`` reload the version served before on every
+   replica, and the send raise :class:`VerificationError`. A commit that failed is rolled back the same way
+   (when the workers keep the previous version: ``rollback``).
 
 A failure on either side ends both: a worker that refuses or fails makes the send raise (a refusal before
 bytes move is the same ``ManifestMismatchError`` on every member and the bridge stays usable); a control
@@ -31,13 +35,14 @@ from typing import Any, Protocol
 import torch
 
 from .._closing import Closing
-from ..errors import GroupBridgeError, SyncRefusedError, WeightSyncError
+from ..errors import GroupBridgeError, SyncRefusedError, VerificationError, WeightSyncError
 from ..net import Address, Listener, listen
 from ..stateless import StatelessGroup
 from ..weights.sender import SyncStats, WeightSender
 from ..weights.transports import TRANSPORTS
 from ._calls import Call, abort_later, usable
 from ._info import BridgeInfo, check_seconds
+from ._probe import Probe
 
 __all__ = ["EngineControl", "TrainerConfig", "TrainerSession"]
 
@@ -51,6 +56,10 @@ class EngineControl(Protocol):
     rank its own). ``begin(version)``: each worker starts an update and receives it (its handshake; then,
     atomic, its bytes land in the background). ``commit(version)``: each worker loads what it received and
     serves ``version``. ``leave()``: each worker leaves the bridge (before the trainer closes it).
+
+    With ``TrainerConfig(verify=...)`` or ``rollback=True``, also: ``probe(tokens)`` -> one list of
+    log-probabilities of ``tokens[1:]`` per replica, computed by its own request path; ``rollback(version)``:
+    each worker loads ``version`` again (the one it served before its last update) and the engine serves it.
     """
 
     def join(self, info: dict[str, Any]) -> None: ...
@@ -93,6 +102,15 @@ class TrainerConfig:
             ``listener=`` on rank 0 and ``lis.port`` to the others.
         listener: on rank 0, a socket bound beforehand (see ``sources``); the first bridge is served on it.
         name: the bridge's name (a worker of another job is refused at join).
+        verify: a :class:`groupbridge.engine.Probe`: after every swap each replica scores its tokens; one that
+            disagrees with the trainer's model rolls every replica back to the version served before, and
+            the send raises ``gb.VerificationError``. Requests served between the swap and the rollback saw
+            the unverified weights (``last_seconds["unverified"]``); a user who cannot accept that holds its
+            own requests while ``send_weights`` runs.
+        rollback: the workers keep the bytes of the version served before each update, so that a probe that
+            disagrees, or a commit that failed on some engine, can have it served again: one more copy of
+            the model's wire bytes in host memory per worker, and one host memcpy of them per update (on
+            the landing thread, while the engine serves). None: on exactly when ``verify`` is set.
     """
 
     host: str = "127.0.0.1"
@@ -110,6 +128,8 @@ class TrainerConfig:
     delta: bool | str = False
     sources: int = 1
     listener: Listener | None = None
+    verify: Probe | None = None
+    rollback: bool | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.workers, int) or self.workers < 1:
@@ -123,6 +143,19 @@ class TrainerConfig:
             raise ValueError(f"sources={self.sources!r} must be >= 1 (the trainer ranks that send)")
         if self.delta not in (False, True, "always"):
             raise ValueError(f"delta={self.delta!r} must be False, True or 'always'")
+        if self.verify is not None and not isinstance(self.verify, Probe):
+            raise TypeError(f"verify must be a groupbridge.engine.Probe, got {type(self.verify).__name__}")
+        if self.rollback not in (None, False, True):
+            raise ValueError(f"rollback={self.rollback!r} must be None, False or True")
+        if self.verify is not None and self.rollback is False:
+            raise ValueError(
+                "verify needs rollback (a replica that disagrees is rolled back): drop rollback=False"
+            )
+
+    @property
+    def keeps_previous(self) -> bool:
+        """The workers keep the previous version's bytes (``rollback``, by default with ``verify``)."""
+        return self.rollback if self.rollback is not None else self.verify is not None
 
     def check_rank(self, rank: int) -> None:
         if 0 < rank < self.sources and self.port == 0:
@@ -145,6 +178,14 @@ class TrainerSession(Closing):
             raise ValueError(f"rank {rank} does not send (sources={config.sources}): it needs no session")
         if rank == 0 and control is None:
             raise ValueError("rank 0 drives the engine: pass its control")
+        if rank == 0 and config.keeps_previous:
+            needed = ("probe", "rollback") if config.verify is not None else ("rollback",)
+            missing = [m for m in needed if not callable(getattr(control, m, None))]
+            if missing:
+                raise TypeError(
+                    f"verify/rollback need an engine control with {' and '.join(missing)}(): "
+                    f"{type(control).__name__} has none"
+                )
         self.config = config
         self.control = control
         self.rank = rank
@@ -191,7 +232,7 @@ class TrainerSession(Closing):
         info = BridgeInfo(
             host=lis.address.host, port=lis.port, world_size=world, sources=c.sources, name=c.name,
             generation=self.generation, token=c.token, atomic=c.atomic, timeout_s=c.timeout,
-            liveness_s=c.liveness,
+            liveness_s=c.liveness, rollback=c.keeps_previous,
         )  # fmt: skip
         control = self.control
         call = Call("join", lambda: control.join(dataclasses.asdict(info)))
@@ -298,17 +339,69 @@ class TrainerSession(Closing):
         call.join(c.timeout)
         call.result()
         t1 = time.perf_counter()
+        self.last_stats = stats
         try:
             control.commit(v)
         except Exception as e:
             raise WeightSyncError(
-                f"the engine's commit of version {v} failed: {type(e).__name__}: {e}; an engine whose commit "
-                "failed still serves the version it served before"
+                f"the engine's commit of version {v} failed: {type(e).__name__}: {e}; {self._roll_back(v)}"
             ) from e
         t2 = time.perf_counter()
-        self.version, self.last_stats = v, stats
-        self.last_seconds = {"transfer": t1 - t0, "commit": t2 - t1, "total": t2 - t0}
+        self.last_seconds = {"transfer": t1 - t0, "commit": t2 - t1}
+        if c.verify is not None:
+            self._verify(c.verify, v)
+        self.version = v
+        self.last_seconds["total"] = time.perf_counter() - t0
         return v
+
+    def _verify(self, probe: Probe, v: int) -> None:
+        """Every replica scores the probe; one that disagrees rolls every replica back and raises."""
+        assert self.control is not None
+        t0 = time.perf_counter()
+        try:
+            served = self.control.probe(list(probe.tokens))  # type: ignore[attr-defined]
+            worst = probe.worst(v, served)
+        except Exception as e:
+            raise VerificationError(
+                f"the probe of version {v} failed: {type(e).__name__}: {e}; {self._roll_back(v)}",
+                version=v, replica=-1, difference=float("nan"), served=self.version,
+            ) from e  # fmt: skip
+        self.last_seconds["verify"] = time.perf_counter() - t0
+        if worst is None:
+            self.last_seconds["unverified"] = self.last_seconds["verify"]
+            return
+        k, diff = worst
+        back = self._roll_back(v)
+        self.last_seconds["unverified"] = time.perf_counter() - t0
+        raise VerificationError(
+            f"replica {k} serves version {v} with log-probabilities {diff:.4g} away from the trainer's "
+            f"(atol {probe.atol:g}; {len(served)} replica(s) probed): {back}",
+            version=v, replica=k, difference=diff, served=self.version,
+        )  # fmt: skip
+
+    def _roll_back(self, v: int) -> str:
+        """After a failed commit or probe of ``v``: every replica serves ``self.version`` again, where the
+        workers keep it; returns what the engines serve now, in words."""
+        if not self.config.keeps_previous:
+            return (
+                "rollback is off (TrainerConfig(rollback=True) turns it on): an engine whose commit returned "
+                f"serves {v}, the others what they served before"
+            )
+        if self.version is None:
+            return (
+                f"no earlier version of this trainer to roll back to (its first update): the replicas serve "
+                f"{v} where it was committed; send a corrected version"
+            )
+        try:
+            self.control.rollback(self.version)  # type: ignore[union-attr]
+        except Exception as e:
+            logger.error("groupbridge: the rollback to version %d failed: %s", self.version, e)
+            return (
+                f"the rollback to version {self.version} failed too ({type(e).__name__}: {str(e)[:500]}): "
+                f"replicas may serve {v} or {self.version}; send a full update"
+            )
+        logger.warning("groupbridge: version %d was rolled back; every replica serves %d", v, self.version)
+        return f"every replica was rolled back to version {self.version} and serves it"
 
     def _send_shards(self, named: Iterable[tuple[str, Any]] | Mapping[str, Any], version: int | None) -> int:
         """A sending rank other than 0: its part of the sync rank 0 drives (the versions advance alike)."""

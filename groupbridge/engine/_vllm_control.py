@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HttpClient", "SyncClient", "VllmControl"]
+__all__ = ["HttpClient", "SyncClient", "VllmControl", "prompt_logprobs"]
 
 
 class SyncClient(Protocol):
@@ -55,6 +55,19 @@ class VllmControl:
         if callable(leave):
             leave()
 
+    def probe(self, tokens: list[int]) -> list[list[float]]:
+        """Each replica's log-probabilities of ``tokens[1:]`` (a fleet: one list per engine)."""
+        each = getattr(self.client, "prompt_logprobs_each", None)
+        return each(tokens) if callable(each) else [prompt_logprobs(self.client, tokens)]
+
+    def rollback(self, version: int) -> None:
+        """Every worker loads ``version`` again (the one it served before its last update); vLLM then
+        reports it served. An update of its own, so that vLLM's version is set only by a finish that
+        loaded: the workers stage the rollback in ``update_weights`` and load it in the finish."""
+        start_update(self.client)
+        self.client.update_weights({"version": version, "rollback": True})
+        self.client.finish_weight_update(weight_version=str(version))
+
 
 def start_update(client: SyncClient) -> None:
     """``start_weight_update``, recovering an engine that a trainer left mid-update (it died, or its update
@@ -83,6 +96,27 @@ def start_update(client: SyncClient) -> None:
     )  # fmt: skip
 
 
+def prompt_logprobs(client: Any, tokens: list[int], timeout: float = 120.0) -> list[float]:
+    """One engine's log-probabilities of ``tokens[1:]``: the client's own ``prompt_logprobs`` (an offline
+    ``LLM``'s :class:`groupbridge.vllm.OfflineClient`), else the server at its ``base_url`` (vLLM's HTTP
+    client, :class:`HttpClient`) through ``/v1/completions`` with ``prompt_logprobs``: the request path
+    users' requests take."""
+    own = getattr(client, "prompt_logprobs", None)
+    if callable(own):
+        return [float(x) for x in own(tokens)]
+    base = getattr(client, "base_url", None)
+    if not isinstance(base, str):
+        raise TypeError(
+            f"{type(client).__name__} cannot score a probe: give it prompt_logprobs(tokens) or a base_url "
+            "(a vllm serve server)"
+        )
+    http = HttpClient(base, timeout=timeout)
+    model = http.get("v1/models")["data"][0]["id"]
+    body = {"model": model, "prompt": list(tokens), "max_tokens": 1, "temperature": 0, "prompt_logprobs": 0}
+    scored = http.post("v1/completions", body)["choices"][0]["prompt_logprobs"]
+    return [float(scored[i][str(t)]["logprob"]) for i, t in enumerate(tokens) if i > 0]
+
+
 class HttpClient:
     """A vLLM server's weight-sync and pause routes over HTTP (``vllm serve`` with
     ``VLLM_SERVER_DEV_MODE=1``), with the standard library only. Every request is bounded by ``timeout``."""
@@ -92,19 +126,25 @@ class HttpClient:
         self.timeout = timeout
 
     def post(self, route: str, body: dict[str, Any] | None = None, **query: str) -> Any:
-        url = f"{self.base_url}/{route}" + (f"?{urllib.parse.urlencode(query)}" if query else "")
         data = json.dumps(body).encode() if body is not None else b""
+        return self._request("POST", route, data, query)
+
+    def get(self, route: str) -> Any:
+        return self._request("GET", route, None, {})
+
+    def _request(self, method: str, route: str, data: bytes | None, query: dict[str, str]) -> Any:
+        url = f"{self.base_url}/{route}" + (f"?{urllib.parse.urlencode(query)}" if query else "")
         req = urllib.request.Request(
-            url, data=data, method="POST", headers={"Content-Type": "application/json"}
+            url, data=data, method=method, headers={"Content-Type": "application/json"}
         )
         try:
             with urllib.request.urlopen(req, timeout=self.timeout) as r:
                 raw = r.read()
         except urllib.error.HTTPError as e:
             detail = e.read()[:500].decode(errors="replace")
-            raise RuntimeError(f"POST {url}: HTTP {e.code}: {detail}") from None
+            raise RuntimeError(f"{method} {url}: HTTP {e.code}: {detail}") from None
         except (urllib.error.URLError, TimeoutError, OSError) as e:
-            raise RuntimeError(f"POST {url} (bounded by {self.timeout:g} s): {e}") from None
+            raise RuntimeError(f"{method} {url} (bounded by {self.timeout:g} s): {e}") from None
         return json.loads(raw) if raw else None
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..errors import WeightSyncError
-from ._vllm_control import SyncClient, start_update
+from ._vllm_control import SyncClient, prompt_logprobs, start_update
 
 __all__ = ["FleetClient"]
 
@@ -81,6 +81,11 @@ class FleetClient:
         every engine acknowledged the sync."""
         self._each("finish_weight_update", lambda k, c: c.finish_weight_update(weight_version=weight_version))
 
+    def prompt_logprobs_each(self, tokens: list[int]) -> list[list[float]]:
+        """Each engine's log-probabilities of ``tokens[1:]`` (a :class:`groupbridge.engine.Probe`), in
+        engine order."""
+        return self._each("prompt_logprobs", lambda k, c: prompt_logprobs(c, tokens))
+
     def shutdown_weight_transfer_engine(self) -> None:
         def leave(k: int, c: SyncClient) -> None:
             shutdown = getattr(c, "shutdown_weight_transfer_engine", None)
@@ -89,13 +94,15 @@ class FleetClient:
 
         self._each("shutdown_weight_transfer_engine", leave)
 
-    def _each(self, what: str, call: Callable[[int, SyncClient], None]) -> None:
-        """``call`` on every engine at once; raises naming every engine that failed or did not return."""
+    def _each(self, what: str, call: Callable[[int, SyncClient], Any]) -> list[Any]:
+        """``call`` on every engine at once, their results in engine order; raises naming every engine that
+        failed or did not return."""
         errors: dict[int, BaseException] = {}
+        results: dict[int, Any] = {}
 
         def run(k: int) -> None:
             try:
-                call(k, self.clients[k])
+                results[k] = call(k, self.clients[k])
             except BaseException as e:
                 errors[k] = e
 
@@ -109,7 +116,7 @@ class FleetClient:
             t.join(self.timeout_s)  # the threads run at once: the whole call is bounded by about timeout_s
         hung = [k for k, t in enumerate(threads) if t.is_alive()]
         if not errors and not hung:
-            return
+            return [results[k] for k in range(len(self.clients))]
         lines = [f"engine {k}: {type(e).__name__}: {str(e)[:500]}" for k, e in sorted(errors.items())]
         lines += [f"engine {k}: did not return within {self.timeout_s:g} s" for k in hung]
         done = [k for k in range(len(self.clients)) if k not in errors and k not in hung]

@@ -13,6 +13,11 @@ An update, as the engine's RPCs drive it::
     session.receive(version)         # the handshake, here; then the bytes land (atomic: on a thread, the
                                      #   engine keeps serving; streaming: loaded here as buckets arrive)
     session.commit()                 # atomic: wait for the bytes, then the loader's load (the only stop)
+
+and a rollback (``BridgeInfo.rollback``: the worker keeps the bytes of the version it served before the
+update, see :mod:`._rollback`)::
+
+    session.begin(); session.stage_rollback(version); session.commit()   # that version is served again
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Protocol
 
@@ -34,6 +39,7 @@ from ..weights._bytes import BufferCache
 from ..weights.manifest import Manifest
 from ..weights.receiver import WeightReceiver, WeightUpdate
 from ._info import BridgeInfo
+from ._rollback import KeptCopy
 
 __all__ = ["Loader", "WorkerSession"]
 
@@ -66,7 +72,14 @@ class _Landing:
     (``pairs()``), so that the transfer and the load overlap instead of taking turns. Views of the kept
     buffer stay valid until the next update, so landing ahead overwrites nothing the loader holds."""
 
-    def __init__(self, update: WeightUpdate, log: logging.Logger, *, stream: bool = False) -> None:
+    def __init__(
+        self,
+        update: WeightUpdate,
+        log: logging.Logger,
+        *,
+        stream: bool = False,
+        before: Callable[[], None] | None = None,
+    ) -> None:
         self.version = update.version
         self.staged: list[tuple[str, torch.Tensor]] | None = None
         self.error: BaseException | None = None
@@ -76,9 +89,15 @@ class _Landing:
 
         def run() -> None:
             t0 = time.perf_counter()
-            pairs = iter(update)
             landed: list[tuple[str, torch.Tensor]] = []
             try:
+                if before is not None:  # the rollback copy, before the kept buffer is overwritten
+                    try:
+                        before()
+                    except BaseException:
+                        update.close()  # nothing read yet: the sync is aborted for every member
+                        raise
+                pairs = iter(update)
                 for item in pairs:
                     if self._stop.is_set():  # the loader failed: the sync is abandoned, the sender told
                         pairs.close()  # type: ignore[attr-defined]
@@ -167,6 +186,10 @@ class WorkerSession(Closing):
         self._landing: _Landing | None = None
         self._received: int | None = None
         self._staged: list[tuple[str, torch.Tensor]] | None = None
+        self._streamed: list[tuple[str, torch.Tensor]] | None = None
+        self._kept = KeptCopy()
+        """The bytes of the version served before the update in flight (``BridgeInfo.rollback``)."""
+        self._rollback_to: int | None = None
 
     # ------------------------------------------------------------------ bridge
 
@@ -228,8 +251,11 @@ class WorkerSession(Closing):
             self.log.warning("groupbridge: the engine says version %d, the bridge %d", version,
                              update.version)  # fmt: skip
         self.timings = {"handshake": t1 - t0, "check": sum(check)}
+        keep = self._kept.before_landing if self.info.rollback else None
+        if keep is None:
+            self._kept.clear()
         if not self.info.atomic and update.kept:
-            streamed = _Landing(update, self.log, stream=True)
+            streamed = _Landing(update, self.log, stream=True, before=keep)
             try:
                 self._load(streamed.pairs(self.info.timeout_s), update.version)
             finally:
@@ -238,11 +264,18 @@ class WorkerSession(Closing):
                     self.group.abort(f"the landing of version {update.version} did not stop")
                     streamed.wait(self.info.liveness_s + 5)
             self.timings["landing"] = streamed.seconds
+            self._streamed = streamed.staged
         elif not self.info.atomic:
             self._load(iter(update), update.version)
         elif self.background:
-            self._landing = _Landing(update, self.log)
+            self._landing = _Landing(update, self.log, before=keep)
         else:
+            if keep is not None:
+                try:
+                    keep()
+                except BaseException:
+                    update.close()
+                    raise
             self._staged = list(update)
         self._received = update.version
         self.timings["receive"] = time.perf_counter() - t1
@@ -258,14 +291,16 @@ class WorkerSession(Closing):
                 they were; an engine that reports a version only after a commit returns (vLLM) keeps
                 reporting the one it serves.
         """
+        if self._rollback_to is not None:
+            return self._roll_back()
         if self._received is None:
             held = self.version if self.version is not None else "the initial weights"
             raise WeightSyncError(
                 f"nothing to commit: no update was received since the last one began (a trainer that "
                 f"joined since drops what an earlier one sent); the model still holds {held}"
             )
-        version, landing, staged = self._received, self._landing, self._staged
-        self._received, self._landing, self._staged = None, None, None
+        version, landing, staged, streamed = self._received, self._landing, self._staged, self._streamed
+        self._received, self._landing, self._staged, self._streamed = None, None, None, None
         if landing is not None:
             t0 = time.perf_counter()
             assert self.info is not None
@@ -288,8 +323,39 @@ class WorkerSession(Closing):
             self._load(iter(staged), version)
             self.timings["load"] = time.perf_counter() - t0
         self.version = version
+        if self.info is not None and self.info.rollback:
+            self._kept.committed(version, staged if staged is not None else streamed)
         self.log.info("groupbridge: version %d committed: %s", version,
                       ", ".join(f"{k} {v:.3f} s" for k, v in self.timings.items()))  # fmt: skip
+        return version
+
+    def stage_rollback(self, version: int) -> None:
+        """The next ``commit`` loads ``version`` again from the rollback copy (see :mod:`._rollback`):
+        the version this worker served before its last update. Raises WeightSyncError, and stages nothing,
+        when this worker does not keep that version's bytes."""
+        self._drop("a rollback began before the last update landed", settle=True)
+        kept = self._kept.copy
+        if kept is None or kept[0] != version:
+            has = (
+                f"version {kept[0]}"
+                if kept is not None
+                else "none (rollback is off, or no update followed one it committed)"
+            )
+            raise WeightSyncError(
+                f"cannot roll back to version {version}: this worker keeps the bytes of {has}; it still "
+                f"serves {self.version if self.version is not None else 'the initial weights'}"
+            )
+        self._rollback_to = version
+
+    def _roll_back(self) -> int:
+        version, self._rollback_to = self._rollback_to, None
+        assert version is not None and self._kept.copy is not None
+        t0 = time.perf_counter()
+        self._load(iter(self._kept.copy[1]), version)
+        self.timings = {"rollback": time.perf_counter() - t0}
+        self.version = version
+        self._kept.rolled_back()
+        self.log.warning("groupbridge: rolled back to version %d (%.3f s)", version, self.timings["rollback"])
         return version
 
     def abandon(self) -> None:
@@ -310,6 +376,8 @@ class WorkerSession(Closing):
         sender waited for): aborting it then broke the new update (seen in CI, after a failed commit)."""
         self._received = None
         self._staged = None
+        self._streamed = None
+        self._rollback_to = None
         landing = self._landing
         if landing is None:
             return

@@ -29,3 +29,11 @@ class OfflineClient:
 
     def shutdown_weight_transfer_engine(self) -> None:
         self.llm.shutdown_weight_transfer_engine()
+
+    def prompt_logprobs(self, tokens: list[int]) -> list[float]:
+        """The engine's log-probabilities of ``tokens[1:]``, through ``generate`` (a probe's request)."""
+        import vllm
+
+        params = vllm.SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
+        out = self.llm.generate([{"prompt_token_ids": list(tokens)}], params, use_tqdm=False)[0]
+        return [out.prompt_logprobs[i][t].logprob for i, t in enumerate(tokens) if i > 0]

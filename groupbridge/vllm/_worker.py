@@ -57,16 +57,22 @@ class UpdateInfo(WeightTransferUpdateInfo):
 
     ``abandon``: drop the update in progress instead (a trainer recovering an engine another left
     mid-update). vLLM has no abort; the worker raises :data:`ABANDONED`, and a failed ``update_weights`` is
-    what makes vLLM leave its update state, so a new ``start_weight_update`` is accepted."""
+    what makes vLLM leave its update state, so a new ``start_weight_update`` is accepted.
+
+    ``rollback``: nothing travels; ``version`` is the one the worker served before its last update (kept
+    aside, see ``TrainerInitInfo(rollback=...)``), loaded again at ``finish_weight_update``."""
 
     version: int
     abandon: bool = False
+    rollback: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.version, bool) or not isinstance(self.version, int):
             raise ValueError(f"version must be an int, got {self.version!r}")
         if not isinstance(self.abandon, bool):
             raise ValueError(f"abandon must be a bool, got {self.abandon!r}")
+        if not isinstance(self.rollback, bool) or (self.rollback and self.abandon):
+            raise ValueError(f"rollback must be a bool, and not with abandon: got {self.rollback!r}")
 
 
 def worker_rank(parallel_config: Any, sources: int = 1, rank_offset: int = 0) -> int:
@@ -144,6 +150,9 @@ class WorkerEngine(WeightTransferEngine[WorkerInitInfo, UpdateInfo]):
         if update_info.abandon:
             self.session.abandon()
             raise RuntimeError(f"{ABANDONED}: nothing loaded, version {self.version} still served")
+        if update_info.rollback:
+            self.session.stage_rollback(update_info.version)
+            return
         self.session.receive(update_info.version)
 
     def finish_weight_update(self) -> None:
