@@ -484,6 +484,44 @@ def test_a_trainer_joining_between_a_send_and_its_finish_leaves_that_finish_rais
         eng.shutdown()
 
 
+PROBE = [1, 17, 300, 5, 42, 7, 99, 2]
+
+
+def test_a_probe_that_disagrees_rolls_vllm_back_to_the_version_it_served(dense: tuple[Any, Any]) -> None:
+    """verify=Probe: vLLM's log-probabilities of the probe, through its own generate, match transformers'
+    at versions 1 and 2; at version 3 the reference disagrees: the worker loads version 2 again from its
+    rollback copy, vLLM serves version 2's tokens and reports 2, the send raises naming the replica; the
+    next version lands."""
+    from groupbridge.engine import Probe, causal_logprobs
+
+    llm, model = dense
+
+    def ref(v: int) -> list[float]:
+        lp = causal_logprobs(model, PROBE)
+        return [x + 1.0 for x in lp] if v == 402 else lp  # the trainer's model "disagrees" at version 3
+
+    eng = trainer(llm, model, verify=Probe(PROBE, ref, atol=1e-3), first_version=400)
+    try:
+        for step in range(2):
+            perturb(model, 70 + step)
+            eng.send_weights()
+            assert llm.get_weight_version() == str(400 + step) and served(llm) == reference(model)
+        kept = served(llm)
+        perturb(model, 72)
+        with pytest.raises(
+            gb.VerificationError, match=r"replica 0 serves version 402.*rolled back to version 401"
+        ) as e:
+            eng.send_weights()
+        assert (e.value.replica, e.value.served) == (0, 401) and e.value.difference > 0.9
+        assert llm.get_weight_version() == "401" and served(llm) == kept and eng.version == 401
+        perturb(model, 73)
+        eng.send_weights()
+        assert llm.get_weight_version() == "403" and served(llm) == reference(model)
+        assert 0 < eng.last_seconds["verify"] < 10
+    finally:
+        eng.shutdown()
+
+
 class _Dict(torch.nn.Module):
     """A module whose named_parameters are exactly ``params`` (names with dots kept)."""
 
@@ -499,14 +537,21 @@ class _Dict(torch.nn.Module):
 def test_a_fleet_of_two_engines_is_updated_as_one(
     dense: tuple[Any, Any], tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    """Two offline engines behind one FleetClient: one bridge, every worker of both votes, both swap; three
-    updates, each engine serving the trainer's tokens and version. A trainer that counts the workers wrong
-    is refused before anything starts."""
+    """Two offline engines behind one FleetClient: one bridge, every worker of both votes, both swap, both
+    are probed. Updates 500 and 501 land and pass the probe on both; at 502 the reference disagrees: both
+    engines serve 501's tokens again and report 501; 503 lands on both. A trainer that counts the workers
+    wrong is refused before anything starts."""
+    from groupbridge.engine import Probe, causal_logprobs
     from groupbridge.vllm import FleetClient
 
     llm, model = dense
     path = tmp_path_factory.mktemp("qwen2-second")
     make_model(path, "qwen2", seed=3)  # other weights than the first engine's: the first update aligns both
+
+    def ref(v: int) -> list[float]:
+        lp = causal_logprobs(model, PROBE)
+        return [x - 2.0 for x in lp] if v == 502 else lp
+
     with running(path) as second:
         fleet = FleetClient([OfflineClient(llm), OfflineClient(second)])
         with pytest.raises(ValueError, match=r"TrainerInitInfo\(workers=2\)"):
@@ -515,16 +560,27 @@ def test_a_fleet_of_two_engines_is_updated_as_one(
                 source=ModuleSource(model),
             )  # fmt: skip
         info = TrainerInitInfo(
-            rank=0, workers=fleet.total_workers, timeout=60, liveness=10, first_version=500
-        )
+            rank=0, workers=fleet.total_workers, timeout=60, liveness=10, first_version=500,
+            verify=Probe(PROBE, ref, atol=1e-3),
+        )  # fmt: skip
         eng = WeightTransferTrainerFactory.trainer_init(info, client=fleet, source=ModuleSource(model))
         try:
-            for step in range(3):
+            for step in range(2):
                 perturb(model, 60 + step)
                 eng.send_weights()
                 want = reference(model)
                 for e in (llm, second):
                     assert e.get_weight_version() == str(500 + step) and served(e) == want, step
+            perturb(model, 62)
+            with pytest.raises(gb.VerificationError, match=r"replica \d serves version 502.*2 replica\(s\)"):
+                eng.send_weights()
+            for e in (llm, second):
+                assert e.get_weight_version() == "501" and served(e) == want
+            perturb(model, 63)
+            eng.send_weights()
+            want = reference(model)
+            for e in (llm, second):
+                assert e.get_weight_version() == "503" and served(e) == want
         finally:
             eng.shutdown()
 
@@ -548,6 +604,8 @@ def test_moe_updates_serve_the_trainers_weights(tmp_path_factory: pytest.TempPat
 def test_vllm_serve_with_tensor_parallel_2_over_http(tmp_path_factory: pytest.TempPathFactory) -> None:
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
+    from groupbridge.engine import Probe, causal_logprobs
+
     path = tmp_path_factory.mktemp("qwen2-serve")
     shm_before = segments()
     model = make_model(path, "qwen2", seed=1, tie=True)  # tied lm_head: one tensor, two names in vLLM
@@ -555,8 +613,10 @@ def test_vllm_serve_with_tensor_parallel_2_over_http(tmp_path_factory: pytest.Te
     try:
         assert [srv.complete(p, TOKENS) for p in PROMPTS] == reference(model)
         client = HTTPVLLMWeightSyncClient(srv.base, timeout=60)
+        # the probe goes through the server's /v1/completions (prompt_logprobs), both TP ranks computing
+        probe = Probe(PROBE, lambda v: causal_logprobs(model, PROBE), atol=1e-3)
         eng = WeightTransferTrainerFactory.trainer_init(
-            TrainerInitInfo(rank=0, workers=2, timeout=60, liveness=10),
+            TrainerInitInfo(rank=0, workers=2, timeout=60, liveness=10, verify=probe),
             client=client,
             source=ModuleSource(model),
         )
