@@ -127,8 +127,9 @@ def _bench_vllm(args: argparse.Namespace) -> int:
     if not args.json:
         _console.echo(
             f"[bench] one update into vLLM ({size} Qwen2, bf16), {args.rounds} interleaved rounds: "
-            "groupbridge (auto, broadcast; atomic, streaming), safetensors + reload_weights, the same sync "
-            "into a plain torch model; then the serving stall of a client streaming from vllm serve ..."
+            "groupbridge (auto, broadcast; atomic, streaming; verified; a fleet of two), safetensors + "
+            "reload_weights, the same sync into a plain torch model; then the serving stall of a client "
+            "streaming from vllm serve ..."
         )
     records = run_vllm(size=size, rounds=args.rounds)
     serving = run_serving(size=size, rounds=args.rounds)
@@ -137,13 +138,14 @@ def _bench_vllm(args: argparse.Namespace) -> int:
         return 0
     _console.table(
         "one weight update into vLLM (seconds, median of rounds)",
-        ["mode", "bytes", "seconds", "min-max", "faster than reload", "vs engine-free", "vLLM load"],
+        ["mode", "bytes", "seconds", "min-max", "faster than reload", "vs engine-free", "vLLM load", "probe"],
         [
             [
                 r["mode"], f"{r['bytes'] / 2**30:.2f} GiB", f"{r['seconds']:.2f}",
                 f"{r['min']:.2f}-{r['max']:.2f}",
                 f"{r['vs_reload']:.2f}x", f"{r['vs_engine_free']:.2f}x",
                 "-" if r["load"] is None else f"{r['load']:.2f}",
+                "-" if r.get("probe") is None else f"{r['probe']:.2f}",
             ]
             for r in records
         ],

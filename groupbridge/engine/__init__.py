@@ -3,7 +3,8 @@
 An engine adapter supplies two small things: on the trainer, an :class:`EngineControl` (how to have the
 workers join, begin an update, commit it, leave); on each worker, a :class:`Loader` (how to dry-run a
 manifest, load pairs, and leave the model serving). The bridge, its generations, versions, the control call
-beside the send, aborts, the kept buffer, background landing, commit and torn handling, the probe after a swap and the rollback are here, once.
+beside the send, aborts, the kept buffer, background landing, commit and torn handling, the probe after a
+swap and the rollback are here, once.
 """
 
 from __future__ import annotations
