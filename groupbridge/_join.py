@@ -15,12 +15,12 @@ sides raise with the same reason. Everything read is parsed as hostile: a malfor
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
 import logging
 import os
 import secrets
-import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -234,12 +234,21 @@ def _read_reject(spec: JoinSpec, store: Any) -> tuple[bool, str]:
     return verified, text
 
 
+_VERDICT_READ_S = 1.0
+"""How long rank 0 waits for the other ranks to read a failed join's verdict before its store goes away with
+its error (a rank that never came, or died, never reads it)."""
+
+
 def _fail_join(spec: JoinSpec, store: Any, sealer: Sealer, reason: str) -> None:
-    key = f"{spec.namespace}/failed"
+    """Publish why the join failed, and wait (bounded) until every other rank has read it: each counts its
+    read (``failed-read``), so that the ranks raise this reason, not a store that went away."""
+    key, read = f"{spec.namespace}/failed", f"{spec.namespace}/failed-read"
+    others = spec.world_size - 1
     try:
         _set(store, key, sealer.seal(key, reason.encode()))
-        # Let joiners read the verdict before the store goes away with this process's error.
-        time.sleep(0.2)
+        Deadline(timedelta(seconds=_VERDICT_READ_S)).poll(
+            lambda: True if store.add(read, 0) >= others else None, 0.005
+        )
     except RuntimeError:  # the verdict is best effort; the caller raises the real error
         spec.log.debug("could not publish join failure", exc_info=True)
 
@@ -326,6 +335,8 @@ def _verdict(
         except ForgedMessageError:
             reason = "(unsealed verdict, ignored)"
         if not reason.startswith("(unsealed"):
+            with contextlib.suppress(RuntimeError):  # rank 0 waits for this (bounded) before it goes
+                store.add(f"{spec.namespace}/failed-read", 1)
             raise GroupMismatchError(f"{spec.where}: join failed: {reason}")
     if not _call(spec, "waiting for the join", lambda: store.check([ready])):
         return None

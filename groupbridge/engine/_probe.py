@@ -48,15 +48,20 @@ class Probe:
             raise ValueError(f"atol={self.atol!r} must be a positive number")
         object.__setattr__(self, "tokens", tuple(toks))
 
-    def worst(self, version: int, served: Sequence[Sequence[float]]) -> tuple[int, float] | None:
-        """The replica furthest from the reference and its largest difference, when beyond ``atol`` (a
-        length that differs, or a value that is not finite, counts as infinitely far); None when all agree."""
+    def expected(self, version: int) -> list[float]:
+        """``reference(version)``, checked to score ``tokens[1:]``."""
         want = [float(x) for x in self.reference(version)]
         if len(want) != len(self.tokens) - 1:
             raise ValueError(
                 f"reference({version}) gave {len(want)} log-probs; the probe scores {len(self.tokens) - 1} "
                 "tokens (tokens[1:])"
             )
+        return want
+
+    def worst(self, want: Sequence[float], served: Sequence[Sequence[float]]) -> tuple[int, float] | None:
+        """The replica furthest from ``want`` (:meth:`expected`) and its largest difference, when beyond
+        ``atol`` (a length that differs, or a value that is not finite, counts as infinitely far); None when
+        all agree."""
         worst: tuple[int, float] | None = None
         for k, got in enumerate(served):
             got = [float(x) for x in got]

@@ -28,6 +28,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Protocol
@@ -358,14 +359,19 @@ class TrainerSession(Closing):
         """Every replica scores the probe; one that disagrees rolls every replica back and raises."""
         assert self.control is not None
         t0 = time.perf_counter()
+        # the trainer's reference is computed while the replicas score theirs (each is a forward pass)
+        pool = ThreadPoolExecutor(1, thread_name_prefix="groupbridge-reference")
         try:
+            expected = pool.submit(probe.expected, v)
             served = self.control.probe(list(probe.tokens))  # type: ignore[attr-defined]
-            worst = probe.worst(v, served)
+            worst = probe.worst(expected.result(timeout=self.config.timeout), served)
         except Exception as e:
             raise VerificationError(
                 f"the probe of version {v} failed: {type(e).__name__}: {e}; {self._roll_back(v)}",
                 version=v, replica=-1, difference=float("nan"), served=self.version,
             ) from e  # fmt: skip
+        finally:
+            pool.shutdown(wait=False)
         self.last_seconds["verify"] = time.perf_counter() - t0
         if worst is None:
             self.last_seconds["unverified"] = self.last_seconds["verify"]
