@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -631,3 +632,157 @@ def test_vllm_serve_with_tensor_parallel_2_over_http(tmp_path_factory: pytest.Te
         # on some hosts, and whether its log says so varied between runs here): the server's close does
         srv.close()
     assert not segments() - shm_before, srv.removed
+
+
+# ------------------------------------------------------------------------------------------------ LoRA
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@pytest.fixture(scope="module")
+def lora(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Any]]:
+    """An engine serving adapters (rank up to 16, two at once) and a PEFT model (rank 8 on every projection,
+    B not zero: the adapter changes the tokens) over the same base weights."""
+    from peft import LoraConfig, get_peft_model
+
+    path = tmp_path_factory.mktemp("qwen2-lora")
+    base = make_model(path, "qwen2", seed=5)
+    torch.manual_seed(5)
+    config = LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS, init_lora_weights=False)
+    with running(path, enable_lora=True, max_lora_rank=16, max_loras=2, max_cpu_loras=2) as llm:
+        yield llm, get_peft_model(base, config)
+
+
+def served_with(llm: Any, request: Any, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
+    sp = vllm.SamplingParams(max_tokens=TOKENS, temperature=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False, lora_request=request)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def perturb_adapter(model: Any, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.add_(torch.randn(p.shape, generator=g) * 0.05)
+
+
+def test_adapter_updates_serve_the_trained_adapter_under_a_fresh_name(lora: tuple[Any, Any]) -> None:
+    """Three adapter-only updates: after each, vLLM's greedy tokens with the newest adapter equal the PEFT
+    model's, and without it the base model's (never touched); each version a new name; version 2 still
+    serves its own tokens by its name after version 3."""
+    from groupbridge.vllm import adapter_request
+    from groupbridge.vllm._lora import SCHEME, adapter_id
+
+    llm, model = lora
+    with model.disable_adapter():
+        base_tokens = reference(model)
+    assert served(llm) == base_tokens
+    eng = trainer(llm, model, adapter="policy", max_live_adapters=2, first_version=1)
+    try:
+        tokens = []
+        for step in range(3):
+            perturb_adapter(model, 80 + step)
+            eng.send_weights()
+            req = adapter_request(llm, "policy")
+            assert req.lora_name == f"policy@v{step + 1}" and llm.get_weight_version() == str(step + 1)
+            tokens.append(reference(model))
+            assert served_with(llm, req) == tokens[-1] and tokens[-1] != base_tokens, step
+            assert served(llm) == base_tokens, step
+        whole = sum(p.numel() * p.element_size() for p in model.parameters())
+        assert eng.last_stats.bytes < 0.1 * whole, (eng.last_stats, whole)
+        older = type(req)("policy@v2", adapter_id("policy@v2"), lora_path=SCHEME + "policy@v2")
+        for _ in range(2):  # loaded again from the registry (vLLM drops every adapter at an update), twice
+            assert served_with(llm, older) == tokens[1]
+            llm.llm_engine.reset_prefix_cache()
+            llm.collective_rpc("remove_lora", args=(older.lora_int_id,))
+    finally:
+        eng.shutdown()
+
+
+def test_a_request_begun_on_an_adapter_version_finishes_on_it(lora: tuple[Any, Any]) -> None:
+    """A long request on version 1 of an adapter is still generating when version 2 is committed (vLLM then
+    drops every loaded adapter): it finishes with version 1's tokens, reloaded by name."""
+    from groupbridge.vllm import adapter_request
+
+    llm, model = lora
+    eng = trainer(llm, model, adapter="steady", first_version=1)
+    prompt, n = [3, 14, 15], 110
+    try:
+        perturb_adapter(model, 90)
+        eng.send_weights()
+        with torch.no_grad():
+            want = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        first = adapter_request(llm, "steady")
+        got: list[Any] = []
+        sp = vllm.SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+        run = threading.Thread(
+            target=lambda: got.append(llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False,
+                                                   lora_request=first)),
+            daemon=True,
+        )  # fmt: skip
+        run.start()
+        deadline = time.monotonic() + 30
+        while llm.llm_engine.get_num_unfinished_requests() == 0 and time.monotonic() < deadline:
+            time.sleep(0.002)
+        perturb_adapter(model, 91)
+        eng.send_weights()
+        committed = time.monotonic()
+        assert run.is_alive(), "the request ended before version 2 was committed: nothing was in flight"
+        run.join(60)
+        assert not run.is_alive() and time.monotonic() > committed
+        assert list(got[0][0].outputs[0].token_ids) == want[0, len(prompt) :].tolist()
+        assert adapter_request(llm, "steady").lora_name == "steady@v2"
+    finally:
+        eng.shutdown()
+
+
+def test_an_adapter_the_engine_cannot_serve_is_refused_before_bytes_move(
+    lora: tuple[Any, Any], dense: tuple[Any, Any]
+) -> None:
+    """Rank 32 against max_lora_rank 16, and any adapter into an engine started without LoRA: refused in the
+    handshake on both sides (the same ManifestMismatchError), nothing filed; the engine goes on."""
+    from peft import LoraConfig, get_peft_model
+
+    llm, model = lora
+    wide = get_peft_model(
+        make_model(Path(tempfile.mkdtemp()), "qwen2", seed=5),
+        LoraConfig(r=32, target_modules=["q_proj"], init_lora_weights=False),
+    )
+    eng = trainer(llm, wide, adapter="wide")
+    try:
+        with pytest.raises(gb.ManifestMismatchError, match="greater than max_lora_rank 16"):
+            eng.send_weights()
+    finally:
+        eng.shutdown()
+    plain, _ = dense
+    eng = trainer(plain, model, adapter="policy")
+    try:
+        with pytest.raises(gb.ManifestMismatchError, match="enable_lora=True"):
+            eng.send_weights()
+        assert served(plain)  # still serving
+    finally:
+        eng.shutdown()
+
+
+def test_the_newest_adapters_stay_filed_and_an_older_one_leaves() -> None:
+    """The worker's registry on its own (no engine): max_live 2 keeps versions 2 and 3; version 1 is refused
+    by name, the error listing what is live."""
+    from groupbridge.vllm import _lora
+
+    spec = _lora.AdapterSpec("reg-test", {"r": 8}, max_live=2)
+    model = torch.nn.Linear(2, 2)
+    for v in (1, 2, 3):
+        assert (
+            _lora.install(model, spec, v, [("x.lora_A.weight", torch.full((8, 2), float(v)))])
+            == f"reg-test@v{v}"
+        )
+    assert _lora.live("reg-test") == ["reg-test@v2", "reg-test@v3"]
+    assert _lora._adapters["reg-test@v2"][0]["x.lora_A.weight"][0, 0] == 2.0
+
+    class Manager:  # vLLM's worker LoRA manager as _load_from_registry reads it
+        max_position_embeddings = 128
+
+    request = type("Request", (), {"lora_path": _lora.SCHEME + "reg-test@v1", "lora_int_id": 1})()
+    with pytest.raises(ValueError, match=r"'reg-test@v1' is not served.*reg-test@v2"):
+        _lora._load_from_registry(Manager(), request)

@@ -34,21 +34,33 @@ class VllmControl:
     commit, vLLM's load of the staged update: where a server is paused (TRL's ``pause()``) so that serving
     stops for the swap, not for the transfer."""
 
-    def __init__(self, client: SyncClient, before_commit: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        client: SyncClient,
+        before_commit: Callable[[], None] | None = None,
+        update_info: Callable[[], dict[str, Any]] | None = None,
+    ) -> None:
         self.client = client
         self.before_commit = before_commit
+        self.update_info = update_info
+        """What each update tells the workers beside its version (an adapter's name and config)."""
 
     def join(self, info: dict[str, Any]) -> None:
         self.client.init_weight_transfer_engine(info)
 
     def begin(self, version: int) -> None:
         start_update(self.client)
-        self.client.update_weights({"version": version})
+        extra = self.update_info() if self.update_info is not None else {}
+        self.client.update_weights({**extra, "version": version})
 
     def commit(self, version: int) -> None:
         if self.before_commit is not None:
             self.before_commit()
         self.client.finish_weight_update(weight_version=str(version))
+        adapter = (self.update_info() if self.update_info is not None else {}).get("adapter")
+        noted = getattr(self.client, "adapter_committed", None)
+        if adapter is not None and callable(noted):  # where users pick the newest adapter (offline engines)
+            noted(adapter["name"], version)
 
     def leave(self) -> None:
         leave = getattr(self.client, "shutdown_weight_transfer_engine", None)

@@ -86,6 +86,13 @@ class FleetClient:
         engine order."""
         return self._each("prompt_logprobs", lambda k, c: prompt_logprobs(c, tokens))
 
+    def adapter_committed(self, name: str, version: int) -> None:
+        """Tell each engine's client that adapter ``name`` is served at ``version`` (where it keeps that)."""
+        for c in self.clients:
+            noted = getattr(c, "adapter_committed", None)
+            if callable(noted):
+                noted(name, version)
+
     def shutdown_weight_transfer_engine(self) -> None:
         def leave(k: int, c: SyncClient) -> None:
             shutdown = getattr(c, "shutdown_weight_transfer_engine", None)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from ..engine._vllm_fleet import FleetClient
 from ._client import OfflineClient
+from ._lora import adapter_request
 from ._plugin import BACKEND, register
 from ._stop import shutdown
 from ._trainer import TrainerEngine, TrainerInitInfo
@@ -41,6 +42,7 @@ __all__ = [
     "OfflineClient",
     "TrainerEngine",
     "TrainerInitInfo",
+    "adapter_request",
     "register",
     "shutdown",
 ]

@@ -30,6 +30,13 @@ class OfflineClient:
     def shutdown_weight_transfer_engine(self) -> None:
         self.llm.shutdown_weight_transfer_engine()
 
+    def adapter_committed(self, name: str, version: int) -> None:
+        """Adapter ``name`` is served at ``version`` on every worker: what
+        :func:`groupbridge.vllm.adapter_request` hands out from now on."""
+        from ._lora import adapter_name
+
+        self.llm.__dict__.setdefault("_groupbridge_adapters", {})[name] = adapter_name(name, version)
+
     def prompt_logprobs(self, tokens: list[int]) -> list[float]:
         """The engine's log-probabilities of ``tokens[1:]``, through ``generate`` (a probe's request)."""
         import vllm

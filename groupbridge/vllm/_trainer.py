@@ -23,6 +23,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from ..engine import SessionState, TrainerConfig, TrainerSession
 from ..engine._vllm_control import VllmControl
+from ._lora import AdapterSpec, peft_adapter
 from ._plugin import BACKEND
 
 if TYPE_CHECKING:
@@ -34,15 +35,29 @@ class TrainerInitInfo(_VllmTrainerInitInfo, TrainerConfig):
     """How the trainer hosts the bridge to vLLM (``backend = "groupbridge"``): the fields of
     :class:`groupbridge.engine.TrainerConfig` (host, port, workers = vLLM worker processes, transport, atomic,
     token, timeout, liveness, checksum, bucket_bytes, first_version, delta, sources, listener) and vLLM's
-    keyword-only ``rank``. A source's values may be DTensors or ``gb.Shard`` boxes when ``sources`` > 1."""
+    keyword-only ``rank``. A source's values may be DTensors or ``gb.Shard`` boxes when ``sources`` > 1.
+
+    ``adapter``: send only the source's LoRA adapter (its module a PEFT model), served by vLLM under a fresh
+    name per version, ``<adapter>@v<version>`` (see :func:`groupbridge.vllm.adapter_request`); the newest
+    ``max_live_adapters`` versions stay served (requests begun on one go on with it). The engine must be
+    started with ``enable_lora=True``, ``max_lora_rank`` at least the adapter's rank and ``max_cpu_loras``
+    at least ``max_live_adapters``: otherwise the update is refused before any byte moves."""
 
     backend: ClassVar[str] = BACKEND
 
     name: str = "vllm"
+    adapter: str | None = None
+    max_live_adapters: int = 2
 
     def __post_init__(self) -> None:
         TrainerConfig.__post_init__(self)
         self.check_rank(self.rank)
+        if self.adapter is not None:
+            AdapterSpec(self.adapter, {"r": 1}, self.max_live_adapters)  # the name and bound, checked now
+            if self.sources > 1:
+                raise ValueError("adapter updates are sent by one trainer rank: sources must be 1")
+            if self.keeps_previous:
+                raise ValueError("verify and rollback do not cover adapter updates yet: drop them")
 
 
 class TrainerEngine(SessionState, TrainerWeightTransferEngine[TrainerInitInfo]):
@@ -61,7 +76,9 @@ class TrainerEngine(SessionState, TrainerWeightTransferEngine[TrainerInitInfo]):
         super().__init__(client=client, source=source, is_sender=is_sender)
         self.info = info if info is not None else TrainerInitInfo(rank=0 if is_sender else 1)
         sends = self.info.rank < self.info.sources
-        self.session = TrainerSession(self.info, VllmControl(client), rank=self.info.rank) if sends else None
+        self._adapter: dict[str, Any] | None = None
+        control = VllmControl(client, update_info=self._update_info)
+        self.session = TrainerSession(self.info, control, rank=self.info.rank) if sends else None
 
     @classmethod
     def trainer_init(
@@ -101,6 +118,8 @@ class TrainerEngine(SessionState, TrainerWeightTransferEngine[TrainerInitInfo]):
     def send_weights(self, version: int | None = None) -> None:
         """Send the source's weights as the next version (or ``version``) and make vLLM serve them."""
         assert self.source is not None
+        if self.info.adapter is not None:
+            return self._send_adapter(version)
         meta = self.source.metadata()
         if self.session is None:
             if self.info.sources == 1:  # drive the source's gathers (collectives); rank 0 ships them
@@ -110,6 +129,21 @@ class TrainerEngine(SessionState, TrainerWeightTransferEngine[TrainerInitInfo]):
         named = self._held() if self.info.sources > 1 else iter(self.source)
         specs = {m.name: (tuple(m.shape), m.dtype) for m in meta}  # rank 0's manifest, before any pull
         self.session.send(named, version=version, specs=specs)
+
+    def _send_adapter(self, version: int | None) -> None:
+        """Only the adapter's tensors travel; its name and config go with the update's info."""
+        assert self.source is not None and self.info.adapter is not None
+        if self.session is None:
+            return
+        module = getattr(self.source, "_module", None)  # vLLM's ModuleSource
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError("adapter updates read the adapter from a ModuleSource over a PEFT model")
+        tensors, config = peft_adapter(module)
+        self._adapter = {"name": self.info.adapter, "config": config, "max_live": self.info.max_live_adapters}
+        self.session.send(tensors, version=version)
+
+    def _update_info(self) -> dict[str, Any]:
+        return {"adapter": self._adapter} if self._adapter is not None else {}
 
     def _held(self) -> dict[str, Any]:
         """What this rank holds of the source, never gathered: a module's parameters (DTensors are sent as

@@ -38,6 +38,7 @@ from vllm.distributed.weight_transfer.base import (
 from ..engine import BridgeInfo, WorkerSession
 from ..weights.manifest import Manifest
 from ._dryrun import check_loadable
+from ._lora import AdapterSpec, check_adapter, install, serve_from_registry
 
 ABANDONED = "groupbridge: the update was abandoned as the trainer asked"
 """What a worker raises to end an update on purpose (see :class:`UpdateInfo`)."""
@@ -65,6 +66,8 @@ class UpdateInfo(WeightTransferUpdateInfo):
     version: int
     abandon: bool = False
     rollback: bool = False
+    adapter: dict[str, Any] | None = None
+    """A LoRA adapter's update: ``{"name", "config", "max_live"}`` (see :mod:`._lora`)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.version, bool) or not isinstance(self.version, int):
@@ -73,6 +76,8 @@ class UpdateInfo(WeightTransferUpdateInfo):
             raise ValueError(f"abandon must be a bool, got {self.abandon!r}")
         if not isinstance(self.rollback, bool) or (self.rollback and self.abandon):
             raise ValueError(f"rollback must be a bool, and not with abandon: got {self.rollback!r}")
+        if self.adapter is not None:
+            AdapterSpec.parse(self.adapter)
 
 
 def worker_rank(parallel_config: Any, sources: int = 1, rank_offset: int = 0) -> int:
@@ -92,12 +97,21 @@ class VllmLoader:
         self.engine = engine  # its model may be retargeted (a draft model's update): read at each call
         self._reloading = False
         self._handles: dict[int, int] | None = None
+        self.adapter: tuple[AdapterSpec, int] | None = None
+        """The update in flight is this adapter's version (set at each receive): the base is untouched."""
 
     def check(self, manifest: Manifest) -> str | None:
+        if self.adapter is not None:
+            names = [e.name for e in manifest.entries]
+            return check_adapter(self.engine.model, self.engine.vllm_config, self.adapter[0], names)
         return check_loadable(self.engine.model, manifest)
 
     def load(self, weights: Any) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        if self.adapter is not None:
+            install(self.engine.model, *self.adapter, weights)
+            return
 
         self._handles = cpu_kernel_handles(self.engine.model)
         initialize_layerwise_reload(self.engine.model)
@@ -123,7 +137,10 @@ class WorkerEngine(WeightTransferEngine[WorkerInitInfo, UpdateInfo]):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.session = WorkerSession(VllmLoader(self), device=self.device, log=logger)
+        self.loader = VllmLoader(self)
+        self.session = WorkerSession(self.loader, device=self.device, log=logger)
+        if getattr(self.vllm_config, "lora_config", None) is not None:
+            serve_from_registry()  # adapters received over the bridge load from memory
 
     @property
     def version(self) -> int | None:
@@ -153,6 +170,8 @@ class WorkerEngine(WeightTransferEngine[WorkerInitInfo, UpdateInfo]):
         if update_info.rollback:
             self.session.stage_rollback(update_info.version)
             return
+        spec = AdapterSpec.parse(update_info.adapter) if update_info.adapter is not None else None
+        self.loader.adapter = (spec, update_info.version) if spec is not None else None
         self.session.receive(update_info.version)
 
     def finish_weight_update(self) -> None:

@@ -1,0 +1,245 @@
+"""LoRA adapters received over the bridge and served by vLLM from memory: a fresh name per version.
+
+An adapter update carries only the adapter's tensors (as PEFT names them) and its config (rank, alpha,
+target modules), through the same bridge, handshake, checks and commit as a full update. The worker's commit
+files them in this process's registry under ``<name>@v<version>`` and never touches the base weights.
+
+vLLM loads an adapter when a request first names it (``LoRARequest``), from a path; and after every weight
+update it drops every loaded adapter (``reset_lora_state``), reloading each on its next use. Both paths go
+through the worker's ``_load_adapter``, which this module extends for one path scheme, ``groupbridge:``:
+such an adapter is built from the registry's tensors (vLLM's own ``LoRAModel.from_lora_tensors``), so
+nothing goes through disk, and a request begun on version 2 goes on with version 2's adapter after version
+3 is committed (its name, and the tensors behind it, are never reused). Any other path loads as before.
+
+The newest ``max_live`` versions of a name stay in the registry; an older one leaves it at a later commit
+once no request of the running batch uses it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import zlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+logger = logging.getLogger("vllm.groupbridge")
+
+SCHEME = "groupbridge:"
+"""The ``lora_path`` of an adapter served from the registry."""
+
+__all__ = ["SCHEME", "AdapterSpec", "adapter_id", "adapter_name", "adapter_request", "peft_adapter"]
+
+
+def adapter_name(name: str, version: int) -> str:
+    """The name version ``version`` of adapter ``name`` is served under: never reused."""
+    return f"{name}@v{version}"
+
+
+def adapter_id(full_name: str) -> int:
+    """vLLM's integer id of an adapter (> 0), the same in every process: from its name."""
+    return zlib.crc32(full_name.encode()) % (2**31 - 2) + 1
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """What an adapter update tells the workers beside the bytes (plain JSON, in the update's info)."""
+
+    name: str
+    config: dict[str, Any]
+    max_live: int = 2
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name or "@" in self.name or "/" in self.name:
+            raise ValueError(f"adapter name {self.name!r}: a non-empty name without '@' or '/'")
+        if isinstance(self.max_live, bool) or not isinstance(self.max_live, int) or self.max_live < 1:
+            raise ValueError(f"max_live_adapters={self.max_live!r} must be an int >= 1")
+        r = self.config.get("r") if isinstance(self.config, dict) else None
+        if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+            raise ValueError(f"the adapter's config needs its rank r (an int >= 1), got {r!r}")
+
+    @classmethod
+    def parse(cls, raw: Any) -> AdapterSpec:
+        if not isinstance(raw, dict) or not isinstance(raw.get("config"), dict):
+            raise ValueError(f"adapter must be {{'name', 'config', 'max_live'}}, got {type(raw).__name__}")
+        return cls(name=raw.get("name"), config=raw["config"], max_live=raw.get("max_live", 2))  # type: ignore[arg-type]
+
+
+def peft_adapter(module: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """A PEFT model's active adapter: its tensors (named as PEFT saves them, ``...q_proj.lora_A.weight``)
+    and its config as plain JSON."""
+    try:
+        from peft import PeftModel, get_peft_model_state_dict
+    except ImportError as e:
+        raise ImportError("adapter updates read a PEFT model: pip install 'groupbridge[lora]'") from e
+    if not isinstance(module, PeftModel):
+        raise TypeError(
+            f"TrainerInitInfo(adapter=...) sends a PEFT model's adapter; the source's module is a "
+            f"{type(module).__name__}"
+        )
+    active = module.active_adapter
+    tensors = get_peft_model_state_dict(module, adapter_name=active)
+
+    def plain(o: Any) -> Any:
+        return sorted(o) if isinstance(o, (set, frozenset)) else str(o)
+
+    config = json.loads(json.dumps(module.peft_config[active].to_dict(), default=plain))
+    return {n: t.detach() for n, t in tensors.items()}, config
+
+
+# ---------------------------------------------------------------------------------------------- worker side
+
+_lock = threading.Lock()
+_adapters: dict[str, tuple[dict[str, torch.Tensor], dict[str, Any]]] = {}
+"""In a worker process: full name -> (tensors, config) of every adapter it can serve."""
+_live: dict[str, list[str]] = {}
+"""Adapter name -> its full names in the registry, oldest first."""
+
+
+def _expected_modules(manager: Any) -> set[str]:
+    """The module names an adapter may target in this model (vLLM's own rule, packed modules unpacked)."""
+    expected: set[str] = set()
+    for module in manager.supported_lora_modules:
+        expected.update(manager.packed_modules_mapping.get(module, [module]))
+    return expected
+
+
+def check_adapter(
+    model: torch.nn.Module, vllm_config: Any, spec: AdapterSpec, names: Iterable[str]
+) -> str | None:
+    """Why this engine cannot serve ``spec`` with tensors ``names``, or None: LoRA enabled, the rank within
+    ``max_lora_rank``, ``max_live`` within ``max_cpu_loras``, every tensor a lora_A/lora_B of a module the
+    model has. Runs in the handshake, before any byte moves."""
+    from vllm.lora.peft_helper import PEFTHelper
+    from vllm.lora.utils import parse_fine_tuned_lora_name
+
+    lora_config = getattr(vllm_config, "lora_config", None)
+    manager = getattr(model, "lora_manager", None)
+    if lora_config is None or manager is None:
+        return "this engine serves no adapters: start it with enable_lora=True (and max_lora_rank)"
+    try:
+        PEFTHelper.from_dict(dict(spec.config)).validate_legal(lora_config)
+    except Exception as e:
+        return f"adapter {spec.name!r} cannot be served here: {e}"
+    if spec.max_live > lora_config.max_cpu_loras:
+        return (
+            f"max_live_adapters={spec.max_live} exceeds the engine's max_cpu_loras="
+            f"{lora_config.max_cpu_loras}: start it with max_cpu_loras (and max_loras) at least that"
+        )
+    expected = _expected_modules(manager)
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    mapper = mapper.get_rename_mapper() if mapper is not None else None
+    for name in names:
+        try:
+            module, _ = parse_fine_tuned_lora_name(name, mapper)
+        except Exception:
+            return f"{name!r} is not a LoRA tensor (lora_A / lora_B of a module)"
+        parent, _, leaf = module.rpartition(".")
+        if leaf not in expected:
+            return f"{name!r} targets {leaf!r}; this model's adapters may target {sorted(expected)}"
+        try:
+            model.get_submodule(parent)
+        except AttributeError:
+            return f"{name!r}: this model has no {parent!r}"
+    return None
+
+
+def install(model: torch.nn.Module, spec: AdapterSpec, version: int, pairs: Iterable[tuple[str, Any]]) -> str:
+    """File an adapter's tensors (copied: the pairs are views of the kept buffer, reused next update) under
+    its fresh name; drop the versions beyond ``max_live`` that the running batch does not use. Returns the
+    name."""
+    full = adapter_name(spec.name, version)
+    tensors = {n: t.clone() for n, t in pairs}
+    with _lock:
+        _adapters[full] = (tensors, dict(spec.config))
+        names = [n for n in _live.get(spec.name, []) if n != full] + [full]
+        manager = getattr(model, "lora_manager", None)
+        in_use = set(getattr(manager, "_active_adapters", {}) or {})
+        keep = names[-spec.max_live :]
+        for old in names[: -spec.max_live]:
+            if adapter_id(old) in in_use:  # a request of the running batch still generates with it
+                keep.insert(0, old)
+            else:
+                _adapters.pop(old, None)
+        _live[spec.name] = keep
+    logger.info("groupbridge: adapter %s filed (%d tensors); live: %s", full, len(tensors), ", ".join(keep))
+    return full
+
+
+def newest(name: str) -> str | None:
+    with _lock:
+        live = _live.get(name)
+        return live[-1] if live else None
+
+
+def live(name: str) -> list[str]:
+    with _lock:
+        return list(_live.get(name, []))
+
+
+def _load_from_registry(self: Any, lora_request: Any) -> Any:
+    """``WorkerLoRAManager._load_adapter`` for ``groupbridge:<name>`` paths (see the module docstring)."""
+    from vllm.lora.peft_helper import PEFTHelper
+
+    full = lora_request.lora_path[len(SCHEME) :]
+    with _lock:
+        entry = _adapters.get(full)
+    if entry is None:
+        raise ValueError(
+            f"adapter {full!r} is not served by this worker (live: {sorted(_adapters)}): it was never "
+            "received, or is older than the newest max_live_adapters"
+        )
+    tensors, config = entry
+    helper = PEFTHelper.from_dict(dict(config, vllm_max_position_embeddings=self.max_position_embeddings))
+    helper.validate_legal(self.lora_config)
+    model = self._adapter_manager.model
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    # copies: vLLM's LoRA model may work on the tensors it is given in place (on CPU it keeps them, and
+    # folds the scaling into lora_B), and this adapter is loaded again after every weight update
+    return self._lora_model_cls.from_lora_tensors(
+        lora_model_id=lora_request.lora_int_id, tensors={n: t.clone() for n, t in tensors.items()},
+        peft_helper=helper, device="cpu",
+        dtype=self.lora_config.lora_dtype, model_vocab_size=self.vocab_size,
+        weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
+        skip_prefixes=getattr(model, "lora_skip_prefixes", None),
+    )  # fmt: skip
+
+
+def serve_from_registry() -> None:
+    """Have this process's vLLM LoRA loader take ``groupbridge:`` paths from the registry (idempotent)."""
+    from vllm.lora.worker_manager import WorkerLoRAManager
+
+    original = WorkerLoRAManager._load_adapter
+    if getattr(original, "_groupbridge", False):
+        return
+
+    def load(self: Any, lora_request: Any) -> Any:
+        if str(lora_request.lora_path).startswith(SCHEME):
+            return _load_from_registry(self, lora_request)
+        return original(self, lora_request)
+
+    load._groupbridge = True  # type: ignore[attr-defined]
+    WorkerLoRAManager._load_adapter = load  # type: ignore[method-assign]
+
+
+# ---------------------------------------------------------------------------------------------- user side
+
+
+def adapter_request(llm: Any, name: str) -> Any:
+    """The ``LoRARequest`` of the newest version of adapter ``name`` an offline ``vllm.LLM`` serves
+    (``policy@v3``): pass it as ``llm.generate(..., lora_request=...)``. The newest is the last one a
+    trainer of this process committed through :class:`groupbridge.vllm.OfflineClient`; else (updates sent
+    by another process) the version the engine reports. Raises LookupError when there is none."""
+    from vllm.lora.request import LoRARequest
+
+    full = llm.__dict__.get("_groupbridge_adapters", {}).get(name)
+    if full is None:
+        version = llm.get_weight_version()
+        if version is None or not str(version).isdigit():
+            raise LookupError(f"this engine serves no version of adapter {name!r} yet")
+        full = adapter_name(name, int(version))
+    return LoRARequest(full, adapter_id(full), lora_path=SCHEME + full)
