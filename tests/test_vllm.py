@@ -786,3 +786,48 @@ def test_the_newest_adapters_stay_filed_and_an_older_one_leaves() -> None:
     request = type("Request", (), {"lora_path": _lora.SCHEME + "reg-test@v1", "lora_int_id": 1})()
     with pytest.raises(ValueError, match=r"'reg-test@v1' is not served.*reg-test@v2"):
         _lora._load_from_registry(Manager(), request)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_vllm_serve_lists_the_newest_adapter_by_name(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Adapter updates into ``vllm serve`` over HTTP: after each, ``/v1/models`` lists ``policy@v<n>`` (and
+    no version older than the newest two), and a client asking for it by name gets the PEFT model's
+    tokens; the base model's name still serves the base."""
+    from peft import LoraConfig, get_peft_model
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+    from groupbridge.vllm._serve import http
+
+    path = tmp_path_factory.mktemp("qwen2-serve-lora")
+    shm_before = segments()
+    base = make_model(path, "qwen2", seed=6)
+    base_tokens = reference(base)
+    torch.manual_seed(6)
+    model = get_peft_model(
+        base, LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS, init_lora_weights=False)
+    )
+    lora_args = ("--enable-lora", "--max-lora-rank", "16", "--max-loras", "2", "--max-cpu-loras", "2")
+    srv = Server(path, log=path / "serve.log", extra=lora_args, env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"})
+    try:
+        eng = WeightTransferTrainerFactory.trainer_init(
+            TrainerInitInfo(rank=0, workers=1, timeout=60, liveness=10, adapter="policy"),
+            client=HTTPVLLMWeightSyncClient(srv.base, timeout=60),
+            source=ModuleSource(model),
+        )
+        try:
+            for step in range(3):
+                perturb_adapter(model, 95 + step)
+                eng.send_weights()
+                listed = {m["id"] for m in http("GET", f"{srv.base}/v1/models")["data"]}
+                assert f"policy@v{step + 1}" in listed, listed
+                assert srv.weight_version() == str(step + 1)
+                want = reference(model)
+                assert [srv.complete(p, TOKENS, model=f"policy@v{step + 1}") for p in PROMPTS] == want
+                assert [srv.complete(p, TOKENS) for p in PROMPTS] == base_tokens
+            assert not any(m.startswith("policy@v1") for m in listed), listed
+        finally:
+            eng.shutdown()
+    finally:
+        srv.close()
+    assert not segments() - shm_before, srv.removed

@@ -58,9 +58,8 @@ class VllmControl:
             self.before_commit()
         self.client.finish_weight_update(weight_version=str(version))
         adapter = (self.update_info() if self.update_info is not None else {}).get("adapter")
-        noted = getattr(self.client, "adapter_committed", None)
-        if adapter is not None and callable(noted):  # where users pick the newest adapter (offline engines)
-            noted(adapter["name"], version)
+        if adapter is not None:
+            announce_adapter(self.client, adapter["name"], version, adapter["max_live"])
 
     def leave(self) -> None:
         leave = getattr(self.client, "shutdown_weight_transfer_engine", None)
@@ -129,6 +128,32 @@ def prompt_logprobs(client: Any, tokens: list[int], timeout: float = 120.0) -> l
     return [float(scored[i][str(t)]["logprob"]) for i, t in enumerate(tokens) if i > 0]
 
 
+def announce_adapter(client: Any, name: str, version: int, max_live: int) -> None:
+    """Adapter ``name`` is served at ``version`` by every worker: tell whoever picks adapters by name. An
+    offline engine's client records it (``adapter_committed``); a server (a client with ``base_url``) lists
+    ``<name>@v<version>`` in ``/v1/models`` through vLLM's ``/v1/load_lora_adapter`` (which loads it once,
+    from the workers' memory: the path is ``groupbridge:<name>@v<version>``), and stops listing the
+    versions older than the newest ``max_live`` (requests already running on them go on)."""
+    each = getattr(client, "announce_adapter", None)  # a fleet: every engine
+    if callable(each):
+        each(name, version, max_live)
+        return
+    noted = getattr(client, "adapter_committed", None)
+    if callable(noted):
+        noted(name, version)
+        return
+    base = getattr(client, "base_url", None)
+    if not isinstance(base, str):
+        return
+    http = HttpClient(base, timeout=float(getattr(client, "timeout", 300.0)))
+    full = f"{name}@v{version}"
+    http.post("v1/load_lora_adapter", {"lora_name": full, "lora_path": f"groupbridge:{full}"})
+    for card in http.get("v1/models")["data"]:
+        listed, _, v = str(card["id"]).rpartition("@v")
+        if listed == name and v.isdigit() and int(v) <= version - max_live:
+            http.post("v1/unload_lora_adapter", {"lora_name": card["id"]})
+
+
 class HttpClient:
     """A vLLM server's weight-sync and pause routes over HTTP (``vllm serve`` with
     ``VLLM_SERVER_DEV_MODE=1``), with the standard library only. Every request is bounded by ``timeout``."""
@@ -157,7 +182,12 @@ class HttpClient:
             raise RuntimeError(f"{method} {url}: HTTP {e.code}: {detail}") from None
         except (urllib.error.URLError, TimeoutError, OSError) as e:
             raise RuntimeError(f"{method} {url} (bounded by {self.timeout:g} s): {e}") from None
-        return json.loads(raw) if raw else None
+        if not raw:
+            return None
+        try:
+            return json.loads(raw)
+        except ValueError:  # some routes answer plain text ("Success: ...")
+            return raw.decode(errors="replace")
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self.post("init_weight_transfer_engine", {"init_info": init_info})

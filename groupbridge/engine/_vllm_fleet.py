@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..errors import WeightSyncError
-from ._vllm_control import SyncClient, prompt_logprobs, start_update
+from ._vllm_control import SyncClient, announce_adapter, prompt_logprobs, start_update
 
 __all__ = ["FleetClient"]
 
@@ -86,12 +86,9 @@ class FleetClient:
         engine order."""
         return self._each("prompt_logprobs", lambda k, c: prompt_logprobs(c, tokens))
 
-    def adapter_committed(self, name: str, version: int) -> None:
-        """Tell each engine's client that adapter ``name`` is served at ``version`` (where it keeps that)."""
-        for c in self.clients:
-            noted = getattr(c, "adapter_committed", None)
-            if callable(noted):
-                noted(name, version)
+    def announce_adapter(self, name: str, version: int, max_live: int) -> None:
+        """Every engine serves adapter ``name`` at ``version``: tell each (see ``announce_adapter``)."""
+        self._each("announce_adapter", lambda k, c: announce_adapter(c, name, version, max_live))
 
     def shutdown_weight_transfer_engine(self) -> None:
         def leave(k: int, c: SyncClient) -> None:

@@ -65,13 +65,14 @@ class Server(Closing):
         dtype: str = "float32",
         start_s: float = 180.0,
         extra: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
     ) -> None:
         self.model = str(model)
         self.log = Path(log)
         self._shm = segments()
         # two CPU workers on one NUMA node need their cores named (vLLM refuses to guess)
         binds = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i) for i in range(tp))} if tp > 1 else {}
-        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", **binds)
+        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", **binds, **(env or {}))
         # what `vllm serve` runs; the `vllm` command of vllm-cpu 0.32.0 fails looking up its own version
         # (importlib.metadata.version("vllm"): the distribution is named vllm-cpu)
         cmd = [
@@ -111,9 +112,9 @@ class Server(Closing):
     def weight_version(self) -> str:
         return str(http("GET", f"{self.base}/weight_info")["weight_version"])
 
-    def complete(self, prompt: list[int], max_tokens: int) -> list[int]:
-        """Greedy token ids for ``prompt``."""
-        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+    def complete(self, prompt: list[int], max_tokens: int, model: str | None = None) -> list[int]:
+        """Greedy token ids for ``prompt`` (from ``model``: the base, or an adapter's name)."""
+        body = {"model": model or self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                 "return_token_ids": True}  # fmt: skip
         return list(http("POST", f"{self.base}/v1/completions", body)["choices"][0]["token_ids"])
 
