@@ -84,6 +84,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         return _bench_local_sources(args)
     if args.control:
         return _bench_control(args)
+    if args.engine == "vllm" and args.adapter:
+        return _bench_adapter(args)
     if args.engine == "vllm":
         return _bench_vllm(args)
     shape = "tiny" if args.quick else args.shape
@@ -157,6 +159,32 @@ def _bench_vllm(args: argparse.Namespace) -> int:
             [r["mode"], f"{r['seconds']:.2f}", f"{r['stall']:.2f}", f"{r['stall_max']:.2f}",
              "-" if r["commit"] is None else f"{r['commit']:.2f}"]
             for r in serving
+        ],
+    )  # fmt: skip
+    return 0
+
+
+def _bench_adapter(args: argparse.Namespace) -> int:
+    from .bench.vllm_adapter import run_adapter
+
+    size = "tiny" if args.quick else "bench"
+    if not args.json:
+        _console.echo(
+            f"[bench] a rank-16 LoRA adapter update into vLLM against a full update ({size} Qwen2, bf16), "
+            f"{args.rounds} interleaved rounds ..."
+        )
+    records = run_adapter(size=size, rounds=args.rounds)
+    if args.json:
+        print(json.dumps(records, indent=1))
+        return 0
+    _console.table(
+        "adapter-only update into vLLM against a full update (seconds, median of rounds)",
+        ["mode", "bytes", "seconds", "min-max", "bytes vs full", "seconds vs full", "first request"],
+        [
+            [r["mode"], f"{r['bytes'] / 2**20:.1f} MiB", f"{r['seconds']:.3f}",
+             f"{r['min']:.3f}-{r['max']:.3f}", f"{r['bytes_vs_full']:.3f}x", f"{r['seconds_vs_full']:.3f}x",
+             "-" if r["first_request"] is None else f"{r['first_request']:.3f}"]
+            for r in records
         ],
     )  # fmt: skip
     return 0
@@ -419,6 +447,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--engine",
         choices=["vllm"],
         help="one update into a real vLLM (the CPU build here) beside its anchors",
+    )
+    p.add_argument(
+        "--adapter",
+        action="store_true",
+        help="with --engine vllm: a rank-16 LoRA adapter update against a full update of the same model",
     )
     p.set_defaults(func=_cmd_bench)
     p = sub.add_parser("chaos", help="sync in a loop while members are killed or frozen; check every promise")
