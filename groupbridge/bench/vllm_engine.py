@@ -135,7 +135,9 @@ def run_vllm(
                     if atomic:  # the commit is vLLM's load of the staged update (with its RPC)
                         load_share.setdefault(mode, []).append(eng.last_seconds["commit"])
                     eng.shutdown()
-            extra = [("groupbridge/auto/verified", OfflineClient(llm), {"verify": probe})]
+            extra: list[tuple[str, Any, dict[str, Any]]] = [
+                ("groupbridge/auto/verified", OfflineClient(llm), {"verify": probe})
+            ]
             if second is not None:
                 both = FleetClient([OfflineClient(llm), OfflineClient(second)])
                 extra.append(("groupbridge/auto/fleet-2", both, {"workers": 2}))

@@ -27,7 +27,7 @@ vLLM's plugins itself).
 
 from __future__ import annotations
 
-from ..engine._vllm_fleet import FleetClient
+from .._vllm_fleet import FleetClient
 from ._client import OfflineClient
 from ._lora import adapter_request
 from ._plugin import BACKEND, register

@@ -223,7 +223,7 @@ def serve_from_registry() -> None:
         return original(self, lora_request)
 
     load._groupbridge = True  # type: ignore[attr-defined]
-    WorkerLoRAManager._load_adapter = load  # type: ignore[method-assign]
+    WorkerLoRAManager._load_adapter = load
 
 
 # ---------------------------------------------------------------------------------------------- user side

@@ -21,8 +21,8 @@ from vllm.distributed.weight_transfer.base import (
     WeightSource,
 )
 
+from .._vllm_client import VllmControl
 from ..engine import SessionState, TrainerConfig, TrainerSession
-from ..engine._vllm_control import VllmControl
 from ._lora import AdapterSpec, peft_adapter
 from ._plugin import BACKEND
 

@@ -16,8 +16,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..errors import WeightSyncError
-from ._vllm_control import SyncClient, announce_adapter, prompt_logprobs, start_update
+from ._vllm_client import SyncClient, announce_adapter, prompt_logprobs, start_update
+from .errors import WeightSyncError
 
 __all__ = ["FleetClient"]
 
