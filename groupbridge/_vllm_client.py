@@ -44,6 +44,7 @@ class VllmControl:
         self.before_commit = before_commit
         self.update_info = update_info
         """What each update tells the workers beside its version (an adapter's name and config)."""
+        self._committed: int | None = None
 
     def join(self, info: dict[str, Any]) -> None:
         self.client.init_weight_transfer_engine(info)
@@ -57,9 +58,13 @@ class VllmControl:
         if self.before_commit is not None:
             self.before_commit()
         self.client.finish_weight_update(weight_version=str(version))
-        adapter = (self.update_info() if self.update_info is not None else {}).get("adapter")
+        self._committed = version
+        adapter = self._adapter()
         if adapter is not None:
             announce_adapter(self.client, adapter["name"], version, adapter["max_live"])
+
+    def _adapter(self) -> dict[str, Any] | None:
+        return (self.update_info() if self.update_info is not None else {}).get("adapter")
 
     def leave(self) -> None:
         leave = getattr(self.client, "shutdown_weight_transfer_engine", None)
@@ -67,17 +72,27 @@ class VllmControl:
             leave()
 
     def probe(self, tokens: list[int]) -> list[list[float]]:
-        """Each replica's log-probabilities of ``tokens[1:]`` (a fleet: one list per engine)."""
+        """Each replica's log-probabilities of ``tokens[1:]`` (a fleet: one list per engine), through the
+        adapter just committed when the updates are an adapter's."""
+        adapter = self._adapter()
+        model = f"{adapter['name']}@v{self._committed}" if adapter is not None else None
         each = getattr(self.client, "prompt_logprobs_each", None)
-        return each(tokens) if callable(each) else [prompt_logprobs(self.client, tokens)]
+        return each(tokens, model) if callable(each) else [prompt_logprobs(self.client, tokens, model)]
 
     def rollback(self, version: int) -> None:
         """Every worker loads ``version`` again (the one it served before its last update); vLLM then
         reports it served. An update of its own, so that vLLM's version is set only by a finish that
-        loaded: the workers stage the rollback in ``update_weights`` and load it in the finish."""
+        loaded: the workers stage the rollback in ``update_weights`` and load it in the finish.
+
+        An adapter's rollback moves no weight: version ``version`` of the adapter is still served under its
+        own name; the workers withdraw the newer one, and ``version`` is announced as the newest again."""
+        adapter = self._adapter()
         start_update(self.client)
-        self.client.update_weights({"version": version, "rollback": True})
+        self.client.update_weights({"version": version, "rollback": True, "adapter": adapter})
         self.client.finish_weight_update(weight_version=str(version))
+        if adapter is not None:
+            withdrawn = f"{adapter['name']}@v{self._committed}"
+            announce_adapter(self.client, adapter["name"], version, adapter["max_live"], withdraw=withdrawn)
 
 
 def start_update(client: SyncClient) -> None:
@@ -107,14 +122,17 @@ def start_update(client: SyncClient) -> None:
     )  # fmt: skip
 
 
-def prompt_logprobs(client: Any, tokens: list[int], timeout: float = 120.0) -> list[float]:
-    """One engine's log-probabilities of ``tokens[1:]``: the client's own ``prompt_logprobs`` (an offline
-    ``LLM``'s :class:`groupbridge.vllm.OfflineClient`), else the server at its ``base_url`` (vLLM's HTTP
-    client, :class:`HttpClient`) through ``/v1/completions`` with ``prompt_logprobs``: the request path
-    users' requests take."""
+def prompt_logprobs(
+    client: Any, tokens: list[int], model: str | None = None, timeout: float = 120.0
+) -> list[float]:
+    """One engine's log-probabilities of ``tokens[1:]`` (``model``: an adapter's served name, else the
+    base): the client's own ``prompt_logprobs`` (an offline ``LLM``'s
+    :class:`groupbridge.vllm.OfflineClient`), else the server at its ``base_url`` (vLLM's HTTP client,
+    :class:`HttpClient`) through ``/v1/completions`` with ``prompt_logprobs``: the request path users'
+    requests take."""
     own = getattr(client, "prompt_logprobs", None)
     if callable(own):
-        return [float(x) for x in own(tokens)]
+        return [float(x) for x in own(tokens, model)]
     base = getattr(client, "base_url", None)
     if not isinstance(base, str):
         raise TypeError(
@@ -122,21 +140,24 @@ def prompt_logprobs(client: Any, tokens: list[int], timeout: float = 120.0) -> l
             "(a vllm serve server)"
         )
     http = HttpClient(base, timeout=timeout)
-    model = http.get("v1/models")["data"][0]["id"]
+    model = model or http.get("v1/models")["data"][0]["id"]
     body = {"model": model, "prompt": list(tokens), "max_tokens": 1, "temperature": 0, "prompt_logprobs": 0}
     scored = http.post("v1/completions", body)["choices"][0]["prompt_logprobs"]
     return [float(scored[i][str(t)]["logprob"]) for i, t in enumerate(tokens) if i > 0]
 
 
-def announce_adapter(client: Any, name: str, version: int, max_live: int) -> None:
+def announce_adapter(
+    client: Any, name: str, version: int, max_live: int, withdraw: str | None = None
+) -> None:
     """Adapter ``name`` is served at ``version`` by every worker: tell whoever picks adapters by name. An
     offline engine's client records it (``adapter_committed``); a server (a client with ``base_url``) lists
     ``<name>@v<version>`` in ``/v1/models`` through vLLM's ``/v1/load_lora_adapter`` (which loads it once,
     from the workers' memory: the path is ``groupbridge:<name>@v<version>``), and stops listing the
-    versions older than the newest ``max_live`` (requests already running on them go on)."""
+    versions older than the newest ``max_live`` (requests already running on them go on). ``withdraw``: a
+    served name no longer listed (a version rolled back)."""
     each = getattr(client, "announce_adapter", None)  # a fleet: every engine
     if callable(each):
-        each(name, version, max_live)
+        each(name, version, max_live, withdraw)
         return
     noted = getattr(client, "adapter_committed", None)
     if callable(noted):
@@ -150,7 +171,7 @@ def announce_adapter(client: Any, name: str, version: int, max_live: int) -> Non
     http.post("v1/load_lora_adapter", {"lora_name": full, "lora_path": f"groupbridge:{full}"})
     for card in http.get("v1/models")["data"]:
         listed, _, v = str(card["id"]).rpartition("@v")
-        if listed == name and v.isdigit() and int(v) <= version - max_live:
+        if card["id"] == withdraw or (listed == name and v.isdigit() and int(v) <= version - max_live):
             http.post("v1/unload_lora_adapter", {"lora_name": card["id"]})
 
 

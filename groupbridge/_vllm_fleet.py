@@ -81,14 +81,14 @@ class FleetClient:
         every engine acknowledged the sync."""
         self._each("finish_weight_update", lambda k, c: c.finish_weight_update(weight_version=weight_version))
 
-    def prompt_logprobs_each(self, tokens: list[int]) -> list[list[float]]:
-        """Each engine's log-probabilities of ``tokens[1:]`` (a :class:`groupbridge.engine.Probe`), in
-        engine order."""
-        return self._each("prompt_logprobs", lambda k, c: prompt_logprobs(c, tokens))
+    def prompt_logprobs_each(self, tokens: list[int], model: str | None = None) -> list[list[float]]:
+        """Each engine's log-probabilities of ``tokens[1:]`` (a :class:`groupbridge.engine.Probe`; ``model``:
+        an adapter's served name), in engine order."""
+        return self._each("prompt_logprobs", lambda k, c: prompt_logprobs(c, tokens, model))
 
-    def announce_adapter(self, name: str, version: int, max_live: int) -> None:
+    def announce_adapter(self, name: str, version: int, max_live: int, withdraw: str | None = None) -> None:
         """Every engine serves adapter ``name`` at ``version``: tell each (see ``announce_adapter``)."""
-        self._each("announce_adapter", lambda k, c: announce_adapter(c, name, version, max_live))
+        self._each("announce_adapter", lambda k, c: announce_adapter(c, name, version, max_live, withdraw))
 
     def shutdown_weight_transfer_engine(self) -> None:
         def leave(k: int, c: SyncClient) -> None:

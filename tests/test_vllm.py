@@ -737,6 +737,43 @@ def test_a_request_begun_on_an_adapter_version_finishes_on_it(lora: tuple[Any, A
         eng.shutdown()
 
 
+def test_a_verified_adapter_that_disagrees_is_withdrawn_and_the_previous_served(
+    lora: tuple[Any, Any],
+) -> None:
+    """verify=Probe with adapters: each version is probed through its own name; at version 3 the reference
+    disagrees: version 3 is withdrawn on the workers, version 2 is the newest again (by name and reported
+    version), nothing reloaded; version 4 lands."""
+    from groupbridge.engine import Probe, causal_logprobs
+    from groupbridge.vllm import adapter_request
+
+    llm, model = lora
+
+    def ref(v: int) -> list[float]:
+        lp = causal_logprobs(model, PROBE)
+        return [x + 1.0 for x in lp] if v == 3 else lp
+
+    eng = trainer(llm, model, adapter="checked", verify=Probe(PROBE, ref, atol=1e-3))
+    try:
+        for step in range(2):
+            perturb_adapter(model, 100 + step)
+            eng.send_weights()
+        kept = reference(model)
+        perturb_adapter(model, 102)
+        with pytest.raises(
+            gb.VerificationError, match=r"replica 0 serves version 3.*rolled back to version 2"
+        ):
+            eng.send_weights()
+        req = adapter_request(llm, "checked")
+        assert req.lora_name == "checked@v2" and llm.get_weight_version() == "2"
+        assert served_with(llm, req) == kept
+        perturb_adapter(model, 103)
+        eng.send_weights()
+        req = adapter_request(llm, "checked")
+        assert req.lora_name == "checked@v4" and served_with(llm, req) == reference(model)
+    finally:
+        eng.shutdown()
+
+
 def test_an_adapter_the_engine_cannot_serve_is_refused_before_bytes_move(
     lora: tuple[Any, Any], dense: tuple[Any, Any]
 ) -> None:

@@ -37,10 +37,20 @@ class OfflineClient:
 
         self.llm.__dict__.setdefault("_groupbridge_adapters", {})[name] = adapter_name(name, version)
 
-    def prompt_logprobs(self, tokens: list[int]) -> list[float]:
-        """The engine's log-probabilities of ``tokens[1:]``, through ``generate`` (a probe's request)."""
+    def prompt_logprobs(self, tokens: list[int], adapter: str | None = None) -> list[float]:
+        """The engine's log-probabilities of ``tokens[1:]``, through ``generate`` (a probe's request), with
+        the adapter served as ``adapter`` (``policy@v3``) when given."""
         import vllm
 
+        from ._lora import SCHEME, adapter_id
+
+        lora = None
+        if adapter is not None:
+            from vllm.lora.request import LoRARequest
+
+            lora = LoRARequest(adapter, adapter_id(adapter), lora_path=SCHEME + adapter)
         params = vllm.SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
-        out = self.llm.generate([{"prompt_token_ids": list(tokens)}], params, use_tqdm=False)[0]
+        out = self.llm.generate(
+            [{"prompt_token_ids": list(tokens)}], params, use_tqdm=False, lora_request=lora
+        )[0]
         return [out.prompt_logprobs[i][t].logprob for i, t in enumerate(tokens) if i > 0]

@@ -170,6 +170,22 @@ def install(model: torch.nn.Module, spec: AdapterSpec, version: int, pairs: Iter
     return full
 
 
+def withdraw_newer(name: str, version: int) -> list[str]:
+    """Drop the versions of adapter ``name`` newer than ``version`` (a rollback); returns their names.
+    Raises LookupError, dropping nothing, when ``version`` itself is not served."""
+    keep = adapter_name(name, version)
+    with _lock:
+        live = _live.get(name, [])
+        if keep not in live:
+            raise LookupError(f"cannot roll adapter {name!r} back to version {version}: it serves {live}")
+        newer = [n for n in live if int(n.rsplit("@v", 1)[1]) > version]
+        for n in newer:
+            _adapters.pop(n, None)
+        _live[name] = [n for n in live if n not in newer]
+    logger.warning("groupbridge: adapter %s served again; withdrawn: %s", keep, ", ".join(newer) or "none")
+    return newer
+
+
 def newest(name: str) -> str | None:
     with _lock:
         live = _live.get(name)

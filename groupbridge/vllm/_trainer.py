@@ -56,8 +56,11 @@ class TrainerInitInfo(_VllmTrainerInitInfo, TrainerConfig):
             AdapterSpec(self.adapter, {"r": 1}, self.max_live_adapters)  # the name and bound, checked now
             if self.sources > 1:
                 raise ValueError("adapter updates are sent by one trainer rank: sources must be 1")
-            if self.keeps_previous:
-                raise ValueError("verify and rollback do not cover adapter updates yet: drop them")
+            if self.keeps_previous and self.max_live_adapters < 2:
+                raise ValueError(
+                    "verify/rollback of adapter updates serve the previous version again: max_live_adapters "
+                    "must be >= 2 (the previous one stays served)"
+                )
 
 
 class TrainerEngine(SessionState, TrainerWeightTransferEngine[TrainerInitInfo]):

@@ -38,7 +38,7 @@ from vllm.distributed.weight_transfer.base import (
 from ..engine import BridgeInfo, WorkerSession
 from ..weights.manifest import Manifest
 from ._dryrun import check_loadable
-from ._lora import AdapterSpec, check_adapter, install, serve_from_registry
+from ._lora import AdapterSpec, check_adapter, install, serve_from_registry, withdraw_newer
 
 ABANDONED = "groupbridge: the update was abandoned as the trainer asked"
 """What a worker raises to end an update on purpose (see :class:`UpdateInfo`)."""
@@ -138,6 +138,7 @@ class WorkerEngine(WeightTransferEngine[WorkerInitInfo, UpdateInfo]):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.loader = VllmLoader(self)
+        self._rolled_back: int | None = None
         self.session = WorkerSession(self.loader, device=self.device, log=logger)
         if getattr(self.vllm_config, "lora_config", None) is not None:
             serve_from_registry()  # adapters received over the bridge load from memory
@@ -161,12 +162,19 @@ class WorkerEngine(WeightTransferEngine[WorkerInitInfo, UpdateInfo]):
         self.session.close()
 
     def start_weight_update(self) -> None:
+        self._rolled_back = None
         self.session.begin()
 
     def receive_weights(self, update_info: UpdateInfo) -> None:
         if update_info.abandon:
             self.session.abandon()
             raise RuntimeError(f"{ABANDONED}: nothing loaded, version {self.version} still served")
+        if update_info.rollback and update_info.adapter is not None:
+            # an adapter's versions are served under names of their own: the newer is withdrawn, nothing loads
+            spec = AdapterSpec.parse(update_info.adapter)
+            withdraw_newer(spec.name, update_info.version)
+            self._rolled_back = update_info.version
+            return
         if update_info.rollback:
             self.session.stage_rollback(update_info.version)
             return
@@ -177,6 +185,9 @@ class WorkerEngine(WeightTransferEngine[WorkerInitInfo, UpdateInfo]):
     def finish_weight_update(self) -> None:
         """Load the staged update. Raises (vLLM then keeps the version it reports) when there is nothing to
         load: see :meth:`groupbridge.engine.WorkerSession.commit`."""
+        if self._rolled_back is not None:
+            self.session.version, self._rolled_back = self._rolled_back, None
+            return
         self.session.commit()
 
 
