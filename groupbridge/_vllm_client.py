@@ -71,6 +71,11 @@ class VllmControl:
         if callable(leave):
             leave()
 
+    def describe_rank(self, worker: int) -> str | None:
+        """Which engine's worker the ``worker``-th bridge worker is (a fleet names its engines)."""
+        describe = getattr(self.client, "describe_worker", None)
+        return describe(worker) if callable(describe) else f"vLLM worker {worker}"
+
     def probe(self, tokens: list[int]) -> list[list[float]]:
         """Each replica's log-probabilities of ``tokens[1:]`` (a fleet: one list per engine), through the
         adapter just committed when the updates are an adapter's."""

@@ -81,6 +81,14 @@ class FleetClient:
         every engine acknowledged the sync."""
         self._each("finish_weight_update", lambda k, c: c.finish_weight_update(weight_version=weight_version))
 
+    def describe_worker(self, worker: int) -> str:
+        """The ``worker``-th worker of the fleet's bridge, as engine index and its worker index."""
+        for k, count in enumerate(self.workers):
+            if worker < count:
+                return f"engine {k}'s worker {worker} (engine {k} of {len(self.clients)} in the fleet)"
+            worker -= count
+        return f"no worker of this fleet (it has {self.total_workers})"
+
     def prompt_logprobs_each(self, tokens: list[int], model: str | None = None) -> list[list[float]]:
         """Each engine's log-probabilities of ``tokens[1:]`` (a :class:`groupbridge.engine.Probe`; ``model``:
         an adapter's served name), in engine order."""

@@ -55,7 +55,12 @@ class CopyTimeoutError(GroupBridgeError, TimeoutError):
 
 
 class PeerDiedError(GroupBridgeError):
-    """A peer stopped sending its liveness signal, or its store connection dropped."""
+    """A peer stopped sending its liveness signal, or its store connection dropped. ``rank``: the peer, when
+    the liveness watcher named one."""
+
+    def __init__(self, message: str, rank: int | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank
 
 
 class StoreUnreachableError(GroupBridgeError):

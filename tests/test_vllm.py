@@ -18,6 +18,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -868,3 +869,88 @@ def test_vllm_serve_lists_the_newest_adapter_by_name(tmp_path_factory: pytest.Te
     finally:
         srv.close()
     assert not segments() - shm_before, srv.removed
+
+
+class _Slow(WeightSource):
+    """A module's parameters, one every ``delay`` seconds; ``at`` is set when the ``after``-th is pulled."""
+
+    def __init__(self, model: Any, delay: float, after: int) -> None:
+        self.model, self.delay, self.after = model, delay, after
+        self.at = threading.Event()
+
+    def metadata(self) -> list[ParamMeta]:
+        return [ParamMeta(n, p.dtype, tuple(p.shape)) for n, p in self.model.named_parameters()]
+
+    def __iter__(self) -> Iterator[tuple[str, Any]]:
+        for i, (name, p) in enumerate(self.model.named_parameters()):
+            if i == self.after:
+                self.at.set()
+            time.sleep(self.delay)
+            yield name, p.detach()
+
+
+@pytest.mark.slow
+def test_a_replica_killed_during_the_transfer_leaves_the_others_serving(
+    dense: tuple[Any, Any], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A fleet of two; every process of engine 1 is killed while the bytes travel: the send raises within
+    liveness + 5 s naming engine 1; engine 0 still serves its version and tokens; a new fleet of the
+    survivor (a new bridge generation) updates it."""
+    import psutil
+
+    from groupbridge.vllm import FleetClient
+
+    llm, model = dense
+    path = tmp_path_factory.mktemp("qwen2-doomed")
+    make_model(path, "qwen2", seed=4)
+    before = segments()
+    children = {p.pid for p in psutil.Process().children(recursive=True)}
+    second = engine(path)
+    doomed = [p for p in psutil.Process().children(recursive=True) if p.pid not in children]
+    try:
+        fleet = FleetClient([OfflineClient(llm), OfflineClient(second)])
+        info = TrainerInitInfo(rank=0, workers=2, timeout=60, liveness=2, first_version=600)
+        source = _Slow(model, delay=0.05, after=6)
+        eng = WeightTransferTrainerFactory.trainer_init(info, client=fleet, source=source)
+        version, tokens = llm.get_weight_version(), served(llm)
+        killed: list[float] = []
+
+        def kill() -> None:
+            if source.at.wait(60):
+                for p in doomed:
+                    p.kill()
+                killed.append(time.monotonic())
+
+        killer = threading.Thread(target=kill, daemon=True)
+        try:
+            perturb(model, 64)
+            killer.start()
+            with pytest.raises(gb.WeightSyncError, match=r"engine 1's worker 0") as e:
+                eng.send_weights()
+            raised = time.monotonic()
+            killer.join(10)
+            assert doomed and killed, "the second engine's processes were not killed"
+            assert raised - killed[0] < 2 + 5, (raised - killed[0], e.value)
+        finally:
+            eng.shutdown()
+        assert llm.get_weight_version() == version and served(llm) == tokens
+        # the survivor, over a new bridge: its engine was left mid-update, recovered by the new trainer
+        survivor = WeightTransferTrainerFactory.trainer_init(
+            TrainerInitInfo(rank=0, workers=1, timeout=60, liveness=2, first_version=700),
+            client=FleetClient([OfflineClient(llm)]),
+            source=ModuleSource(model),
+        )
+        try:
+            survivor.send_weights()
+            assert llm.get_weight_version() == "700" and served(llm) == reference(model)
+        finally:
+            survivor.shutdown()
+    finally:
+        for p in doomed:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+        with contextlib.suppress(Exception):
+            shutdown(second, timeout=timedelta(seconds=10))
+        del second
+        gc.collect()
+        remove_new(before)

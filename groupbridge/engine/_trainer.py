@@ -36,7 +36,7 @@ from typing import Any, Protocol
 import torch
 
 from .._closing import Closing
-from ..errors import GroupBridgeError, SyncRefusedError, VerificationError, WeightSyncError
+from ..errors import GroupBridgeError, PeerDiedError, SyncRefusedError, VerificationError, WeightSyncError
 from ..net import Address, Listener, listen
 from ..stateless import StatelessGroup
 from ..weights.sender import SyncStats, WeightSender
@@ -331,6 +331,9 @@ class TrainerSession(Closing):
             stats = self.sender.send(named, v, specs=specs, timeout=timedelta(seconds=c.timeout))
         except GroupBridgeError as e:
             call.join(c.liveness + 5)
+            who = self._who(e)
+            if who is not None and call.error is None:
+                raise WeightSyncError(f"{e} ({who})") from e
             if isinstance(e, SyncRefusedError) or call.error is None:
                 raise
             raise WeightSyncError(f"the engine failed the update of version {v}: {call.error}") from e
@@ -354,6 +357,17 @@ class TrainerSession(Closing):
         self.version = v
         self.last_seconds["total"] = time.perf_counter() - t0
         return v
+
+    def _who(self, error: BaseException) -> str | None:
+        """The engine a dead bridge member belongs to, in words (``control.describe_rank``), or None."""
+        describe = getattr(self.control, "describe_rank", None)
+        seen: BaseException | None = error
+        while seen is not None and not isinstance(seen, PeerDiedError):
+            seen = seen.__cause__ or seen.__context__
+        if not callable(describe) or seen is None or seen.rank is None or seen.rank < self.config.sources:
+            return None
+        described = describe(seen.rank - self.config.sources)
+        return f"bridge rank {seen.rank} is {described}" if described else None
 
     def _verify(self, probe: Probe, v: int) -> None:
         """Every replica scores the probe; one that disagrees rolls every replica back and raises."""
