@@ -21,6 +21,18 @@ Several engines (replicas) updated as one, committed on every worker of every en
     engine = WeightTransferTrainerFactory.trainer_init(
         TrainerInitInfo(rank=0, workers=fleet.total_workers), client=fleet, source=ModuleSource(model))
 
+Every replica checked after the swap, and all rolled back when one disagrees (``gb.VerificationError``)::
+
+    from groupbridge.engine import Probe, causal_logprobs
+    TrainerInitInfo(rank=0, workers=fleet.total_workers,
+                    verify=Probe(tokens, lambda version: causal_logprobs(model, tokens), atol=0.05))
+
+Only a LoRA adapter (the source's module a PEFT model; the engine started with ``enable_lora=True``), served
+under a fresh name per version::
+
+    TrainerInitInfo(rank=0, adapter="policy", max_live_adapters=2)
+    llm.generate(prompts, params, lora_request=adapter_request(llm, "policy"))   # policy@v3
+
 Importing this module registers the backend too (a trainer talking to ``vllm serve`` over HTTP never loads
 vLLM's plugins itself).
 """
