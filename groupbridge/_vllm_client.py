@@ -96,8 +96,8 @@ class VllmControl:
         self.client.update_weights({"version": version, "rollback": True, "adapter": adapter})
         self.client.finish_weight_update(weight_version=str(version))
         if adapter is not None:
-            withdrawn = f"{adapter['name']}@v{self._committed}"
-            announce_adapter(self.client, adapter["name"], version, adapter["max_live"], withdraw=withdrawn)
+            announce_adapter(self.client, adapter["name"], version, adapter["max_live"], rolled_back=True)
+        self._committed = version
 
 
 def start_update(client: SyncClient) -> None:
@@ -151,18 +151,16 @@ def prompt_logprobs(
     return [float(scored[i][str(t)]["logprob"]) for i, t in enumerate(tokens) if i > 0]
 
 
-def announce_adapter(
-    client: Any, name: str, version: int, max_live: int, withdraw: str | None = None
-) -> None:
+def announce_adapter(client: Any, name: str, version: int, max_live: int, rolled_back: bool = False) -> None:
     """Adapter ``name`` is served at ``version`` by every worker: tell whoever picks adapters by name. An
     offline engine's client records it (``adapter_committed``); a server (a client with ``base_url``) lists
     ``<name>@v<version>`` in ``/v1/models`` through vLLM's ``/v1/load_lora_adapter`` (which loads it once,
     from the workers' memory: the path is ``groupbridge:<name>@v<version>``), and stops listing the
-    versions older than the newest ``max_live`` (requests already running on them go on). ``withdraw``: a
-    served name no longer listed (a version rolled back)."""
+    versions older than the newest ``max_live`` (requests already running on them go on). ``rolled_back``:
+    ``version`` is served again after a rollback: the versions newer than it are no longer listed."""
     each = getattr(client, "announce_adapter", None)  # a fleet: every engine
     if callable(each):
-        each(name, version, max_live, withdraw)
+        each(name, version, max_live, rolled_back)
         return
     noted = getattr(client, "adapter_committed", None)
     if callable(noted):
@@ -173,11 +171,17 @@ def announce_adapter(
         return
     http = HttpClient(base, timeout=float(getattr(client, "timeout", 300.0)))
     full = f"{name}@v{version}"
-    http.post("v1/load_lora_adapter", {"lora_name": full, "lora_path": f"groupbridge:{full}"})
-    for card in http.get("v1/models")["data"]:
-        listed, _, v = str(card["id"]).rpartition("@v")
-        if card["id"] == withdraw or (listed == name and v.isdigit() and int(v) <= version - max_live):
-            http.post("v1/unload_lora_adapter", {"lora_name": card["id"]})
+    listed = {str(card["id"]) for card in http.get("v1/models")["data"]}
+    if full not in listed:  # a rollback's version is listed still: loading it again is refused
+        http.post("v1/load_lora_adapter", {"lora_name": full, "lora_path": f"groupbridge:{full}"})
+    for served in sorted(listed):
+        base, _, v = served.rpartition("@v")
+        if (
+            base == name
+            and v.isdigit()
+            and (int(v) <= version - max_live or (rolled_back and int(v) > version))
+        ):
+            http.post("v1/unload_lora_adapter", {"lora_name": served})
 
 
 class HttpClient:

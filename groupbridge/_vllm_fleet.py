@@ -94,9 +94,9 @@ class FleetClient:
         an adapter's served name), in engine order."""
         return self._each("prompt_logprobs", lambda k, c: prompt_logprobs(c, tokens, model))
 
-    def announce_adapter(self, name: str, version: int, max_live: int, withdraw: str | None = None) -> None:
+    def announce_adapter(self, name: str, version: int, max_live: int, rolled_back: bool = False) -> None:
         """Every engine serves adapter ``name`` at ``version``: tell each (see ``announce_adapter``)."""
-        self._each("announce_adapter", lambda k, c: announce_adapter(c, name, version, max_live, withdraw))
+        self._each("announce_adapter", lambda k, c: announce_adapter(c, name, version, max_live, rolled_back))
 
     def shutdown_weight_transfer_engine(self) -> None:
         def leave(k: int, c: SyncClient) -> None:

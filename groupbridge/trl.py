@@ -46,6 +46,11 @@ class WeightTransfer(SessionState):
         if pause not in (None, "keep", "wait", "abort"):
             raise ValueError(f"pause={pause!r} must be 'keep', 'wait', 'abort' or None")
         self.config = TrainerConfig(**{"name": "trl", **config})
+        if self.config.verify is not None and pause is not None:
+            raise ValueError(
+                "verify probes the server after the swap, while TRL keeps it paused until resume(): the "
+                "probe would wait out its bound; pass pause=None to verify"
+            )
         self.client = HttpClient(base_url, timeout=http_timeout)
         self._pause = pause
         self._paused = False

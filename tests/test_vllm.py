@@ -835,6 +835,7 @@ def test_vllm_serve_lists_the_newest_adapter_by_name(tmp_path_factory: pytest.Te
     from peft import LoraConfig, get_peft_model
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
+    from groupbridge.engine import Probe, causal_logprobs
     from groupbridge.vllm._serve import http
 
     path = tmp_path_factory.mktemp("qwen2-serve-lora")
@@ -845,11 +846,17 @@ def test_vllm_serve_lists_the_newest_adapter_by_name(tmp_path_factory: pytest.Te
     model = get_peft_model(
         base, LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS, init_lora_weights=False)
     )
+
+    def ref(v: int) -> list[float]:
+        lp = causal_logprobs(model, PROBE)
+        return [x + 1.0 for x in lp] if v == 4 else lp
+
+    probe = Probe(PROBE, ref, atol=1e-3)
     lora_args = ("--enable-lora", "--max-lora-rank", "16", "--max-loras", "2", "--max-cpu-loras", "2")
     srv = Server(path, log=path / "serve.log", extra=lora_args, env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"})
     try:
         eng = WeightTransferTrainerFactory.trainer_init(
-            TrainerInitInfo(rank=0, workers=1, timeout=60, liveness=10, adapter="policy"),
+            TrainerInitInfo(rank=0, workers=1, timeout=60, liveness=10, adapter="policy", verify=probe),
             client=HTTPVLLMWeightSyncClient(srv.base, timeout=60),
             source=ModuleSource(model),
         )
@@ -864,6 +871,14 @@ def test_vllm_serve_lists_the_newest_adapter_by_name(tmp_path_factory: pytest.Te
                 assert [srv.complete(p, TOKENS, model=f"policy@v{step + 1}") for p in PROMPTS] == want
                 assert [srv.complete(p, TOKENS) for p in PROMPTS] == base_tokens
             assert not any(m.startswith("policy@v1") for m in listed), listed
+            # version 4 disagrees with the probe: no longer listed, version 3 listed and served again
+            perturb_adapter(model, 98)
+            with pytest.raises(gb.VerificationError, match="rolled back to version 3"):
+                eng.send_weights()
+            listed = {m["id"] for m in http("GET", f"{srv.base}/v1/models")["data"]}
+            assert "policy@v3" in listed and "policy@v4" not in listed, listed
+            assert srv.weight_version() == "3"
+            assert [srv.complete(p, TOKENS, model="policy@v3") for p in PROMPTS] == want
         finally:
             eng.shutdown()
     finally:

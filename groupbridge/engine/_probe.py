@@ -32,6 +32,10 @@ class Probe:
         atol: the largest difference allowed at any position. The engine's kernels are not the trainer's
             (fused, another order of sums, another dtype): bf16 engines differ by a few hundredths, fp32 by
             about 1e-5; a wrong layer moves log-probabilities by units.
+
+    ``reference`` runs on the trainer's rank 0 alone, on a thread: a model whose forward is a collective
+    (FSDP, DTensor) needs a reference that does not call it (a replica of the model, or values computed in
+    the training step).
     """
 
     tokens: Sequence[int]
@@ -51,6 +55,8 @@ class Probe:
     def expected(self, version: int) -> list[float]:
         """``reference(version)``, checked to score ``tokens[1:]``."""
         want = [float(x) for x in self.reference(version)]
+        if not all(math.isfinite(x) for x in want):
+            raise ValueError(f"reference({version}) is not finite: {want}")
         if len(want) != len(self.tokens) - 1:
             raise ValueError(
                 f"reference({version}) gave {len(want)} log-probs; the probe scores {len(self.tokens) - 1} "
@@ -61,7 +67,9 @@ class Probe:
     def worst(self, want: Sequence[float], served: Sequence[Sequence[float]]) -> tuple[int, float] | None:
         """The replica furthest from ``want`` (:meth:`expected`) and its largest difference, when beyond
         ``atol`` (a length that differs, or a value that is not finite, counts as infinitely far); None when
-        all agree."""
+        all agree. Raises ValueError when no replica answered (nothing was checked)."""
+        if not served:
+            raise ValueError("no replica answered the probe")
         worst: tuple[int, float] | None = None
         for k, got in enumerate(served):
             got = [float(x) for x in got]
@@ -79,7 +87,12 @@ def causal_logprobs(model: Any, tokens: Sequence[int]) -> list[float]:
     """A causal language model's (a ``transformers`` one: ``model(ids).logits``) log-probabilities of
     ``tokens[1:]``, in float64 from its logits: the reference a :class:`Probe` compares with."""
     device = next(model.parameters()).device
-    with torch.no_grad():
-        logits = model(torch.tensor([list(tokens)], device=device)).logits[0].double()
+    training = model.training
+    model.eval()  # dropout off: the reference must not disagree with itself
+    try:
+        with torch.no_grad():
+            logits = model(torch.tensor([list(tokens)], device=device)).logits[0].double()
+    finally:
+        model.train(training)
     lp = torch.log_softmax(logits, -1)
     return [lp[i - 1, t].item() for i, t in enumerate(tokens) if i > 0]

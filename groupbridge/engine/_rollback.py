@@ -47,8 +47,11 @@ class KeptCopy:
         fresh: dict[str, torch.Tensor] = {}
         for name, t in views:
             buf = self._buffers.get(name)
-            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype or buf.device != t.device:
-                buf = torch.empty_like(t)
+            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+                # host memory, whatever the kept buffer's device (a GPU engine keeps no second copy there);
+                # pinned where an accelerator loads it back
+                pinned = t.device.type != "cpu" and torch.cuda.is_available()
+                buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pinned)
             buf.copy_(t)
             fresh[name] = buf
         self._buffers = fresh

@@ -333,7 +333,9 @@ class TrainerSession(Closing):
             call.join(c.liveness + 5)
             who = self._who(e)
             if who is not None and call.error is None:
-                raise WeightSyncError(f"{e} ({who})") from e
+                if isinstance(e, PeerDiedError):  # the type users catch stays the same
+                    raise PeerDiedError(f"{e} ({who[1]})", rank=who[0]) from e
+                raise WeightSyncError(f"{e} ({who[1]})") from e
             if isinstance(e, SyncRefusedError) or call.error is None:
                 raise
             raise WeightSyncError(f"the engine failed the update of version {v}: {call.error}") from e
@@ -348,7 +350,7 @@ class TrainerSession(Closing):
             control.commit(v)
         except Exception as e:
             raise WeightSyncError(
-                f"the engine's commit of version {v} failed: {type(e).__name__}: {e}; {self._roll_back(v)}"
+                f"the engine's commit of version {v} failed: {type(e).__name__}: {e}; {self._roll_back(v)[0]}"
             ) from e
         t2 = time.perf_counter()
         self.last_seconds = {"transfer": t1 - t0, "commit": t2 - t1}
@@ -358,16 +360,19 @@ class TrainerSession(Closing):
         self.last_seconds["total"] = time.perf_counter() - t0
         return v
 
-    def _who(self, error: BaseException) -> str | None:
-        """The engine a dead bridge member belongs to, in words (``control.describe_rank``), or None."""
+    def _who(self, error: BaseException) -> tuple[int, str] | None:
+        """The dead bridge member an error names, and the engine it belongs to in words
+        (``control.describe_rank``), or None."""
         describe = getattr(self.control, "describe_rank", None)
         seen: BaseException | None = error
-        while seen is not None and not isinstance(seen, PeerDiedError):
+        while seen is not None and not (isinstance(seen, PeerDiedError) and seen.rank is not None):
             seen = seen.__cause__ or seen.__context__
-        if not callable(describe) or seen is None or seen.rank is None or seen.rank < self.config.sources:
+        if not callable(describe) or not isinstance(seen, PeerDiedError) or seen.rank is None:
+            return None
+        if seen.rank < self.config.sources:
             return None
         described = describe(seen.rank - self.config.sources)
-        return f"bridge rank {seen.rank} is {described}" if described else None
+        return (seen.rank, f"bridge rank {seen.rank} is {described}") if described else None
 
     def _verify(self, probe: Probe, v: int) -> None:
         """Every replica scores the probe; one that disagrees rolls every replica back and raises."""
@@ -380,9 +385,10 @@ class TrainerSession(Closing):
             served = self.control.probe(list(probe.tokens))  # type: ignore[attr-defined]
             worst = probe.worst(expected.result(timeout=self.config.timeout), served)
         except Exception as e:
+            back, served = self._roll_back(v)
             raise VerificationError(
-                f"the probe of version {v} failed: {type(e).__name__}: {e}; {self._roll_back(v)}",
-                version=v, replica=-1, difference=float("nan"), served=self.version,
+                f"the probe of version {v} failed: {type(e).__name__}: {e}; {back}",
+                version=v, replica=-1, difference=float("nan"), served=served,
             ) from e  # fmt: skip
         finally:
             pool.shutdown(wait=False)
@@ -391,27 +397,28 @@ class TrainerSession(Closing):
             self.last_seconds["unverified"] = self.last_seconds["verify"]
             return
         k, diff = worst
-        back = self._roll_back(v)
+        back, served_now = self._roll_back(v)
         self.last_seconds["unverified"] = time.perf_counter() - t0
         raise VerificationError(
             f"replica {k} serves version {v} with log-probabilities {diff:.4g} away from the trainer's "
             f"(atol {probe.atol:g}; {len(served)} replica(s) probed): {back}",
-            version=v, replica=k, difference=diff, served=self.version,
+            version=v, replica=k, difference=diff, served=served_now,
         )  # fmt: skip
 
-    def _roll_back(self, v: int) -> str:
+    def _roll_back(self, v: int) -> tuple[str, int | None]:
         """After a failed commit or probe of ``v``: every replica serves ``self.version`` again, where the
-        workers keep it; returns what the engines serve now, in words."""
+        workers keep it. Returns what the engines serve now, in words, and the version every replica
+        serves (None when that is not known: no rollback, or one that failed)."""
         if not self.config.keeps_previous:
             return (
                 "rollback is off (TrainerConfig(rollback=True) turns it on): an engine whose commit returned "
                 f"serves {v}, the others what they served before"
-            )
+            ), None
         if self.version is None:
             return (
                 f"no earlier version of this trainer to roll back to (its first update): the replicas serve "
                 f"{v} where it was committed; send a corrected version"
-            )
+            ), None
         try:
             self.control.rollback(self.version)  # type: ignore[union-attr]
         except Exception as e:
@@ -419,9 +426,9 @@ class TrainerSession(Closing):
             return (
                 f"the rollback to version {self.version} failed too ({type(e).__name__}: {str(e)[:500]}): "
                 f"replicas may serve {v} or {self.version}; send a full update"
-            )
+            ), None
         logger.warning("groupbridge: version %d was rolled back; every replica serves %d", v, self.version)
-        return f"every replica was rolled back to version {self.version} and serves it"
+        return f"every replica was rolled back to version {self.version} and serves it", self.version
 
     def _send_shards(self, named: Iterable[tuple[str, Any]] | Mapping[str, Any], version: int | None) -> int:
         """A sending rank other than 0: its part of the sync rank 0 drives (the versions advance alike)."""

@@ -98,6 +98,9 @@ _adapters: dict[str, tuple[dict[str, torch.Tensor], dict[str, Any]]] = {}
 """In a worker process: full name -> (tensors, config) of every adapter it can serve."""
 _live: dict[str, list[str]] = {}
 """Adapter name -> its full names in the registry, oldest first."""
+_retired: set[str] = set()
+"""Full names withdrawn by a rollback: no longer handed out, still loadable until no request uses them (a
+request that named one between the swap and the rollback would otherwise end vLLM's engine)."""
 
 
 def _expected_modules(manager: Any) -> set[str]:
@@ -166,6 +169,9 @@ def install(model: torch.nn.Module, spec: AdapterSpec, version: int, pairs: Iter
             else:
                 _adapters.pop(old, None)
         _live[spec.name] = keep
+        for old in [n for n in _retired if adapter_id(n) not in in_use]:
+            _retired.discard(old)
+            _adapters.pop(old, None)
     logger.info("groupbridge: adapter %s filed (%d tensors); live: %s", full, len(tensors), ", ".join(keep))
     return full
 
@@ -179,8 +185,7 @@ def withdraw_newer(name: str, version: int) -> list[str]:
         if keep not in live:
             raise LookupError(f"cannot roll adapter {name!r} back to version {version}: it serves {live}")
         newer = [n for n in live if int(n.rsplit("@v", 1)[1]) > version]
-        for n in newer:
-            _adapters.pop(n, None)
+        _retired.update(newer)  # dropped at a later commit, once no request uses them
         _live[name] = [n for n in live if n not in newer]
     logger.warning("groupbridge: adapter %s served again; withdrawn: %s", keep, ", ".join(newer) or "none")
     return newer

@@ -171,15 +171,16 @@ class WorkerEngine(WeightTransferEngine[WorkerInitInfo, UpdateInfo]):
             raise RuntimeError(f"{ABANDONED}: nothing loaded, version {self.version} still served")
         if update_info.rollback and update_info.adapter is not None:
             # an adapter's versions are served under names of their own: the newer is withdrawn, nothing loads
-            spec = AdapterSpec.parse(update_info.adapter)
-            withdraw_newer(spec.name, update_info.version)
+            withdraw_newer(AdapterSpec.parse(update_info.adapter).name, update_info.version)
             self._rolled_back = update_info.version
             return
         if update_info.rollback:
             self.session.stage_rollback(update_info.version)
             return
-        spec = AdapterSpec.parse(update_info.adapter) if update_info.adapter is not None else None
-        self.loader.adapter = (spec, update_info.version) if spec is not None else None
+        adapter = update_info.adapter
+        self.loader.adapter = (
+            (AdapterSpec.parse(adapter), update_info.version) if adapter is not None else None
+        )
         self.session.receive(update_info.version)
 
     def finish_weight_update(self) -> None:
