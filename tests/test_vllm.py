@@ -668,6 +668,7 @@ def perturb_adapter(model: Any, seed: int) -> None:
                 p.add_(torch.randn(p.shape, generator=g) * 0.05)
 
 
+@pytest.mark.slow  # a LoRA engine of its own (about 35 s to start and stop)
 def test_adapter_updates_serve_the_trained_adapter_under_a_fresh_name(lora: tuple[Any, Any]) -> None:
     """Three adapter-only updates: after each, vLLM's greedy tokens with the newest adapter equal the PEFT
     model's, and without it the base model's (never touched); each version a new name; version 2 still
@@ -701,6 +702,7 @@ def test_adapter_updates_serve_the_trained_adapter_under_a_fresh_name(lora: tupl
         eng.shutdown()
 
 
+@pytest.mark.slow  # a LoRA engine of its own (about 35 s to start and stop)
 def test_a_request_begun_on_an_adapter_version_finishes_on_it(lora: tuple[Any, Any]) -> None:
     """A long request on version 1 of an adapter is still generating when version 2 is committed (vLLM then
     drops every loaded adapter): it finishes with version 1's tokens, reloaded by name."""
@@ -738,6 +740,7 @@ def test_a_request_begun_on_an_adapter_version_finishes_on_it(lora: tuple[Any, A
         eng.shutdown()
 
 
+@pytest.mark.slow  # a LoRA engine of its own (about 35 s to start and stop)
 def test_a_verified_adapter_that_disagrees_is_withdrawn_and_the_previous_served(
     lora: tuple[Any, Any],
 ) -> None:
@@ -775,6 +778,7 @@ def test_a_verified_adapter_that_disagrees_is_withdrawn_and_the_previous_served(
         eng.shutdown()
 
 
+@pytest.mark.slow  # a LoRA engine of its own (about 35 s to start and stop)
 def test_an_adapter_the_engine_cannot_serve_is_refused_before_bytes_move(
     lora: tuple[Any, Any], dense: tuple[Any, Any]
 ) -> None:
