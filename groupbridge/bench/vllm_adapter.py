@@ -33,6 +33,7 @@ def run_adapter(size: str = "bench", rounds: int = 3, rank: int = 16) -> list[di
     from ..vllm import OfflineClient, TrainerInitInfo, adapter_request
     from ..vllm._stop import remove_new, segments, shutdown
     from ..vllm.models import make_model
+    from .vllm_engine import _engine
 
     tmp = tempfile.TemporaryDirectory(prefix="gb-bench-adapter-")
     shm_before = segments()
@@ -43,11 +44,7 @@ def run_adapter(size: str = "bench", rounds: int = 3, rank: int = 16) -> list[di
     peft = get_peft_model(
         transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16), config
     )
-    llm = vllm.LLM(
-        path, dtype="bfloat16", skip_tokenizer_init=True, max_model_len=256, max_num_seqs=4,
-        enforce_eager=True, kv_cache_memory_bytes=1 << 30, gpu_memory_utilization=0.3, enable_lora=True,
-        max_lora_rank=rank, max_loras=2, max_cpu_loras=2, weight_transfer_config={"backend": "groupbridge"},
-    )  # fmt: skip
+    llm = _engine(path, enable_lora=True, max_lora_rank=rank, max_loras=2, max_cpu_loras=2)
     sp = vllm.SamplingParams(max_tokens=1, temperature=0)
     times: dict[str, list[float]] = {}
     sent: dict[str, int] = {}

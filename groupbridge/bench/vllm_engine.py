@@ -55,7 +55,8 @@ def _plain_receiver(
     return float(sum(t.float().sum().item() for t in target.values()))
 
 
-def _engine(path: str) -> Any:
+def _engine(path: str, **extra: Any) -> Any:
+    """An offline engine of the bench's settings, backend "groupbridge" (``extra``: more of vLLM's)."""
     import vllm
 
     return vllm.LLM(
@@ -68,6 +69,7 @@ def _engine(path: str) -> Any:
         kv_cache_memory_bytes=1 << 30,
         gpu_memory_utilization=0.3,  # on CPU: the share of host memory vLLM takes (the trainer is here too)
         weight_transfer_config={"backend": "groupbridge"},
+        **extra,
     )
 
 

@@ -28,11 +28,6 @@ class KeptCopy:
         self.copy: tuple[int, Pairs] | None = None
         self._buffers: dict[str, torch.Tensor] = {}
 
-    @property
-    def nbytes(self) -> int:
-        """Host memory the rollback buffer holds."""
-        return sum(t.numel() * t.element_size() for t in self._buffers.values())
-
     def committed(self, version: int, views: Pairs | None) -> None:
         """``version`` is now served, its bytes in ``views`` (None: not kept, e.g. a stream not kept)."""
         self.served = (version, views) if views is not None else None

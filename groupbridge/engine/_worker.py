@@ -66,6 +66,18 @@ class Loader(Protocol):
 _END = object()
 
 
+def _keep_then(update: WeightUpdate, keep: Callable[[], None] | None) -> WeightUpdate:
+    """Run ``keep`` (the rollback copy) before ``update`` overwrites the kept buffer; if it fails, the sync
+    is aborted for every member (nothing was read yet) and the failure raised."""
+    if keep is not None:
+        try:
+            keep()
+        except BaseException:
+            update.close()
+            raise
+    return update
+
+
 class _Landing:
     """An update's bytes landing on a thread of their own, in the kept buffer: an atomic update's while the
     engine goes on serving; a streaming update's ahead of the loader, which takes each tensor as it lands
@@ -91,13 +103,7 @@ class _Landing:
             t0 = time.perf_counter()
             landed: list[tuple[str, torch.Tensor]] = []
             try:
-                if before is not None:  # the rollback copy, before the kept buffer is overwritten
-                    try:
-                        before()
-                    except BaseException:
-                        update.close()  # nothing read yet: the sync is aborted for every member
-                        raise
-                pairs = iter(update)
+                pairs = iter(_keep_then(update, before))
                 for item in pairs:
                     if self._stop.is_set():  # the loader failed: the sync is abandoned, the sender told
                         pairs.close()  # type: ignore[attr-defined]
@@ -270,13 +276,7 @@ class WorkerSession(Closing):
         elif self.background:
             self._landing = _Landing(update, self.log, before=keep)
         else:
-            if keep is not None:
-                try:
-                    keep()
-                except BaseException:
-                    update.close()
-                    raise
-            self._staged = list(update)
+            self._staged = list(_keep_then(update, keep))
         self._received = update.version
         self.timings["receive"] = time.perf_counter() - t1
 

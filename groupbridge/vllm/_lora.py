@@ -191,12 +191,6 @@ def withdraw_newer(name: str, version: int) -> list[str]:
     return newer
 
 
-def newest(name: str) -> str | None:
-    with _lock:
-        live = _live.get(name)
-        return live[-1] if live else None
-
-
 def live(name: str) -> list[str]:
     with _lock:
         return list(_live.get(name, []))
