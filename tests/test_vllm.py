@@ -168,6 +168,44 @@ def test_shutdown_takes_an_offline_engine_only() -> None:
         shutdown(object())
 
 
+_IDLE_ENGINE = """
+import ctypes, os, queue, signal, sys, threading, time
+def stop(signum, frame):
+    print("stopped", flush=True)
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+def other():  # the SIGTERM lands on this thread, as the kernel may pick any thread that does not block it
+    ctypes.CDLL(None).tgkill(os.getpid(), threading.get_native_id(), signal.SIGTERM)
+    print("missed", flush=True)
+    time.sleep(60)
+threading.Thread(target=other, daemon=True).start()
+queue.Queue().get()  # idle, as vLLM's engine process waits for its next request
+"""
+
+
+def test_an_engine_process_that_missed_sigterm_is_signalled_again_on_its_main_thread() -> None:
+    """Python runs handlers on the main thread only: a SIGTERM taken by another thread leaves an idle
+    main thread waiting (vLLM's engine then ignores the stop until it is killed); shutdown() sends it again
+    to the main thread while the process still catches SIGTERM."""
+    from groupbridge.vllm._stop import _catches, _nudge
+
+    proc = subprocess.Popen([sys.executable, "-c", _IDLE_ENGINE], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "missed"
+        time.sleep(1.0)
+        assert proc.poll() is None and _catches(proc.pid, signal.SIGTERM)  # the handler has not run
+        done = threading.Event()
+        nudger = threading.Thread(target=_nudge, args=([proc.pid], done, 0.2), daemon=True)
+        nudger.start()
+        assert proc.stdout.readline().strip() == "stopped" and proc.wait(10) == 0
+        done.set()
+        nudger.join(5)
+        assert not nudger.is_alive() and not _catches(proc.pid, signal.SIGTERM)
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
 def test_a_call_that_fails_after_its_abort_was_cancelled_aborts_nothing() -> None:
     """vLLM's side of an update failing after the trainer had already finished (and disarmed the abort)
     armed a timer anyway, which then aborted the next update (a retry within the liveness bound)."""

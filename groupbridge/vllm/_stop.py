@@ -10,11 +10,17 @@ ones that appeared since (:func:`remove_new`).
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import logging
 import os
 import signal
 import subprocess
+import threading
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["remove_new", "segments", "shutdown", "stop_server"]
 
@@ -89,4 +95,61 @@ def shutdown(llm: Any, *, timeout: timedelta = timedelta(seconds=60)) -> None:
     stop = getattr(engine_core, "shutdown", None)
     if not callable(stop):
         raise TypeError(f"shutdown() takes an offline vllm.LLM, got {type(llm).__name__}")
-    stop(timeout=timeout.total_seconds())
+    manager = getattr(getattr(engine_core, "resources", None), "engine_manager", None)
+    pids = [p.pid for p in getattr(manager, "processes", ()) if getattr(p, "pid", None)]
+    done = threading.Event()
+    nudger = threading.Thread(target=_nudge, args=(pids, done), name="groupbridge-vllm-stop", daemon=True)
+    nudger.start()
+    try:
+        stop(timeout=timeout.total_seconds())
+    finally:
+        done.set()
+        nudger.join(1.0)
+
+
+NUDGE_AFTER_S = 10.0
+"""How long an engine process may keep vLLM's SIGTERM handler armed after being told to stop, before the
+signal is sent again to its main thread (see :func:`_nudge`)."""
+
+
+def _nudge(pids: Sequence[int], done: threading.Event, after: float = NUDGE_AFTER_S) -> None:
+    """Re-send SIGTERM to the main thread of an engine process that did not act on vLLM's.
+
+    An idle engine process waits on its input queue in its main thread; Python runs signal handlers only
+    there. A SIGTERM the kernel hands to another of its threads sets Python's flag but wakes nothing, and
+    vLLM's handler runs only when the queue gets a message: seen once in CI, where the engine did not react
+    for 60 s and vLLM killed it and its worker. A signal aimed at the main thread interrupts the wait.
+
+    Sent only while the process still catches SIGTERM: once vLLM's handler has run, vLLM restores the
+    default action for its teardown, and a second SIGTERM would kill it midway.
+    """
+    while not done.wait(after):
+        for pid in pids:
+            if _catches(pid, signal.SIGTERM):
+                logger.warning(
+                    "groupbridge: vLLM's engine process %d has not acted on SIGTERM after %.0f s; sending it "
+                    "again, to its main thread", pid, after,
+                )  # fmt: skip
+                _signal_thread(pid, pid, signal.SIGTERM)
+
+
+def _catches(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` is alive and has a handler installed for ``sig`` (its SigCgt mask)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("State:") and line.split()[1] in ("Z", "X"):
+                    return False
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        return False
+    return False
+
+
+def _signal_thread(pid: int, tid: int, sig: int) -> None:
+    """``sig`` to thread ``tid`` of process ``pid`` (glibc's tgkill), else to the process."""
+    tgkill = getattr(ctypes.CDLL(None, use_errno=True), "tgkill", None)
+    if tgkill is None or tgkill(pid, tid, int(sig)) != 0:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
