@@ -8,6 +8,7 @@ two groups on one store, or the same group made again, never read each other's k
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from datetime import timedelta
 
@@ -130,6 +131,11 @@ def open_client(
         ) from e
     if fd is not None:
         _torch_private.set_socket_timeouts(fd, io_timeout)
+    elif os.path.isdir("/proc/self/fd"):
+        logger.warning(
+            "the connection to the store at %s could not be told from this process's other sockets: a wait "
+            "on it is not woken early when a peer fails, only bounded by its timeout", address,
+        )  # fmt: skip
     # Socket timeouts do not bound a server-side wait (the client polls for its reply): the store's own
     # timeout does. Callers that wait longer set it per call.
     store.set_timeout(io_timeout)
