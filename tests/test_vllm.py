@@ -17,6 +17,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -204,6 +205,53 @@ def test_an_engine_process_that_missed_sigterm_is_signalled_again_on_its_main_th
     finally:
         proc.kill()
         proc.wait(10)
+
+
+_HOLDS_A_SEGMENT = """
+import mmap, os, sys, time
+fd = os.open("/dev/shm/" + sys.argv[1], os.O_CREAT | os.O_RDWR, 0o600)
+os.ftruncate(fd, 4096)
+m = mmap.mmap(fd, 4096)
+os.close(fd)
+print("mapped", flush=True)
+time.sleep(60)
+"""
+
+
+def test_an_engine_stop_removes_only_the_segments_its_processes_held() -> None:
+    """What a stopped engine left in /dev/shm goes; a segment another engine made meanwhile (not mapped
+    yet, so no process holds it) stays."""
+    from groupbridge.vllm._stop import held_by, process_tree, remove_owned
+
+    tag = uuid.uuid4().hex[:12]
+    mine, other = f"psm_gbtest_{tag}_engine", f"psm_gbtest_{tag}_other"
+    with open(f"/dev/shm/{other}", "wb") as f:
+        f.write(b"x")
+    # the engine: a process whose child maps a segment (an engine core and its worker)
+    code = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {_HOLDS_A_SEGMENT!r}, {mine!r}])"
+    engine = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        assert engine.stdout is not None and engine.stdout.readline().strip() == "mapped"
+        tree = process_tree([engine.pid])
+        assert len(tree) == 2 and engine.pid in tree
+        owned = held_by(tree)
+        assert mine in owned and other not in owned, owned
+        os.killpg(engine.pid, signal.SIGKILL)  # the engine gone, its segment left behind
+        engine.wait(10)
+        deadline = time.monotonic() + 10
+        while process_tree([engine.pid]) - {engine.pid} and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert remove_owned(owned) == [mine]
+        assert not os.path.exists(f"/dev/shm/{mine}") and os.path.exists(f"/dev/shm/{other}")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(engine.pid, signal.SIGKILL)
+        engine.wait(10)
+        for name in (mine, other):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f"/dev/shm/{name}")
 
 
 def test_a_call_that_fails_after_its_abort_was_cancelled_aborts_nothing() -> None:

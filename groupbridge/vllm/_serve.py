@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .._closing import Closing
-from ._stop import remove_new, segments, stop_server
+from ._stop import held_by, process_tree, remove_owned, stop_server
 
 
 def _listening_port(proc: subprocess.Popen[bytes], deadline: float, log: Path) -> int:
@@ -69,7 +69,6 @@ class Server(Closing):
     ) -> None:
         self.model = str(model)
         self.log = Path(log)
-        self._shm = segments()
         # two CPU workers on one NUMA node need their cores named (vLLM refuses to guess)
         binds = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i) for i in range(tp))} if tp > 1 else {}
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", **binds, **(env or {}))
@@ -119,9 +118,11 @@ class Server(Closing):
         return list(http("POST", f"{self.base}/v1/completions", body)["choices"][0]["token_ids"])
 
     def close(self) -> None:
+        # vLLM 0.32 never unlinks its CPU communicator's segments: whoever starts an engine cleans after it,
+        # removing only what this server's processes held (not another engine's, started meanwhile)
+        owned = held_by(process_tree([self.proc.pid])) if self.proc.poll() is None else set()
         stop_server(self.proc)
-        # vLLM 0.32 never unlinks its CPU communicator's segments: whoever starts an engine cleans after it
-        self.removed = remove_new(self._shm)
+        self.removed = remove_owned(owned)
 
 
 class Streamer:

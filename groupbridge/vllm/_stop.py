@@ -2,9 +2,11 @@
 
 vLLM 0.32's CPU build leaves shared memory behind when its engine stops: the tensor-parallel CPU
 communicator's segments (``vllm_dist_<id>-tp:...-cpushm_<rank>``, 4 MiB each) are never unlinked, even on a
-clean shutdown, and its message queues' (``psm_*``) stay when a worker is killed. Whatever starts an engine
-notes the segments before (:func:`segments`) and, once every process of the engine has exited, removes the
-ones that appeared since (:func:`remove_new`).
+clean shutdown, and its message queues' (``psm_*``) stay when a worker is killed. Whatever stops an engine
+notes the segments its processes hold just before (:func:`held_by` over :func:`process_tree`) and, once they
+have exited, removes those no other process holds (:func:`remove_owned`): never a segment of another engine
+started meanwhile. :func:`shutdown` and the ``vllm serve`` runner do so; :func:`remove_new` (every segment
+that appeared since a snapshot) is for test harnesses that own the machine.
 """
 
 from __future__ import annotations
@@ -16,13 +18,13 @@ import os
 import signal
 import subprocess
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from datetime import timedelta
 from typing import Any
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["remove_new", "segments", "shutdown", "stop_server"]
+__all__ = ["held_by", "process_tree", "remove_new", "remove_owned", "segments", "shutdown", "stop_server"]
 
 SHM = "/dev/shm"
 PREFIXES = ("psm_", "vllm_dist_")
@@ -38,24 +40,58 @@ def segments() -> set[str]:
 
 def _in_use() -> set[str]:
     """The segments some process (that this one may inspect) still maps or holds open."""
+    return held_by(int(pid) for pid in os.listdir("/proc") if pid.isdigit())
+
+
+def held_by(pids: Iterable[int]) -> set[str]:
+    """The segments the processes ``pids`` map or hold open (those this process may inspect)."""
     held: set[str] = set()
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
+    for pid in pids:
         with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as maps:
-            held.update(line.rsplit("/", 1)[-1].strip() for line in maps if f" {SHM}/" in line)
+            held.update(line.split(f" {SHM}/", 1)[1].split()[0] for line in maps if f" {SHM}/" in line)
         with contextlib.suppress(OSError):
             for fd in os.listdir(f"/proc/{pid}/fd"):
                 with contextlib.suppress(OSError):
                     target = os.readlink(f"/proc/{pid}/fd/{fd}")
                     if target.startswith(SHM + "/"):
-                        held.add(target.rsplit("/", 1)[-1])
+                        held.add(target[len(SHM) + 1 :].split()[0])
     return held
+
+
+def process_tree(roots: Iterable[int]) -> set[int]:
+    """``roots`` and every process descended from them."""
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        with contextlib.suppress(OSError, ValueError, IndexError), open(f"/proc/{name}/stat") as f:
+            ppid = int(f.read().rsplit(")", 1)[1].split()[1])  # the name may hold spaces and parentheses
+            children.setdefault(ppid, []).append(int(name))
+    tree, todo = set(), list(roots)
+    while todo:
+        pid = todo.pop()
+        if pid not in tree:
+            tree.add(pid)
+            todo.extend(children.get(pid, ()))
+    return tree
+
+
+def remove_owned(owned: set[str]) -> list[str]:
+    """Remove the vLLM segments of ``owned`` (what an engine's processes held before they stopped) that
+    still exist and that no process maps or holds open; returns them. Call it once those processes are
+    gone."""
+    removed = []
+    for name in sorted((owned & segments()) - _in_use()):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(SHM, name))
+            removed.append(name)
+    return removed
 
 
 def remove_new(before: set[str]) -> list[str]:
     """Remove the vLLM segments that appeared since ``before`` and that no process still maps or holds
-    open (another engine's stay); returns them. Call it once the engine's processes are gone."""
+    open; returns them. For a harness that started every engine on the machine since ``before`` (another
+    engine's segment not yet mapped would go too): an engine's own stop uses :func:`remove_owned`."""
     removed = []
     held = _in_use()
     for name in sorted(segments() - before - held):
@@ -81,7 +117,9 @@ def stop_server(proc: subprocess.Popen[bytes], grace_s: float = 60.0) -> None:
 def shutdown(llm: Any, *, timeout: timedelta = timedelta(seconds=60)) -> None:
     """Stop an offline ``vllm.LLM``'s engine now: its processes exit in order, not whenever the object is
     collected (vLLM then force-kills the engine process at interpreter exit). Call it after the trainer
-    engine's ``shutdown()``, which has vLLM's workers leave the bridge first. Calling it again does nothing.
+    engine's ``shutdown()``, which has vLLM's workers leave the bridge first. Then the shared memory its
+    processes held and left behind is removed (vLLM 0.32 never unlinks its CPU communicator's segments); a
+    segment another process still holds stays. Calling it again does nothing.
 
     Args:
         llm: the offline engine.
@@ -97,6 +135,7 @@ def shutdown(llm: Any, *, timeout: timedelta = timedelta(seconds=60)) -> None:
         raise TypeError(f"shutdown() takes an offline vllm.LLM, got {type(llm).__name__}")
     manager = getattr(getattr(engine_core, "resources", None), "engine_manager", None)
     pids = [p.pid for p in getattr(manager, "processes", ()) if getattr(p, "pid", None)]
+    owned = held_by(process_tree(pids))  # the engine's and its workers' segments, before they exit
     done = threading.Event()
     nudger = threading.Thread(target=_nudge, args=(pids, done), name="groupbridge-vllm-stop", daemon=True)
     nudger.start()
@@ -105,6 +144,7 @@ def shutdown(llm: Any, *, timeout: timedelta = timedelta(seconds=60)) -> None:
     finally:
         done.set()
         nudger.join(1.0)
+    remove_owned(owned)
 
 
 NUDGE_AFTER_S = 10.0
