@@ -34,7 +34,7 @@ def main() -> None:
         policy = make_model(f"{tmp}/model", "qwen2")  # your policy in real use
         print("starting vllm serve (about 30 s) ...")
         with Server(f"{tmp}/model", log=f"{tmp}/serve.log") as server:
-            transfer = WeightTransfer(server.base, timeout=120)  # host=, token=, delta=True, ... as you need
+            transfer = WeightTransfer(server.base, timeout_s=120)  # host=, token=, delta=True, ... as needed
             transfer.init_weight_transfer()  # TRL: at train begin
             try:
                 for step in range(1, 4):

@@ -152,7 +152,7 @@ def rig(**config: Any) -> Iterator[tuple[TrainerSession, Control, dict[str, Any]
     calls, replies = CTX.Queue(), CTX.Queue()
     worker = Ranks(_engine, 1, (calls, replies))
     control = Control(calls, replies)
-    config = {"timeout": 30, "liveness": 10, "bucket_bytes": 32 << 10, **config}
+    config = {"timeout_s": 30, "liveness_s": 10, "bucket_bytes": 32 << 10, **config}
     session = TrainerSession(TrainerConfig(**config), control)
     out: dict[str, Any] = {}
     try:
@@ -180,7 +180,7 @@ def test_an_atomic_update_lands_while_the_engine_serves_and_versions_survive_a_f
     worker = Ranks(_engine, 1, (calls, replies))
     control = Control(calls, replies)
     specs = {n: (s, torch.float32) for n, s in SHAPES.items()}
-    session = TrainerSession(TrainerConfig(timeout=30, liveness=10, bucket_bytes=32 << 10), control)
+    session = TrainerSession(TrainerConfig(timeout_s=30, liveness_s=10, bucket_bytes=32 << 10), control)
     try:
         session.connect()
         t0 = time.monotonic()
@@ -256,7 +256,7 @@ def test_a_landing_that_failed_commits_nothing_and_the_next_update_lands() -> No
     worker = Ranks(_engine, 1, (calls, replies))
     control = Control(calls, replies)
     specs = {n: (s, torch.float32) for n, s in SHAPES.items()}
-    session = TrainerSession(TrainerConfig(timeout=30, liveness=2, bucket_bytes=32 << 10), control)
+    session = TrainerSession(TrainerConfig(timeout_s=30, liveness_s=2, bucket_bytes=32 << 10), control)
     try:
         assert session.send(slow(1.0, 0), specs=specs) == 1
         with pytest.raises(WeightSyncError, match="source failed midway"):
@@ -278,7 +278,7 @@ def test_a_second_send_while_one_runs_is_refused_at_once() -> None:
     worker = Ranks(_engine, 1, (calls, replies))
     control = Control(calls, replies)
     specs = {n: (s, torch.float32) for n, s in SHAPES.items()}
-    session = TrainerSession(TrainerConfig(timeout=30, liveness=10, bucket_bytes=32 << 10), control)
+    session = TrainerSession(TrainerConfig(timeout_s=30, liveness_s=10, bucket_bytes=32 << 10), control)
     try:
         session.connect()
         pulling, go = threading.Event(), threading.Event()

@@ -59,7 +59,7 @@ def test_a_client_keeps_getting_tokens_while_an_atomic_update_lands(
     specs = {n: (tuple(p.shape), p.dtype) for n, p in model.named_parameters()}
     # liveness 10 s (the default): a server, its client and the trainer share 2 cores, and this machine was
     # seen frozen for 4.5 s once (the bridge then broke by design); this test is about serving, not liveness
-    config = TrainerConfig(timeout=60, liveness=10, atomic=atomic, name="serve", bucket_bytes=256 << 10)
+    config = TrainerConfig(timeout_s=60, liveness_s=10, atomic=atomic, name="serve", bucket_bytes=256 << 10)
     session = TrainerSession(config, VllmControl(HttpClient(srv.base, timeout=60)))
     streamer = Streamer(srv, [5, 6, 7], tokens=400)
     try:
@@ -157,7 +157,7 @@ def test_trl_async_grpo_trainer_sends_through_groupbridge(
         def check_health(self, stale_after_s: float) -> None:
             raise RuntimeError("no rollouts on this machine")
 
-    transfer = Recorded(srv.base, timeout=60, liveness=10, http_timeout=60)
+    transfer = Recorded(srv.base, timeout_s=60, liveness_s=10, http_timeout=60)
     args = AsyncGRPOConfig(
         output_dir=str(tmp_path / "out"), bf16=False, use_cpu=True, max_steps=1, token_budget=0,
         per_device_train_batch_size=2, num_generations=2, report_to=[], gradient_checkpointing=False,

@@ -30,6 +30,7 @@ from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainer
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
 import groupbridge as gb
+from groupbridge.engine import TrainerConfig
 from groupbridge.vllm import OfflineClient, TrainerInitInfo
 from groupbridge.vllm._serve import Server
 from groupbridge.vllm._stop import remove_new, segments, shutdown
@@ -107,8 +108,20 @@ def test_trainer_init_info_is_checked_before_anything_starts() -> None:
     with pytest.raises(ValueError, match="source"):
         WeightTransferTrainerFactory.trainer_init(TrainerInitInfo(rank=0), client=None, source=None)
     for bad in (0, -1, 1e9, 1e300, float("inf"), float("nan"), True, "60"):
-        with pytest.raises(ValueError, match="timeout"):
-            TrainerInitInfo(rank=0, timeout=bad)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="timeout_s"):
+            TrainerInitInfo(rank=0, timeout_s=bad)  # type: ignore[arg-type]
+    # the names before they said their unit: still taken, with a warning, never beside the new one
+    with pytest.warns(DeprecationWarning) as said:
+        old = TrainerInitInfo(rank=0, timeout=60, liveness=3)
+    assert (old.timeout_s, old.liveness_s) == (60, 3)
+    assert sorted(str(w.message).split("=")[0] for w in said) == ["liveness", "timeout"]
+    assert {w.filename for w in said} == {__file__}  # the warning points at the caller's line
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="liveness_s"):
+        TrainerInitInfo(rank=0, liveness=-1)
+    with pytest.raises(ValueError, match="one setting"):
+        TrainerInitInfo(rank=0, timeout=60, timeout_s=30)
+    with pytest.raises(TypeError):
+        TrainerConfig("::1")  # type: ignore[misc]  # keyword-only: no field is given by position
 
 
 class _Kernel:
@@ -175,11 +188,20 @@ def stop(signum, frame):
     print("stopped", flush=True)
     sys.exit(0)
 signal.signal(signal.SIGTERM, stop)
+idle = threading.Event()
+def state(tid):
+    with open(f"/proc/self/task/{tid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
 def other():  # the SIGTERM lands on this thread, as the kernel may pick any thread that does not block it
+    main = threading.main_thread().native_id
+    idle.wait()
+    while state(main) != "S":  # the main thread asleep in its queue's wait (nothing else blocks after idle)
+        time.sleep(0.01)
     ctypes.CDLL(None).tgkill(os.getpid(), threading.get_native_id(), signal.SIGTERM)
     print("missed", flush=True)
     time.sleep(60)
 threading.Thread(target=other, daemon=True).start()
+idle.set()
 queue.Queue().get()  # idle, as vLLM's engine process waits for its next request
 """
 
@@ -293,7 +315,7 @@ def dense(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Any]]
 
 
 def trainer(llm: Any, model: Any, **kw: Any) -> Any:
-    info = TrainerInitInfo(rank=0, timeout=60, liveness=10, **kw)  # the default: these tests are not about it
+    info = TrainerInitInfo(rank=0, timeout_s=60, liveness_s=10, **kw)  # not what these tests are about
     return WeightTransferTrainerFactory.trainer_init(
         info, client=OfflineClient(llm), source=ModuleSource(model)
     )
@@ -350,7 +372,7 @@ def test_two_trainer_ranks_each_send_their_rows_and_vllm_serves_the_whole(dense:
     """No rank gathers the model: each sends its rows, the worker assembles whole tensors; two versions."""
     llm, model = dense
     lis = gb.listen("127.0.0.1", 0)
-    common: dict[str, Any] = dict(timeout=60, liveness=10, sources=2)
+    common: dict[str, Any] = dict(timeout_s=60, liveness_s=10, sources=2)
     infos = [TrainerInitInfo(rank=0, listener=lis, **common),
              TrainerInitInfo(rank=1, port=lis.port, **common)]  # fmt: skip
     engines: list[Any] = [None, None]
@@ -644,11 +666,11 @@ def test_a_fleet_of_two_engines_is_updated_as_one(
         fleet = FleetClient([OfflineClient(llm), OfflineClient(second)])
         with pytest.raises(ValueError, match=r"TrainerInitInfo\(workers=2\)"):
             WeightTransferTrainerFactory.trainer_init(
-                TrainerInitInfo(rank=0, workers=1, timeout=60, liveness=10), client=fleet,
+                TrainerInitInfo(rank=0, workers=1, timeout_s=60, liveness_s=10), client=fleet,
                 source=ModuleSource(model),
             )  # fmt: skip
         info = TrainerInitInfo(
-            rank=0, workers=fleet.total_workers, timeout=60, liveness=10, first_version=500,
+            rank=0, workers=fleet.total_workers, timeout_s=60, liveness_s=10, first_version=500,
             verify=Probe(PROBE, ref, atol=1e-3),
         )  # fmt: skip
         eng = WeightTransferTrainerFactory.trainer_init(info, client=fleet, source=ModuleSource(model))
@@ -704,7 +726,7 @@ def test_vllm_serve_with_tensor_parallel_2_over_http(tmp_path_factory: pytest.Te
         # the probe goes through the server's /v1/completions (prompt_logprobs), both TP ranks computing
         probe = Probe(PROBE, lambda v: causal_logprobs(model, PROBE), atol=1e-3)
         eng = WeightTransferTrainerFactory.trainer_init(
-            TrainerInitInfo(rank=0, workers=2, timeout=60, liveness=10, verify=probe),
+            TrainerInitInfo(rank=0, workers=2, timeout_s=60, liveness_s=10, verify=probe),
             client=client,
             source=ModuleSource(model),
         )
@@ -946,7 +968,7 @@ def test_vllm_serve_lists_the_newest_adapter_by_name(tmp_path_factory: pytest.Te
     srv = Server(path, log=path / "serve.log", extra=lora_args, env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"})
     try:
         eng = WeightTransferTrainerFactory.trainer_init(
-            TrainerInitInfo(rank=0, workers=1, timeout=60, liveness=10, adapter="policy", verify=probe),
+            TrainerInitInfo(rank=0, workers=1, timeout_s=60, liveness_s=10, adapter="policy", verify=probe),
             client=HTTPVLLMWeightSyncClient(srv.base, timeout=60),
             source=ModuleSource(model),
         )
@@ -1014,7 +1036,7 @@ def test_a_replica_killed_during_the_transfer_leaves_the_others_serving(
     doomed = [p for p in psutil.Process().children(recursive=True) if p.pid not in children]
     try:
         fleet = FleetClient([OfflineClient(llm), OfflineClient(second)])
-        info = TrainerInitInfo(rank=0, workers=2, timeout=60, liveness=2, first_version=600)
+        info = TrainerInitInfo(rank=0, workers=2, timeout_s=60, liveness_s=2, first_version=600)
         source = _Slow(model, delay=0.05, after=6)
         eng = WeightTransferTrainerFactory.trainer_init(info, client=fleet, source=source)
         version, tokens = llm.get_weight_version(), served(llm)
@@ -1041,7 +1063,7 @@ def test_a_replica_killed_during_the_transfer_leaves_the_others_serving(
         assert llm.get_weight_version() == version and served(llm) == tokens
         # the survivor, over a new bridge: its engine was left mid-update, recovered by the new trainer
         survivor = WeightTransferTrainerFactory.trainer_init(
-            TrainerInitInfo(rank=0, workers=1, timeout=60, liveness=2, first_version=700),
+            TrainerInitInfo(rank=0, workers=1, timeout_s=60, liveness_s=2, first_version=700),
             client=FleetClient([OfflineClient(llm)]),
             source=ModuleSource(model),
         )

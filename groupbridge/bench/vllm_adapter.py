@@ -57,7 +57,7 @@ def run_adapter(size: str = "bench", rounds: int = 3, rank: int = 16) -> list[di
                         if mode == "full" or "lora_" in n:
                             p.add_(0.01)
                 kw: dict[str, Any] = {"adapter": "policy"} if mode == "adapter" else {}
-                info = TrainerInitInfo(rank=0, timeout=600, first_version=100 * (r + 1), **kw)
+                info = TrainerInitInfo(rank=0, timeout_s=600, first_version=100 * (r + 1), **kw)
                 source = ModuleSource(peft if mode == "adapter" else base)
                 eng = WeightTransferTrainerFactory.trainer_init(
                     info, client=OfflineClient(llm), source=source

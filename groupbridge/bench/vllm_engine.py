@@ -111,7 +111,7 @@ def run_vllm(
         grp = gb.StatelessGroup.create(None, rank=0, world_size=2, listener=lis, name="anchor")
         snd = gb.WeightSender(grp, transport="auto", checksum=True)  # as TrainerInitInfo(checksum=True)
         # untimed: the engine's first reload and the first touch of the worker's kept buffer (3-5 s once)
-        warm = TrainerInitInfo(rank=0, timeout=600, first_version=1)
+        warm = TrainerInitInfo(rank=0, timeout_s=600, first_version=1)
         client, source = OfflineClient(llm), ModuleSource(model)
         eng = WeightTransferTrainerFactory.trainer_init(warm, client=client, source=source)
         eng.send_weights()
@@ -126,7 +126,7 @@ def run_vllm(
                     p.add_(0.01)
             for transport in transports:
                 for atomic in (True, False):
-                    info = TrainerInitInfo(rank=0, transport=transport, timeout=600, atomic=atomic,
+                    info = TrainerInitInfo(rank=0, transport=transport, timeout_s=600, atomic=atomic,
                                            first_version=100 * (r + 1))  # fmt: skip
                     eng = WeightTransferTrainerFactory.trainer_init(
                         info, client=OfflineClient(llm), source=ModuleSource(model)
@@ -144,7 +144,7 @@ def run_vllm(
                 both = FleetClient([OfflineClient(llm), OfflineClient(second)])
                 extra.append(("groupbridge/auto/fleet-2", both, {"workers": 2}))
             for mode, client, kw in extra:
-                info = TrainerInitInfo(rank=0, timeout=600, first_version=100 * (r + 1) + 50, **kw)
+                info = TrainerInitInfo(rank=0, timeout_s=600, first_version=100 * (r + 1) + 50, **kw)
                 eng = WeightTransferTrainerFactory.trainer_init(
                     info, client=client, source=ModuleSource(model)
                 )

@@ -61,7 +61,7 @@ def run_serving(size: str = "bench", rounds: int = 3) -> list[dict[str, Any]]:
         streamer = Streamer(srv, [11, 12, 13, 14], tokens=480)
         time.sleep(3.0)  # the client's pace settles
         client = HttpClient(srv.base, timeout=600)
-        with TrainerSession(TrainerConfig(timeout=600, name="bench"), VllmControl(client)) as session:
+        with TrainerSession(TrainerConfig(timeout_s=600, name="bench"), VllmControl(client)) as session:
             session.connect()  # untimed: the server's first reload and the first touch of its kept buffer
             session.send(dict(model.named_parameters()), specs=specs)
         for r in range(rounds):
@@ -77,7 +77,7 @@ def run_serving(size: str = "bench", rounds: int = 3) -> list[dict[str, Any]]:
                          "kwargs": {"weights_path": f"{tmp.name}/step"}}, timeout=600)  # fmt: skip
                     t1 = time.monotonic()
                 else:
-                    config = TrainerConfig(timeout=600, atomic=mode.endswith("atomic"), name="bench",
+                    config = TrainerConfig(timeout_s=600, atomic=mode.endswith("atomic"), name="bench",
                                            first_version=100 * (r + 1))  # fmt: skip
                     with TrainerSession(config, VllmControl(client)) as session:
                         session.connect()

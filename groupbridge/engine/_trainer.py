@@ -27,6 +27,7 @@ import dataclasses
 import logging
 import threading
 import time
+import warnings
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -72,7 +73,7 @@ class EngineControl(Protocol):
     def leave(self) -> None: ...
 
 
-@dataclass
+@dataclass(kw_only=True)
 class TrainerConfig:
     """How the trainer hosts the bridge to an engine's workers.
 
@@ -88,8 +89,10 @@ class TrainerConfig:
             midway leaves the engine serving the old weights; the bytes land while it serves); False streams
             buckets into the engine's loader (the engine serves nothing until the update ends).
         token: a shared secret: members prove it at join and every bucket carries a MAC.
-        timeout: seconds that bound each whole update (and joining).
-        liveness: seconds after which a silent peer counts as gone.
+        timeout_s: seconds that bound each whole update (and joining).
+        liveness_s: seconds after which a silent peer counts as gone.
+        timeout, liveness: the names ``timeout_s`` and ``liveness_s`` had before they said their unit;
+            still taken (with a DeprecationWarning), never together with the new name.
         checksum: XXH3-64 checksum of every bucket, verified before the update is loaded (implied by a token).
         bucket_bytes: bucket size (None: the library's default).
         first_version: the version of the first send (then +1 each time).
@@ -120,8 +123,8 @@ class TrainerConfig:
     transport: str = "auto"
     atomic: bool = True
     token: str | None = None
-    timeout: float = 300.0
-    liveness: float = 10.0
+    timeout_s: float = 300.0
+    liveness_s: float = 10.0
     checksum: bool = True
     bucket_bytes: int | None = None
     first_version: int = 1
@@ -131,13 +134,27 @@ class TrainerConfig:
     listener: Listener | None = None
     verify: Probe | None = None
     rollback: bool | None = None
+    timeout: float | None = None
+    liveness: float | None = None
 
     def __post_init__(self) -> None:
+        for old in ("timeout", "liveness"):
+            value = getattr(self, old)
+            if value is None:
+                continue
+            new = f"{old}_s"
+            if getattr(self, new) != _DEFAULTS[new]:
+                raise ValueError(f"{old}= and {new}= are one setting: pass {new}= only")
+            # the caller's line: past this method and __init__ (and a subclass's __post_init__ calling it)
+            depth = 3 if type(self).__post_init__ is TrainerConfig.__post_init__ else 4
+            warnings.warn(f"{old}= is deprecated: pass {new}= (seconds)", DeprecationWarning,
+                          stacklevel=depth)  # fmt: skip
+            setattr(self, new, value)
         if not isinstance(self.workers, int) or self.workers < 1:
             raise ValueError(f"workers={self.workers!r} must be >= 1 (the number of worker processes)")
         if self.transport != "auto" and self.transport not in TRANSPORTS:
             raise ValueError(f"transport={self.transport!r} is not one of auto, {', '.join(TRANSPORTS)}")
-        check_seconds(timeout=self.timeout, liveness=self.liveness)
+        check_seconds(timeout_s=self.timeout_s, liveness_s=self.liveness_s)
         if not isinstance(self.port, int) or not 0 <= self.port < 65536:
             raise ValueError(f"port={self.port!r} is not a TCP port (0: the kernel picks one)")
         if not isinstance(self.sources, int) or self.sources < 1:
@@ -164,6 +181,9 @@ class TrainerConfig:
                 f"rank {rank} of {self.sources} sending trainer ranks dials rank 0's bridge: pass port= "
                 "(rank 0's address.port)"
             )
+
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainerConfig)}
 
 
 class TrainerSession(Closing):
@@ -218,7 +238,7 @@ class TrainerSession(Closing):
         self.close()
         self.generation += 1
         world = c.workers + c.sources
-        timeout, liveness = timedelta(seconds=c.timeout), timedelta(seconds=c.liveness)
+        timeout, liveness = timedelta(seconds=c.timeout_s), timedelta(seconds=c.liveness_s)
         if self.rank > 0:
             self.group = StatelessGroup.create(
                 c.host, c.port, rank=self.rank, world_size=world, name=c.name, generation=self.generation,
@@ -232,8 +252,8 @@ class TrainerSession(Closing):
         # built (and checked) here, sent as plain JSON: the worker parses the same dataclass
         info = BridgeInfo(
             host=lis.address.host, port=lis.port, world_size=world, sources=c.sources, name=c.name,
-            generation=self.generation, token=c.token, atomic=c.atomic, timeout_s=c.timeout,
-            liveness_s=c.liveness, rollback=c.keeps_previous,
+            generation=self.generation, token=c.token, atomic=c.atomic, timeout_s=c.timeout_s,
+            liveness_s=c.liveness_s, rollback=c.keeps_previous,
         )  # fmt: skip
         control = self.control
         call = Call("join", lambda: control.join(dataclasses.asdict(info)))
@@ -244,12 +264,12 @@ class TrainerSession(Closing):
             )  # fmt: skip
         except BaseException as e:
             lis.close()
-            call.join(c.liveness)
+            call.join(c.liveness_s)
             if call.error is not None:
                 raise WeightSyncError(f"the engine's join failed: {call.error}") from e
             raise
         try:
-            call.join(c.timeout)
+            call.join(c.timeout_s)
             call.result()
         except BaseException:
             self.group.close()
@@ -272,7 +292,7 @@ class TrainerSession(Closing):
         leave = Call("leave", self.control.leave) if drives and self.control else None
         group.close()  # the host waits (bounded) for the members to close theirs
         if leave is not None:
-            leave.join(self.config.liveness)
+            leave.join(self.config.liveness_s)
             if leave.error is not None or leave.running:
                 logger.warning("groupbridge: the engine's leave: %s", leave.error or "no answer")
 
@@ -326,11 +346,11 @@ class TrainerSession(Closing):
         assert self.sender is not None and self.group is not None and self.control is not None
         control, group = self.control, self.group
         t0 = time.perf_counter()
-        call = Call("begin", lambda: control.begin(v), on_error=lambda e: abort_later(group, e, c.liveness))
+        call = Call("begin", lambda: control.begin(v), on_error=lambda e: abort_later(group, e, c.liveness_s))
         try:
-            stats = self.sender.send(named, v, specs=specs, timeout=timedelta(seconds=c.timeout))
+            stats = self.sender.send(named, v, specs=specs, timeout=timedelta(seconds=c.timeout_s))
         except GroupBridgeError as e:
-            call.join(c.liveness + 5)
+            call.join(c.liveness_s + 5)
             who = self._who(e)
             if who is not None and call.error is None:
                 if isinstance(e, PeerDiedError):  # the type users catch stays the same
@@ -342,7 +362,7 @@ class TrainerSession(Closing):
         finally:
             call.cancel_abort()
         self.sent = v
-        call.join(c.timeout)
+        call.join(c.timeout_s)
         call.result()
         t1 = time.perf_counter()
         self.last_stats = stats
@@ -383,7 +403,7 @@ class TrainerSession(Closing):
         try:
             expected = pool.submit(probe.expected, v)
             served = self.control.probe(list(probe.tokens))  # type: ignore[attr-defined]
-            worst = probe.worst(expected.result(timeout=self.config.timeout), served)
+            worst = probe.worst(expected.result(timeout=self.config.timeout_s), served)
         except Exception as e:
             back, served = self._roll_back(v)
             raise VerificationError(
@@ -440,6 +460,6 @@ class TrainerSession(Closing):
                 "on every rank"
             )
         v = self.next_version(version)
-        self.last_stats = self.sender.send(named, v, timeout=timedelta(seconds=self.config.timeout))
+        self.last_stats = self.sender.send(named, v, timeout=timedelta(seconds=self.config.timeout_s))
         self.version = v
         return v

@@ -30,11 +30,11 @@ if TYPE_CHECKING:
     from typing_extensions import Self
 
 
-@dataclass
+@dataclass(kw_only=True)
 class TrainerInitInfo(_VllmTrainerInitInfo, TrainerConfig):
     """How the trainer hosts the bridge to vLLM (``backend = "groupbridge"``): the fields of
     :class:`groupbridge.engine.TrainerConfig` (host, port, workers = vLLM worker processes, transport, atomic,
-    token, timeout, liveness, checksum, bucket_bytes, first_version, delta, sources, listener) and vLLM's
+    token, timeout_s, liveness_s, checksum, bucket_bytes, first_version, delta, sources, listener) and vLLM's
     keyword-only ``rank``. A source's values may be DTensors or ``gb.Shard`` boxes when ``sources`` > 1.
 
     ``adapter``: send only the source's LoRA adapter (its module a PEFT model), served by vLLM under a fresh
