@@ -71,6 +71,8 @@ def _engine(rank: int, calls: Any, replies: Any) -> dict[str, Any]:
             elif call == "begin":
                 session.begin()
                 session.receive(arg)
+            elif call == "begin_only":  # an engine's RPC that begins an update, alone
+                session.begin()
             elif call == "commit":
                 if fail_commit:
                     fail_commit = False
@@ -311,6 +313,43 @@ def test_a_second_send_while_one_runs_is_refused_at_once() -> None:
 def _means(value: float) -> list[float]:
     """What the probe of a model whose every tensor holds ``value`` reads."""
     return [value] * len(SHAPES)
+
+
+def test_beginning_an_update_never_waits_for_a_landing() -> None:
+    """The engine's RPC that begins an update returns at once while an earlier update still lands (it used
+    to wait up to the liveness bound, 10 s here, then abort the bridge): that update is dropped (its commit
+    finds nothing to load, the model keeps its version), and the next update lands after it."""
+    with rig() as (session, control, out):
+        session.connect()
+        pulling, go = threading.Event(), threading.Event()
+
+        def held() -> Any:  # the source, paused midway: the worker's landing waits for the rest
+            for i, (name, shape) in enumerate(SHAPES.items()):
+                if i == 1:
+                    pulling.set()
+                    go.wait(20)
+                yield name, torch.full(shape, 1.0)
+
+        first: list[BaseException] = []
+
+        def send() -> None:
+            try:
+                session.send(held(), specs=SPECS)
+            except WeightSyncError as e:
+                first.append(e)
+
+        t = threading.Thread(target=send)
+        t.start()
+        assert pulling.wait(20)
+        t0 = time.monotonic()
+        control.rpc("begin_only")
+        took = time.monotonic() - t0
+        go.set()
+        t.join(30)
+        assert took < 2.0, took
+        assert len(first) == 1 and "nothing to commit" in str(first[0]), first
+        assert session.send(slow(2.0, 0), specs=SPECS) == 2
+    assert out["version"] == 2 and out["sum"] == 2.0 * WHOLE
 
 
 def test_a_probe_that_disagrees_rolls_back_and_the_next_update_lands() -> None:

@@ -234,8 +234,18 @@ class WorkerSession(Closing):
     # ------------------------------------------------------------------ one update
 
     def begin(self) -> None:
-        """A new update: whatever an earlier one received and did not commit is dropped."""
-        self._drop("a new update began before the last one landed", settle=True)
+        """A new update: whatever an earlier one received and did not commit is dropped, at once. A landing
+        of it still running is left to end on its own; the next call that needs the bridge (:meth:`receive`,
+        :meth:`stage_rollback`, :meth:`abandon`) waits for it, bounded, so the engine's RPC that begins an
+        update never waits for one."""
+        self._forget()
+
+    def _forget(self) -> None:
+        """Forget what was received and not committed (a landing still running is :meth:`_drop`'s)."""
+        self._received = None
+        self._staged = None
+        self._streamed = None
+        self._rollback_to = None
 
     def receive(self, version: int | None = None) -> None:
         """The handshake (the loader's dry run of the manifest); then the bytes: an atomic update's land on
@@ -374,10 +384,7 @@ class WorkerSession(Closing):
         trainer begins an update only once the last one returned on its side, and a landing whose sender
         already returned may still be taking its last message (its thread outlives the acknowledgement the
         sender waited for): aborting it then broke the new update (seen in CI, after a failed commit)."""
-        self._received = None
-        self._staged = None
-        self._streamed = None
-        self._rollback_to = None
+        self._forget()
         landing = self._landing
         if landing is None:
             return
