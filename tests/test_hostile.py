@@ -436,7 +436,7 @@ def test_a_same_user_process_cannot_write_the_senders_slots() -> None:
     change a bucket between the pack and the digest, which the sender then certified. Sealed against
     writes once mapped, every write is refused and every sync is the sender's. (The attacker starts once the
     slots exist: a writable mapping made in the moment between a slot's creation and its seal would keep
-    working; README Security says so.)"""
+    working; docs/security.md says so.)"""
     res = run_ranks(_same_user_writer, 3, CTX.Queue(), CTX.Queue(), CTX.Queue(), timeout=80)
     written, refused = res[2]
     assert written == 0 and refused > 0, res[2]
