@@ -177,49 +177,55 @@ def slow(value: float, seconds: float) -> Any:
         yield name, torch.full(shape, value)
 
 
-def test_an_atomic_update_lands_while_the_engine_serves_and_versions_survive_a_failed_commit() -> None:
-    calls, replies = CTX.Queue(), CTX.Queue()
-    worker = Ranks(_engine, 1, (calls, replies))
-    control = Control(calls, replies)
-    specs = {n: (s, torch.float32) for n, s in SHAPES.items()}
-    session = TrainerSession(TrainerConfig(timeout_s=30, liveness_s=10, bucket_bytes=32 << 10), control)
-    try:
+def test_an_atomic_update_lands_while_the_engine_serves() -> None:
+    """The engine's RPC (the handshake) returns long before the bytes have landed, and the engine's loop
+    runs while they land."""
+    with rig(bucket_bytes=32 << 10) as (session, control, out):
         session.connect()
         t0 = time.monotonic()
-        assert session.send(slow(1.0, 0.15), specs=specs) == 1
+        assert session.send(slow(1.0, 0.15), specs=SPECS) == 1
         t1 = t0 + session.last_seconds["transfer"]
         begin = next(c for c in control.log if c[0] == "begin")
-        # the engine's RPC (handshake) returned long before the bytes had all landed
         assert begin[2] - begin[1] < 0.5 * (t1 - t0), (begin, t0, t1)
+    assert out["version"] == 1 and out["sum"] == 1.0 * WHOLE
+    ticks = [t for t in out["ticks"] if t0 + 0.3 < t < t1 - 0.3]  # inside the transfer
+    assert len(ticks) > 10, "the engine's loop did not run while the update landed"
 
-        # a commit that fails: the workers hold version 2 uncommitted; the next send is version 3
+
+def test_a_failed_commit_keeps_the_version_and_the_next_send_follows_it() -> None:
+    """A commit that fails: the workers hold version 2 uncommitted, the session still says version 1, and
+    the next send is version 3 and lands."""
+    with rig() as (session, control, out):
+        assert session.send(slow(1.0, 0), specs=SPECS) == 1
         control.rpc("fail_next_commit")
         with pytest.raises(WeightSyncError, match="commit of version 2 failed"):
-            session.send(slow(2.0, 0), specs=specs)
+            session.send(slow(2.0, 0), specs=SPECS)
         assert session.version == 1 and session.sent == 2
-        assert session.send(slow(3.0, 0), specs=specs) == 3
+        assert session.send(slow(3.0, 0), specs=SPECS) == 3
+    assert out["version"] == 3 and out["sum"] == 3.0 * WHOLE
 
-        # a manifest the loader refuses: refused on both sides, nothing moves, the bridge stays usable
+
+def test_a_manifest_the_loader_refuses_is_refused_on_both_sides_and_the_bridge_stays_usable() -> None:
+    with rig() as (session, _, out):
+        assert session.send(slow(1.0, 0), specs=SPECS) == 1
         with pytest.raises(ManifestMismatchError, match="no extra"):
             session.send({"extra": torch.ones(2)})
-        assert session.send(slow(4.0, 0), specs=specs) == 4
+        assert session.send(slow(2.0, 0), specs=SPECS) == 2
+    assert out["version"] == 2 and out["sum"] == 2.0 * WHOLE
 
-        # a new bridge (the next generation): the worker joins it and keeps its receive buffers
-        session.connect()
-        assert session.send(slow(5.0, 0), specs=specs) == 5
-    finally:
-        session.close()
-        control.rpc("stop")
-    ((ok, out),) = worker.results(30).values()
-    assert ok, out
-    assert out["version"] == 5 and out["sum"] == 5.0 * sum(64 * 64 for _ in SHAPES)
-    # no copies the update does not need: every tensor the loader got, in every committed update (1, 3, 4,
-    # and 5 over the new bridge), is a view of the one buffer the worker keeps across updates and bridges
+
+def test_every_load_is_views_of_one_buffer_the_worker_keeps_across_updates_and_bridges() -> None:
+    """No copies the update does not need: every tensor the loader got, in every committed update (and
+    after a new bridge, the next generation), is a view of the one buffer the worker keeps."""
+    with rig() as (session, _, out):
+        assert session.send(slow(1.0, 0), specs=SPECS) == 1
+        assert session.send(slow(2.0, 0), specs=SPECS) == 2
+        session.connect()  # a new bridge: the worker joins it and keeps its receive buffers
+        assert session.send(slow(3.0, 0), specs=SPECS) == 3
+    assert out["version"] == 3 and out["sum"] == 3.0 * WHOLE
     loads = out["storages"]
-    assert len(loads) == 4 and all(len(ptrs) == len(SHAPES) for ptrs in loads), loads
+    assert len(loads) == 3 and all(len(ptrs) == len(SHAPES) for ptrs in loads), loads
     assert len({p for ptrs in loads for p in ptrs}) == 1, loads
-    ticks = [t for t in out["ticks"] if t0 + 0.3 < t < t1 - 0.3]  # inside the first transfer
-    assert len(ticks) > 10, "the engine's loop did not run while the update landed"
 
 
 def test_a_commit_with_nothing_received_raises_and_keeps_the_version() -> None:
