@@ -177,6 +177,15 @@ def slow(value: float, seconds: float) -> Any:
         yield name, torch.full(shape, value)
 
 
+def paused(value: float, pulling: threading.Event, go: threading.Event) -> Any:
+    """A source that stops after its first tensor (``pulling`` set) until ``go``: a send held midway."""
+    for i, (name, shape) in enumerate(SHAPES.items()):
+        if i == 1:
+            pulling.set()
+            go.wait(20)
+        yield name, torch.full(shape, value)
+
+
 def test_an_atomic_update_lands_while_the_engine_serves() -> None:
     """The engine's RPC (the handshake) returns long before the bytes have landed, and the engine's loop
     runs while they land."""
@@ -282,38 +291,20 @@ def test_a_landing_that_failed_commits_nothing_and_the_next_update_lands() -> No
 
 
 def test_a_second_send_while_one_runs_is_refused_at_once() -> None:
-    calls, replies = CTX.Queue(), CTX.Queue()
-    worker = Ranks(_engine, 1, (calls, replies))
-    control = Control(calls, replies)
-    specs = {n: (s, torch.float32) for n, s in SHAPES.items()}
-    session = TrainerSession(TrainerConfig(timeout_s=30, liveness_s=10, bucket_bytes=32 << 10), control)
-    try:
+    with rig() as (session, _, out):
         session.connect()
         pulling, go = threading.Event(), threading.Event()
-
-        def held() -> Any:  # the first send's source, paused midway until the second send was refused
-            for i, (name, shape) in enumerate(SHAPES.items()):
-                if i == 1:
-                    pulling.set()
-                    go.wait(20)
-                yield name, torch.full(shape, 1.0)
-
         first: list[int] = []
-        t = threading.Thread(target=lambda: first.append(session.send(held(), specs=specs)))
+        t = threading.Thread(target=lambda: first.append(session.send(paused(1.0, pulling, go), specs=SPECS)))
         t.start()
         assert pulling.wait(20)
         with pytest.raises(RuntimeError, match="already running"):
-            session.send(slow(2.0, 0), specs=specs)
+            session.send(slow(2.0, 0), specs=SPECS)
         go.set()
         t.join(30)
         assert first == [1]
-        assert session.send(slow(3.0, 0), specs=specs) == 2
-    finally:
-        session.close()
-        control.rpc("stop")
-    ((ok, out),) = worker.results(30).values()
-    assert ok, out
-    assert out["version"] == 2 and out["sum"] == 3.0 * sum(64 * 64 for _ in SHAPES)
+        assert session.send(slow(3.0, 0), specs=SPECS) == 2
+    assert out["version"] == 2 and out["sum"] == 3.0 * WHOLE
 
 
 def _means(value: float) -> list[float]:
@@ -328,19 +319,11 @@ def test_beginning_an_update_never_waits_for_a_landing() -> None:
     with rig() as (session, control, out):
         session.connect()
         pulling, go = threading.Event(), threading.Event()
-
-        def held() -> Any:  # the source, paused midway: the worker's landing waits for the rest
-            for i, (name, shape) in enumerate(SHAPES.items()):
-                if i == 1:
-                    pulling.set()
-                    go.wait(20)
-                yield name, torch.full(shape, 1.0)
-
         first: list[BaseException] = []
 
-        def send() -> None:
+        def send() -> None:  # held midway: the worker's landing waits for the rest
             try:
-                session.send(held(), specs=SPECS)
+                session.send(paused(1.0, pulling, go), specs=SPECS)
             except WeightSyncError as e:
                 first.append(e)
 

@@ -92,13 +92,7 @@ def remove_new(before: set[str]) -> list[str]:
     """Remove the vLLM segments that appeared since ``before`` and that no process still maps or holds
     open; returns them. For a harness that started every engine on the machine since ``before`` (another
     engine's segment not yet mapped would go too): an engine's own stop uses :func:`remove_owned`."""
-    removed = []
-    held = _in_use()
-    for name in sorted(segments() - before - held):
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(SHM, name))
-            removed.append(name)
-    return removed
+    return remove_owned(segments() - before)
 
 
 def stop_server(proc: subprocess.Popen[bytes], grace_s: float = 60.0) -> None:
