@@ -27,12 +27,12 @@ $(STAMP): pyproject.toml
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q --disable-pip-version-check "$(TORCH_PIN)" 2>&1 \
 		| grep -v "^WARNING: Location" || true
 	@$(PY) -c "import torch" || (echo "setup failed: could not install $(TORCH_PIN)" && exit 1)
-	@$(PY) -m pip install -q --disable-pip-version-check -e ".[dev,ray,lora]" 2>&1 | grep -v "^WARNING: Location" || true
+	@$(PY) -m pip install -q --disable-pip-version-check -e ".[dev,ray,lora,plot]" 2>&1 | grep -v "^WARNING: Location" || true
 	@$(PY) -m pip install -q --disable-pip-version-check "$(VLLM_PIN)" 2>&1 | grep -v "^WARNING: Location" || true
 	@$(PY) -m pip install -q --disable-pip-version-check "$(TRL_PIN)" 2>&1 | grep -v "^WARNING: Location" || true
 	@$(PY) -m pip install -q --disable-pip-version-check --no-deps $(VERL_PINS) 2>&1 | grep -v "^WARNING: Location" || true
 	@$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>&1 | grep -v "^WARNING: Skipping" || true
-	@$(PY) -c "import groupbridge, torch, pytest, rich, ray, vllm, trl, verl, peft, transformers.models.qwen2.modeling_qwen2" \
+	@$(PY) -c "import groupbridge, torch, pytest, rich, ray, vllm, trl, verl, peft, matplotlib, transformers.models.qwen2.modeling_qwen2" \
 		|| (echo "setup failed: see pip output above" && exit 1)
 	@touch $(STAMP)
 

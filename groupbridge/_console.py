@@ -25,7 +25,7 @@ __all__ = ["echo", "table"]
 
 def echo(text: str = "") -> None:
     if _console is not None:
-        _console.print(text, highlight=False)
+        _console.print(text, highlight=False, markup=False)  # "[bench] ..." is text, not a style tag
     else:
         print(text, file=sys.stdout, flush=True)
 

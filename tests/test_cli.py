@@ -6,8 +6,12 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
+
+from groupbridge.bench import plots
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
@@ -35,7 +39,9 @@ def test_doctor_json() -> None:
 @pytest.mark.timeout(120)
 def test_demo_end_to_end() -> None:
     """With --delta: the first sync is a full one, the next two deltas (the rest is the plain demo)."""
-    proc = _run("demo", "--steps", "3", "--size", "tiny", "--json", "--delta", timeout=110)
+    proc = _run(
+        "demo", "--engine", "builtin", "--steps", "3", "--size", "tiny", "--json", "--delta", timeout=110
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)
     assert result["verified"] is True
@@ -50,7 +56,7 @@ def test_demo_end_to_end() -> None:
 
 
 @pytest.mark.timeout(120)
-def test_bench_delta_quick() -> None:
+def test_bench_delta_quick(tmp_path: Path) -> None:
     proc = _run("bench", "--delta", "--quick", "--json", "--transport", "broadcast", timeout=110)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = json.loads(proc.stdout)
@@ -58,10 +64,11 @@ def test_bench_delta_quick() -> None:
     always = next(r for r in records if r["mode"] == "delta_always")
     assert always["deltas"] == always["steps"] and 0 < always["changed_fraction"] < 0.5, always
     assert always["wire_fraction"] < 0.5 and always["ratio_vs_full"] > 0
+    _drawn(lambda path: plots.delta(records, path), tmp_path / "delta.png")
 
 
 @pytest.mark.timeout(120)
-def test_bench_quick_json_has_every_field() -> None:
+def test_bench_quick_json_has_every_field(tmp_path: Path) -> None:
     proc = _run("bench", "--quick", "--json", timeout=110)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = json.loads(proc.stdout)
@@ -73,3 +80,35 @@ def test_bench_quick_json_has_every_field() -> None:
         for field in fields:
             assert field in r, (field, r)
         assert r["bytes"] > 0 and r["seconds"] > 0 and r["gbps"] > 0
+    _drawn(lambda path: plots.throughput(records, path), tmp_path / "throughput.png")
+
+
+def _drawn(draw: Callable[[Path], None], path: Path) -> None:
+    """``bench --plot``'s figure from these records is a PNG (the figures' own run is in the slow suite)."""
+    draw(path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_bench_plot_measures_and_draws_every_figure(tmp_path: Path) -> None:
+    proc = _run("bench", "--plot", str(tmp_path), "--quick", timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    done = json.loads((tmp_path / "bench.json").read_text())
+    assert done["left_out"] == {}, done["left_out"]  # root here: the simulated hosts run too
+    assert set(done["figures"]) == {"throughput", "delta", "sources", "stall"}
+    for name in ("throughput", "buckets", "delta", "sources", "stall"):
+        png = tmp_path / f"{name}.png"
+        assert png.read_bytes()[:4] == b"\x89PNG" and png.stat().st_size > 10_000, name
+    assert {r["mode"] for r in done["figures"]["throughput"]} >= {"ours", "flat", "per_tensor", "memcpy"}
+    assert [r["sources"] for r in done["figures"]["sources"]] == [1, 2]
+    assert {r["mode"] for r in done["figures"]["stall"]} == {
+        "groupbridge/atomic",
+        "groupbridge/streaming",
+        "safetensors+reload",
+    }
+
+
+def test_bench_plot_refuses_a_measurement_of_its_own() -> None:
+    proc = _run("bench", "--plot", "/nonexistent", "--delta", timeout=50)
+    assert proc.returncode != 0 and "run it without --delta" in proc.stderr, proc.stderr[-2000:]
