@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from collections.abc import Sequence
@@ -40,16 +41,25 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import DemoConfig, run_demo
     from .doctor import has_ipv6_loopback
 
     host = args.host or ("::1" if has_ipv6_loopback() else "127.0.0.1")
+    engine = args.engine or ("vllm" if importlib.util.find_spec("vllm") is not None else "builtin")
+    if engine == "vllm":
+        builtin_only = [f"--{k}" for k in ("workers", "transport", "size", "delta") if getattr(args, k)]
+        if builtin_only:
+            raise SystemExit(f"{', '.join(builtin_only)} apply to the built-in workers: add --engine builtin")
+        return _demo_vllm(args, host)
+    if args.engine is None and not args.json:
+        _console.echo("[demo] vLLM is not installed: the built-in workers stand in for the engines")
+    from .demo import DemoConfig, run_demo
+
     cfg = DemoConfig(
-        steps=args.steps,
-        workers=args.workers,
-        transport=args.transport,
+        steps=args.steps or 30,
+        workers=args.workers or 2,
+        transport=args.transport or "auto",
         host=host,
-        size=args.size,
+        size=args.size or "demo",
         json=args.json,
         delta=args.delta,
     )
@@ -62,6 +72,18 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo_vllm(args: argparse.Namespace, host: str) -> int:
+    from .demo_vllm import VllmDemoConfig, run_vllm_demo
+
+    result = run_vllm_demo(VllmDemoConfig(steps=args.steps or 10, host=host, json=args.json))
+    if args.json:
+        print(json.dumps(result, indent=1))
+    if not result["verified"]:
+        _console.echo("check FAILED: an engine did not serve the trainer's weights (see the rows above)")
+        return 1
+    return 0
+
+
 def _parse_bytes(text: str) -> int:
     units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
     t = text.strip().lower().removesuffix("ib").removesuffix("b")
@@ -70,10 +92,25 @@ def _parse_bytes(text: str) -> int:
     return int(t)
 
 
+_MEASUREMENTS = ("delta", "simulate_hosts", "sources", "local_sources", "control", "engine")
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from .bench.report import plot, table
+    from .bench.report import table
     from .bench.weight_sync import BenchConfig, run_weight_sync
 
+    if args.plot:
+        chosen = [f"--{m.replace('_', '-')}" for m in _MEASUREMENTS if getattr(args, m)]
+        if chosen:
+            raise SystemExit(
+                f"--plot DIR measures and draws its own set of figures; run it without {', '.join(chosen)}"
+            )
+        from .bench.plots import run_all
+
+        done = run_all(args.plot, quick=args.quick, rounds=2 if args.quick else args.rounds)
+        if args.json:
+            print(json.dumps(done, indent=1))
+        return 0
     if args.delta:
         return _bench_delta(args)
     if args.simulate_hosts:
@@ -114,10 +151,6 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         print(json.dumps(records, indent=1))
     else:
         table(records)
-    if args.plot:
-        plot(records, args.plot)
-        if not args.json:
-            _console.echo(f"plot written to {args.plot}")
     return 0
 
 
@@ -373,17 +406,29 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("doctor", help="what this machine offers: backends, accelerator, loopback, store")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_cmd_doctor)
-    p = sub.add_parser("demo", help="a one-step-off-policy loop: trainer world -> bridge -> inference world")
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--transport", default="auto", choices=["auto", "broadcast", "relay", "shm"])
+    p = sub.add_parser(
+        "demo",
+        help="a one-step-off-policy loop: two trainer ranks update two vLLM engines as one fleet (the "
+        "built-in workers where vLLM is not installed, or with --engine builtin)",
+    )
+    p.add_argument(
+        "--engine",
+        choices=["vllm", "builtin"],
+        default=None,
+        help="vllm (default where installed): two offline vLLM engines; builtin: an inference world of "
+        "plain torch workers",
+    )
+    p.add_argument("--steps", type=int, default=None, help="default: 10 with vLLM, 30 built-in")
+    p.add_argument("--workers", type=int, default=None, help="built-in workers (default 2)")
+    p.add_argument("--transport", default=None, choices=["auto", "broadcast", "relay", "shm"],
+                   help="built-in workers' transport (default auto)")  # fmt: skip
     p.add_argument(
         "--host", default=None, help="bridge address (default: ::1 where available, else 127.0.0.1)"
     )
-    p.add_argument("--size", default="demo", choices=["demo", "tiny"], help="model size (tiny: for tests)")
+    p.add_argument("--size", default=None, choices=["demo", "tiny"], help="built-in model size (tiny: tests)")
     p.add_argument("--json", action="store_true", help="print the per-step records as JSON")
     p.add_argument(
-        "--delta", action="store_true", help="send only what changed; the table shows how much did"
+        "--delta", action="store_true", help="built-in: send only what changed; the table shows how much did"
     )
     p.set_defaults(func=_cmd_demo)
     p = sub.add_parser("bench", help="weight-sync speed beside its anchors (flat tensor, per-tensor, memcpy)")
@@ -433,7 +478,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--link-rate", default="800mbit", help="link rate of simulated hosts (tc syntax)")
     p.add_argument("--payload-bytes", default="128MiB", help="payload for --simulate-hosts")
-    p.add_argument("--plot", metavar="FILE.png", help="bandwidth against bucket size and receivers")
+    p.add_argument(
+        "--plot",
+        metavar="DIR",
+        help="measure and draw the figures of docs/results.md into DIR (throughput against its ceilings, "
+        "delta cost against the share changed, many sources against trainer hosts, the serving stall of vllm "
+        "serve), with their records in DIR/bench.json; --quick: small shapes (needs groupbridge[plot])",
+    )
     p.add_argument(
         "--control", action="store_true", help="control-plane latency (broadcast_obj) beside vLLM's protocol"
     )

@@ -35,7 +35,7 @@ def survivors(marker: str) -> list[int]:
     return found
 
 
-def run(argv: list[str], cwd: Path, seconds: float) -> str:
+def run(argv: list[str], cwd: Path, seconds: float, returncode: int = 0) -> str:
     """Run a script in its own session; past ``seconds`` it is interrupted (its own clean-up runs), then
     its session killed, and the test fails with the end of its output. After it, no process it started
     may be left, nor anything in /dev/shm. Returns stdout and stderr together."""
@@ -66,7 +66,7 @@ def run(argv: list[str], cwd: Path, seconds: float) -> str:
                 os.kill(pid, signal.SIGKILL)
         leaked = segments() - before
         remove_new(before)
-    assert proc.returncode == 0, f"{argv[0]} exited {proc.returncode}:\n{out[-4000:]}"
+    assert proc.returncode == returncode, f"{argv[0]} exited {proc.returncode}:\n{out[-4000:]}"
     assert not left, f"{argv[0]} left processes {left} running:\n{out[-3000:]}"
     assert "force killing" not in out, f"{argv[0]} left vLLM's engine to be killed at exit:\n{out[-3000:]}"
     assert not leaked, f"{argv[0]} left shared memory behind: {sorted(leaked)}"
@@ -104,3 +104,36 @@ def test_the_trl_example_runs(tmp_path: Path) -> None:
 def test_the_verl_example_runs(tmp_path: Path) -> None:
     out = run([str(ROOT / "examples" / "verl_checkpoint_engine.py")], tmp_path, 120)
     assert out.count("equal to the actor's") >= 2, out[-3000:]
+
+
+# The demo, with the trainer's reference tokens changed at step 3 (an engine serving other weights than
+# the trainer's reads the same to the check): steps 1 and 2 must pass the real check, step 3 fail it.
+DEMO_WITH_A_BAD_STEP = """
+import sys
+from groupbridge import cli, demo_vllm
+
+real, calls = demo_vllm._reference, []
+
+def reference(model):
+    calls.append(1)
+    tokens = real(model)
+    return tokens if len(calls) < 3 else [[t + 1 for t in row] for row in tokens]
+
+demo_vllm._reference = reference
+sys.exit(cli.main(["demo", "--steps", "3", "--host", "127.0.0.1"]))
+"""
+
+
+@pytest.mark.timeout(420)
+def test_the_demo_runs_through_two_vllm_engines_and_a_failed_check_exits_non_zero(tmp_path: Path) -> None:
+    """``make demo``'s loop: two trainer ranks, two vLLM engines as one fleet; every step both engines report
+    the version sent and serve the trainer's greedy tokens; the step whose check fails is marked and the
+    demo exits 1. Nothing is left running or in /dev/shm."""
+    out = run(["-c", DEMO_WITH_A_BAD_STEP], tmp_path, 400, returncode=1)
+    rows = [line.split() for line in out.splitlines() if re.match(r"^\s+[123] +\d+/\d+ ", line)]
+    assert [(r[0], r[1], r[-1]) for r in rows] == [
+        ("1", "1/1", "yes"),
+        ("2", "2/2", "yes"),
+        ("3", "3/3", "NO"),
+    ], out[-3000:]
+    assert "check FAILED" in out and "both engines serving every version: NO" in out

@@ -88,13 +88,17 @@ class TrainerEngine(SessionState, TrainerWeightTransferEngine[TrainerInitInfo]):
         cls,
         init_info: TrainerInitInfo,
         *,
-        client: VLLMWeightSyncClient,
+        client: VLLMWeightSyncClient | None,
         source: WeightSource | None = None,
     ) -> Self:
+        """``client`` drives the engines from rank 0; a sending rank > 0 (``sources > 1``) never calls it,
+        so a rank in a process of its own, with no engine at hand, passes None."""
         if not isinstance(init_info, TrainerInitInfo):
             raise TypeError(
                 f"init_info must be groupbridge.vllm.TrainerInitInfo, got {type(init_info).__name__}"
             )
+        if client is None and init_info.rank == 0:
+            raise ValueError("trainer rank 0 drives the engines: pass client= (e.g. an OfflineClient)")
         if source is None:
             raise ValueError("backend 'groupbridge' sends a WeightSource each step: pass source=")
         fleet = getattr(client, "total_workers", None)  # a FleetClient knows its engines' workers
