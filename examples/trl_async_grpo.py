@@ -25,7 +25,7 @@ import tempfile
 import torch
 
 from groupbridge.trl import WeightTransfer
-from groupbridge.vllm._serve import Server
+from groupbridge.vllm import Server
 from groupbridge.vllm.models import make_model
 
 

@@ -91,6 +91,15 @@ def test_the_readme_vllm_quickstart_runs_as_pasted(tmp_path: Path) -> None:
     assert re.search(r"^1$", out, re.M), out[-3000:]  # the version vLLM serves after the first update
 
 
+def test_the_readme_trl_quickstart_runs_as_pasted(tmp_path: Path) -> None:
+    code = readme_block("## With TRL")
+    assert "/tmp/qwen2-tiny" in code
+    code = code.replace("/tmp/qwen2-tiny", str(tmp_path / "qwen2-tiny"))
+    (tmp_path / "quickstart.py").write_text(code)
+    out = run([str(tmp_path / "quickstart.py")], tmp_path, 180)
+    assert re.search(r"^1$", out, re.M), out[-3000:]  # the version the server serves after TRL's first sync
+
+
 def test_the_vllm_example_runs(tmp_path: Path) -> None:
     out = run([str(ROOT / "examples" / "vllm_one_step_off_policy.py"), "--steps", "2"], tmp_path, 180)
     assert re.search(r"^\s+2\s+2\s", out, re.M), out[-3000:]  # step 2 served version 2

@@ -43,6 +43,7 @@ from .._vllm_fleet import FleetClient
 from ._client import OfflineClient
 from ._lora import adapter_request
 from ._plugin import BACKEND, register
+from ._serve import Server
 from ._stop import shutdown
 from ._trainer import TrainerEngine, TrainerInitInfo
 
@@ -52,6 +53,7 @@ __all__ = [
     "BACKEND",
     "FleetClient",
     "OfflineClient",
+    "Server",
     "TrainerEngine",
     "TrainerInitInfo",
     "adapter_request",

@@ -1,5 +1,6 @@
-"""A ``vllm serve`` started here, for the tests and the benchmark: bounded start, HTTP helpers, a client that
-streams generations and records when each token arrived, and a stop that leaves nothing in /dev/shm."""
+"""A ``vllm serve`` started here (``groupbridge.vllm.Server``: to try the backend on one machine; the tests,
+the benchmark and the quickstarts use it): bounded start, HTTP helpers, a client that streams generations and
+records when each token arrived, and a stop that leaves nothing in /dev/shm."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -51,14 +53,18 @@ def http(method: str, url: str, body: dict[str, Any] | None = None, timeout: flo
 
 class Server(Closing):
     """``vllm serve MODEL`` with backend ``"groupbridge"`` on loopback, a port the kernel picks, healthy
-    within ``start_s`` or a ``TimeoutError`` with the end of its log. ``close()`` stops it and removes the
-    shared memory its processes left."""
+    within ``start_s`` or a ``TimeoutError`` with the end of its log. ``close()`` (or the end of a ``with``
+    block) stops it and removes the shared memory its processes left. ``base`` is its URL.
+
+    It is what ``VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --weight-transfer-config '{"backend":
+    "groupbridge"}'`` starts, with small defaults for a small model on a CPU host; the server's output goes
+    to ``log`` (default: a new file in the temporary directory, kept after it stops)."""
 
     def __init__(
         self,
         model: str | Path,
         *,
-        log: str | Path,
+        log: str | Path | None = None,
         tp: int = 1,
         max_model_len: int = 128,
         kv_cache_bytes: int = 1 << 30,
@@ -68,6 +74,9 @@ class Server(Closing):
         env: dict[str, str] | None = None,
     ) -> None:
         self.model = str(model)
+        if log is None:
+            fd, log = tempfile.mkstemp(prefix="groupbridge-vllm-serve-", suffix=".log")
+            os.close(fd)
         self.log = Path(log)
         # two CPU workers on one NUMA node need their cores named (vLLM refuses to guess)
         binds = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i) for i in range(tp))} if tp > 1 else {}
