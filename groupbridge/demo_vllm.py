@@ -8,9 +8,11 @@ engines' workers assemble whole tensors. The two engines are offline ``vllm.LLM`
 ``FleetClient``: one bridge, one commit on both or neither.
 
 Every step shows what a user of such a loop needs to see: the version each engine reports, the sync time,
-the serving stall (the swap, the only part of an atomic update during which an engine does not generate:
-the bytes land while it serves), and a check that each engine's greedy tokens are the trainer's model's
-(``transformers``' greedy generation on trainer rank 0). A failed check makes the demo exit non-zero.
+the swap (vLLM's load of the staged update: the only part of an atomic update that holds an engine; the
+bytes land while it is free to serve), and a check that each engine serves the trainer's model: its greedy
+tokens equal ``transformers``' on trainer rank 0, and its log-probabilities of a probe are within 1e-3 of
+theirs (one step's change moves them about 1e-2, so a version behind fails it). A failed check makes the
+demo exit non-zero.
 
 The task is a toy one so that learning shows in a few steps: the reward is the share of even token ids in
 a completion, learnt by REINFORCE. The model is a small random Qwen2 built from a ``transformers`` config
@@ -19,13 +21,13 @@ a completion, learnt by REINFORCE. The model is a small random Qwen2 built from 
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing as mp
 import os
 import tempfile
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -41,7 +43,14 @@ PROMPT_LEN, NEW_TOKENS, BATCH = 4, 16, 8
 CHECK_PROMPTS = [[1, 2, 3, 4], [7, 100, 5], [300, 11]]
 CHECK_TOKENS = 8
 WAIT_S = 300.0
-"""The bound on every wait of the demo (a rank's start, a generation, a sync)."""
+"""The bound on every wait of the demo once it runs (a generation, a sync)."""
+JOIN_S = 600.0
+"""The bound on the trainer world's forming: rank 1 waits while both engines start."""
+LIVENESS_S = 20.0
+"""A sending rank silent this long is dead: the other's sync fails then, not at ``WAIT_S``."""
+PROBE = [1, 17, 300, 5, 42, 7, 99, 2, 250, 11]
+ATOL = 1e-3
+"""fp32 on both sides: vLLM's and transformers' log-probabilities of the same weights agree to ~1e-5."""
 
 
 @dataclass(kw_only=True)
@@ -112,22 +121,20 @@ def _second_rank(path: str, world_port: int, host: str, steps: int, lr: float) -
 
     torch.set_num_threads(1)
     init_global_group(rank=1, world_size=2, init_method=f"tcp://127.0.0.1:{world_port}",
-                      timeout=timedelta(seconds=WAIT_S))  # fmt: skip
+                      timeout=timedelta(seconds=JOIN_S))  # fmt: skip
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         box: list[Any] = [None]
         dist.broadcast_object_list(box, src=0)  # the bridge's port (bound by rank 0) and the fleet's workers
         port, workers = box[0]
         info = TrainerInitInfo(rank=1, sources=2, host=host, port=port, workers=workers, timeout_s=WAIT_S,
-                               liveness_s=20)  # fmt: skip
+                               liveness_s=LIVENESS_S)  # fmt: skip
         engine = WeightTransferTrainerFactory.trainer_init(info, client=None, source=_Rows(model, 1, 2))
         opt = torch.optim.AdamW(model.parameters(), lr=lr)
         try:
-            for step in range(1, steps + 1):
+            for _ in range(steps):
                 box = [None]
-                dist.broadcast_object_list(box, src=0)  # the batch rank 0 generated (None: rank 0 stopped)
-                if box[0] is None:
-                    raise RuntimeError(f"trainer rank 0 stopped before step {step}")
+                dist.broadcast_object_list(box, src=0)  # the batch rank 0 generated
                 _train_step(model, opt, box[0][1::2], 2)  # the odd half; rank 0 learns from the even one
                 engine.send_weights()  # this rank's rows of the new version
         finally:
@@ -177,7 +184,10 @@ def _print(cfg: VllmDemoConfig, text: str) -> None:
 
 
 def run_vllm_demo(cfg: VllmDemoConfig) -> dict[str, Any]:
-    """Run the demo; return one row per step and whether every engine served every version it was sent."""
+    """Run the demo; return one row per step and whether every engine served every version it was sent.
+
+    A demo, not a library call: it sets this process's torch threads to 1 and, unless set, vLLM's log level
+    to errors (the table is what it shows)."""
     if cfg.steps < 1:
         raise ValueError(f"steps={cfg.steps} must be >= 1")
     from .global_group import destroy_global_group, init_global_group
@@ -187,7 +197,7 @@ def run_vllm_demo(cfg: VllmDemoConfig) -> dict[str, Any]:
 
     t_start = time.monotonic()
     torch.set_num_threads(1)
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the demo's table, not vLLM's start-up log
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="groupbridge-demo-") as path:
         model = make_model(path, "qwen2")
@@ -202,28 +212,55 @@ def run_vllm_demo(cfg: VllmDemoConfig) -> dict[str, Any]:
             _print(cfg, "[demo] starting two vLLM engines (offline LLM, the CPU build) ...")
             for _ in range(2):
                 engines.append(_engine(path))
-            init_global_group(rank=0, world_size=2, listener=world, timeout=timedelta(seconds=WAIT_S))
+            if not second.is_alive():
+                raise RuntimeError(
+                    f"trainer rank 1 exited ({second.exitcode}) before the trainer world formed"
+                )
+            init_global_group(rank=0, world_size=2, listener=world, timeout=timedelta(seconds=JOIN_S))
             try:
                 rows = _lead(cfg, model, engines, t_start)
             finally:
-                destroy_global_group()
+                destroy_global_group()  # a rank 1 still in a collective with rank 0 sees it gone
         finally:
-            second.join(WAIT_S if rows else 10)
-            if second.is_alive():
-                second.kill()
-                second.join(10)
-            with ThreadPoolExecutor(2, thread_name_prefix="demo-stop") as stopping:  # both at once
-                list(stopping.map(shutdown, engines))
-    ok = bool(rows) and all(r["served_ok"] for r in rows) and second.exitcode == 0
+            try:  # rank 1 ends on its own after a run; after a failure it is given a moment, then killed
+                second.join(WAIT_S if rows else 10)
+            finally:
+                if second.is_alive():
+                    second.kill()
+                    second.join(10)
+                with ThreadPoolExecutor(2, thread_name_prefix="demo-stop") as stopping:  # both at once
+                    list(stopping.map(shutdown, engines))
     if second.exitcode != 0:
         _print(cfg, f"[demo] trainer rank 1 exited with code {second.exitcode}")
+    ok = bool(rows) and all(r["served_ok"] for r in rows) and second.exitcode == 0
     return {"rows": rows, "verified": ok, "seconds": round(time.monotonic() - t_start, 1)}
+
+
+def _within(future: Any, what: str) -> Any:
+    try:
+        return future.result(timeout=WAIT_S)
+    except FutureTimeout:
+        raise TimeoutError(f"{what}: no result within {WAIT_S:g} s") from None
+
+
+def _served(engine: Any, tokens: list[list[int]], logprobs: list[float]) -> tuple[bool, float]:
+    """Does ``engine`` serve the trainer's weights? Its greedy tokens must equal ``tokens`` (``transformers``'
+    on the trainer's model) and its log-probabilities of :data:`PROBE` be within :data:`ATOL` of
+    ``logprobs`` (the demo shows how far the previous version's are: one step moves every weight, so the
+    log-probabilities tell versions apart where greedy tokens may not). Returns the verdict and the largest
+    difference."""
+    from .vllm import OfflineClient
+
+    served = OfflineClient(engine).prompt_logprobs(PROBE)
+    worst = max(abs(a - b) for a, b in zip(served, logprobs, strict=True))
+    return _greedy(engine) == tokens and worst <= ATOL, worst
 
 
 def _lead(cfg: VllmDemoConfig, model: Any, engines: list[Any], t_start: float) -> list[dict[str, Any]]:
     """Trainer rank 0: generates on both engines, learns, sends its rows, checks what the engines serve."""
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
 
+    from .engine import causal_logprobs
     from .net import listen
     from .vllm import FleetClient, OfflineClient, TrainerInitInfo
 
@@ -231,60 +268,64 @@ def _lead(cfg: VllmDemoConfig, model: Any, engines: list[Any], t_start: float) -
     lis = listen(cfg.host, 0)
     dist.broadcast_object_list([(lis.port, fleet.total_workers)], src=0)
     info = TrainerInitInfo(rank=0, sources=2, listener=lis, workers=fleet.total_workers, timeout_s=WAIT_S,
-                           liveness_s=20)  # fmt: skip
+                           liveness_s=LIVENESS_S)  # fmt: skip
     engine = WeightTransferTrainerFactory.trainer_init(info, client=fleet, source=_Rows(model, 0, 2))
     rows: list[dict[str, Any]] = []
-    pool = ThreadPoolExecutor(2, thread_name_prefix="demo-generate")
+    ahead = ThreadPoolExecutor(1, thread_name_prefix="demo-next-batch")
+    each = ThreadPoolExecutor(2, thread_name_prefix="demo-generate")  # one per engine: both at once
     _print(cfg, f"trainer world: 2 ranks, each sending its rows | fleet: 2 vLLM engines "
                 f"({fleet.total_workers} workers) | bridge on {cfg.host} | {cfg.steps} steps, one step "
                 "off-policy")  # fmt: skip
-    _print(cfg, f"{'step':>4} {'versions':>9} {'reward':>6} {'loss':>8} {'sync s':>7} {'stall s':>7} "
-                f"{'served = trainer':>16}")  # fmt: skip
+    _print(cfg, f"{'step':>4} {'versions':>9} {'reward':>6} {'loss':>8} {'sync s':>7} {'swap s':>7} "
+                f"{'logprob diff':>12} {'(v-1: diff)':>11} {'served = trainer':>16}")  # fmt: skip
 
     def batch(step: int) -> list[tuple[list[int], list[int]]]:
         g = torch.Generator().manual_seed(step)
         prompts = [torch.randint(0, 512, (PROMPT_LEN,), generator=g).tolist() for _ in range(BATCH)]
-        halves = [prompts[i::2] for i in range(2)]  # each engine generates half, both at once
-        outs = [pool.submit(_generate, engines[i], halves[i], step * 2 + i) for i in range(2)]
-        done = [f.result(timeout=WAIT_S) for f in outs]
+        halves = [prompts[i::2] for i in range(2)]  # each engine generates half
+        outs = [each.submit(_generate, engines[i], halves[i], step * 2 + i) for i in range(2)]
+        done = [_within(f, f"engine {i} generating batch {step}") for i, f in enumerate(outs)]
         return [(p, c) for h, d in zip(halves, done, strict=True) for p, c in zip(h, d, strict=True)]
 
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    previous = causal_logprobs(model, PROBE)
     try:
         current = batch(0)
         for step in range(1, cfg.steps + 1):
-            nxt = pool.submit(batch, step)  # batch t+1 with weights t, while learning from batch t
+            nxt = ahead.submit(batch, step)  # batch t+1 with weights t, while learning from batch t
             dist.broadcast_object_list([current], src=0)
             loss = _train_step(model, opt, current[0::2], 2)
-            nxt_batch = nxt.result(timeout=WAIT_S)
+            nxt_batch = _within(nxt, f"the engines generating batch {step}")
             t0 = time.perf_counter()
-            engine.send_weights()
+            engine.send_weights()  # a failure here or above: the bridge closes below, rank 1's sync fails
             sync = time.perf_counter() - t0
             versions = [e.get_weight_version() for e in engines]
-            want = _reference(model)
-            served_ok = all(v == str(engine.version) for v in versions) and all(
-                _greedy(e) == want for e in engines
-            )
+            tokens, logprobs = _reference(model), causal_logprobs(model, PROBE)  # what both must serve
+            checks = [_served(e, tokens, logprobs) for e in engines]
+            # how far the check's bound is from the previous version: what an engine a version behind shows
+            behind = max(abs(a - b) for a, b in zip(logprobs, previous, strict=True))
+            previous = logprobs
+            served_ok = all(v == str(engine.version) for v in versions) and all(ok for ok, _ in checks)
             row = {
                 "step": step, "versions": versions, "reward": round(sum(reward(c) for _, c in current)
                 / len(current), 3), "loss": round(loss, 4), "sync_seconds": round(sync, 3),
-                "stall_seconds": round(engine.session.last_seconds["commit"], 3), "served_ok": served_ok,
+                "swap_seconds": round(engine.session.last_seconds["commit"], 3),
+                "logprob_diff": max(d for _, d in checks), "previous_version_diff": behind,
+                "served_ok": served_ok,
             }  # fmt: skip
             rows.append(row)
             mark = "yes" if served_ok else "NO"
             _print(cfg, f"{step:>4} {'/'.join(versions):>9} {row['reward']:6.3f} {row['loss']:8.4f} "
-                        f"{sync:7.3f} {row['stall_seconds']:7.3f} {mark:>16}")  # fmt: skip
+                        f"{sync:7.3f} {row['swap_seconds']:7.3f} {row['logprob_diff']:12.1e} {behind:11.1e} "
+                        f"{mark:>16}")  # fmt: skip
             current = nxt_batch
-    except BaseException:
-        with contextlib.suppress(Exception):  # rank 1 waits for a batch: tell it rank 0 stopped
-            dist.broadcast_object_list([None], src=0)
-        raise
     finally:
-        pool.shutdown(wait=False, cancel_futures=True)
+        ahead.shutdown(wait=False, cancel_futures=True)
+        each.shutdown(wait=False, cancel_futures=True)
         engine.shutdown()
     ok = "yes" if all(r["served_ok"] for r in rows) else "NO"
     sync = sum(r["sync_seconds"] for r in rows) / len(rows)
-    stall = max(r["stall_seconds"] for r in rows)
+    swap = max(r["swap_seconds"] for r in rows)
     _print(cfg, f"{len(rows)} updates, both engines serving every version: {ok}; mean sync {sync:.3f} s, "
-                f"worst stall {stall:.3f} s; {time.monotonic() - t_start:.0f} s in all")  # fmt: skip
+                f"longest swap {swap:.3f} s; {time.monotonic() - t_start:.0f} s in all")  # fmt: skip
     return rows

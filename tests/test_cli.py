@@ -85,6 +85,7 @@ def test_bench_quick_json_has_every_field(tmp_path: Path) -> None:
 
 def _drawn(draw: Callable[[Path], None], path: Path) -> None:
     """``bench --plot``'s figure from these records is a PNG (the figures' own run is in the slow suite)."""
+    pytest.importorskip("matplotlib")  # the plot extra (make setup installs it)
     draw(path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
 
@@ -109,6 +110,17 @@ def test_bench_plot_measures_and_draws_every_figure(tmp_path: Path) -> None:
     }
 
 
-def test_bench_plot_refuses_a_measurement_of_its_own() -> None:
-    proc = _run("bench", "--plot", "/nonexistent", "--delta", timeout=50)
-    assert proc.returncode != 0 and "run it without --delta" in proc.stderr, proc.stderr[-2000:]
+@pytest.mark.parametrize(
+    ("args", "why"),
+    [
+        (["--plot", "/nonexistent", "--delta"], "run it without --delta"),
+        (["--plot", "/nonexistent", "--shape", "moe"], "run it without --shape"),
+        (["--plot", "figure.png"], "takes a directory"),
+        (["--plot", "/nonexistent", "--figures", "speed"], "no figure named speed"),
+    ],
+)
+def test_bench_plot_refuses_what_it_would_ignore(args: list[str], why: str) -> None:
+    """Nothing measured, nothing written: --plot draws its own set, into a directory."""
+    proc = _run("bench", *args, timeout=50)
+    assert proc.returncode != 0 and why in proc.stderr, proc.stderr[-2000:]
+    assert not Path("/nonexistent").exists() and not Path("figure.png").exists()

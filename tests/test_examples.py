@@ -115,34 +115,41 @@ def test_the_verl_example_runs(tmp_path: Path) -> None:
     assert out.count("equal to the actor's") >= 2, out[-3000:]
 
 
-# The demo, with the trainer's reference tokens changed at step 3 (an engine serving other weights than
-# the trainer's reads the same to the check): steps 1 and 2 must pass the real check, step 3 fail it.
-DEMO_WITH_A_BAD_STEP = """
+# The demo with two faults: the trainer's reference tokens changed at step 3 (an engine serving other
+# weights than the trainer's reads the same to the check), and the engines' generation of batch 4 raising
+# (during step 4, while rank 1 already waits in its sync). Steps 1 and 2 must pass the real check, step 3
+# fail it, and step 4 end the demo: the bridge closed, rank 1 ended, the engines stopped.
+DEMO_WITH_FAULTS = """
 import sys
 from groupbridge import cli, demo_vllm
 
-real, calls = demo_vllm._reference, []
+real_reference, real_generate, calls = demo_vllm._reference, demo_vllm._generate, []
 
 def reference(model):
     calls.append(1)
-    tokens = real(model)
+    tokens = real_reference(model)
     return tokens if len(calls) < 3 else [[t + 1 for t in row] for row in tokens]
 
-demo_vllm._reference = reference
-sys.exit(cli.main(["demo", "--steps", "3", "--host", "127.0.0.1"]))
+def generate(llm, prompts, seed):
+    if seed >= 8:  # batch 4 (seeds 2 * step + engine)
+        raise RuntimeError("injected: the engine failed generating batch 4")
+    return real_generate(llm, prompts, seed)
+
+demo_vllm._reference, demo_vllm._generate = reference, generate
+sys.exit(cli.main(["demo", "--steps", "5", "--host", "127.0.0.1"]))
 """
 
 
 @pytest.mark.timeout(420)
-def test_the_demo_runs_through_two_vllm_engines_and_a_failed_check_exits_non_zero(tmp_path: Path) -> None:
+def test_the_demo_runs_through_two_vllm_engines_and_stops_on_a_bad_check_or_a_fault(tmp_path: Path) -> None:
     """``make demo``'s loop: two trainer ranks, two vLLM engines as one fleet; every step both engines report
-    the version sent and serve the trainer's greedy tokens; the step whose check fails is marked and the
-    demo exits 1. Nothing is left running or in /dev/shm."""
-    out = run(["-c", DEMO_WITH_A_BAD_STEP], tmp_path, 400, returncode=1)
-    rows = [line.split() for line in out.splitlines() if re.match(r"^\s+[123] +\d+/\d+ ", line)]
-    assert [(r[0], r[1], r[-1]) for r in rows] == [
-        ("1", "1/1", "yes"),
-        ("2", "2/2", "yes"),
-        ("3", "3/3", "NO"),
-    ], out[-3000:]
-    assert "check FAILED" in out and "both engines serving every version: NO" in out
+    the version sent and serve the trainer's weights (greedy tokens and log-probabilities); the step whose
+    check fails is marked; a fault ends the demo with exit code 1 and nothing left running or in
+    /dev/shm."""
+    out = run(["-c", DEMO_WITH_FAULTS], tmp_path, 400, returncode=1)
+    rows = [line.split() for line in out.splitlines() if re.match(r"^\s+[1-5] +\d+/\d+ ", line)]
+    got = [(r[0], r[1], r[-1]) for r in rows]
+    assert got == [("1", "1/1", "yes"), ("2", "2/2", "yes"), ("3", "3/3", "NO")], out[-3000:]
+    # the served log-probabilities agree with the trainer's all along, and a version behind would not
+    assert all(float(r[-3]) < 1e-3 < float(r[-2]) for r in rows), out[-3000:]
+    assert "injected: the engine failed generating batch 4" in out, out[-3000:]

@@ -36,9 +36,11 @@ def _outcome(t0: float, e: BaseException) -> str:
 
 def _frozen(rank: int, ports: Any, pids: Any, victim: int) -> str:
     g = make_group(rank, 3, "127.0.0.1", ports, liveness_timeout=LIVE, timeout=timedelta(seconds=60))
-    pids.put((rank, os.getpid()))
     t0 = time.monotonic()
     try:
+        g.broadcast(torch.ones(1 << 16), src=0)
+        g.barrier()
+        pids.put((rank, os.getpid()))  # after a first round: every member is in the loop when one is frozen
         while True:
             g.broadcast(torch.ones(1 << 16), src=0)
             g.barrier()
@@ -54,7 +56,6 @@ def test_a_frozen_member_is_as_bounded_as_a_dead_one(victim: int) -> None:
     pids = CTX.Queue()
     ranks = Ranks(_frozen, 3, (CTX.Queue(), pids, victim))
     got = dict(pids.get(timeout=30) for _ in range(3))
-    time.sleep(0.5)
     os.kill(got[victim], signal.SIGSTOP)
     try:
         survivors = [r for r in range(3) if r != victim]
@@ -71,9 +72,11 @@ def test_a_frozen_member_is_as_bounded_as_a_dead_one(victim: int) -> None:
 
 def _resumed(rank: int, ports: Any, pids: Any) -> str:
     g = make_group(rank, 3, "127.0.0.1", ports, liveness_timeout=LIVE, timeout=timedelta(seconds=60))
-    pids.put((rank, os.getpid()))
     t0 = time.monotonic()
     try:
+        g.broadcast(torch.ones(1 << 10), src=0)
+        g.barrier()
+        pids.put((rank, os.getpid()))  # after a first round: every member is in the loop when one is frozen
         for _ in range(100000):
             g.broadcast(torch.ones(1 << 10), src=0)
             g.barrier()
@@ -89,9 +92,8 @@ def test_a_resumed_member_does_not_blame_a_healthy_peer() -> None:
     pids = CTX.Queue()
     ranks = Ranks(_resumed, 3, (CTX.Queue(), pids))
     got = dict(pids.get(timeout=30) for _ in range(3))
-    time.sleep(0.5)
     os.kill(got[2], signal.SIGSTOP)
-    time.sleep(LIVE.total_seconds() + 3)
+    time.sleep(LIVE.total_seconds() + 3)  # the scenario: frozen for longer than the liveness timeout
     os.kill(got[2], signal.SIGCONT)
     res = ranks.results(40)
     status, value = res[2]
@@ -106,15 +108,31 @@ def test_a_resumed_member_does_not_blame_a_healthy_peer() -> None:
 # ---------------------------------------------------------------- writes into a dead store
 
 
+def _wait_gone(pid: int, seconds: float) -> None:
+    """Until process ``pid`` has exited (gone, or a zombie its parent has not reaped yet)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rpartition(")")[2].split()[0] == "Z":
+                    return
+        except FileNotFoundError:
+            return
+        time.sleep(0.01)
+    raise TimeoutError(f"process {pid} still runs after {seconds:g} s")
+
+
 def _write_after_host_died(rank: int, ports: Any) -> str:
     g = make_group(rank, 2, "127.0.0.1", ports, liveness_timeout=LIVE)
     if rank == 0:
+        g.send_obj(os.getpid(), 1)
         g.recv_obj(1)
         ports.get(timeout=30)  # rank 1's send_obj returned (its acknowledgement needs the store alive)
         os._exit(3)
+    host = g.recv_obj(0)
     g.send_obj("ready", 0)
     ports.put("sent")
-    time.sleep(1.0)  # rank 0 and its store are gone
+    _wait_gone(host, 10)  # rank 0 and its store are gone (its sockets closed with it)
     t0 = time.monotonic()
     try:
         g.broadcast_obj({"step": 1}, src=1)
@@ -283,7 +301,9 @@ def _closed_and_released(rank: int, ports: Any) -> dict[str, Any]:
             base_threads = threading.active_count()
             base_fds = len(os.listdir("/proc/self/fd"))
     gc.collect()
-    time.sleep(0.2)
+    deadline = time.monotonic() + 5  # a closed group's threads are told to stop; let them finish, bounded
+    while threading.active_count() > base_threads and time.monotonic() < deadline:
+        time.sleep(0.01)
     out["threads_left"] = threading.active_count() - base_threads
     out["thread_names"] = sorted(t.name for t in threading.enumerate())
     out["fds_left"] = len(os.listdir("/proc/self/fd")) - base_fds

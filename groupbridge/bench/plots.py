@@ -1,16 +1,19 @@
 """``groupbridge bench --plot DIR``: the figures of docs/results.md, each drawn from one measurement.
 
+``groupbridge bench --plot DIR --figures delta`` measures one again, keeping the others' records.
+
 A plot is only as honest as the run behind it, so every figure is drawn from records measured in the same
 command (the anchors beside what they anchor), and the records are written next to the images
 (``bench.json``) so a reader can check a bar against its number. Each bar or point is a median of rounds;
-the worst round is drawn beside it (an error bar up to the worst), since an intermittent stall hides in a
-median.
+the worst round is drawn beside it where the records hold it (an error bar to the worst: throughput,
+sources, stall), since an intermittent stall hides in a median.
 
 - ``throughput.png``: GB/s per receiver of each mode (``ours``, ``ours_flat``, per-tensor broadcast) for 1
   and 2 receivers, under the flat-tensor broadcast and memcpy ceilings of the same run; ``buckets.png``, from
   the same records: GB/s against the bucket size.
 - ``delta.png``: a delta sync's time and wire bytes as fractions of a full sync's, against the fraction of
-  the model that changed (one Adam step at several learning rates).
+  the model that changed (one Adam step at several learning rates), over loopback: ``delta="always"`` (every
+  step diffed) and ``delta=True`` (a delta only where it pays).
 - ``sources.png``: seconds per sync against the number of trainer hosts: gather to rank 0 then send, every
   trainer sending its shards, the same with deltas, and the link bound (simulated hosts: root).
 - ``stall.png``: how long a client streaming from ``vllm serve`` gets no token during an update, per update
@@ -85,9 +88,22 @@ def delta(records: Sequence[dict[str, Any]], path: str | Path) -> None:
         if not rs:
             continue
         xs = [100 * r["changed_fraction"] for r in rs]
-        ax.plot(xs, [r["ratio_vs_full"] for r in rs], marker="o", label=f"time vs full ({transport})")
+        ax.plot(
+            xs,
+            [r["ratio_vs_full"] for r in rs],
+            marker="o",
+            label=f'delta="always": time vs full ({transport})',
+        )
         ax.plot(xs, [r["wire_fraction"] for r in rs], marker="x", linestyle="--",
-                label=f"bytes on the wire vs full ({transport})")  # fmt: skip
+                label=f'delta="always": bytes on the wire vs full ({transport})')  # fmt: skip
+        # delta=True sends what pays: the same steps (every mode sends the same weights), by the share changed
+        chosen = {r["lr"]: r for r in records if r["transport"] == transport and r["mode"] == "delta"}
+        pts = [
+            (100 * r["changed_fraction"], chosen[r["lr"]]["ratio_vs_full"]) for r in rs if r["lr"] in chosen
+        ]
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="s",
+                    label=f"delta=True: time vs full ({transport})")  # fmt: skip
     ax.axhline(1.0, color="k", linewidth=0.8)
     ax.set_xscale("log")
     from matplotlib.ticker import FuncFormatter, NullFormatter
@@ -183,8 +199,9 @@ def _draw(
 def _measure_delta(quick: bool, rounds: int) -> list[dict[str, Any]]:
     from .delta import DeltaConfig, run_delta
 
-    cfg = DeltaConfig(shape="tiny" if quick else "dense", rounds=rounds, modes=("full", "delta_always"),
-                      lrs=[1e-6, 1e-4] if quick else [1e-8, 1e-7, 1e-6, 1e-5, 1e-4])  # fmt: skip
+    lrs = [1e-6, 1e-4] if quick else [1e-8, 1e-7, 1e-6, 1e-5, 1e-4]
+    cfg = DeltaConfig(shape="tiny" if quick else "dense", rounds=rounds, lrs=lrs,
+                      modes=("full", "delta", "delta_always"))  # fmt: skip
     return run_delta(cfg)
 
 
@@ -228,17 +245,34 @@ FIGURES: dict[str, tuple[_Measure, _Draw, str]] = {
 """name -> (measure(quick, rounds), draw(records, into), what it shows)."""
 
 
-def run_all(out: str | Path, *, quick: bool = False, rounds: int = 3) -> dict[str, Any]:
-    """Measure and draw every figure into ``out``; return the records by figure (also in bench.json).
+def run_all(
+    out: str | Path, *, quick: bool = False, rounds: int = 3, only: Sequence[str] | None = None
+) -> dict[str, Any]:
+    """Measure and draw every figure (or those in ``only``) into ``out``; return the records by figure
+    (also in bench.json, where a figure not measured now keeps the records of the run that drew it).
 
     A figure whose measurement cannot run here (no network namespaces, no vLLM) is left out with the reason
     printed and recorded; the others are still drawn.
     """
+    unknown = sorted(set(only or ()) - set(FIGURES))
+    if unknown:
+        raise ValueError(f"no figure named {', '.join(unknown)}: the figures are {', '.join(FIGURES)}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     skip = {"sources": _sources_reason(), "stall": _stall_reason()}
     done: dict[str, Any] = {"quick": quick, "rounds": rounds, "figures": {}, "left_out": {}}
+    if only and (out / "bench.json").exists():
+        done = json.loads((out / "bench.json").read_text())
+        if (done.get("quick"), done.get("rounds")) != (quick, rounds):
+            raise ValueError(
+                f"{out / 'bench.json'} was measured with quick={done.get('quick')}, "
+                f"rounds={done.get('rounds')}: "
+                "measure every figure again, or pass the same --quick and --rounds"
+            )
     for name, (measure, draw, what) in FIGURES.items():
+        if only and name not in only:
+            continue
+        done["left_out"].pop(name, None)
         if skip.get(name):
             done["left_out"][name] = skip[name]
             _console.echo(f"[bench] {name}.png left out: {skip[name]}")
