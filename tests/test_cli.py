@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -124,3 +125,16 @@ def test_bench_plot_refuses_what_it_would_ignore(args: list[str], why: str) -> N
     proc = _run("bench", *args, timeout=50)
     assert proc.returncode != 0 and why in proc.stderr, proc.stderr[-2000:]
     assert not Path("/nonexistent").exists() and not Path("figure.png").exists()
+
+
+@pytest.mark.timeout(90)
+def test_the_bridge_example_runs() -> None:
+    """README's "Your own workers" points at this example: a trainer sends three versions to two workers."""
+    root = Path(__file__).parent.parent
+    proc = subprocess.run(
+        [sys.executable, str(root / "examples" / "bridge_trainer_workers.py"), "--workers", "2"],
+        capture_output=True, text=True, env=ENV, timeout=80,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    held = re.findall(r"step (\d): worker (\d) holds version (\d), equal to the trainer", proc.stdout)
+    assert sorted(held) == [(s, w, s) for s in "123" for w in "12"], proc.stdout
