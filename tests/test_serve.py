@@ -18,7 +18,7 @@ import torch
 
 from groupbridge._vllm_client import HttpClient, VllmControl
 from groupbridge.engine import TrainerConfig, TrainerSession
-from groupbridge.vllm._serve import Server, Streamer, http, longest_gap
+from groupbridge.vllm._serve import Server, Streamer, longest_gap
 from groupbridge.vllm._stop import segments
 from groupbridge.vllm.models import make_model
 from tests.engines import PROMPTS, TOKENS, perturb, reference
@@ -172,6 +172,6 @@ def test_trl_async_grpo_trainer_sends_through_groupbridge(
     assert calls == ["init", "pause", "send", "resume", "destroy"], calls
     assert transfer.session is None and transfer.version is None  # destroyed
     assert srv.weight_version() == "1"
-    assert http("GET", f"{srv.base}/is_paused")["is_paused"] is False
+    assert srv.client.get("is_paused")["is_paused"] is False
     trained = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32)
     assert [srv.complete(p, TOKENS) for p in PROMPTS] == reference(trained)

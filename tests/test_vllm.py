@@ -948,7 +948,6 @@ def test_vllm_serve_lists_the_newest_adapter_by_name(tmp_path_factory: pytest.Te
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
     from groupbridge.engine import Probe, causal_logprobs
-    from groupbridge.vllm._serve import http
 
     path = tmp_path_factory.mktemp("qwen2-serve-lora")
     shm_before = segments()
@@ -976,7 +975,7 @@ def test_vllm_serve_lists_the_newest_adapter_by_name(tmp_path_factory: pytest.Te
             for step in range(3):
                 perturb_adapter(model, 95 + step)
                 eng.send_weights()
-                listed = {m["id"] for m in http("GET", f"{srv.base}/v1/models")["data"]}
+                listed = {m["id"] for m in srv.client.get("v1/models")["data"]}
                 assert f"policy@v{step + 1}" in listed, listed
                 assert srv.weight_version() == str(step + 1)
                 want = reference(model)
@@ -987,7 +986,7 @@ def test_vllm_serve_lists_the_newest_adapter_by_name(tmp_path_factory: pytest.Te
             perturb_adapter(model, 98)
             with pytest.raises(gb.VerificationError, match="rolled back to version 3"):
                 eng.send_weights()
-            listed = {m["id"] for m in http("GET", f"{srv.base}/v1/models")["data"]}
+            listed = {m["id"] for m in srv.client.get("v1/models")["data"]}
             assert "policy@v3" in listed and "policy@v4" not in listed, listed
             assert srv.weight_version() == "3"
             assert [srv.complete(p, TOKENS, model="policy@v3") for p in PROMPTS] == want

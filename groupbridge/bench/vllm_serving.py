@@ -48,7 +48,7 @@ def run_serving(size: str = "bench", rounds: int = 3) -> list[dict[str, Any]]:
     """Per mode: update seconds, the stall, and (groupbridge) the commit: vLLM's load with its RPC."""
     from .._vllm_client import HttpClient, VllmControl
     from ..engine import TrainerConfig, TrainerSession
-    from ..vllm._serve import Server, Streamer, http
+    from ..vllm._serve import Server, Streamer
     from ..vllm.models import make_model
 
     tmp = tempfile.TemporaryDirectory(prefix="gb-bench-serve-")
@@ -73,8 +73,8 @@ def run_serving(size: str = "bench", rounds: int = 3) -> list[dict[str, Any]]:
                 t0 = time.monotonic()
                 if mode == "safetensors+reload":
                     model.save_pretrained(f"{tmp.name}/step")
-                    http("POST", f"{srv.base}/collective_rpc", {"method": "reload_weights",
-                         "kwargs": {"weights_path": f"{tmp.name}/step"}}, timeout=600)  # fmt: skip
+                    HttpClient(srv.base, timeout=600).post("collective_rpc", {"method": "reload_weights",
+                         "kwargs": {"weights_path": f"{tmp.name}/step"}})  # fmt: skip
                     t1 = time.monotonic()
                 else:
                     config = TrainerConfig(timeout_s=600, atomic=mode.endswith("atomic"), name="bench",

@@ -15,9 +15,9 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any
 
 from .._closing import Closing
+from .._vllm_client import HttpClient
 from ._stop import held_by, process_tree, remove_owned, stop_server
 
 
@@ -41,14 +41,6 @@ def _listening_port(proc: subprocess.Popen[bytes], deadline: float, log: Path) -
                 return int(ports[0])
         time.sleep(0.2)
     raise TimeoutError(f"vllm serve (pid {proc.pid}) did not listen within its start-up bound")
-
-
-def http(method: str, url: str, body: dict[str, Any] | None = None, timeout: float = 60) -> Any:
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        raw = r.read()
-    return json.loads(raw) if raw else None
 
 
 class Server(Closing):
@@ -98,11 +90,14 @@ class Server(Closing):
         try:
             deadline = time.monotonic() + start_s
             self.base = f"http://127.0.0.1:{_listening_port(self.proc, deadline, self.log)}"
+            self.client = HttpClient(self.base, timeout=60)
+            """The server's routes (``client.get("v1/models")``, ``client.post("pause")``), each bounded."""
+            probe = HttpClient(self.base, timeout=5)
             while True:
                 if self.proc.poll() is not None:
                     raise RuntimeError(f"vllm serve exited ({self.proc.returncode}):\n{self.tail()}")
                 try:
-                    http("GET", f"{self.base}/health", timeout=5)
+                    probe.get("health")
                     break
                 except Exception:
                     if time.monotonic() > deadline:
@@ -118,13 +113,13 @@ class Server(Closing):
         return self.log.read_text(errors="replace")[-n:]
 
     def weight_version(self) -> str:
-        return str(http("GET", f"{self.base}/weight_info")["weight_version"])
+        return str(self.client.get("weight_info")["weight_version"])
 
     def complete(self, prompt: list[int], max_tokens: int, model: str | None = None) -> list[int]:
         """Greedy token ids for ``prompt`` (from ``model``: the base, or an adapter's name)."""
         body = {"model": model or self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                 "return_token_ids": True}  # fmt: skip
-        return list(http("POST", f"{self.base}/v1/completions", body)["choices"][0]["token_ids"])
+        return list(self.client.post("v1/completions", body)["choices"][0]["token_ids"])
 
     def close(self) -> None:
         # vLLM 0.32 never unlinks its CPU communicator's segments: whoever starts an engine cleans after it,
