@@ -15,6 +15,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+@pytest.mark.slow  # 24 s (a Ray instance of its own); make test stays under its bound
 @pytest.mark.timeout(180)
 def test_ray_one_step_off_policy_example() -> None:
     root = Path(__file__).parent.parent

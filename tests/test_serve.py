@@ -87,6 +87,57 @@ def test_a_client_keeps_getting_tokens_while_an_atomic_update_lands(
     assert [srv.complete(p, TOKENS) for p in PROMPTS] == reference(model)
 
 
+class _NoRollouts:
+    """TRL's rollout-worker protocol, producing nothing: training stops at its first health check."""
+
+    def __init__(self) -> None:
+        self.rollout_buffer: queue.Queue[Any] = queue.Queue()
+        self.metrics_queue: queue.Queue[Any] = queue.Queue()
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+    def update_model_version(self, version: int) -> None: ...
+
+    def check_health(self, stale_after_s: float) -> None:
+        raise RuntimeError("no rollouts on this machine")
+
+
+def _train_until_first_sync(
+    policy: Path, vocab_size: int, tmp_path: Path, transfer: Any, monkeypatch: pytest.MonkeyPatch, **kw: Any
+) -> Any:
+    """TRL's own ``AsyncGRPOTrainer`` on ``policy`` with ``weight_transfer=transfer``, trained until its first
+    health check fails (after the sync at train begin: the training step itself needs CUDA); its
+    peak-FLOPs probe asks CUDA for its device name, so it is stubbed. ``kw``: more trainer arguments
+    (``peft_config``). Returns the trainer."""
+    import trl.experimental.async_grpo.async_grpo_trainer as grpo
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+
+    vocab = {f"w{i}": i for i in range(vocab_size - 3)}
+    vocab.update({"<pad>": len(vocab), "<eos>": len(vocab) + 1, "<unk>": len(vocab) + 2})
+    words = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=words, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>", padding_side="left"
+    )
+    monkeypatch.setattr(grpo, "get_peak_flops_per_device", lambda *a, **k: None)
+    args = AsyncGRPOConfig(
+        output_dir=str(tmp_path / "out"), bf16=False, use_cpu=True, max_steps=1, token_budget=0,
+        per_device_train_batch_size=2, num_generations=2, report_to=[], gradient_checkpointing=False,
+        save_strategy="no",
+    )  # fmt: skip
+    trainer = AsyncGRPOTrainer(
+        model=str(policy), reward_funcs=None, args=args, train_dataset=[{"prompt": "w1 w2"}] * 4,
+        processing_class=tokenizer, rollout_worker=_NoRollouts(), weight_transfer=transfer, **kw,
+    )  # fmt: skip
+    with pytest.raises(RuntimeError, match="no rollouts"):
+        trainer.train()
+    return trainer
+
+
 def test_trl_async_grpo_trainer_sends_through_groupbridge(
     server: tuple[Server, Any, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -95,12 +146,9 @@ def test_trl_async_grpo_trainer_sends_through_groupbridge(
     parameters), ``resume``; at train end ``destroy``. The server then serves the trainer's weights and is
     not left paused. What cannot run here: TRL's training step itself (its packed attention needs a
     FlashAttention-3 kernel, CUDA only), so the rollout worker reports no rollouts and training stops after
-    the first sync; and TRL's peak-FLOPs probe asks CUDA for its device name, so it is stubbed."""
+    the first sync."""
     pytest.importorskip("trl")
-    import trl.experimental.async_grpo.async_grpo_trainer as grpo
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
-    from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+    from transformers import AutoModelForCausalLM
 
     import groupbridge as gb
     import groupbridge.trl
@@ -109,15 +157,6 @@ def test_trl_async_grpo_trainer_sends_through_groupbridge(
     policy = tmp_path / "policy"
     perturb(model, 3)
     model.save_pretrained(policy)  # what TRL trains: the server's architecture, other weights
-    vocab = {f"w{i}": i for i in range(model.config.vocab_size - 3)}
-    vocab.update({"<pad>": len(vocab), "<eos>": len(vocab) + 1, "<unk>": len(vocab) + 2})
-    words = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    words.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=words, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>", padding_side="left"
-    )
-    monkeypatch.setattr(grpo, "get_peak_flops_per_device", lambda *a, **k: None)
-
     calls: list[str] = []
 
     class Recorded(gb.trl.WeightTransfer):
@@ -141,37 +180,49 @@ def test_trl_async_grpo_trainer_sends_through_groupbridge(
             calls.append("destroy")
             super().destroy()
 
-    class NoRollouts:
-        """TRL's rollout-worker protocol, producing nothing: training stops at its first health check."""
-
-        def __init__(self) -> None:
-            self.rollout_buffer: queue.Queue[Any] = queue.Queue()
-            self.metrics_queue: queue.Queue[Any] = queue.Queue()
-
-        def start(self) -> None: ...
-
-        def stop(self) -> None: ...
-
-        def update_model_version(self, version: int) -> None: ...
-
-        def check_health(self, stale_after_s: float) -> None:
-            raise RuntimeError("no rollouts on this machine")
-
     transfer = Recorded(srv.base, timeout_s=60, liveness_s=10, http_timeout=60)
-    args = AsyncGRPOConfig(
-        output_dir=str(tmp_path / "out"), bf16=False, use_cpu=True, max_steps=1, token_budget=0,
-        per_device_train_batch_size=2, num_generations=2, report_to=[], gradient_checkpointing=False,
-        save_strategy="no",
-    )  # fmt: skip
-    trainer = AsyncGRPOTrainer(
-        model=str(policy), reward_funcs=None, args=args, train_dataset=[{"prompt": "w1 w2"}] * 4,
-        processing_class=tokenizer, rollout_worker=NoRollouts(), weight_transfer=transfer,
-    )  # fmt: skip
-    with pytest.raises(RuntimeError, match="no rollouts"):
-        trainer.train()
+    _train_until_first_sync(policy, model.config.vocab_size, tmp_path, transfer, monkeypatch)
     assert calls == ["init", "pause", "send", "resume", "destroy"], calls
     assert transfer.session is None and transfer.version is None  # destroyed
     assert srv.weight_version() == "1"
     assert srv.client.get("is_paused")["is_paused"] is False
     trained = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32)
     assert [srv.complete(p, TOKENS) for p in PROMPTS] == reference(trained)
+
+
+@pytest.mark.slow  # TRL with PEFT: another trainer set-up (about 30 s)
+def test_trl_with_a_peft_model_sends_the_merged_weights_through_groupbridge(
+    server: tuple[Server, Any, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TRL 1.16 turns its adapter-only sync off when a weight transfer is passed: it merges the adapter into
+    the base weights, sends them under the base names through ``send_weights``, and unmerges. Through
+    groupbridge the server then serves base + adapter (a LoRA with B non-zero, so the merge changes the
+    tokens), and the trainer's model is left unmerged."""
+    pytest.importorskip("peft")
+    from peft import LoraConfig, PeftModel
+    from transformers import AutoModelForCausalLM
+
+    import groupbridge.trl
+
+    srv, model, _ = server
+    policy = tmp_path / "policy"
+    perturb(model, 5)
+    model.save_pretrained(policy)
+    lora = LoraConfig(
+        r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj"], init_lora_weights=False
+    )
+    served_before = srv.weight_version()
+    transfer = groupbridge.trl.WeightTransfer(srv.base, timeout_s=60, liveness_s=10, http_timeout=60)
+    trainer = _train_until_first_sync(
+        policy, model.config.vocab_size, tmp_path, transfer, monkeypatch, peft_config=lora
+    )
+    peft_model = trainer.accelerator.unwrap_model(trainer.model)
+    assert any("lora_B" in n for n, _ in peft_model.named_parameters())  # unmerged, still an adapter
+    # the reference: a fresh base (TRL patched the trained model's forward) with the trained adapter merged
+    peft_model.save_pretrained(tmp_path / "adapter")
+    base = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32)
+    fresh = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32)
+    merged = PeftModel.from_pretrained(fresh, tmp_path / "adapter").merge_and_unload()
+    assert reference(merged) != reference(base)  # the adapter changes what is served
+    assert srv.weight_version() != served_before  # one sync landed, at train begin
+    assert [srv.complete(p, TOKENS) for p in PROMPTS] == reference(merged)

@@ -107,6 +107,10 @@ def test_trainer_init_info_is_checked_before_anything_starts() -> None:
         TrainerInitInfo(rank=0, port=70000)
     with pytest.raises(ValueError, match="source"):
         WeightTransferTrainerFactory.trainer_init(TrainerInitInfo(rank=0), client=None, source=None)
+    with pytest.raises(ValueError, match="rank 0 drives the engines"):  # a rank > 0 may pass None
+        WeightTransferTrainerFactory.trainer_init(
+            TrainerInitInfo(rank=0), client=None, source=ModuleSource(torch.nn.Linear(2, 2))
+        )
     for bad in (0, -1, 1e9, 1e300, float("inf"), float("nan"), True, "60"):
         with pytest.raises(ValueError, match="timeout_s"):
             TrainerInitInfo(rank=0, timeout_s=bad)  # type: ignore[arg-type]

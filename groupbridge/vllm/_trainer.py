@@ -97,10 +97,10 @@ class TrainerEngine(SessionState, TrainerWeightTransferEngine[TrainerInitInfo]):
             raise TypeError(
                 f"init_info must be groupbridge.vllm.TrainerInitInfo, got {type(init_info).__name__}"
             )
-        if client is None and init_info.rank == 0:
-            raise ValueError("trainer rank 0 drives the engines: pass client= (e.g. an OfflineClient)")
         if source is None:
             raise ValueError("backend 'groupbridge' sends a WeightSource each step: pass source=")
+        if client is None and init_info.rank == 0:
+            raise ValueError("trainer rank 0 drives the engines: pass client= (e.g. an OfflineClient)")
         fleet = getattr(client, "total_workers", None)  # a FleetClient knows its engines' workers
         if isinstance(fleet, int) and fleet != init_info.workers and init_info.is_sender:
             raise ValueError(
