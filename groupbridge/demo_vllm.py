@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from . import _console
 
-__all__ = ["VllmDemoConfig", "run_vllm_demo"]
+__all__ = ["RowSource", "VllmDemoConfig", "run_vllm_demo"]
 
 PROMPT_LEN, NEW_TOKENS, BATCH = 4, 16, 8
 CHECK_PROMPTS = [[1, 2, 3, 4], [7, 100, 5], [300, 11]]
@@ -67,7 +67,7 @@ def reward(tokens: list[int]) -> float:
     return sum(t % 2 == 0 for t in tokens) / len(tokens)
 
 
-class _Rows:
+class RowSource:
     """A vLLM ``WeightSource`` that yields this rank's rows of every tensor as ``gb.Shard`` values.
 
     The demo's ranks hold whole replicas (data parallel); a rank of a sharded trainer (FSDP2, DTensor)
@@ -129,7 +129,7 @@ def _second_rank(path: str, world_port: int, host: str, steps: int, lr: float) -
         port, workers = box[0]
         info = TrainerInitInfo(rank=1, sources=2, host=host, port=port, workers=workers, timeout_s=WAIT_S,
                                liveness_s=LIVENESS_S)  # fmt: skip
-        engine = WeightTransferTrainerFactory.trainer_init(info, client=None, source=_Rows(model, 1, 2))
+        engine = WeightTransferTrainerFactory.trainer_init(info, client=None, source=RowSource(model, 1, 2))
         opt = torch.optim.AdamW(model.parameters(), lr=lr)
         try:
             for _ in range(steps):
@@ -269,7 +269,7 @@ def _lead(cfg: VllmDemoConfig, model: Any, engines: list[Any], t_start: float) -
     dist.broadcast_object_list([(lis.port, fleet.total_workers)], src=0)
     info = TrainerInitInfo(rank=0, sources=2, listener=lis, workers=fleet.total_workers, timeout_s=WAIT_S,
                            liveness_s=LIVENESS_S)  # fmt: skip
-    engine = WeightTransferTrainerFactory.trainer_init(info, client=fleet, source=_Rows(model, 0, 2))
+    engine = WeightTransferTrainerFactory.trainer_init(info, client=fleet, source=RowSource(model, 0, 2))
     rows: list[dict[str, Any]] = []
     ahead = ThreadPoolExecutor(1, thread_name_prefix="demo-next-batch")
     each = ThreadPoolExecutor(2, thread_name_prefix="demo-generate")  # one per engine: both at once

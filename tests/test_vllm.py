@@ -30,6 +30,7 @@ from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainer
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
 import groupbridge as gb
+from groupbridge.demo_vllm import RowSource  # a sharded trainer's source: each rank its rows
 from groupbridge.engine import TrainerConfig
 from groupbridge.vllm import OfflineClient, TrainerInitInfo
 from groupbridge.vllm._serve import Server
@@ -353,25 +354,6 @@ def test_dense_updates_serve_the_trainers_weights(dense: tuple[Any, Any]) -> Non
         eng.shutdown()
 
 
-class _Rows(WeightSource):
-    """Trainer rank ``rank`` of ``ranks`` holding the rows of every parameter that ``torch.chunk`` gives it:
-    a sharded trainer's source, whose values are ``gb.Shard`` boxes (never gathered)."""
-
-    def __init__(self, model: Any, rank: int, ranks: int) -> None:
-        self.model, self.rank, self.ranks = model, rank, ranks
-
-    def metadata(self) -> list[ParamMeta]:
-        return [ParamMeta(n, p.dtype, tuple(p.shape)) for n, p in self.model.named_parameters()]
-
-    def __iter__(self) -> Iterator[tuple[str, Any]]:
-        for name, p in self.model.named_parameters():
-            pieces = torch.chunk(p.detach(), self.ranks, 0)
-            if self.rank < len(pieces):
-                start = sum(len(q) for q in pieces[: self.rank])
-                offset = (start,) + (0,) * (p.dim() - 1)
-                yield name, gb.Shard(pieces[self.rank].clone(), tuple(p.shape), offset)
-
-
 def test_two_trainer_ranks_each_send_their_rows_and_vllm_serves_the_whole(dense: tuple[Any, Any]) -> None:
     """No rank gathers the model: each sends its rows, the worker assembles whole tensors; two versions."""
     llm, model = dense
@@ -384,7 +366,7 @@ def test_two_trainer_ranks_each_send_their_rows_and_vllm_serves_the_whole(dense:
     def on(rank: int, what: str) -> None:
         if what == "init":
             engines[rank] = WeightTransferTrainerFactory.trainer_init(
-                infos[rank], client=OfflineClient(llm), source=_Rows(model, rank, 2)
+                infos[rank], client=OfflineClient(llm), source=RowSource(model, rank, 2)
             )
         else:
             engines[rank].send_weights()

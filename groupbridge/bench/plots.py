@@ -22,8 +22,9 @@ sources, stall), since an intermittent stall hides in a median.
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,9 +44,23 @@ def _pyplot() -> Any:
     return plt
 
 
+@contextlib.contextmanager
+def _figure(path: str | Path) -> Iterator[Any]:
+    """One figure's axes for the block; drawn to ``path`` (with its legend) when the block ends normally, and
+    closed either way (pyplot keeps every open figure)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    try:
+        yield ax
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+    finally:
+        plt.close(fig)
+
+
 def throughput(records: Sequence[dict[str, Any]], path: str | Path) -> None:
     """Bars per mode and receiver count, the flat-tensor and memcpy ceilings as lines over them."""
-    plt = _pyplot()
     from ..weights.sender import DEFAULT_BUCKET_BYTES
 
     def chosen(r: dict[str, Any]) -> bool:
@@ -54,116 +69,106 @@ def throughput(records: Sequence[dict[str, Any]], path: str | Path) -> None:
     bars = [m for m in ("ours", "ours_flat", "ours_shared", "ours_atomic", "per_tensor")
             if any(r["mode"] == m for r in records)]  # fmt: skip
     receivers = sorted({r["receivers"] for r in records})
-    fig, ax = plt.subplots(figsize=(7, 4))
     width = 0.8 / max(len(bars), 1)
-    for i, mode in enumerate(bars):
-        rs = {r["receivers"]: r for r in records if r["mode"] == mode and chosen(r)}
-        xs = [k + (i - (len(bars) - 1) / 2) * width for k in range(len(receivers)) if receivers[k] in rs]
-        ys = [rs[n]["gbps"] for n in receivers if n in rs]
-        worst = [rs[n]["gbps"] - rs[n]["gbps_min"] for n in receivers if n in rs]
-        ax.bar(xs, ys, width, yerr=[worst, [0] * len(worst)], capsize=3, label=f"{mode} (median, worst)")
-    for anchor, style in (("flat", "--"), ("memcpy", ":")):
-        for k, n in enumerate(receivers):
-            found = [r for r in records if r["mode"] == anchor and r["receivers"] == n]
-            if found:
-                ax.hlines(found[0]["gbps"], k - 0.45, k + 0.45, colors="k", linestyles=style,
-                          label=f"{anchor} ceiling" if k == 0 else None)  # fmt: skip
-    ax.set_xticks(range(len(receivers)), [f"{n} receiver(s)" for n in receivers])
-    ax.set_ylabel("GB/s per receiver")
-    shape = records[0]["shape"] if records else "?"
-    ax.set_title(f"full sync, {shape} ({records[0]['bytes'] / 2**30:.2f} GiB), loopback" if records else "")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with _figure(path) as ax:
+        for i, mode in enumerate(bars):
+            rs = {r["receivers"]: r for r in records if r["mode"] == mode and chosen(r)}
+            xs = [k + (i - (len(bars) - 1) / 2) * width for k in range(len(receivers)) if receivers[k] in rs]
+            ys = [rs[n]["gbps"] for n in receivers if n in rs]
+            worst = [rs[n]["gbps"] - rs[n]["gbps_min"] for n in receivers if n in rs]
+            ax.bar(xs, ys, width, yerr=[worst, [0] * len(worst)], capsize=3, label=f"{mode} (median, worst)")
+        for anchor, style in (("flat", "--"), ("memcpy", ":")):
+            for k, n in enumerate(receivers):
+                found = [r for r in records if r["mode"] == anchor and r["receivers"] == n]
+                if found:
+                    ax.hlines(found[0]["gbps"], k - 0.45, k + 0.45, colors="k", linestyles=style,
+                              label=f"{anchor} ceiling" if k == 0 else None)  # fmt: skip
+        ax.set_xticks(range(len(receivers)), [f"{n} receiver(s)" for n in receivers])
+        ax.set_ylabel("GB/s per receiver")
+        if records:
+            r0 = records[0]
+            ax.set_title(f"full sync, {r0['shape']} ({r0['bytes'] / 2**30:.2f} GiB), loopback")
 
 
 def delta(records: Sequence[dict[str, Any]], path: str | Path) -> None:
     """Time and wire bytes of a delta sync relative to a full one, against the fraction that changed."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for transport in sorted({r["transport"] for r in records}):
-        rs = sorted((r for r in records if r["transport"] == transport and r["mode"] == "delta_always"
-                     and r["changed_fraction"] is not None), key=lambda r: r["changed_fraction"])  # fmt: skip
-        if not rs:
-            continue
-        xs = [100 * r["changed_fraction"] for r in rs]
-        ax.plot(
-            xs,
-            [r["ratio_vs_full"] for r in rs],
-            marker="o",
-            label=f'delta="always": time vs full ({transport})',
-        )
-        ax.plot(xs, [r["wire_fraction"] for r in rs], marker="x", linestyle="--",
-                label=f'delta="always": bytes on the wire vs full ({transport})')  # fmt: skip
-        # delta=True sends what pays: the same steps (every mode sends the same weights), by the share changed
-        chosen = {r["lr"]: r for r in records if r["transport"] == transport and r["mode"] == "delta"}
-        pts = [
-            (100 * r["changed_fraction"], chosen[r["lr"]]["ratio_vs_full"]) for r in rs if r["lr"] in chosen
-        ]
-        if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="s",
-                    label=f"delta=True: time vs full ({transport})")  # fmt: skip
-    ax.axhline(1.0, color="k", linewidth=0.8)
-    ax.set_xscale("log")
-    from matplotlib.ticker import FuncFormatter, NullFormatter
+    with _figure(path) as ax:
+        for transport in sorted({r["transport"] for r in records}):
+            rs = sorted((r for r in records if r["transport"] == transport and r["mode"] == "delta_always"
+                         and r["changed_fraction"] is not None),
+                        key=lambda r: r["changed_fraction"])  # fmt: skip
+            if not rs:
+                continue
+            xs = [100 * r["changed_fraction"] for r in rs]
+            ax.plot(
+                xs,
+                [r["ratio_vs_full"] for r in rs],
+                marker="o",
+                label=f'delta="always": time vs full ({transport})',
+            )
+            ax.plot(xs, [r["wire_fraction"] for r in rs], marker="x", linestyle="--",
+                    label=f'delta="always": bytes on the wire vs full ({transport})')  # fmt: skip
+            # delta=True sends what pays: the same steps (every mode sends the same weights), by share changed
+            chosen = {r["lr"]: r for r in records if r["transport"] == transport and r["mode"] == "delta"}
+            pts = [
+                (100 * r["changed_fraction"], chosen[r["lr"]]["ratio_vs_full"])
+                for r in rs
+                if r["lr"] in chosen
+            ]
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="s",
+                        label=f"delta=True: time vs full ({transport})")  # fmt: skip
+        ax.axhline(1.0, color="k", linewidth=0.8)
+        ax.set_xscale("log")
+        from matplotlib.ticker import FuncFormatter, NullFormatter
 
-    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
-    ax.xaxis.set_minor_formatter(NullFormatter())
-    ax.set_xlabel("share of the model that changed in one Adam step (%)")
-    ax.set_ylabel("delta sync / full sync")
-    ax.set_title(f"delta sync, {records[0]['shape']} sent as bf16" if records else "delta sync")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_xlabel("share of the model that changed in one Adam step (%)")
+        ax.set_ylabel("delta sync / full sync")
+        ax.set_title(f"delta sync, {records[0]['shape']} sent as bf16" if records else "delta sync")
 
 
 def sources(records: Sequence[dict[str, Any]], path: str | Path, rate: str = "") -> None:
     """Seconds per sync against trainer hosts: gathering, every trainer sending, deltas, the link bound."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4))
-    rs = sorted(records, key=lambda r: r["sources"])
-    xs = [r["sources"] for r in rs]
-    for key, label in (("gather_then_send", "(a) gather to rank 0, then send"),
-                       ("many_sources", "(b) every trainer sends its shards"),
-                       ("deltas", "(d) (b) with deltas")):  # fmt: skip
-        med = [r[f"{key}_s"] for r in rs]
-        worst = [r[f"{key}_worst_s"] - r[f"{key}_s"] for r in rs]
-        ax.errorbar(
-            xs, med, yerr=[[0] * len(med), worst], marker="o", capsize=3, label=f"{label} (median, worst)"
-        )
-    ax.plot(xs, [r["link_bound_s"] for r in rs], "k:", label="(c) link bound")
-    ax.set_xticks(xs)
-    ax.set_xlabel("trainer hosts")
-    ax.set_ylabel("seconds per sync")
-    gib = rs[0]["model_bytes"] / 2**30 if rs else 0
-    ax.set_title(f"many sources: {gib:.2f} GiB to 4 inference hosts, links at {rate}")
-    ax.set_ylim(bottom=0)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with _figure(path) as ax:
+        rs = sorted(records, key=lambda r: r["sources"])
+        xs = [r["sources"] for r in rs]
+        for key, label in (("gather_then_send", "(a) gather to rank 0, then send"),
+                           ("many_sources", "(b) every trainer sends its shards"),
+                           ("deltas", "(d) (b) with deltas")):  # fmt: skip
+            med = [r[f"{key}_s"] for r in rs]
+            worst = [r[f"{key}_worst_s"] - r[f"{key}_s"] for r in rs]
+            ax.errorbar(
+                xs, med, yerr=[[0] * len(med), worst], marker="o", capsize=3, label=f"{label} (median, worst)"
+            )
+        ax.plot(xs, [r["link_bound_s"] for r in rs], "k:", label="(c) link bound")
+        ax.set_xticks(xs)
+        ax.set_xlabel("trainer hosts")
+        ax.set_ylabel("seconds per sync")
+        gib = rs[0]["model_bytes"] / 2**30 if rs else 0
+        ax.set_title(f"many sources: {gib:.2f} GiB to 4 inference hosts, links at {rate}")
+        ax.set_ylim(bottom=0)
 
 
 def stall(records: Sequence[dict[str, Any]], path: str | Path) -> None:
     """The longest gap without a token a streaming client saw during an update, per update mode."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4))
-    modes = [r["mode"] for r in records]
-    med = [r["stall"] for r in records]
-    worst = [r["stall_max"] - r["stall"] for r in records]
-    ax.bar(
-        range(len(modes)), med, 0.5, yerr=[[0] * len(med), worst], capsize=4, label="stall (median, worst)"
-    )
-    ax.plot(range(len(modes)), [r["seconds"] for r in records], "kx", label="update time (median)")
-    ax.set_xticks(range(len(modes)), modes)
-    ax.set_ylabel("seconds")
-    ax.set_title("vllm serve during one update: time a streaming client got no token")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with _figure(path) as ax:
+        modes = [r["mode"] for r in records]
+        med = [r["stall"] for r in records]
+        worst = [r["stall_max"] - r["stall"] for r in records]
+        ax.bar(
+            range(len(modes)),
+            med,
+            0.5,
+            yerr=[[0] * len(med), worst],
+            capsize=4,
+            label="stall (median, worst)",
+        )
+        ax.plot(range(len(modes)), [r["seconds"] for r in records], "kx", label="update time (median)")
+        ax.set_xticks(range(len(modes)), modes)
+        ax.set_ylabel("seconds")
+        ax.set_title("vllm serve during one update: time a streaming client got no token")
 
 
 def _measure_throughput(quick: bool, rounds: int) -> list[dict[str, Any]]:
