@@ -38,12 +38,13 @@ from .weights import (
     WeightUpdate,
     flatten_,
 )
-from .weights.shard import Shard
+from .weights.shard import Box, Shard
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Address",
+    "Box",
     "BroadcastOptions",
     "ControlChannel",
     "Deadline",

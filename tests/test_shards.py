@@ -533,3 +533,54 @@ def test_replicas_that_disagree_are_refused_on_every_member() -> None:
         first, (msg, held, untouched), third = res[r]
         assert first == (1, True) and third == (3, True), res[r]
         assert "copies of b" in msg and held == 1 and untouched, res[r]
+
+
+def _reading(rank: int, ports: Any) -> Any:
+    """One source, two receivers that read halves of w's rows (as two tensor-parallel workers' loaders do)
+    and b whole: the first sync of a manifest brings every tensor whole, later ones only the halves; a new
+    manifest is whole again; a receiver whose reads grew beyond what it asked for refuses that sync, and
+    the next one brings it what it reads."""
+    with make_group(rank, 3, "127.0.0.1", ports) as g:
+        syncs = [(v, ("w", "b") if v < 4 else ("w", "b", "e")) for v in (1, 2, 3, 4, 5, 6)]
+        if rank == 0:
+            out = []
+            with gb.WeightSender(g, bucket_bytes=1024) as snd:
+                for v, names in syncs:
+                    try:
+                        out.append(dict(snd.send({n: _full(n, v) for n in names}, version=v).by_receiver))
+                    except gb.GroupBridgeError as e:
+                        out.append(type(e).__name__)
+            return out
+        rcv = gb.WeightReceiver(g)
+        half = gb.Box((0, 0) if rank == 1 else (6, 0), (6, 16))
+        grown = {"w": False}
+
+        def reads(manifest: Any) -> dict[str, gb.Box]:
+            return {} if grown["w"] else {"w": half}
+
+        out = []
+        for v, names in syncs:
+            grown["w"] = rank == 1 and v >= 5  # rank 1's loader reads all of w from version 5 on
+            try:
+                got = dict(rcv.receive(keep=True, reads=reads))
+            except gb.GroupBridgeError as e:
+                out.append(type(e).__name__)
+                continue
+            box = half.slices((0, 0)) if not grown["w"] else (slice(None), slice(None))
+            exact = sorted(got) == sorted(names) and torch.equal(got["w"][box], _full("w", v)[box])
+            out.append(exact and all(torch.equal(got[n], _full(n, v)) for n in names if n != "w"))
+        return out
+
+
+@pytest.mark.timeout(60)
+def test_a_receiver_that_reads_boxes_takes_only_them_once_it_learned_them() -> None:
+    sent, first, second = run_ranks(_reading, 3, CTX.Queue(), timeout=50)
+    whole = {n: _full(n, 1).numel() * 4 for n in ("w", "b")}
+    full, halves = sum(whole.values()), whole["w"] // 2 + whole["b"]
+    with_e = full + _full("e", 4).numel() * 2
+    assert sent[:4] == [{1: full, 2: full}, {1: halves, 2: halves}, {1: halves, 2: halves},
+                        {1: with_e, 2: with_e}], sent  # fmt: skip
+    # version 5: rank 1 reads w whole, beyond the half it asked for: refused everywhere; 6 brings it w whole
+    assert sent[4] == "ManifestMismatchError" and first[4] == second[4] == "ManifestMismatchError", sent
+    assert sent[5] == {1: with_e, 2: with_e - whole["w"] // 2}, sent
+    assert first[:4] + first[5:] == second[:4] + second[5:] == [True] * 5, (first, second)

@@ -630,58 +630,6 @@ class _Dict(torch.nn.Module):
 
 
 @pytest.mark.slow
-def test_a_fleet_of_two_engines_is_updated_as_one(
-    dense: tuple[Any, Any], tmp_path_factory: pytest.TempPathFactory
-) -> None:
-    """Two offline engines behind one FleetClient: one bridge, every worker of both votes, both swap, both
-    are probed. Updates 500 and 501 land and pass the probe on both; at 502 the reference disagrees: both
-    engines serve 501's tokens again and report 501; 503 lands on both. A trainer that counts the workers
-    wrong is refused before anything starts."""
-    from groupbridge.engine import Probe, causal_logprobs
-    from groupbridge.vllm import FleetClient
-
-    llm, model = dense
-    path = tmp_path_factory.mktemp("qwen2-second")
-    make_model(path, "qwen2", seed=3)  # other weights than the first engine's: the first update aligns both
-
-    def ref(v: int) -> list[float]:
-        lp = causal_logprobs(model, PROBE)
-        return [x - 2.0 for x in lp] if v == 502 else lp
-
-    with running(path) as second:
-        fleet = FleetClient([OfflineClient(llm), OfflineClient(second)])
-        with pytest.raises(ValueError, match=r"TrainerInitInfo\(workers=2\)"):
-            WeightTransferTrainerFactory.trainer_init(
-                TrainerInitInfo(rank=0, workers=1, timeout_s=60, liveness_s=10), client=fleet,
-                source=ModuleSource(model),
-            )  # fmt: skip
-        info = TrainerInitInfo(
-            rank=0, workers=fleet.total_workers, timeout_s=60, liveness_s=10, first_version=500,
-            verify=Probe(PROBE, ref, atol=1e-3),
-        )  # fmt: skip
-        eng = WeightTransferTrainerFactory.trainer_init(info, client=fleet, source=ModuleSource(model))
-        try:
-            for step in range(2):
-                perturb(model, 60 + step)
-                eng.send_weights()
-                want = reference(model)
-                for e in (llm, second):
-                    assert e.get_weight_version() == str(500 + step) and served(e) == want, step
-            perturb(model, 62)
-            with pytest.raises(gb.VerificationError, match=r"replica \d serves version 502.*2 replica\(s\)"):
-                eng.send_weights()
-            for e in (llm, second):
-                assert e.get_weight_version() == "501" and served(e) == want
-            perturb(model, 63)
-            eng.send_weights()
-            want = reference(model)
-            for e in (llm, second):
-                assert e.get_weight_version() == "503" and served(e) == want
-        finally:
-            eng.shutdown()
-
-
-@pytest.mark.slow
 def test_moe_updates_serve_the_trainers_weights(tmp_path_factory: pytest.TempPathFactory) -> None:
     path = tmp_path_factory.mktemp("qwen3moe")
     model = make_model(path, "qwen3_moe")
@@ -696,37 +644,92 @@ def test_moe_updates_serve_the_trainers_weights(tmp_path_factory: pytest.TempPat
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_vllm_serve_with_tensor_parallel_2_over_http(tmp_path_factory: pytest.TempPathFactory) -> None:
+@pytest.mark.timeout(600)
+def test_a_fleet_of_four_engines_two_offline_two_served_one_tp2_is_updated_as_one(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Two offline engines and two `vllm serve` replicas (the second with tensor parallel 2) behind one
+    FleetClient, each started on weights of its own: updates 1-3 land on every replica (each serves the
+    trainer's greedy tokens and reports the version); from the second update on, each TP-2 worker takes
+    only the slices its loader keeps (about half a TP-1 worker's bytes); at version 4 the probe's reference
+    disagrees: every replica serves version 3's tokens again and reports 3; version 5 lands on all. A
+    trainer that counts the workers wrong is refused before anything starts; nothing is left in /dev/shm."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
     from groupbridge.engine import Probe, causal_logprobs
+    from groupbridge.vllm import FleetClient
 
-    path = tmp_path_factory.mktemp("qwen2-serve")
+    paths = [tmp_path_factory.mktemp(f"qwen2-replica{i}") for i in range(4)]
+    model = make_model(paths[0], "qwen2", seed=10)
+    for i, path in enumerate(paths[1:], 1):
+        make_model(path, "qwen2", seed=10 + i)  # other weights: the first update aligns every replica
     shm_before = segments()
-    model = make_model(path, "qwen2", seed=1, tie=True)  # tied lm_head: one tensor, two names in vLLM
-    srv = Server(path, log=path / "serve.log", tp=2)
-    try:
-        assert [srv.complete(p, TOKENS) for p in PROMPTS] == reference(model)
-        client = HTTPVLLMWeightSyncClient(srv.base, timeout=60)
-        # the probe goes through the server's /v1/completions (prompt_logprobs), both TP ranks computing
-        probe = Probe(PROBE, lambda v: causal_logprobs(model, PROBE), atol=1e-3)
-        eng = WeightTransferTrainerFactory.trainer_init(
-            TrainerInitInfo(rank=0, workers=2, timeout_s=60, liveness_s=10, verify=probe),
-            client=client,
-            source=ModuleSource(model),
+    with contextlib.ExitStack() as stack, ThreadPoolExecutor(2) as pool:
+        starting = [
+            pool.submit(Server, paths[2 + i], log=paths[2 + i] / "serve.log", tp=1 + i) for i in range(2)
+        ]
+        closed: list[Any] = []
+
+        def close_servers() -> None:  # before the offline engines stop: they check what is left in /dev/shm
+            for f in starting:
+                if f.exception(timeout=300) is None and f.result() not in closed:
+                    closed.append(f.result())
+                    f.result().close()
+
+        stack.callback(close_servers)  # an offline engine that failed to start
+        offline = [stack.enter_context(running(p)) for p in paths[:2]]
+        stack.callback(close_servers)
+        servers = [f.result(timeout=300) for f in starting]
+
+        def tokens() -> list[list[list[int]]]:
+            return [served(e) for e in offline] + [[s.complete(p, TOKENS) for p in PROMPTS] for s in servers]
+
+        def versions() -> list[str]:
+            return [e.get_weight_version() for e in offline] + [s.weight_version() for s in servers]
+
+        clients = [OfflineClient(e) for e in offline] + [
+            HTTPVLLMWeightSyncClient(s.base, timeout=60) for s in servers
+        ]
+        fleet = FleetClient(clients, workers=[1, 1, 1, 2])
+        with pytest.raises(ValueError, match=r"TrainerInitInfo\(workers=5\)"):
+            WeightTransferTrainerFactory.trainer_init(
+                TrainerInitInfo(rank=0, workers=4, timeout_s=60, liveness_s=10), client=fleet,
+                source=ModuleSource(model),
+            )  # fmt: skip
+
+        def ref(v: int) -> list[float]:
+            lp = causal_logprobs(model, PROBE)
+            return [x - 2.0 for x in lp] if v == 4 else lp
+
+        info = TrainerInitInfo(
+            rank=0, workers=5, timeout_s=120, liveness_s=10, verify=Probe(PROBE, ref, atol=1e-3)
         )
-        for step in range(2):
-            perturb(model, 50 + step)
+        eng = WeightTransferTrainerFactory.trainer_init(info, client=fleet, source=ModuleSource(model))
+        stack.callback(eng.shutdown)
+        taken = []
+        for step in range(3):
+            perturb(model, 70 + step)
             eng.send_weights()
-            assert srv.weight_version() == str(step + 1)
-            assert [srv.complete(p, TOKENS) for p in PROMPTS] == reference(model)
-        eng.shutdown()
-    finally:
-        # vLLM 0.32 never unlinks its CPU communicator's segments (when it uses one: it falls back to gloo
-        # on some hosts, and whether its log says so varied between runs here): the server's close does
-        srv.close()
-    assert not segments() - shm_before, srv.removed
+            want = reference(model)
+            assert versions() == [str(step + 1)] * 4 and tokens() == [want] * 4, step
+            taken.append(dict(eng.last_stats.by_receiver))
+        # bridge ranks: 0 the trainer, 1-2 the offline engines' workers, 3 the TP-1 server's, 4-5 the TP-2's
+        assert taken[0] == {r: taken[0][1] for r in range(1, 6)}, taken  # a first update: every tensor whole
+        for t in taken[1:]:
+            assert t[1] == t[2] == t[3] == taken[0][1], taken
+            assert all(0.45 < t[r] / t[1] < 0.6 for r in (4, 5)), taken
+        print(f"bytes per worker, update 2: TP 1 {taken[1][1]}, TP 2 {taken[1][4]} and {taken[1][5]}")
+        perturb(model, 73)
+        with pytest.raises(gb.VerificationError, match=r"replica \d serves version 4.*4 replica\(s\)"):
+            eng.send_weights()
+        assert versions() == ["3"] * 4 and tokens() == [want] * 4
+        perturb(model, 74)
+        eng.send_weights()
+        assert versions() == ["5"] * 4 and tokens() == [reference(model)] * 4
+    # vLLM 0.32 never unlinks its CPU communicator's segments (when it uses one): the servers' close does
+    assert not segments() - shm_before
 
 
 # ------------------------------------------------------------------------------------------------ LoRA

@@ -26,7 +26,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from typing import Protocol
 
@@ -38,10 +38,11 @@ from ..stateless import StatelessGroup
 from ..weights._bytes import BufferCache
 from ..weights.manifest import Manifest
 from ..weights.receiver import WeightReceiver, WeightUpdate
+from ..weights.shard import Box
 from ._info import BridgeInfo
 from ._rollback import KeptCopy
 
-__all__ = ["Loader", "WorkerSession"]
+__all__ = ["Loader", "ReadsBoxes", "WorkerSession"]
 
 Pairs = Iterator[tuple[str, torch.Tensor]]
 
@@ -61,6 +62,14 @@ class Loader(Protocol):
     def load(self, weights: Pairs) -> None: ...
 
     def finish(self) -> None: ...
+
+
+class ReadsBoxes(Protocol):
+    """A :class:`Loader` that also says, after ``check``, which box of each tensor its model reads (a
+    tensor-parallel worker keeps its slice): every later update from the same trainer manifests brings this
+    worker only those boxes (see ``WeightReceiver.receive(reads=...)``)."""
+
+    def reads(self, manifest: Manifest) -> Mapping[str, Box]: ...
 
 
 _END = object()
@@ -258,9 +267,10 @@ class WorkerSession(Closing):
         # Every update lands in the receiver's kept copy of the weights and yields whole tensors as views of
         # it, valid until the next update. A delta update still yields every tensor (a loader may need whole
         # layers); only the changes travel.
+        reads: ReadsBoxes | None = self.loader if hasattr(self.loader, "reads") else None  # type: ignore[assignment]
         update = self.receiver.receive(
             timeout=timedelta(seconds=self.info.timeout_s), accept=lambda m: self._check(m, check),
-            only_changed=False, keep=True,
+            only_changed=False, keep=True, reads=reads.reads if reads is not None else None,
         )  # fmt: skip
         t1 = time.perf_counter()
         if version is not None and update.version != version:

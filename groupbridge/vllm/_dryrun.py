@@ -9,6 +9,9 @@ nothing is allocated or written), then puts the kernel tensors back. The names, 
 loader checks and narrows, and that every parameter is fully covered are all checked by the same code
 that will load the real bytes.
 
+The same run records which part of each incoming tensor the loaders read (:class:`_Reads`): a worker of a
+tensor-parallel engine keeps only its slice of most tensors, so later updates bring it only that box.
+
 It swaps the model's parameters for a moment, so it must run where inference cannot (vLLM calls the
 weight-transfer engine from the worker's own thread, between model steps).
 """
@@ -21,9 +24,11 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..codec import dtype_from_name
 from ..weights.manifest import Manifest
+from ..weights.shard import Box
 
 
 @contextmanager
@@ -97,9 +102,87 @@ def _wrap(p: torch.Tensor, counts: dict[int, int], loader: Callable[..., Any], n
     p.weight_loader = counted  # type: ignore[attr-defined]
 
 
-def check_loadable(model: torch.nn.Module, manifest: Manifest, *, complete: bool = True) -> str | None:
+class _Reads(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Records, per incoming (meta) tensor, the box of it that any operation reads.
+
+    A weight loader narrows the checkpoint tensor to its rank's slice (views: nothing read) and copies it
+    into the parameter (the read). Every operator an incoming tensor or a view of it enters as an input it
+    does not alias is a read of the elements that view covers; a view that is not a box of the tensor (a
+    stride it does not have: a transpose of a slice, an expand) counts as the whole tensor, as does any read
+    of a tensor derived from it (a dtype conversion, then a narrow: the conversion read what it covered).
+    So the boxes are never smaller than what the loaders use."""
+
+    def __init__(self, metas: list[tuple[str, torch.Tensor]]) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self._roots = {t.untyped_storage()._cdata: (name, tuple(t.shape)) for name, t in metas}
+        self.boxes: dict[str, Box] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        schema = func._schema.arguments
+        for i, a in enumerate(args):
+            alias = schema[i].alias_info if i < len(schema) else None
+            aliased = alias is not None and not alias.is_write  # a view's input: nothing read
+            for t in a if isinstance(a, (list, tuple)) else (a,):
+                if isinstance(t, torch.Tensor) and not aliased:
+                    self._read(t)
+        for v in kwargs.values():
+            if isinstance(v, torch.Tensor):
+                self._read(v)
+        return func(*args, **kwargs)
+
+    def _read(self, t: torch.Tensor) -> None:
+        root = self._roots.get(t.untyped_storage()._cdata)
+        if root is None or t.numel() == 0:
+            return
+        name, shape = root
+        box = _box_of_view(shape, int(t.storage_offset()), tuple(t.shape), t.stride())
+        had = self.boxes.get(name)
+        self.boxes[name] = box if had is None else _hull(had, box)
+
+
+def _box_of_view(shape: tuple[int, ...], offset: int, view: tuple[int, ...], strides: tuple[int, ...]) -> Box:
+    """The box of a contiguous tensor of ``shape`` that a view of it covers; the whole tensor when the view
+    is not a box (see :class:`_Reads`)."""
+    whole = Box((0,) * len(shape), shape)
+    rstrides = [1] * len(shape)
+    for k in range(len(shape) - 2, -1, -1):
+        rstrides[k] = rstrides[k + 1] * shape[k + 1]
+    start, rest = [], offset
+    for k in range(len(shape)):
+        start.append(rest // rstrides[k] if shape[k] else 0)
+        rest -= start[-1] * rstrides[k]
+    extent = [1] * len(shape)
+    used: set[int] = set()
+    for size, stride in zip(view, strides, strict=True):
+        if size == 1:
+            continue
+        ks = [k for k in range(len(shape)) if rstrides[k] == stride and shape[k] > 1 and k not in used]
+        if not ks:
+            return whole
+        used.add(ks[0])
+        extent[ks[0]] = size
+    box = Box(tuple(start), tuple(extent))
+    return box if box.within(shape) else whole
+
+
+def _hull(a: Box, b: Box) -> Box:
+    lo = tuple(min(x, y) for x, y in zip(a.offset, b.offset, strict=True))
+    hi = tuple(max(x, y) for x, y in zip(a.end(), b.end(), strict=True))
+    return Box(lo, tuple(h - x for x, h in zip(lo, hi, strict=True)))
+
+
+def check_loadable(
+    model: torch.nn.Module,
+    manifest: Manifest,
+    *,
+    complete: bool = True,
+    reads: dict[str, Box] | None = None,
+) -> str | None:
     """None if ``model.load_weights`` takes every entry of ``manifest`` (and, with ``complete``, the
-    entries fill every parameter), else a message saying which names or shapes it refuses."""
+    entries fill every parameter), else a message saying which names or shapes it refuses. ``reads`` (when
+    the manifest is taken) receives the box of each entry the loaders read, where that is not the whole
+    entry (a tensor-parallel rank's slice)."""
     from vllm.model_executor.model_loader.reload.utils import get_tensor_load_numel
 
     metas = [
@@ -113,10 +196,12 @@ def check_loadable(model: torch.nn.Module, manifest: Manifest, *, complete: bool
         shared.setdefault(id(p), []).append(n)
     tied = [names for names in shared.values() if len(names) > 1]
     counts: dict[int, int] = {}
+    seen = _Reads(metas)
     with _model_format_on_meta(model), _counting_loaders(model, counts):
         params = dict(model.named_parameters(remove_duplicate=False))
         try:
-            model.load_weights(iter(metas))  # type: ignore[operator]
+            with seen:
+                model.load_weights(iter(metas))  # type: ignore[operator]
         except Exception:
             counts.clear()
             for name, meta in metas:  # again one by one, to name the entry the model refuses
@@ -143,4 +228,8 @@ def check_loadable(model: torch.nn.Module, manifest: Manifest, *, complete: bool
                     f"the update leaves {len(short)} of the model's parameters not fully written: "
                     f"{', '.join(short[:10])}{' ...' if len(short) > 10 else ''}"
                 )
+    if reads is not None:
+        shapes = {e.name: tuple(e.shape) for e in manifest.entries}
+        reads.clear()
+        reads.update((name, box) for name, box in seen.boxes.items() if box.shape != shapes[name])
     return None

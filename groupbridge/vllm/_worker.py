@@ -37,6 +37,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from ..engine import BridgeInfo, WorkerSession
 from ..weights.manifest import Manifest
+from ..weights.shard import Box
 from ._dryrun import check_loadable
 from ._lora import AdapterSpec, check_adapter, install, serve_from_registry, withdraw_newer
 
@@ -97,14 +98,21 @@ class VllmLoader:
         self.engine = engine  # its model may be retargeted (a draft model's update): read at each call
         self._reloading = False
         self._handles: dict[int, int] | None = None
+        self._reads: dict[str, Box] = {}
         self.adapter: tuple[AdapterSpec, int] | None = None
         """The update in flight is this adapter's version (set at each receive): the base is untouched."""
 
     def check(self, manifest: Manifest) -> str | None:
+        self._reads = {}
         if self.adapter is not None:
             names = [e.name for e in manifest.entries]
             return check_adapter(self.engine.model, self.engine.vllm_config, self.adapter[0], names)
-        return check_loadable(self.engine.model, manifest)
+        return check_loadable(self.engine.model, manifest, reads=self._reads)
+
+    def reads(self, manifest: Manifest) -> dict[str, Box]:
+        """The slice of each tensor this worker's loaders keep (a tensor-parallel rank's), from the dry run
+        of ``check``: later updates bring only those."""
+        return self._reads
 
     def load(self, weights: Any) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload

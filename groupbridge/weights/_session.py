@@ -289,9 +289,12 @@ def gather_posts(
     header: Header | None = None,
     boxes: dict[str, Any] | None = None,
     wants: dict[str, Any] | None = None,
+    wants_if: str | None = None,
 ) -> list[Any]:
     """Step 1's one all-gather: a source posts its header (and, holding boxes of global tensors, which),
-    a receiver what it wants when that is not every tensor whole; everyone the manifests it knows."""
+    a receiver what it wants when that is not every tensor whole (``wants_if``: only if the sources still
+    hold what they held when it learned those boxes, see :func:`._sharded.sources_key`); everyone the
+    manifests it knows."""
     mine: dict[str, Any] = {"known": list(known)}
     if header is not None:
         mine["header"] = header.to_wire()
@@ -299,6 +302,8 @@ def gather_posts(
             mine["boxes"] = boxes
     elif wants is not None:
         mine["wants"] = wants
+        if wants_if is not None:
+            mine["wants_if"] = wants_if
     return group.all_gather_obj(mine, timeout=deadline)
 
 

@@ -171,8 +171,18 @@ def _ints(box: Any, i: int, src: int) -> tuple[int, ...]:
     return tuple(v)
 
 
-def _wanted(post: Any, every: list[Held], dst: int) -> list[Held]:
+def sources_key(posts: list[Any], sources: list[int], headers: Mapping[int, Header]) -> str:
+    """What the sources hold in this sync (each one's manifest and boxes), as one key: a receiver that
+    learned which boxes it reads (a tensor-parallel engine worker, from its loader's dry run) posts them on
+    the condition that this key is unchanged, since they were learned from these manifests."""
+    held = [(s, headers[s].digest, posts[s].get("boxes")) for s in sources]
+    return hashlib.sha256(json.dumps(held, sort_keys=True, default=repr).encode()).hexdigest()[:32]
+
+
+def _wanted(post: Any, every: list[Held], dst: int, key: str) -> list[Held]:
     wants = post.get("wants") if isinstance(post, dict) else None
+    if wants is not None and "wants_if" in post and post["wants_if"] != key:
+        wants = None  # learned from other manifests: this sync takes every tensor whole, and learns again
     if wants is None:  # every tensor, whole
         return [Held(h.name, h.dtype, h.global_shape, Box((0,) * len(h.global_shape), h.global_shape))
                 for h in every]  # fmt: skip
@@ -226,11 +236,12 @@ def settle_shards(
             + ", ".join(f"rank {s}: {v}" for s, v in sorted(versions.items()))
         )
     me = group.rank
+    key = sources_key(posts, sources, headers)
 
     def planned() -> Planned:
         held = {s: _held(manifests[s], posts[s].get("boxes"), s) for s in sources}
         every = _union(held)
-        wanted = {r: _wanted(p, every, r) for r, p in enumerate(posts) if r not in sources}
+        wanted = {r: _wanted(p, every, r, key) for r, p in enumerate(posts) if r not in sources}
         plan = plan_shards(held, wanted, lead.bucket_bytes)
         whole = Manifest(tuple(Entry(n, plan.global_shapes[n], plan.dtypes[n], plan.dtypes[n], None)
                                for n in plan.order))  # fmt: skip
@@ -272,6 +283,8 @@ def open_session(
     manifest: Manifest | None = None,
     in_place: bool = False,
     wants: dict[str, Any] | None = None,
+    wants_if: str | None = None,
+    seen: Callable[[str, bool], None] | None = None,
     src: int | None = None,
     judge: Judge | None = None,
     check: Callable[[Header, Manifest], Verdict | None] | None = None,
@@ -280,10 +293,15 @@ def open_session(
     plans: PlanMemo | None = None,
 ) -> Session | ShardedSession:
     """The whole handshake, for a source (``header``, ``manifest``, ``boxes``, ``in_place``) or a receiver
-    (``wants``, ``src``, ``judge`` for one source, ``check`` for many): one sync with one source sending whole
-    tensors is a :class:`Session` (:func:`._session.handshake`), any other a :class:`ShardedSession`."""
-    posts = gather_posts(group, deadline, known, header=header, boxes=boxes, wants=wants)
+    (``wants`` and ``wants_if``, ``src``, ``judge`` for one source, ``check`` for many): one sync with one
+    source sending whole tensors is a :class:`Session` (:func:`._session.handshake`), any other a
+    :class:`ShardedSession`. ``seen(key, used)`` is told, before any check, the sources' key
+    (:func:`sources_key`) and whether the conditional wants (``wants_if``) hold for this sync."""
+    posts = gather_posts(group, deadline, known, header=header, boxes=boxes, wants=wants, wants_if=wants_if)
     sources = sources_of(group, posts, src)
+    if seen is not None:  # a receiver learning its boxes: the key they are learned under, before its check
+        key = sources_key(posts, sources, {s: Header.from_wire(posts[s]["header"]) for s in sources})
+        seen(key, wants is not None and wants_if == key)
     if is_sharded(posts, sources):
         return settle_shards(
             group, deadline, known, posts, sources,
@@ -322,7 +340,11 @@ def _layout_key(posts: list[Any], sources: list[int], headers: Mapping[int, Head
         me,
         headers[sources[0]].bucket_bytes,
         [(s, headers[s].digest, posts[s].get("boxes")) for s in sources],
-        [(r, p.get("wants") if isinstance(p, dict) else p) for r, p in enumerate(posts) if r not in sources],
+        [
+            (r, [p.get("wants"), p.get("wants_if")] if isinstance(p, dict) else p)
+            for r, p in enumerate(posts)
+            if r not in sources
+        ],
     ]
     return hashlib.sha256(json.dumps(layout, sort_keys=True, default=repr).encode()).digest()
 

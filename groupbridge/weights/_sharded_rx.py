@@ -272,7 +272,7 @@ def _staging(
 ) -> dict[str, Slot]:
     """One kept buffer (pre-touched after the first sync) holding every wanted box, one view per tensor."""
     offsets, pos = {}, 0
-    for wire in plan.order:
+    for wire in (w for w in plan.order if w in boxes):
         offsets[wire] = pos
         pos += -(-boxes[wire].numel * element_size(plan.dtypes[wire]) // 16) * 16
     buffer = taker.buffers.get("staging", pos, device)
@@ -328,16 +328,19 @@ def shards_into(taker: Taker, session: ShardedSession, targets: dict[str, Any], 
 
 
 def shards_named(
-    taker: Taker, session: ShardedSession, deadline: Deadline, keep: bool
+    taker: Taker, session: ShardedSession, deadline: Deadline, keep: bool, only: set[str] | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """``receive()`` of a many-source sync: whole tensors, staged, yielded once every member voted yes
     (``keep``: views of one buffer the receiver keeps, valid until the next sync; else tensors of their
-    own)."""
+    own). ``only``: the tensors this receiver asked boxes of (``receive(reads=...)``), each whole-shaped: the
+    plan brings its box, the rest of it keeps what the kept buffer held."""
     plan = session.plan
-    whole = {w: Box((0,) * len(plan.global_shapes[w]), plan.global_shapes[w]) for w in plan.order}
+    whole = {w: Box((0,) * len(plan.global_shapes[w]), plan.global_shapes[w])
+             for w in plan.order if only is None or w in only}  # fmt: skip
 
     def make() -> dict[str, Slot]:
         if keep:
+            taker.buffers.drop("base")  # a one-source receive's kept buffer: this one takes its place
             return _staging(taker, plan, whole, taker.device)
         return {w: (torch.empty(box.shape, dtype=dtype_from_name(plan.dtypes[w]), device=taker.device), box)
                 for w, box in whole.items()}  # fmt: skip

@@ -318,4 +318,5 @@ def send_sharded(
         changed_fraction=sent.changed_words / sent.compared_words if sent.compared_words else 1.0,
         delta=any(pair[0] == me for pair in session.deltas),
         base_bytes=bases.nbytes if bases is not None else 0,
+        by_receiver={dst: sum(b.nbytes for b in buckets) for (_, dst), buckets in sorted(mine.items())},
     )

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 __all__ = ["SyncStats"]
 
@@ -27,6 +28,10 @@ class SyncStats:
     """This sync travelled as a delta against the version every receiver held."""
     base_bytes: int = 0
     """Memory the sender holds for deltas (``WeightSender(delta=True)``): a copy of the model's wire bytes."""
+    by_receiver: Mapping[int, int] = field(default_factory=dict)
+    """Payload bytes each receiver (by rank) took from this sender: all of ``bytes`` when one source sends
+    whole tensors; its boxes with many sources, or when a receiver takes only the slices it reads (a
+    tensor-parallel engine worker)."""
 
     @property
     def gbps(self) -> float:

@@ -48,6 +48,7 @@ from ._sharded_rx import Taker, data_ptr, shards_into, shards_named, wants_of
 from ._update import WeightUpdate, abandon_update
 from .manifest import Entry, Manifest, compare, expected_specs, mismatch_message, tensors_of
 from .plan import Plan, PlanCache
+from .shard import Box
 
 __all__ = ["WeightReceiver", "WeightUpdate"]
 
@@ -99,6 +100,8 @@ class WeightReceiver(Closing):
         self._shard_plans = PlanMemo()
         self._held: tuple[Any, ...] | None = None
         """For delta syncs: (how the base is kept, version, manifest digest) of the version held in full."""
+        self._reads: tuple[str, dict[str, Any]] | None = None
+        """``receive(reads=...)``: (the sources' key, the wants to post) learned in the last handshake."""
 
     def _handshake(
         self,
@@ -110,6 +113,8 @@ class WeightReceiver(Closing):
         targets: dict[str, torch.Tensor] | None = None,
         accept: Callable[[Manifest], str | None] | None = None,
         wants: dict[str, Any] | None = None,
+        wants_if: str | None = None,
+        seen: Callable[[str, bool], None] | None = None,
     ) -> Session | ShardedSession:
         """This receiver's part of the handshake: its verdict on the sources' headers and manifest."""
         check = partial(_check, self.version, rename=self._rename, expected=expected, accept=accept,
@@ -132,9 +137,9 @@ class WeightReceiver(Closing):
                 in_place=in_place, base=base and self._held == (keep, header.base, manifest.digest)
             )
 
-        return open_session(self.group, deadline, self._known, wants=wants, src=self.src, judge=judge,
-                            check=check, attach=self._streams.attach_pair, bases=self._pair_bases,
-                            plans=self._shard_plans)  # fmt: skip
+        return open_session(self.group, deadline, self._known, wants=wants, wants_if=wants_if, seen=seen,
+                            src=self.src, judge=judge, check=check, attach=self._streams.attach_pair,
+                            bases=self._pair_bases, plans=self._shard_plans)  # fmt: skip
 
     def _plan(self, session: Session) -> Plan:
         if session.merged:
@@ -160,6 +165,7 @@ class WeightReceiver(Closing):
         accept: Callable[[Manifest], str | None] | None = None,
         only_changed: bool = True,
         keep: bool = False,
+        reads: Callable[[Manifest], Mapping[str, Box]] | None = None,
     ) -> WeightUpdate:
         """Start receiving the next version; the returned update yields (name, tensor) as buckets arrive.
 
@@ -173,22 +179,41 @@ class WeightReceiver(Closing):
         bytes, laid out as the plan lays them) and the update yields views of it: whole tensors, never
         copied or re-assembled, valid until the next sync (a loader may hold them until the update ends);
         as when the sender keeps a base (``update.kept``).
+        ``reads`` (with ``keep``): after ``accept`` took a manifest, the box of each tensor this receiver's
+        consumer reads, where that is not the whole tensor (a tensor-parallel worker's loader keeps its slice;
+        an engine learns it in its dry run). The next sync from sources holding the same manifests brings
+        only those boxes (the first, or one after the sources changed, brings every tensor whole); each
+        tensor is still yielded whole-shaped, its bytes outside the box left as they were. A dry run that
+        then reads outside the boxes brought refuses the sync on every member (the next one brings
+        whole tensors again).
 
         Raises:
             ManifestMismatchError: the manifest differs from ``expected``; nothing moved.
             WeightSyncError: the version is not newer than the one held (unless ``allow_stale``), or the
                 sender refused the sync.
         """
+        if reads is not None and (self._renames or not keep):
+            raise ValueError("receive(reads=...) takes the names on the wire and keep=True")
         deadline = self.group.deadline(timeout)
         self._copier.deadline = deadline
-        with self.group.depending_on(range(self.group.world_size)):
-            session = self._handshake(
-                deadline, expected=self.expected, allow_stale=allow_stale, keep=("receive",), accept=accept
-            )
+        learning = _Reads(reads, self._reads, self.group.rank) if reads is not None else None
+        posted = learning.posted if learning is not None else None
+        try:
+            with self.group.depending_on(range(self.group.world_size)):
+                session = self._handshake(
+                    deadline, expected=self.expected, allow_stale=allow_stale, keep=("receive",),
+                    accept=learning.accepting(accept) if learning is not None else accept,
+                    wants=posted[1] if posted else None, wants_if=posted[0] if posted else None,
+                    seen=learning.seen if learning is not None else None,
+                )  # fmt: skip
+        finally:  # a refused sync still taught what the loader reads now
+            if learning is not None:
+                self._reads = learning.learned
         abandon = partial(abandon_update, self.group)
         if isinstance(session, ShardedSession):
             self._held = None
-            pairs = shards_named(self._taker(), session, deadline, keep)
+            only = set(posted[1]) if posted and learning is not None and learning.used else None
+            pairs = shards_named(self._taker(), session, deadline, keep, only)
             return WeightUpdate(session, _scoped(self.group, pairs), kept=keep, abandon=abandon)
         every = not (session.delta and only_changed)
         pairs = _scoped(self.group, self._named(session, deadline, every, keep))
@@ -215,6 +240,7 @@ class WeightReceiver(Closing):
         names = _namer(manifest, self._rename)
         applier: Applier
         if header.keeps_base or keep:
+            self._buffers.drop("staging")  # a many-source receive's kept buffer: this one takes its place
             buffer = self._buffers.get("base", plan.total_bytes, self.device)
             applier = Staged(buffer, plan, manifest, ring, self._copier, names, every=every)
         else:
@@ -420,3 +446,65 @@ Named = tuple[str, torch.Tensor]
 
 def _namer(manifest: Manifest, rename: Callable[[str], str]) -> Callable[[int], str]:
     return lambda i: rename(manifest.entries[i].name)
+
+
+class _Reads:
+    """One handshake of ``receive(reads=...)``: the wants posted (learned in an earlier one), whether they
+    hold for this sync's sources, and the wants learned from this sync's manifest for the next one."""
+
+    def __init__(
+        self, reads: Callable[[Manifest], Mapping[str, Box]], posted: tuple[str, dict[str, Any]] | None,
+        rank: int,
+    ) -> None:  # fmt: skip
+        self.reads, self.posted, self.rank = reads, posted, rank
+        self.key: str | None = None
+        self.used = False
+        self.learned = posted
+        """What to post next time: what this handshake's check learned, or (it did not get that far) the
+        same as this time."""
+
+    def seen(self, key: str, used: bool) -> None:
+        self.key, self.used = key, used
+
+    def accepting(self, accept: Callable[[Manifest], str | None] | None) -> Callable[[Manifest], str | None]:
+        def check(manifest: Manifest) -> str | None:
+            problem = accept(manifest) if accept is not None else None
+            if problem is not None or self.key is None:
+                return problem
+            wants = _wants_wire(manifest, self.reads(manifest))
+            self.learned = (self.key, wants) if wants is not None else None
+            if self.used and self.posted is not None:
+                return _outside(self.posted[1], wants, self.rank)
+            return None
+
+        return check
+
+
+def _wants_wire(manifest: Manifest, reads: Mapping[str, Box]) -> dict[str, Any] | None:
+    """The wants a receiver posts for ``reads`` (None when every box is its whole tensor)."""
+    wants: dict[str, Any] = {}
+    partial_box = False
+    for e in manifest.entries:
+        if e.alias_of is not None:
+            continue
+        whole = Box((0,) * len(e.shape), tuple(e.shape))
+        box = reads.get(e.name, whole)
+        if not box.within(e.shape):
+            raise ValueError(f"the box read of {e.name} ({box}) lies outside its shape {list(e.shape)}")
+        partial_box = partial_box or box != whole
+        wants[e.name] = [e.wire_dtype, list(e.shape), list(box.offset), list(box.shape)]
+    return wants if partial_box else None
+
+
+def _outside(posted: dict[str, Any], now: dict[str, Any] | None, rank: int) -> str | None:
+    """Why the boxes read now do not fit in the boxes posted (which this sync brings), or None."""
+    for name, w in (now or {}).items():
+        p = posted.get(name)
+        if p is None or not Box(tuple(p[2]), tuple(p[3])).contains(Box(tuple(w[2]), tuple(w[3]))):
+            return (
+                f"rank {rank}: its loader now reads {name} beyond the box it asked for; the next sync "
+                "brings every tensor whole"
+            )
+    if now is None and posted:
+        return f"rank {rank}: its loader now reads every tensor whole; the next sync brings them whole"
+    return None

@@ -336,6 +336,7 @@ class WeightSender(Closing):
             changed_fraction=changed,
             delta=session.delta,
             base_bytes=0 if base is None else base.numel(),
+            by_receiver=dict.fromkeys(receivers, plan.total_bytes),
         )
         self.group.log.info(
             "sent version %d%s: %.1f MB (%.1f MB on the wire) in %.3fs (%.2f GB/s, %d buckets, %d in "
