@@ -140,6 +140,46 @@ class _Kernel:
         layer.cpu_linear = lambda x, w, b: x  # type: ignore[assignment]
 
 
+def _loads(loaded: torch.Tensor) -> None:
+    """What vLLM's tensor-parallel loaders do with a checkpoint tensor (rank 1 of 2): narrow, then copy."""
+    param = torch.empty(4, 6, device="meta")
+    param.copy_(loaded.narrow(0, 4, 4))  # a column-parallel rank's rows
+    param[:, :3].copy_(loaded.narrow(0, 4, 4).narrow(1, 3, 3))  # a second read inside the first
+
+
+@pytest.mark.parametrize(
+    "load, box",
+    [
+        (_loads, ((4, 0), (4, 6))),
+        (
+            lambda t: torch.empty(6, 4, device="meta").copy_(t.narrow(0, 4, 4).t()),
+            ((4, 0), (4, 6)),
+        ),  # rows, transposed
+        (
+            lambda t: torch.empty(8, 3, device="meta").copy_(t.narrow(1, 3, 3)),
+            ((0, 3), (8, 3)),
+        ),  # a row-parallel rank
+        (
+            lambda t: torch.empty(4, 6, device="meta").copy_(t.float().narrow(0, 4, 4)),
+            None,
+        ),  # converted, then narrowed
+        (lambda t: torch.empty(2, 8, 6, device="meta").copy_(t.expand(2, 8, 6)), None),
+        (lambda t: t.narrow(0, 0, 2).shape, ()),  # a view nobody reads: nothing read
+    ],
+)
+def test_the_dry_run_records_the_box_each_loader_reads_never_less(load: Any, box: Any) -> None:
+    from groupbridge.vllm._dryrun import _Reads
+
+    loaded = torch.empty(8, 6, dtype=torch.bfloat16, device="meta")
+    with _Reads([("w", loaded)]) as reads:
+        load(loaded)
+    if box == ():
+        assert reads.boxes == {}
+    else:
+        want = gb.Box(*box) if box is not None else gb.Box((0, 0), (8, 6))
+        assert reads.boxes == {"w": want}
+
+
 def _tied_model() -> tuple[torch.nn.Module, _Kernel]:
     kernel = _Kernel()
     model = torch.nn.Module()
