@@ -8,6 +8,7 @@ weights (fp32: bf16 near-ties make the two disagree after a few tokens).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import json
 import os
@@ -127,6 +128,17 @@ def test_trainer_init_info_is_checked_before_anything_starts() -> None:
         TrainerInitInfo(rank=0, timeout=60, timeout_s=30)
     with pytest.raises(TypeError):
         TrainerConfig("::1")  # type: ignore[misc]  # keyword-only: no field is given by position
+    # frozen once checked: a change is a checked copy
+    info = TrainerInitInfo(rank=0, timeout_s=60)
+    for config in (info, TrainerConfig(timeout_s=60)):
+        with pytest.raises(dataclasses.FrozenInstanceError, match=r"dataclasses\.replace"):
+            config.timeout_s = -1  # type: ignore[misc]
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            del config.timeout_s
+        assert config.timeout_s == 60
+        assert dataclasses.replace(config, timeout_s=30).timeout_s == 30
+        with pytest.raises(ValueError, match="timeout_s"):
+            dataclasses.replace(config, timeout_s=-1)
 
 
 class _Kernel:

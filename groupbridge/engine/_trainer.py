@@ -75,7 +75,8 @@ class EngineControl(Protocol):
 
 @dataclass(kw_only=True)
 class TrainerConfig:
-    """How the trainer hosts the bridge to an engine's workers.
+    """How the trainer hosts the bridge to an engine's workers. Frozen once made (checked then, and a session
+    reads it throughout): ``dataclasses.replace(config, field=value)`` makes a changed copy, checked again.
 
     Attributes:
         host: the address the trainer binds and the workers dial: IPv4, IPv6 or a host name (default
@@ -149,7 +150,7 @@ class TrainerConfig:
             depth = 3 if type(self).__post_init__ is TrainerConfig.__post_init__ else 4
             warnings.warn(f"{old}= is deprecated: pass {new}= (seconds)", DeprecationWarning,
                           stacklevel=depth)  # fmt: skip
-            setattr(self, new, value)
+            object.__setattr__(self, new, value)
         if not isinstance(self.workers, int) or self.workers < 1:
             raise ValueError(f"workers={self.workers!r} must be >= 1 (the number of worker processes)")
         if self.transport != "auto" and self.transport not in TRANSPORTS:
@@ -169,6 +170,20 @@ class TrainerConfig:
             raise ValueError(
                 "verify needs rollback (a replica that disagrees is rolled back): drop rollback=False"
             )
+        object.__setattr__(self, "_frozen", True)
+
+    # Frozen by hand, not by ``dataclass(frozen=True)``: the vLLM backend's TrainerInitInfo is this class and
+    # vLLM's own (a plain dataclass), and Python refuses a frozen dataclass beside a plain one.
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self.__dict__.get("_frozen"):
+            raise dataclasses.FrozenInstanceError(
+                f"cannot assign to {name!r}: a {type(self).__name__} is frozen once made (its checks ran on "
+                f"these values); make a changed copy: dataclasses.replace(config, {name}=...)"
+            )
+        object.__setattr__(self, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        raise dataclasses.FrozenInstanceError(f"cannot delete {name!r}: a {type(self).__name__} is frozen")
 
     @property
     def keeps_previous(self) -> bool:
@@ -219,6 +234,8 @@ class TrainerSession(Closing):
         """The last version every worker acknowledged: they hold it, committed or not, and refuse it again
         (a commit that failed leaves ``version`` behind ``sent``; the next default version follows both)."""
         self.last_stats: SyncStats | None = None
+        self._listener = config.listener
+        """The socket the first bridge is served on (the config's); later bridges bind anew."""
         self._sending = threading.Lock()
         self.last_seconds: dict[str, float] = {}
         """Wall time of the last send (rank 0), split: ``transfer`` (to every worker's acknowledgement),
@@ -247,7 +264,7 @@ class TrainerSession(Closing):
             self.sender = WeightSender(self.group, checksum=c.checksum, bucket_bytes=c.bucket_bytes)
             return
         assert self.control is not None
-        given, c.listener = c.listener, None  # served once: a later bridge binds a new socket
+        given, self._listener = self._listener, None  # served once: a later bridge binds a new socket
         lis = given if given is not None else listen(c.host, c.port)
         # built (and checked) here, sent as plain JSON: the worker parses the same dataclass
         info = BridgeInfo(
