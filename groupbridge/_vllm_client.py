@@ -4,6 +4,7 @@ talks to ``vllm serve`` on another host (TRL's, verl's) need not have vLLM insta
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import urllib.error
@@ -14,7 +15,7 @@ from typing import Any, Protocol
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HttpClient", "SyncClient", "VllmControl", "prompt_logprobs"]
+__all__ = ["HttpClient", "SyncClient", "VllmControl", "as_version", "prompt_logprobs", "served_version"]
 
 
 class SyncClient(Protocol):
@@ -49,6 +50,11 @@ class VllmControl:
     def join(self, info: dict[str, Any]) -> None:
         self.client.init_weight_transfer_engine(info)
 
+    def served(self) -> int | None:
+        """The version the engine reports serving (a fleet: the highest of its engines'), when it is a
+        number; None for the weights it was started with, or an engine that cannot say."""
+        return served_version(self.client)
+
     def begin(self, version: int) -> None:
         start_update(self.client)
         extra = self.update_info() if self.update_info is not None else {}
@@ -67,9 +73,23 @@ class VllmControl:
         return (self.update_info() if self.update_info is not None else {}).get("adapter")
 
     def leave(self) -> None:
+        """Each worker leaves the bridge. vLLM refuses that while an update is open (a send that failed
+        after vLLM's start leaves it so, having no abort): that update is abandoned first, as
+        :func:`start_update` does, then the leave is tried again."""
         leave = getattr(self.client, "shutdown_weight_transfer_engine", None)
-        if callable(leave):
+        if not callable(leave):
+            return
+        try:
             leave()
+            return
+        except Exception as e:
+            first = e
+        with contextlib.suppress(Exception):  # expected: the workers end the update by raising
+            self.client.update_weights({"version": 0, "abandon": True})
+        try:
+            leave()
+        except Exception:
+            raise first from None  # not an open update: the leave failed for its own reason
 
     def describe_rank(self, worker: int) -> str | None:
         """Which engine's worker the ``worker``-th bridge worker is (a fleet names its engines)."""
@@ -182,6 +202,26 @@ def announce_adapter(client: Any, name: str, version: int, max_live: int, rolled
             and (int(v) <= version - max_live or (rolled_back and int(v) > version))
         ):
             http.post("v1/unload_lora_adapter", {"lora_name": served})
+
+
+def served_version(client: Any) -> int | None:
+    """What :meth:`VllmControl.served` says: the client's own ``served_version`` (an offline engine's, a
+    fleet's), else the server's ``/weight_info`` at its ``base_url``."""
+    own = getattr(client, "served_version", None)
+    if callable(own):
+        got = own()
+        return got if isinstance(got, int) and not isinstance(got, bool) else None
+    base = getattr(client, "base_url", None)
+    if not isinstance(base, str):
+        return None
+    version = HttpClient(base, timeout=float(getattr(client, "timeout", 300.0))).get("weight_info")
+    return as_version(version.get("weight_version") if isinstance(version, dict) else None)
+
+
+def as_version(reported: Any) -> int | None:
+    """An engine's reported ``weight_version`` as a version number (None: not one, e.g. vLLM's initial)."""
+    text = str(reported) if reported is not None else ""
+    return int(text) if text.isdigit() and len(text) < 19 else None
 
 
 class HttpClient:

@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ._vllm_client import SyncClient, announce_adapter, prompt_logprobs, start_update
+from ._vllm_client import SyncClient, announce_adapter, prompt_logprobs, served_version, start_update
 from .errors import WeightSyncError
 
 __all__ = ["FleetClient"]
@@ -97,6 +97,11 @@ class FleetClient:
     def announce_adapter(self, name: str, version: int, max_live: int, rolled_back: bool = False) -> None:
         """Every engine serves adapter ``name`` at ``version``: tell each (see ``announce_adapter``)."""
         self._each("announce_adapter", lambda k, c: announce_adapter(c, name, version, max_live, rolled_back))
+
+    def served_version(self) -> int | None:
+        """The highest version any engine reports serving (None: none reports a number)."""
+        versions = [v for v in self._each("served_version", lambda k, c: served_version(c)) if v is not None]
+        return max(versions) if versions else None
 
     def shutdown_weight_transfer_engine(self) -> None:
         def leave(k: int, c: SyncClient) -> None:

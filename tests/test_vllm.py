@@ -681,6 +681,74 @@ class _Dict(torch.nn.Module):
         yield from self._given.items()
 
 
+def _arm_faults(worker: Any, armed: bool | None) -> str:
+    """Runs inside a vLLM worker (``collective_rpc``): None wraps the transports the process makes from now
+    on (``inject_faults``, entered for the process's life); True corrupts the first bucket of every landing
+    until False."""
+    from groupbridge.testing import inject_faults
+
+    if armed is None:
+        worker.groupbridge_wrap = inject_faults()  # kept: a collected block would unwrap them
+        worker.groupbridge_faults = worker.groupbridge_wrap.__enter__()
+        return "wrapped"
+    worker.groupbridge_faults.land = (
+        (lambda k, view: view[:64].bitwise_not_() if k == 0 else None) if armed else None
+    )
+    return "armed" if armed else "disarmed"
+
+
+@pytest.mark.slow
+def test_a_worker_that_refuses_an_update_leaves_every_worker_on_the_version_it_served(
+    dense: tuple[Any, Any], tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fleet of two engines; the bytes engine 1's worker receives are corrupted (its digests fail): the
+    send raises naming the refusal; neither engine loads the update (both report and serve the version
+    before), nor at the next send's start; the next send with the default version lands on both."""
+    from groupbridge.vllm import FleetClient
+
+    llm, model = dense
+    path = tmp_path_factory.mktemp("qwen2-refuses")
+    make_model(path, "qwen2", seed=6)
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # this engine runs the test's function
+    with running(path) as second:
+        assert second.collective_rpc(_arm_faults, args=(None,)) == ["wrapped"]
+        fleet = FleetClient([OfflineClient(llm), OfflineClient(second)])
+        # broadcast: each worker lands in its own buffer (over shm both would read the corrupted slot)
+        info = TrainerInitInfo(rank=0, workers=2, timeout_s=60, liveness_s=10, transport="broadcast")
+        eng = WeightTransferTrainerFactory.trainer_init(info, client=fleet, source=ModuleSource(model))
+        try:
+            perturb(model, 80)
+            eng.send_weights()
+            version, want = llm.get_weight_version(), reference(model)
+            assert second.get_weight_version() == version and served(llm) == served(second) == want
+            assert second.collective_rpc(_arm_faults, args=(True,)) == ["armed"]
+            perturb(model, 81)
+            refused = r"(?s)not committed on any receiver.*rank 2: xxh3 mismatch"
+            with pytest.raises(gb.WeightSyncError, match=refused):
+                eng.send_weights()
+            for e in (llm, second):
+                assert e.get_weight_version() == version and served(e) == want
+            second.collective_rpc(_arm_faults, args=(False,))
+            perturb(model, 82)
+            eng.send_weights()  # its start recovers nothing staged: nobody loaded the refused version
+            version, want = str(int(version) + 1), reference(model)
+            for e in (llm, second):
+                assert e.get_weight_version() == version and served(e) == want
+            second.collective_rpc(_arm_faults, args=(True,))
+            with pytest.raises(gb.WeightSyncError, match=refused):
+                eng.send_weights()
+        finally:
+            eng.shutdown()  # the refused send left both engines mid-update: they still leave the bridge
+        second.collective_rpc(_arm_faults, args=(False,))
+        eng = WeightTransferTrainerFactory.trainer_init(info, client=fleet, source=ModuleSource(model))
+        try:
+            eng.send_weights()  # a new trainer: its first update lands on both, after the version served
+            for e in (llm, second):
+                assert e.get_weight_version() == str(int(version) + 1) and served(e) == want
+        finally:
+            eng.shutdown()
+
+
 @pytest.mark.slow
 def test_moe_updates_serve_the_trainers_weights(tmp_path_factory: pytest.TempPathFactory) -> None:
     path = tmp_path_factory.mktemp("qwen3moe")

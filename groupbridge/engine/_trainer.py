@@ -96,7 +96,11 @@ class TrainerConfig:
             still taken (with a DeprecationWarning), never together with the new name.
         checksum: XXH3-64 checksum of every bucket, verified before the update is loaded (implied by a token).
         bucket_bytes: bucket size (None: the library's default).
-        first_version: the version of the first send (then +1 each time).
+        first_version: the version of the first send (then +1 each time). None (default): 1, or, with one
+            sending rank whose engine already serves a numbered version (an earlier trainer's), the one
+            after it, so that the version an engine reports never goes back. (With several sending ranks
+            only rank 0 talks to the engine and every rank must send the same version: each starts at 1;
+            pass one above the served version.)
         delta: send only what changed since the version every worker holds, where that pays (``True``) or
             always (``"always"``); see :class:`groupbridge.WeightSender`.
         sources: trainer ranks that send, ranks 0 .. sources-1. With 1, rank 0 sends whole tensors. With
@@ -128,7 +132,7 @@ class TrainerConfig:
     liveness_s: float = 10.0
     checksum: bool = True
     bucket_bytes: int | None = None
-    first_version: int = 1
+    first_version: int | None = None
     name: str = "engine"
     delta: bool | str = False
     sources: int = 1
@@ -158,6 +162,9 @@ class TrainerConfig:
         check_seconds(timeout_s=self.timeout_s, liveness_s=self.liveness_s)
         if not isinstance(self.port, int) or not 0 <= self.port < 65536:
             raise ValueError(f"port={self.port!r} is not a TCP port (0: the kernel picks one)")
+        fv = self.first_version
+        if fv is not None and (isinstance(fv, bool) or not isinstance(fv, int) or fv < 0):
+            raise ValueError(f"first_version={fv!r} must be None or an int >= 0")
         if not isinstance(self.sources, int) or self.sources < 1:
             raise ValueError(f"sources={self.sources!r} must be >= 1 (the trainer ranks that send)")
         if self.delta not in (False, True, "always"):
@@ -234,6 +241,8 @@ class TrainerSession(Closing):
         """The last version every worker acknowledged: they hold it, committed or not, and refuse it again
         (a commit that failed leaves ``version`` behind ``sent``; the next default version follows both)."""
         self.last_stats: SyncStats | None = None
+        self.engine_served: int | None = None
+        """The version the engine reported serving when this trainer first joined it (one sending rank)."""
         self._listener = config.listener
         """The socket the first bridge is served on (the config's); later bridges bind anew."""
         self._sending = threading.Lock()
@@ -292,6 +301,13 @@ class TrainerSession(Closing):
             self.group.close()
             self.group = None
             raise
+        served = getattr(control, "served", None)
+        if self.generation == 1 and c.sources == 1 and c.first_version is None and callable(served):
+            try:
+                self.engine_served = served()
+            except Exception as e:  # only the default version depends on it
+                logger.warning("groupbridge: could not read the version the engine serves (%s); the first "
+                               "update is version %d", e, self.next_version(None))  # fmt: skip
         self.sender = WeightSender(
             self.group, transport=c.transport, checksum=c.checksum, bucket_bytes=c.bucket_bytes, delta=c.delta
         )
@@ -319,7 +335,11 @@ class TrainerSession(Closing):
         if version is not None:
             return version
         held = [v for v in (self.version, self.sent) if v is not None]
-        return max(held) + 1 if held else self.config.first_version
+        if held:
+            return max(held) + 1
+        if self.config.first_version is not None:
+            return self.config.first_version
+        return self.engine_served + 1 if self.engine_served is not None else 1
 
     def send(
         self,

@@ -30,6 +30,12 @@ class OfflineClient:
     def shutdown_weight_transfer_engine(self) -> None:
         self.llm.shutdown_weight_transfer_engine()
 
+    def served_version(self) -> int | None:
+        """The version the engine reports serving, when it is a number."""
+        from .._vllm_client import as_version
+
+        return as_version(self.llm.get_weight_version())
+
     def adapter_committed(self, name: str, version: int) -> None:
         """Adapter ``name`` is served at ``version`` on every worker: what
         :func:`groupbridge.vllm.adapter_request` hands out from now on."""
