@@ -17,30 +17,70 @@ Megatron engines gather each one on every rank: the other ranks walk their gener
 yield, so the gathers stay matched). ``"all"``: every actor rank sends what its generator yields, and the
 receivers assemble whole tensors: DTensors as their local boxes, ``gb.Shard`` values as theirs (rank-local
 tensors, never gathered); whole tensors every rank holds are split among the ranks.
+
+It runs on the engine layer's sessions, as the vLLM backend does: each sending actor rank a
+:class:`~groupbridge.engine.TrainerSession` per update (verl makes a new bridge each time), whose engine
+control does nothing (verl's manager calls the rollout workers itself); each rollout worker one
+:class:`~groupbridge.engine.WorkerSession` for its life (its kept buffer reused by every update), whose loader
+hands the landed tensors to verl's server adapter.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import queue
 import time
 from collections.abc import AsyncIterator, Iterable, Iterator
-from datetime import timedelta
 from typing import Any
 
 import torch
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 
-from .engine import Described
+from .engine import BridgeInfo, Described, TrainerConfig, TrainerSession, WorkerSession
 from .net import Listener, listen
-from .stateless import StatelessGroup
-from .weights._bytes import BufferCache
-from .weights.receiver import WeightReceiver
-from .weights.sender import WeightSender
+from .weights.manifest import Manifest
 
 __all__ = ["GroupBridgeCheckpointEngine"]
 
 BACKEND = "groupbridge"
 _TAG = "groupbridge"
+_END = object()
+
+
+class _VerlDrives:
+    """The trainer session's engine control under verl: nothing to call, verl's manager drives the rollout
+    workers itself (``init_process_group``, ``receive_weights``, ``finalize`` on each)."""
+
+    def join(self, info: dict[str, Any]) -> None:
+        pass
+
+    def begin(self, version: int) -> None:
+        pass
+
+    def commit(self, version: int) -> None:
+        pass
+
+    def leave(self) -> None:
+        pass
+
+
+class _Handoff:
+    """A rollout worker's loader: the landed tensors (views of the kept buffer, valid until the next update)
+    go to verl's server adapter through ``receive_weights``, which it consumes."""
+
+    def __init__(self) -> None:
+        self.pairs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+
+    def check(self, manifest: Manifest) -> str | None:
+        return None  # verl's server adapters load whatever names they are given
+
+    def load(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+        for pair in weights:
+            self.pairs.put(pair)
+
+    def finish(self) -> None:
+        pass
 
 
 @CheckpointEngineRegistry.register(BACKEND)
@@ -54,8 +94,8 @@ class GroupBridgeCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         sources: ``1`` or ``"all"`` (see the module docstring).
         transport: ``"auto"`` or one of groupbridge's transports.
         token: a shared secret: members prove it at join and every bucket carries a MAC.
-        timeout: seconds that bound joining and each whole update.
-        liveness: seconds after which a silent peer counts as gone.
+        timeout: seconds that bound joining and each whole update (verl's configuration key).
+        liveness: seconds after which a silent peer counts as gone (verl's configuration key).
         checksum: XXH3-64 checksum of every bucket, verified before an update is committed.
         device: where a rollout worker lands the bytes (its server adapter's device; default CPU).
         atomic: a rollout worker yields nothing until every byte landed and was verified, so a sender
@@ -82,6 +122,8 @@ class GroupBridgeCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
             raise ValueError(f"sources={sources!r} must be 1 or 'all'")
         if not isinstance(bucket_size, int) or bucket_size < 1:
             raise ValueError(f"bucket_size={bucket_size!r} must be a positive number of bytes")
+        # checked now, as every update's would be (a bad value fails at construction, not at step 1)
+        TrainerConfig(host=host, transport=transport, token=token, timeout_s=timeout, liveness_s=liveness)
         self.bucket_size = bucket_size
         self.is_master = is_master
         self.host = host
@@ -94,15 +136,16 @@ class GroupBridgeCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         self.device = torch.device(device)
         self.atomic = atomic
         self.rank: int | None = None
-        self.group: StatelessGroup | None = None
-        self.sender: WeightSender | None = None
-        self.receiver: WeightReceiver | None = None
+        self.session: TrainerSession | None = None
+        """A sending actor rank's session for this update (a new one per update: verl makes a new bridge)."""
+        self._handoff = _Handoff()
+        self.worker = WorkerSession(self._handoff, device=self.device)
+        """A rollout worker's session, for its life: its kept buffer is reused by every update."""
+        self._joined = False
         self.version = 0
         """The last version sent or received (verl's ``global_steps`` when it gives them)."""
         self.last_seconds = 0.0
         self._listener: Listener | None = None
-        self._buffers = BufferCache()
-        """A rollout worker's receive buffers (its kept copy of the weights): reused by every update."""
         self._described = Described()
 
     # ------------------------------------------------------------------ topology
@@ -154,32 +197,45 @@ class GroupBridgeCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         self.rank = rank
         if rank < 0:
             return
-        lis, self._listener = self._listener, None
-        self.group = StatelessGroup.create(
-            None if rank == 0 else host, None if rank == 0 else port, rank=rank, world_size=world_size,
-            listener=lis if rank == 0 else None, name="verl", timeout=timedelta(seconds=self.timeout),
-            liveness_timeout=timedelta(seconds=self.liveness), token=self.token,
-        )  # fmt: skip
-        if rank < sources:
-            self.sender = WeightSender(
-                self.group, transport=self.transport if sources == 1 else "auto", checksum=self.checksum,
-                bucket_bytes=self.bucket_size,
+        if rank >= sources:
+            # a trainer session's first bridge is its generation 1 (verl makes a session per update)
+            info = BridgeInfo(
+                host=host, port=port, world_size=world_size, name="verl", generation=1, token=self.token,
+                atomic=self.atomic, timeout_s=self.timeout, liveness_s=self.liveness, sources=sources,
             )  # fmt: skip
-        else:
-            self.receiver = WeightReceiver(self.group, device=self.device, buffers=self._buffers)
+            self.worker.join(info, rank)
+            self._joined = True
+            return
+        lis, self._listener = self._listener, None
+        config = TrainerConfig(
+            host=host if rank > 0 else self.host, port=port if rank > 0 else 0,
+            workers=world_size - sources, transport=self.transport if sources == 1 else "auto",
+            token=self.token, timeout_s=self.timeout, liveness_s=self.liveness, checksum=self.checksum,
+            bucket_bytes=self.bucket_size, name="verl", sources=sources, listener=lis if rank == 0 else None,
+        )  # fmt: skip
+        self.session = TrainerSession(config, _VerlDrives() if rank == 0 else None, rank=rank)
+        try:
+            self.session.connect()
+        except BaseException:
+            if lis is not None:
+                lis.close()
+            self.session = None
+            raise
 
     def finalize(self) -> None:
-        """Leave this update's bridge (the buffers stay for the next update)."""
+        """Leave this update's bridge (a rollout worker's buffers stay for the next update)."""
         self._leave()
         if self._listener is not None:  # prepared, never joined
             self._listener.close()
             self._listener = None
 
     def _leave(self) -> None:
-        for handle in (self.sender, self.receiver, self.group):
-            if handle is not None:
-                handle.close()
-        self.sender = self.receiver = self.group = None
+        if self.session is not None:
+            self.session.close()
+            self.session = None
+        if self._joined:
+            self.worker.close()
+            self._joined = False
 
     # ------------------------------------------------------------------ one update
 
@@ -193,27 +249,29 @@ class GroupBridgeCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         """Send (a rank with bridge rank < sources) or walk (the others) this rank's generator; returns
         verl metrics."""
         version = self._next(global_steps)
-        if self.sender is None:
+        session = self.session
+        if session is None:
             await asyncio.to_thread(_walk, weights)
             return {}
         t0 = time.perf_counter()
         if self.sources == "all":
-            stats = await asyncio.to_thread(self.sender.send, dict(weights), version)
+            await asyncio.to_thread(session.send, dict(weights), version=version)
         else:
-            stats = await asyncio.to_thread(self._send_streamed, weights, version)
+            await asyncio.to_thread(self._send_streamed, session, weights, version)
         self.last_seconds = time.perf_counter() - t0
-        return {"groupbridge/seconds": self.last_seconds, "groupbridge/gb_per_s": stats.gb_per_s}
+        gb_per_s = session.last_stats.gb_per_s if session.last_stats is not None else 0.0
+        return {"groupbridge/seconds": self.last_seconds, "groupbridge/gb_per_s": gb_per_s}
 
-    def _send_streamed(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> Any:
-        assert self.sender is not None
+    def _send_streamed(
+        self, session: TrainerSession, weights: Iterable[tuple[str, torch.Tensor]], version: int
+    ) -> None:
         pairs, specs = self._described.pairs(weights)
         try:
-            stats = self.sender.send(pairs, version, specs=specs)
+            session.send(pairs, version=version, specs=specs)
         except Exception:
             self._described.forget()  # a changed model is described again
             raise
         self._described.sent(pairs)
-        return stats
 
     async def receive_weights(
         self, global_steps: int | None = None
@@ -221,22 +279,42 @@ class GroupBridgeCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         """Yield (name, tensor): views of this worker's kept buffer, valid until the next update (verl's
         server adapters copy them into the engine). ``atomic``: only once the whole update landed here and
         was verified; else as each tensor lands."""
-        if self.receiver is None:
+        if not self._joined:
             raise RuntimeError("init_process_group has not made this worker a receiver")
-        self._next(global_steps)
-        receiver = self.receiver
-        update = await asyncio.to_thread(receiver.receive, keep=True, timeout=timedelta(seconds=self.timeout))
-        if self.atomic:
-            for item in await asyncio.to_thread(list, update):
+        version = self._next(global_steps)
+        worker, handoff = self.worker, self._handoff
+
+        def run() -> None:
+            try:
+                worker.begin()
+                worker.receive(version)  # streaming: the loader takes each tensor here, as it lands
+                worker.commit()  # atomic: the wait for every byte, then the loader takes them all
+            finally:
+                handoff.pairs.put(_END)
+
+        done: asyncio.Future[None] = asyncio.ensure_future(asyncio.to_thread(run))
+        try:
+            bound = (
+                self.timeout + self.liveness + 5
+            )  # past the update's own bounds: fires only if they did not
+            while (item := await asyncio.to_thread(_take, handoff.pairs, bound)) is not _END:
                 yield item
-            return
-        pairs = iter(update)
-        while (pair := await asyncio.to_thread(_next, pairs)) is not None:
-            yield pair
+            await done  # raises what stopped the update
+        finally:
+            if not done.done():  # the consumer stopped early: the bridge is left, which ends the update
+                await asyncio.to_thread(self._leave)
+                with contextlib.suppress(BaseException):
+                    await done
+            while not handoff.pairs.empty():
+                handoff.pairs.get_nowait()
 
 
-def _next(pairs: Iterator[tuple[str, torch.Tensor]]) -> tuple[str, torch.Tensor] | None:
-    return next(pairs, None)
+def _take(pairs: queue.SimpleQueue[Any], seconds: float) -> Any:
+    """The next landed pair (or the end), waiting at most ``seconds``."""
+    try:
+        return pairs.get(timeout=seconds)
+    except queue.Empty:
+        raise TimeoutError(f"no tensor of the update landed within {seconds:g} s") from None
 
 
 def _walk(weights: Iterable[Any]) -> None:

@@ -32,7 +32,7 @@ def full(name: str, step: int) -> torch.Tensor:
     return (torch.arange(n, dtype=torch.float32) + 1000 * step + 100 * i).reshape(SHAPES[name])
 
 
-def _worker(rank: int, meta: Any, topology: list[Any], gports: Any) -> list[Any]:
+def _worker(rank: int, meta: Any, topology: list[Any], gports: Any, atomic: bool) -> list[Any]:
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -47,7 +47,7 @@ def _worker(rank: int, meta: Any, topology: list[Any], gports: Any) -> list[Any]
         lis, port = share_port(rank, ACTORS, gports, "127.0.0.1")
         gb.init_global_group(rank=rank, world_size=ACTORS, listener=lis, init_method=None if lis else
                              f"tcp://127.0.0.1:{port}", timeout=timedelta(seconds=30))  # fmt: skip
-    kw: dict[str, Any] = {"is_master": rank == 0} if actor else {}  # as verl's actor and rollout workers
+    kw: dict[str, Any] = {"is_master": rank == 0} if actor else {"atomic": atomic}  # as verl's workers
     kw.update(bucket_size=1 << 10, timeout=30, liveness=3)  # verl's bucket size, then engine_kwargs
     engines = {s: CheckpointEngineRegistry.new("groupbridge", sources=s, **kw) for s in set(ROUNDS)}
 
@@ -77,20 +77,23 @@ def _worker(rank: int, meta: Any, topology: list[Any], gports: Any) -> list[Any]
             out.append(asyncio.run(engine.send_weights(weights, global_steps=step)))
         else:
             got = asyncio.run(received(engine, step))
-            out.append(list(got) == list(SHAPES) and all(torch.equal(got[n], full(n, step)) for n in SHAPES))
+            whole = list(got) == list(SHAPES) and all(torch.equal(got[n], full(n, step)) for n in SHAPES)
+            out.append(whole and engine.worker.version == step)  # the rollout worker's session committed it
         engine.finalize()
     if actor:
         gb.destroy_global_group()
     return out
 
 
-def test_verl_drives_the_groupbridge_checkpoint_engine() -> None:
+@pytest.mark.parametrize("atomic", [True, False])
+def test_verl_drives_the_groupbridge_checkpoint_engine(atomic: bool) -> None:
+    """A rollout worker yields each update whole once it landed (atomic) or each tensor as it lands."""
     pytest.importorskip("verl")
     from groupbridge.verl import GroupBridgeCheckpointEngine
 
     n = ACTORS + ROLLOUTS
     meta, topology = CTX.Queue(), [CTX.Queue() for _ in range(n)]
-    ranks = Ranks(_worker, n, (meta, topology, CTX.Queue()))
+    ranks = Ranks(_worker, n, (meta, topology, CTX.Queue(), atomic))
     for _ in ROUNDS:  # the driver's part of each update: gather metadata, build the topology, hand it out
         got = dict(meta.get(timeout=90) for _ in range(n))
         ordered = [got[r] for r in range(n)]  # actors first, then rollout workers, as verl's manager
