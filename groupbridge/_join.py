@@ -35,7 +35,9 @@ from .store import ROOT_PREFIX, StoreClient
 
 __all__ = ["PROTOCOL", "JoinSpec", "Joined", "host_join", "member_join"]
 
-PROTOCOL = 2
+PROTOCOL = 3
+"""2 -> 3: a receiver's wants may be conditional (``wants_if``), which a member of protocol 2 would take as
+unconditional and plan otherwise."""
 # The description and refusals live outside the group's namespace: a member of another name or generation
 # must find them to be told why it is refused.
 _META = f"{ROOT_PREFIX}/meta"

@@ -213,6 +213,8 @@ def served_version(client: Any) -> int | None:
         return got if isinstance(got, int) and not isinstance(got, bool) else None
     base = getattr(client, "base_url", None)
     if not isinstance(base, str):
+        logger.warning("groupbridge: %s cannot say which version its engine serves: a new trainer's first "
+                       "update is 1 unless first_version is given", type(client).__name__)  # fmt: skip
         return None
     version = HttpClient(base, timeout=float(getattr(client, "timeout", 300.0))).get("weight_info")
     return as_version(version.get("weight_version") if isinstance(version, dict) else None)
@@ -221,7 +223,7 @@ def served_version(client: Any) -> int | None:
 def as_version(reported: Any) -> int | None:
     """An engine's reported ``weight_version`` as a version number (None: not one, e.g. vLLM's initial)."""
     text = str(reported) if reported is not None else ""
-    return int(text) if text.isdigit() and len(text) < 19 else None
+    return int(text) if text.isascii() and text.isdigit() and len(text) < 19 else None
 
 
 class HttpClient:

@@ -100,7 +100,14 @@ class FleetClient:
 
     def served_version(self) -> int | None:
         """The highest version any engine reports serving (None: none reports a number)."""
-        versions = [v for v in self._each("served_version", lambda k, c: served_version(c)) if v is not None]
+
+        def each(k: int, c: SyncClient) -> int | None:
+            try:
+                return served_version(c)
+            except Exception:  # an engine that cannot say: the others' still count
+                return None
+
+        versions = [v for v in self._each("served_version", each) if v is not None]
         return max(versions) if versions else None
 
     def shutdown_weight_transfer_engine(self) -> None:

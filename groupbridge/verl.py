@@ -38,6 +38,8 @@ import torch
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 
 from .engine import BridgeInfo, Described, TrainerConfig, TrainerSession, WorkerSession
+from .engine._calls import usable
+from .errors import WeightSyncError
 from .net import Listener, listen
 from .weights.manifest import Manifest
 
@@ -253,6 +255,11 @@ class GroupBridgeCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         if session is None:
             await asyncio.to_thread(_walk, weights)
             return {}
+        if session.group is None or not usable(session.group):  # no rollout worker would join a new one
+            raise WeightSyncError(
+                f"actor rank {self.rank}: this update's bridge is closed or broke (verl's next update makes "
+                "a new one)"
+            )
         t0 = time.perf_counter()
         if self.sources == "all":
             await asyncio.to_thread(session.send, dict(weights), version=version)
@@ -283,6 +290,8 @@ class GroupBridgeCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
             raise RuntimeError("init_process_group has not made this worker a receiver")
         version = self._next(global_steps)
         worker, handoff = self.worker, self._handoff
+        # this update's own queue: a waiter left from an earlier update takes nothing of it
+        handoff.pairs = queue.SimpleQueue()
 
         def run() -> None:
             try:
@@ -301,7 +310,10 @@ class GroupBridgeCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
                 yield item
             await done  # raises what stopped the update
         finally:
-            if not done.done():  # the consumer stopped early: the bridge is left, which ends the update
+            # the consumer stopped early: an update still running after a moment's grace (it may be
+            # finishing: its last tensor was handed over) is ended by leaving the bridge
+            await asyncio.wait({done}, timeout=self.liveness)
+            if not done.done():
                 await asyncio.to_thread(self._leave)
                 with contextlib.suppress(BaseException):
                     await done

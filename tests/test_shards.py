@@ -535,7 +535,7 @@ def test_replicas_that_disagree_are_refused_on_every_member() -> None:
         assert "copies of b" in msg and held == 1 and untouched, res[r]
 
 
-def _reading(rank: int, ports: Any) -> Any:
+def _reading(rank: int, ports: Any, transport: str = "auto") -> Any:
     """One source, two receivers that read halves of w's rows (as two tensor-parallel workers' loaders do)
     and b whole: the first sync of a manifest brings every tensor whole, later ones only the halves; a new
     manifest is whole again; a receiver whose reads grew beyond what it asked for refuses that sync, and
@@ -544,7 +544,7 @@ def _reading(rank: int, ports: Any) -> Any:
         syncs = [(v, ("w", "b") if v < 4 else ("w", "b", "e")) for v in (1, 2, 3, 4, 5, 6)]
         if rank == 0:
             out = []
-            with gb.WeightSender(g, bucket_bytes=1024) as snd:
+            with gb.WeightSender(g, bucket_bytes=1024, transport=transport) as snd:
                 for v, names in syncs:
                     try:
                         out.append(dict(snd.send({n: _full(n, v) for n in names}, version=v).by_receiver))
@@ -584,3 +584,14 @@ def test_a_receiver_that_reads_boxes_takes_only_them_once_it_learned_them() -> N
     assert sent[4] == "ManifestMismatchError" and first[4] == second[4] == "ManifestMismatchError", sent
     assert sent[5] == {1: with_e, 2: with_e - whole["w"] // 2}, sent
     assert first[:4] + first[5:] == second[:4] + second[5:] == [True] * 5, (first, second)
+
+
+@pytest.mark.timeout(60)
+def test_boxes_a_receiver_reads_do_not_move_a_broadcast_onto_pairs() -> None:
+    """One source broadcasting: per-receiver streams would cost more than the bytes the boxes save, so the
+    receivers' boxes are not used and every sync brings every tensor whole (the same on every member)."""
+    sent, first, second = run_ranks(_reading, 3, CTX.Queue(), "broadcast", timeout=50)
+    full = sum(_full(n, 1).numel() * 4 for n in ("w", "b"))
+    with_e = full + _full("e", 4).numel() * 2
+    assert sent == [{1: full, 2: full}] * 3 + [{1: with_e, 2: with_e}] * 3, sent
+    assert first == second == [True] * 6, (first, second)

@@ -177,6 +177,13 @@ def _loads(loaded: torch.Tensor) -> None:
         ),  # converted, then narrowed
         (lambda t: torch.empty(2, 8, 6, device="meta").copy_(t.expand(2, 8, 6)), None),
         (lambda t: t.narrow(0, 0, 2).shape, ()),  # a view nobody reads: nothing read
+        # the same element size, reinterpreted: the same box
+        (
+            lambda t: torch.empty(4, 6, dtype=torch.int16, device="meta").copy_(t.view(torch.int16)[4:8]),
+            ((4, 0), (4, 6)),
+        ),
+        # another element size: its offset read in bf16 units says rows 2-3, it reads 4-5: the whole tensor
+        (lambda t: torch.empty(2, 3, dtype=torch.int32, device="meta").copy_(t.view(torch.int32)[4:6]), None),
     ],
 )
 def test_the_dry_run_records_the_box_each_loader_reads_never_less(load: Any, box: Any) -> None:
@@ -782,9 +789,9 @@ def test_a_fleet_of_four_engines_two_offline_two_served_one_tp2_is_updated_as_on
     from groupbridge.vllm import FleetClient
 
     paths = [tmp_path_factory.mktemp(f"qwen2-replica{i}") for i in range(4)]
-    model = make_model(paths[0], "qwen2", seed=10)
+    model = make_model(paths[0], "qwen2", seed=10, tie=True)  # tied lm_head: one tensor, two names
     for i, path in enumerate(paths[1:], 1):
-        make_model(path, "qwen2", seed=10 + i)  # other weights: the first update aligns every replica
+        make_model(path, "qwen2", seed=10 + i, tie=True)  # other weights: the first update aligns them
     shm_before = segments()
     with contextlib.ExitStack() as stack, ThreadPoolExecutor(2) as pool:
         starting = [
@@ -839,7 +846,9 @@ def test_a_fleet_of_four_engines_two_offline_two_served_one_tp2_is_updated_as_on
         assert taken[0] == {r: taken[0][1] for r in range(1, 6)}, taken  # a first update: every tensor whole
         for t in taken[1:]:
             assert t[1] == t[2] == t[3] == taken[0][1], taken
-            assert all(0.45 < t[r] / t[1] < 0.6 for r in (4, 5)), taken
+            # about half (the TP-1 workers here take the tied lm_head as a tensor of its own, which the TP-2
+            # workers, whose loaders skip it, do not ask for)
+            assert all(0.4 < t[r] / t[1] < 0.6 for r in (4, 5)), taken
         print(f"bytes per worker, update 2: TP 1 {taken[1][1]}, TP 2 {taken[1][4]} and {taken[1][5]}")
         perturb(model, 73)
         with pytest.raises(gb.VerificationError, match=r"replica \d serves version 4.*4 replica\(s\)"):

@@ -243,7 +243,10 @@ class TrainerSession(Closing):
         self.last_stats: SyncStats | None = None
         self.engine_served: int | None = None
         """The version the engine reported serving when this trainer first joined it (one sending rank)."""
-        self._listener = config.listener
+        # a config's listener serves one session's first bridge: one handed over already binds anew
+        self._listener = (
+            config.listener if config.listener is not None and not config.listener.closed else None
+        )
         """The socket the first bridge is served on (the config's); later bridges bind anew."""
         self._sending = threading.Lock()
         self.last_seconds: dict[str, float] = {}
@@ -302,7 +305,8 @@ class TrainerSession(Closing):
             self.group = None
             raise
         served = getattr(control, "served", None)
-        if self.generation == 1 and c.sources == 1 and c.first_version is None and callable(served):
+        unnumbered = self.version is None and self.sent is None and self.engine_served is None
+        if unnumbered and c.sources == 1 and c.first_version is None and callable(served):
             try:
                 self.engine_served = served()
             except Exception as e:  # only the default version depends on it
@@ -370,9 +374,10 @@ class TrainerSession(Closing):
         if self.rank > 0:
             return self._send_shards(named, version)
         c = self.config
-        v = self.next_version(version)
-        if self.version is not None and v <= self.version:
-            raise ValueError(f"version {v} is not newer than the version the engine serves ({self.version})")
+        if version is not None and self.version is not None and version <= self.version:
+            raise ValueError(
+                f"version {version} is not newer than the version the engine serves ({self.version})"
+            )
         if self.group is None or not usable(self.group):
             if c.sources > 1 and self.generation > 0:
                 raise WeightSyncError(
@@ -380,6 +385,7 @@ class TrainerSession(Closing):
                     "sessions on every rank (rank 0 alone would wait for ranks that never come)"
                 )
             self.connect()
+        v = self.next_version(version)  # after the connect: a first one reads the version the engine serves
         assert self.sender is not None and self.group is not None and self.control is not None
         control, group = self.control, self.group
         t0 = time.perf_counter()

@@ -66,10 +66,10 @@ class Loader(Protocol):
 
 class ReadsBoxes(Protocol):
     """A :class:`Loader` that also says, after ``check``, which box of each tensor its model reads (a
-    tensor-parallel worker keeps its slice): every later update from the same trainer manifests brings this
-    worker only those boxes (see ``WeightReceiver.receive(reads=...)``)."""
+    tensor-parallel worker keeps its slice; None: none of it): every later update from the same trainer
+    manifests brings this worker only those boxes (see ``WeightReceiver.receive(reads=...)``)."""
 
-    def reads(self, manifest: Manifest) -> Mapping[str, Box]: ...
+    def reads(self, manifest: Manifest) -> Mapping[str, Box | None]: ...
 
 
 _END = object()

@@ -110,15 +110,29 @@ class _Reads(TorchDispatchMode):  # type: ignore[no-untyped-call]
     does not alias is a read of the elements that view covers; a view that is not a box of the tensor (a
     stride it does not have: a transpose of a slice, an expand) counts as the whole tensor, as does any read
     of a tensor derived from it (a dtype conversion, then a narrow: the conversion read what it covered).
-    So the boxes are never smaller than what the loaders use."""
+    So the boxes are never smaller than what the loaders use: a view of another element size (``view(dtype)``)
+    counts as the whole tensor, and anything the recording cannot read (a tensor without storage) makes
+    ``broken`` true, after which every tensor counts as read whole. The recording never raises into a loader.
+    """
 
     def __init__(self, metas: list[tuple[str, torch.Tensor]]) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
-        self._roots = {t.untyped_storage()._cdata: (name, tuple(t.shape)) for name, t in metas}
+        self._roots = {
+            t.untyped_storage()._cdata: (name, tuple(t.shape), t.element_size()) for name, t in metas
+        }
         self.boxes: dict[str, Box] = {}
+        self.broken = False
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if not self.broken:
+            try:
+                self._reads_of(func, args, kwargs)
+            except Exception:
+                self.broken = True
+        return func(*args, **kwargs)
+
+    def _reads_of(self, func: Any, args: Any, kwargs: Any) -> None:
         schema = func._schema.arguments
         for i, a in enumerate(args):
             alias = schema[i].alias_info if i < len(schema) else None
@@ -129,14 +143,16 @@ class _Reads(TorchDispatchMode):  # type: ignore[no-untyped-call]
         for v in kwargs.values():
             if isinstance(v, torch.Tensor):
                 self._read(v)
-        return func(*args, **kwargs)
 
     def _read(self, t: torch.Tensor) -> None:
         root = self._roots.get(t.untyped_storage()._cdata)
         if root is None or t.numel() == 0:
             return
-        name, shape = root
-        box = _box_of_view(shape, int(t.storage_offset()), tuple(t.shape), t.stride())
+        name, shape, size = root
+        if t.element_size() != size:  # offsets and strides in other units: the whole tensor
+            box = Box((0,) * len(shape), shape)
+        else:
+            box = _box_of_view(shape, int(t.storage_offset()), tuple(t.shape), t.stride())
         had = self.boxes.get(name)
         self.boxes[name] = box if had is None else _hull(had, box)
 
@@ -177,12 +193,13 @@ def check_loadable(
     manifest: Manifest,
     *,
     complete: bool = True,
-    reads: dict[str, Box] | None = None,
+    reads: dict[str, Box | None] | None = None,
 ) -> str | None:
     """None if ``model.load_weights`` takes every entry of ``manifest`` (and, with ``complete``, the
     entries fill every parameter), else a message saying which names or shapes it refuses. ``reads`` (when
     the manifest is taken) receives the box of each entry the loaders read, where that is not the whole
-    entry (a tensor-parallel rank's slice)."""
+    entry (a tensor-parallel rank's slice), and None for each entry they do not read at all (a tied
+    ``lm_head`` the model skips)."""
     from vllm.model_executor.model_loader.reload.utils import get_tensor_load_numel
 
     metas = [
@@ -228,8 +245,11 @@ def check_loadable(
                     f"the update leaves {len(short)} of the model's parameters not fully written: "
                     f"{', '.join(short[:10])}{' ...' if len(short) > 10 else ''}"
                 )
-    if reads is not None:
+    if reads is not None and seen.broken:
+        reads.clear()  # every tensor whole
+    elif reads is not None:
         shapes = {e.name: tuple(e.shape) for e in manifest.entries}
         reads.clear()
         reads.update((name, box) for name, box in seen.boxes.items() if box.shape != shapes[name])
+        reads.update((name, None) for name in shapes if name not in seen.boxes)
     return None

@@ -98,7 +98,7 @@ class VllmLoader:
         self.engine = engine  # its model may be retargeted (a draft model's update): read at each call
         self._reloading = False
         self._handles: dict[int, int] | None = None
-        self._reads: dict[str, Box] = {}
+        self._reads: dict[str, Box | None] = {}
         self.adapter: tuple[AdapterSpec, int] | None = None
         """The update in flight is this adapter's version (set at each receive): the base is untouched."""
 
@@ -109,7 +109,7 @@ class VllmLoader:
             return check_adapter(self.engine.model, self.engine.vllm_config, self.adapter[0], names)
         return check_loadable(self.engine.model, manifest, reads=self._reads)
 
-    def reads(self, manifest: Manifest) -> dict[str, Box]:
+    def reads(self, manifest: Manifest) -> dict[str, Box | None]:
         """The slice of each tensor this worker's loaders keep (a tensor-parallel rank's), from the dry run
         of ``check``: later updates bring only those."""
         return self._reads

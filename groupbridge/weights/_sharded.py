@@ -53,6 +53,7 @@ from ._shard_plan import Bucket, Held, ShardPlan, plan_shards
 from ._sharded_delta import PairBases, pair_key
 from .manifest import Entry, Manifest
 from .shard import Box
+from .transports import pair_transport
 
 __all__ = [
     "DELTA_TAG",
@@ -179,10 +180,35 @@ def sources_key(posts: list[Any], sources: list[int], headers: Mapping[int, Head
     return hashlib.sha256(json.dumps(held, sort_keys=True, default=repr).encode()).hexdigest()[:32]
 
 
-def _wanted(post: Any, every: list[Held], dst: int, key: str) -> list[Held]:
+def conditional(posts: list[Any], sources: list[int], *, keyed: bool = False) -> tuple[list[Any], str | None]:
+    """The posts with each receiver's conditional wants (``wants_if``) dropped where they do not hold, alike
+    on every member (a pure function of the gathered posts), and the sources' key (computed when some post
+    is conditional, or ``keyed``). They hold when the sources hold what the receiver learned its boxes from
+    (the key is the same) and this sync's pairs travel as well as whole tensors would: it has several
+    sources or boxes already, or its transport carries pairs itself (``shm``). Otherwise (one source
+    broadcasting, relaying, or over CUDA IPC) boxes would move the sync to per-receiver streams that cost
+    more than the bytes they save."""
+    if not keyed and not any(isinstance(p, dict) and "wants_if" in p for p in posts):
+        return posts, None
+    headers = {s: Header.from_wire(posts[s]["header"]) for s in sources}
+    key = sources_key(posts, sources, headers)
+    try:
+        carried = all(pair_transport(h.transport) == h.transport for h in headers.values())
+    except Exception:  # a transport this member does not know: the handshake refuses it later
+        carried = False
+    sharded = len(sources) > 1 or any(
+        isinstance(p, dict) and ("boxes" in p or ("wants" in p and "wants_if" not in p)) for p in posts
+    )
+    out = []
+    for p in posts:
+        if isinstance(p, dict) and "wants_if" in p and (p["wants_if"] != key or not (sharded or carried)):
+            p = {k: v for k, v in p.items() if k not in ("wants", "wants_if")}  # every tensor, whole
+        out.append(p)
+    return out, key
+
+
+def _wanted(post: Any, every: list[Held], dst: int) -> list[Held]:
     wants = post.get("wants") if isinstance(post, dict) else None
-    if wants is not None and "wants_if" in post and post["wants_if"] != key:
-        wants = None  # learned from other manifests: this sync takes every tensor whole, and learns again
     if wants is None:  # every tensor, whole
         return [Held(h.name, h.dtype, h.global_shape, Box((0,) * len(h.global_shape), h.global_shape))
                 for h in every]  # fmt: skip
@@ -192,9 +218,10 @@ def _wanted(post: Any, every: list[Held], dst: int, key: str) -> list[Held]:
     for name, w in wants.items():
         if not (isinstance(w, list) and len(w) == 4 and isinstance(w[0], str)):
             raise ProtocolError(f"rank {dst}'s want of {name!r} is malformed")
-        out.append(
-            Held(str(name), w[0], _ints(w[1:3], 0, dst), Box(_ints(w[1:3], 1, dst), _ints(w[2:4], 1, dst)))
-        )
+        shape, offset, size = _ints(w[1:3], 0, dst), _ints(w[1:3], 1, dst), _ints(w[2:4], 1, dst)
+        if not len(shape) == len(offset) == len(size):
+            raise ProtocolError(f"rank {dst}'s want of {name!r}: its offset and shapes differ in length")
+        out.append(Held(str(name), w[0], shape, Box(offset, size)))
     return out
 
 
@@ -236,12 +263,11 @@ def settle_shards(
             + ", ".join(f"rank {s}: {v}" for s, v in sorted(versions.items()))
         )
     me = group.rank
-    key = sources_key(posts, sources, headers)
 
     def planned() -> Planned:
         held = {s: _held(manifests[s], posts[s].get("boxes"), s) for s in sources}
         every = _union(held)
-        wanted = {r: _wanted(p, every, r, key) for r, p in enumerate(posts) if r not in sources}
+        wanted = {r: _wanted(p, every, r) for r, p in enumerate(posts) if r not in sources}
         plan = plan_shards(held, wanted, lead.bucket_bytes)
         whole = Manifest(tuple(Entry(n, plan.global_shapes[n], plan.dtypes[n], plan.dtypes[n], None)
                                for n in plan.order))  # fmt: skip
@@ -299,9 +325,10 @@ def open_session(
     (:func:`sources_key`) and whether the conditional wants (``wants_if``) hold for this sync."""
     posts = gather_posts(group, deadline, known, header=header, boxes=boxes, wants=wants, wants_if=wants_if)
     sources = sources_of(group, posts, src)
-    if seen is not None:  # a receiver learning its boxes: the key they are learned under, before its check
-        key = sources_key(posts, sources, {s: Header.from_wire(posts[s]["header"]) for s in sources})
-        seen(key, wants is not None and wants_if == key)
+    posts, key = conditional(posts, sources, keyed=seen is not None)
+    if seen is not None and key is not None:  # a receiver learning its boxes: the key, before its check
+        mine = posts[group.rank]
+        seen(key, wants is not None and isinstance(mine, dict) and "wants" in mine)
     if is_sharded(posts, sources):
         return settle_shards(
             group, deadline, known, posts, sources,

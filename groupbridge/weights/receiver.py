@@ -165,7 +165,7 @@ class WeightReceiver(Closing):
         accept: Callable[[Manifest], str | None] | None = None,
         only_changed: bool = True,
         keep: bool = False,
-        reads: Callable[[Manifest], Mapping[str, Box]] | None = None,
+        reads: Callable[[Manifest], Mapping[str, Box | None]] | None = None,
     ) -> WeightUpdate:
         """Start receiving the next version; the returned update yields (name, tensor) as buckets arrive.
 
@@ -182,10 +182,11 @@ class WeightReceiver(Closing):
         ``reads`` (with ``keep``): after ``accept`` took a manifest, the box of each tensor this receiver's
         consumer reads, where that is not the whole tensor (a tensor-parallel worker's loader keeps its slice;
         an engine learns it in its dry run). The next sync from sources holding the same manifests brings
-        only those boxes (the first, or one after the sources changed, brings every tensor whole); each
-        tensor is still yielded whole-shaped, its bytes outside the box left as they were. A dry run that
-        then reads outside the boxes brought refuses the sync on every member (the next one brings
-        whole tensors again).
+        only those boxes (the first, or one after the sources changed, brings every tensor whole), when
+        its pairs travel as well as whole tensors would (several sources, or ``shm``: not over a one-source
+        broadcast, relay or CUDA IPC, where every tensor stays whole); each tensor is still yielded
+        whole-shaped, its bytes outside the box left as they were. A dry run that then reads outside the
+        boxes brought refuses the sync on every member (the next one brings what it reads now).
 
         Raises:
             ManifestMismatchError: the manifest differs from ``expected``; nothing moved.
@@ -453,7 +454,9 @@ class _Reads:
     hold for this sync's sources, and the wants learned from this sync's manifest for the next one."""
 
     def __init__(
-        self, reads: Callable[[Manifest], Mapping[str, Box]], posted: tuple[str, dict[str, Any]] | None,
+        self,
+        reads: Callable[[Manifest], Mapping[str, Box | None]],
+        posted: tuple[str, dict[str, Any]] | None,
         rank: int,
     ) -> None:  # fmt: skip
         self.reads, self.posted, self.rank = reads, posted, rank
@@ -469,6 +472,8 @@ class _Reads:
     def accepting(self, accept: Callable[[Manifest], str | None] | None) -> Callable[[Manifest], str | None]:
         def check(manifest: Manifest) -> str | None:
             problem = accept(manifest) if accept is not None else None
+            if problem is not None and self.used:
+                self.learned = None  # maybe refused for what the boxes left out: the next sync brings all
             if problem is not None or self.key is None:
                 return problem
             wants = _wants_wire(manifest, self.reads(manifest))
@@ -480,15 +485,16 @@ class _Reads:
         return check
 
 
-def _wants_wire(manifest: Manifest, reads: Mapping[str, Box]) -> dict[str, Any] | None:
-    """The wants a receiver posts for ``reads`` (None when every box is its whole tensor)."""
+def _wants_wire(manifest: Manifest, reads: Mapping[str, Box | None]) -> dict[str, Any] | None:
+    """The wants a receiver posts for ``reads`` (None when every box read is its whole tensor); a tensor
+    read as None (not read at all) is left out of them, so not yielded when they are used."""
     wants: dict[str, Any] = {}
     partial_box = False
-    for e in manifest.entries:
-        if e.alias_of is not None:
-            continue
+    for e in manifest.entries:  # tied names too: a sync with boxes carries each name as a tensor of its own
         whole = Box((0,) * len(e.shape), tuple(e.shape))
-        box = reads.get(e.name, whole)
+        if e.name in reads and reads[e.name] is None:
+            continue  # alone, no reason to ask for boxes: an unread tied name costs nothing whole
+        box = reads.get(e.name) or whole
         if not box.within(e.shape):
             raise ValueError(f"the box read of {e.name} ({box}) lies outside its shape {list(e.shape)}")
         partial_box = partial_box or box != whole
@@ -503,7 +509,7 @@ def _outside(posted: dict[str, Any], now: dict[str, Any] | None, rank: int) -> s
         if p is None or not Box(tuple(p[2]), tuple(p[3])).contains(Box(tuple(w[2]), tuple(w[3]))):
             return (
                 f"rank {rank}: its loader now reads {name} beyond the box it asked for; the next sync "
-                "brings every tensor whole"
+                "brings what it reads now"
             )
     if now is None and posted:
         return f"rank {rank}: its loader now reads every tensor whole; the next sync brings them whole"
