@@ -56,11 +56,13 @@ class CopyTimeoutError(GroupBridgeError, TimeoutError):
 
 class PeerDiedError(GroupBridgeError):
     """A peer stopped sending its liveness signal, or its store connection dropped. ``rank``: the peer, when
-    the liveness watcher named one."""
+    the liveness watcher named one. ``aborted``: that peer is alive and aborted the group (the message says
+    why, often another peer's death it saw first)."""
 
-    def __init__(self, message: str, rank: int | None = None) -> None:
+    def __init__(self, message: str, rank: int | None = None, *, aborted: bool = False) -> None:
         super().__init__(message)
         self.rank = rank
+        self.aborted = aborted
 
 
 class StoreUnreachableError(GroupBridgeError):

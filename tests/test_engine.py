@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from groupbridge.engine import Probe, TrainerConfig, TrainerSession
-from groupbridge.errors import ManifestMismatchError, VerificationError, WeightSyncError
+from groupbridge.errors import ManifestMismatchError, PeerDiedError, VerificationError, WeightSyncError
 from tests.helpers import CTX, Ranks
 
 pytestmark = pytest.mark.timeout(90)
@@ -398,3 +398,26 @@ def test_the_first_update_cannot_be_rolled_back_and_the_error_says_what_is_serve
             session.send(slow(1.0, 0), specs=SPECS)
         assert e.value.served is None and session.version is None
     assert out["version"] == 1
+
+
+def test_a_dead_member_is_named_even_when_another_member_aborted_first() -> None:
+    """A worker that saw another stop aborts the bridge; when its abort reaches the trainer first, the error
+    still names the member that stopped, not the one that aborted."""
+
+    class Described:
+        def describe_rank(self, worker: int) -> str:
+            return f"engine {worker}'s worker 0"
+
+    session = TrainerSession(TrainerConfig(workers=2), Described())  # type: ignore[arg-type]
+    died = PeerDiedError("rank 0 of group 'g': rank 2 stopped its heartbeat: last heard 2.0s ago", rank=2)
+    aborted = PeerDiedError(
+        "rank 0 of group 'g': rank 1 aborted: rank 1 gave up receiving version 3: PeerDiedError: rank 1 of "
+        "group 'g': rank 2 stopped its heartbeat: last heard 2.0s ago", rank=1, aborted=True,
+    )  # fmt: skip
+    assert session._who(WeightSyncError("sending failed")) is None
+    for error in (died, aborted):
+        wrapped = WeightSyncError("sending version 3 failed")
+        wrapped.__cause__ = error
+        assert session._who(wrapped) == (2, "bridge rank 2 is engine 1's worker 0"), error
+    unexplained = PeerDiedError("rank 0 of group 'g': rank 1 aborted: the user stopped", rank=1, aborted=True)
+    assert session._who(unexplained) is None

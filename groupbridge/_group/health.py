@@ -126,7 +126,7 @@ class Health:
             err = GroupBridgeError(f"{text}; the group can no longer see its peers and must be made again")
             err.__cause__ = w.error
             return err
-        return PeerDiedError(text, rank=finding.rank)
+        return PeerDiedError(text, rank=finding.rank, aborted=finding.kind == "aborted")
 
     def check_peers(self, peers: Iterable[int]) -> None:
         """Raise if a peer aborted, went silent or closed, or the store host is gone (the watcher saw it)."""

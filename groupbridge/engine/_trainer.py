@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import threading
 import time
 import warnings
@@ -428,14 +429,19 @@ class TrainerSession(Closing):
         (``control.describe_rank``), or None."""
         describe = getattr(self.control, "describe_rank", None)
         seen: BaseException | None = error
-        while seen is not None and not (isinstance(seen, PeerDiedError) and seen.rank is not None):
+        rank: int | None = None
+        while seen is not None and rank is None:
+            if isinstance(seen, PeerDiedError) and seen.rank is not None:
+                if not seen.aborted:
+                    rank = seen.rank
+                else:  # a live member aborted, having seen another stop first: that one, as its reason says
+                    stopped = re.search(r"rank (\d+) stopped its heartbeat", str(seen))
+                    rank = int(stopped.group(1)) if stopped else None
             seen = seen.__cause__ or seen.__context__
-        if not callable(describe) or not isinstance(seen, PeerDiedError) or seen.rank is None:
+        if not callable(describe) or rank is None or rank < self.config.sources:
             return None
-        if seen.rank < self.config.sources:
-            return None
-        described = describe(seen.rank - self.config.sources)
-        return (seen.rank, f"bridge rank {seen.rank} is {described}") if described else None
+        described = describe(rank - self.config.sources)
+        return (rank, f"bridge rank {rank} is {described}") if described else None
 
     def _verify(self, probe: Probe, v: int) -> None:
         """Every replica scores the probe; one that disagrees rolls every replica back and raises."""
