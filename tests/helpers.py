@@ -51,3 +51,39 @@ def make_group(rank: int, n: int, host: str, ports: Any, **kwargs: Any) -> Any:
     lis, port = share_port(rank, n, ports, host)
     kwargs.setdefault("timeout", timedelta(seconds=30))
     return gb.StatelessGroup.create(host, port, rank=rank, world_size=n, listener=lis, **kwargs)
+
+
+def wait_until_blocked(pid: int, tid: int | None = None, *, hold: float = 0.1, timeout: float = 10.0) -> None:
+    """Return once thread ``tid`` of process ``pid`` (its main thread by default) has sat in one blocking
+    ``poll`` (how torch's store client waits for a reply) for ``hold`` seconds without waking: a store round
+    trip lasts microseconds, so a thread that stays there that long is inside a server-side wait. So a test
+    goes on once the state it sets up exists, not after a sleep that a busy machine can outlast; raises
+    TimeoutError after ``timeout`` seconds."""
+    import time
+
+    task = f"/proc/{pid}/task/{pid if tid is None else tid}"
+
+    def sample() -> tuple[str, str] | None:
+        try:
+            with open(f"{task}/syscall") as f:
+                call = f.read().split()[0]
+            with open(f"{task}/status") as f:
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
+        except (FileNotFoundError, ProcessLookupError):
+            raise AssertionError(f"thread {tid or pid} of process {pid} ended instead of waiting") from None
+        if call != "7" or not fields["State"].strip().startswith("S"):  # 7: poll on x86_64
+            return None
+        return call, fields["voluntary_ctxt_switches"].strip()  # unchanged while it stays asleep
+
+    first: tuple[float, tuple[str, str]] | None = None
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        now, seen = time.monotonic(), sample()
+        if seen is None or first is None or first[1] != seen:
+            first = None if seen is None else (now, seen)
+        elif now - first[0] >= hold:
+            return
+        time.sleep(0.005)
+    raise TimeoutError(
+        f"thread {tid or pid} of process {pid} was not seen in one wait for {hold}s within {timeout}s"
+    )

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import groupbridge as gb
-from tests.helpers import CTX, Ranks, host_params, make_group, run_ranks, share_port
+from tests.helpers import CTX, Ranks, host_params, make_group, run_ranks, share_port, wait_until_blocked
 
 HOSTS = host_params()
 
@@ -333,14 +333,16 @@ def test_port_in_use_on_rank_zero() -> None:
 def _wait_after_a_pop(rank: int, ports: Any) -> Any:
     with make_group(rank, 2, "127.0.0.1", ports) as g:
         if rank == 0:
-            time.sleep(0.2)
-            g.send_obj("first", 1)  # rank 1 is waiting for it
+            peer = g.recv_obj(1, tag="pid")
+            wait_until_blocked(peer)  # rank 1 waits for the first object
+            g.send_obj("first", 1)
             g.recv_obj(1)
-            time.sleep(0.1)  # rank 1 now waits for key "k"
+            wait_until_blocked(peer)  # rank 1 now waits for key "k"
             g.send_obj("second", 1)  # a push to the queue rank 1 once waited on
-            time.sleep(0.3)
+            wait_until_blocked(peer, hold=0.3)  # the push did not end its wait
             g.control.put("k", b"value", "writing k")
             return None
+        g.send_obj(os.getpid(), 0, tag="pid")
         first = g.recv_obj(0)
         g.send_obj("waiting", 0)
         t0 = time.monotonic()
@@ -351,11 +353,12 @@ def _wait_after_a_pop(rank: int, ports: Any) -> Any:
 @pytest.mark.timeout(60)
 def test_a_wait_is_not_ended_by_a_push_to_a_queue_once_waited_on() -> None:
     """torch's store keeps a client registered on a queue it waited on; a later push there ended the
-    client's next wait and the read returned an empty value for a key not yet written."""
+    client's next wait and the read returned an empty value for a key not yet written. Rank 0 acts only
+    once rank 1 is seen inside each wait (its thread asleep in the store client's poll)."""
     res = run_ranks(_wait_after_a_pop, 2, CTX.Queue(), timeout=50)
     first, got, waited, second = res[1]
     assert (first, got, second) == ("first", [b"value"], "second")
-    assert waited >= 0.25, waited
+    assert waited >= 0.4, waited  # two observed waits of 0.1 s and 0.3 s before "k" was written
 
 
 def _watcher_fails(rank: int, ports: Any) -> Any:
