@@ -664,7 +664,12 @@ def _announced(rank: int, host: str, ports: Any, sources: int) -> Any:
             except gb.SyncRefusedError as e:
                 first = str(e)
             snd.send({"w": torch.full((4,), 2.0)}, version=2)
-            return first
+            try:  # 4 MiB: it fits this host, not the receiver's own cap
+                snd.send({"w": torch.full((4,), 3.0), "x": torch.zeros(1 << 20)}, version=3)
+                capped = "sent"
+            except gb.SyncRefusedError as e:
+                capped = str(e)
+            return first, capped
         rcv = gb.WeightReceiver(g)
         try:
             dict(rcv.receive())
@@ -672,18 +677,26 @@ def _announced(rank: int, host: str, ports: Any, sources: int) -> Any:
         except gb.SyncRefusedError as e:
             first = str(e)
         got = dict(rcv.receive())
-        return first, rcv.version, bool((got["w"] == 2.0).all())
+        try:
+            dict(rcv.receive(accept=lambda m: f"{m.nbytes} bytes > 1 MiB" if m.nbytes > 1 << 20 else None))
+            capped = "received"
+        except gb.SyncRefusedError as e:
+            capped = str(e)
+        return first, rcv.version, bool((got["w"] == 2.0).all()), capped
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("sources", [1, 2])
-def test_receive_refuses_announced_sizes_beyond_this_hosts_memory(sources: int) -> None:
+def test_receive_refuses_announced_sizes_beyond_this_hosts_memory_or_its_own_cap(sources: int) -> None:
     res = run_ranks(_announced, sources + 1, "127.0.0.1", CTX.Queue(), sources, timeout=50)
     for r in range(sources):
-        assert "256.0 GiB" in res[r] and "more than this host's memory" in res[r], res
-    first, version, exact = res[sources]
+        first, capped = res[r]
+        assert "256.0 GiB" in first and "more than this host's memory" in first, res
+        assert "4194320 bytes > 1 MiB" in capped, res  # a cap of the receiver's own, through accept=
+    first, version, exact, capped = res[sources]
     assert "256.0 GiB" in first and "nothing is allocated" in first, first
     assert version == 2 and exact, res
+    assert "4194320 bytes > 1 MiB" in capped, res
 
 
 def _out_of_memory(rank: int, host: str, ports: Any, sources: int) -> Any:

@@ -173,6 +173,9 @@ class WeightReceiver(Closing):
         ``accept`` sees the (renamed) manifest before any bytes move and returns None to take it, or a
         message saying why this receiver cannot: every member then raises ManifestMismatchError with that
         message and the group stays usable (an inference engine uses this to dry-run its own loader).
+        Without targets, what is allocated comes from the sizes the sender announced: a sync announcing
+        more than this host's memory is refused on every member before anything is allocated, and
+        ``accept`` states a tighter cap (``lambda m: "too big" if m.nbytes > cap else None``).
         ``only_changed=False``: a delta update yields every tensor too (of the kept copy, once the delta is
         applied), for an engine whose loader needs whole layers; only the changes travel either way.
         ``keep=True``: every bucket lands in one buffer this receiver keeps across syncs (the model's wire
