@@ -187,10 +187,11 @@ def _bench_vllm(args: argparse.Namespace) -> int:
             f"[bench] one update into vLLM ({size} Qwen2, bf16), {args.rounds} interleaved rounds: "
             "groupbridge (auto, broadcast; atomic, streaming; verified; a fleet of two), safetensors + "
             "reload_weights, the same sync into a plain torch model; then the serving stall of a client "
-            "streaming from vllm serve ..."
+            f"streaming from vllm serve{' (float32)' if args.quick else ''} ..."
         )
     records = run_vllm(size=size, rounds=args.rounds)
-    serving = run_serving(size=size, rounds=args.rounds)
+    # the tiny model is served in float32: see bench.plots._measure_stall
+    serving = run_serving(size=size, rounds=args.rounds, dtype="float32" if args.quick else "bfloat16")
     if args.json:
         print(json.dumps({"update": records, "serving": serving}, indent=1))
         return 0

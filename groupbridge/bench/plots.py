@@ -220,7 +220,11 @@ def _measure_sources(quick: bool, rounds: int) -> list[dict[str, Any]]:
 def _measure_stall(quick: bool, rounds: int) -> list[dict[str, Any]]:
     from .vllm_serving import run_serving
 
-    return run_serving(size="tiny" if quick else "bench", rounds=rounds)
+    # --quick serves the tiny model in float32: vLLM's CPU build died of SIGILL decoding it in bfloat16
+    # under `vllm serve` on a CPU with AMX (a 2-core Xeon, 2026-12-04; the bench size in bfloat16 served)
+    return run_serving(
+        size="tiny" if quick else "bench", rounds=rounds, dtype="float32" if quick else "bfloat16"
+    )
 
 
 def _sources_reason() -> str | None:

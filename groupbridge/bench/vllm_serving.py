@@ -44,7 +44,7 @@ def _stall(times: list[float], start: float, end: float, deadline_s: float = 30.
     return max(0.0, longest_gap(times, start, after) - pace), pace
 
 
-def run_serving(size: str = "bench", rounds: int = 3) -> list[dict[str, Any]]:
+def run_serving(size: str = "bench", rounds: int = 3, dtype: str = "bfloat16") -> list[dict[str, Any]]:
     """Per mode: update seconds, the stall, and (groupbridge) the commit: vLLM's load with its RPC."""
     from .._vllm_client import HttpClient, VllmControl
     from ..engine import TrainerConfig, TrainerSession
@@ -52,10 +52,10 @@ def run_serving(size: str = "bench", rounds: int = 3) -> list[dict[str, Any]]:
     from ..vllm.models import make_model
 
     tmp = tempfile.TemporaryDirectory(prefix="gb-bench-serve-")
-    model = make_model(f"{tmp.name}/model", "qwen2", size, dtype="bfloat16")
+    model = make_model(f"{tmp.name}/model", "qwen2", size, dtype=dtype)
     specs = {n: (tuple(p.shape), p.dtype) for n, p in model.named_parameters()}
     rows: dict[str, dict[str, list[float]]] = {m: {"seconds": [], "stall": [], "commit": []} for m in MODES}
-    srv = Server(f"{tmp.name}/model", log=f"{tmp.name}/serve.log", dtype="bfloat16", max_model_len=512,
+    srv = Server(f"{tmp.name}/model", log=f"{tmp.name}/serve.log", dtype=dtype, max_model_len=512,
                  start_s=300)  # fmt: skip
     try:
         streamer = Streamer(srv, [11, 12, 13, 14], tokens=480)
