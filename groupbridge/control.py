@@ -249,7 +249,7 @@ class ControlChannel:
                     time.sleep(_FORGED_RETRY_S)
             return raw
 
-        self._awaiting((owner,))
+        awaiting = False  # told to the watcher only before a wait: a message already there takes one trip
         try:
             wait = False
             while True:
@@ -257,6 +257,9 @@ class ControlChannel:
                 if left <= 0:
                     raise self._late(what, [owner], deadline)
                 if wait:
+                    if not awaiting:
+                        self._awaiting((owner,))
+                        awaiting = True
                     store.set_timeout(timedelta(seconds=left))
                 try:
                     raw = self.call(wait_and_take if wait else take, what)
@@ -285,7 +288,8 @@ class ControlChannel:
                         )
                     self._early[(queue, got)] = body[_SEQ.size :]
         finally:
-            self._awaiting(())
+            if awaiting:
+                self._awaiting(())
 
     def add(self, key: str, amount: int, what: str) -> int:
         store = self.client.get()
