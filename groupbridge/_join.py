@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -29,7 +30,13 @@ from ._fmt import ranks
 from ._liveness import status_key, write_status
 from ._seal import ForgedMessageError, Sealer
 from .control import Deadline
-from .errors import GroupMismatchError, JoinTimeoutError, ProtocolError, StoreUnreachableError
+from .errors import (
+    GroupBridgeError,
+    GroupMismatchError,
+    JoinTimeoutError,
+    ProtocolError,
+    StoreUnreachableError,
+)
 from .net import host_identity
 from .store import ROOT_PREFIX, StoreClient
 
@@ -64,6 +71,8 @@ class JoinSpec:
     """The group described for messages: name, generation, store address."""
     log: logging.LoggerAdapter[logging.Logger]
     """The group's rank-prefixed log."""
+    give_up: Callable[[], str | None] | None = None
+    """Rank 0: asked while it waits for the members; a reason it returns ends the join (see ``create``)."""
 
 
 class Joined:
@@ -162,6 +171,10 @@ def host_join(spec: JoinSpec, client: StoreClient) -> Joined:
     unverified: list[str] = []
 
     def everyone_joined() -> bool | None:
+        if spec.give_up is not None and (why := spec.give_up()) is not None:
+            msg = f"{spec.where}: rank 0 gave up waiting for the members: {why}"
+            _fail_join(spec, store, sealer, msg)
+            raise GroupBridgeError(msg)
         if _call(spec, "waiting for members", lambda: store.add(_REJECTS, 0)):
             verified, reason = _read_reject(spec, store)
             if verified:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Any
 
@@ -93,6 +93,7 @@ class StatelessGroup:
         token: str | None = None,
         allow_pickle: bool = False,
         liveness_timeout: timedelta = timedelta(seconds=10),
+        give_up: Callable[[], str | None] | None = None,
     ) -> StatelessGroup:
         """Join (rank > 0) or host (rank 0) a group; returns once all ``world_size`` ranks have joined.
 
@@ -114,14 +115,20 @@ class StatelessGroup:
             allow_pickle: let objects outside the safe set travel pickled. Every member must agree.
             liveness_timeout: a peer (or the store host) silent for this long is declared dead; failures
                 reach every member within about this long, whatever the operation timeout.
+            give_up: rank 0 only: called (every few milliseconds) while it waits for the members; a reason
+                it returns ends the join at once with that reason, and members that joined are told it
+                (one that launched the members learns first that one of them cannot come).
 
         Raises:
             ValueError, TypeError: bad arguments.
             JoinTimeoutError: not every rank joined within ``timeout`` (the message names the missing ranks).
+            GroupBridgeError: ``give_up`` gave a reason (the message has it).
             GroupMismatchError: a member of another name, generation, world size or token; a duplicate rank.
             StoreUnreachableError: a joiner could not reach the store, or a peer vanished while joining.
         """
         _check_arguments(rank, world_size, generation, timeout, liveness_timeout, name, token, listener)
+        if give_up is not None and (rank != 0 or not callable(give_up)):
+            raise ValueError("give_up= is a callable, for rank 0 (the host waits for the members)")
         address = _store_address(address_or_host, port, rank, listener)
 
         self = object.__new__(cls)
@@ -132,7 +139,7 @@ class StatelessGroup:
         )  # fmt: skip
         self._init(state, allow_pickle, token)
         try:
-            self._join(listener)
+            self._join(listener, give_up)
         except BaseException:
             self._teardown()
             raise
@@ -155,7 +162,7 @@ class StatelessGroup:
         self._watch_client = None
         self._owned_listener = None
 
-    def _join(self, listener: Listener | None) -> None:
+    def _join(self, listener: Listener | None, give_up: Callable[[], str | None] | None) -> None:
         s = self._state
         address = s.address
         if self.rank == 0:
@@ -174,6 +181,7 @@ class StatelessGroup:
         spec = JoinSpec(
             rank=self.rank, world_size=self.world_size, name=self.name, generation=self.generation,
             timeout=self.timeout, token=self._token, namespace=s.namespace, where=s.where(), log=s.log,
+            give_up=give_up,
         )  # fmt: skip
         joined = host_join(spec, s.client) if self.rank == 0 else member_join(spec, s.client)
         self._sealer = joined.sealer

@@ -421,3 +421,22 @@ def test_a_dead_member_is_named_even_when_another_member_aborted_first() -> None
         assert session._who(wrapped) == (2, "bridge rank 2 is engine 1's worker 0"), error
     unexplained = PeerDiedError("rank 0 of group 'g': rank 1 aborted: the user stopped", rank=1, aborted=True)
     assert session._who(unexplained) is None
+
+
+def test_an_engine_whose_join_fails_ends_the_trainers_wait_at_once() -> None:
+    """An engine that cannot join (its worker died: vLLM's `vllm serve` answers the join with an error)
+    ends the trainer's wait for the workers at once, not at the join's timeout (30 s here); the next
+    connect, with the engine able to join, lands an update."""
+    with rig(timeout_s=30) as (session, control, out):
+
+        def cannot_join(info: dict[str, Any]) -> None:
+            raise RuntimeError("EngineDeadError: worker proc died unexpectedly (exit code: -4)")
+
+        control.join = cannot_join  # type: ignore[method-assign]
+        t0 = time.monotonic()
+        with pytest.raises(WeightSyncError, match=r"the engine's join failed: .*exit code: -4"):
+            session.connect()
+        assert time.monotonic() - t0 < 5, time.monotonic() - t0
+        del control.join  # the engine's own join again
+        assert session.send(slow(1.0, 0), specs=SPECS) == 1
+    assert out["version"] == 1 and out["sum"] == 1.0 * WHOLE

@@ -409,3 +409,29 @@ def test_library_errors_are_not_torchs() -> None:
         assert not issubclass(cls, RuntimeError), cls
     assert issubclass(gb.PeerTimeoutError, TimeoutError) and issubclass(gb.JoinTimeoutError, TimeoutError)
     assert issubclass(gb.ManifestMismatchError, gb.SyncRefusedError)
+
+
+def _given_up(rank: int, ports: Any) -> Any:
+    """World of 3, rank 2 never comes; rank 0's give_up says so a second after the start."""
+    start = time.monotonic()
+
+    def give_up() -> str | None:
+        return "the launcher lost rank 2" if time.monotonic() - start > 1.0 else None
+
+    try:
+        make_group(rank, 3, "127.0.0.1", ports, give_up=give_up if rank == 0 else None)
+    except gb.GroupBridgeError as e:
+        return type(e).__name__, str(e), time.monotonic() - start
+    return "joined", "", time.monotonic() - start
+
+
+@pytest.mark.timeout(60)
+def test_rank_zero_gives_up_a_join_when_told_and_the_members_that_came_learn_why() -> None:
+    """A launcher that learns a member cannot come (an engine whose join call failed) ends the join at once
+    instead of at its timeout (30 s here), and the member that joined raises the same reason."""
+    res = run_ranks(_given_up, 2, CTX.Queue(), timeout=50)
+    for r, (kind, text, took) in enumerate(res):
+        assert "the launcher lost rank 2" in text and took < 5, (r, kind, text, took)
+    assert res[0][0] == "GroupBridgeError" and res[1][0] == "GroupMismatchError", res
+    with pytest.raises(ValueError, match="give_up= is a callable, for rank 0"):
+        gb.StatelessGroup.create("127.0.0.1", 1, rank=1, world_size=2, give_up=lambda: None)

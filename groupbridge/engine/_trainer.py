@@ -287,10 +287,14 @@ class TrainerSession(Closing):
         )  # fmt: skip
         control = self.control
         call = Call("join", lambda: control.join(dataclasses.asdict(info)))
+
+        def engine_failed() -> str | None:  # a dead engine ends the join now, not at its timeout
+            return None if call.error is None else f"the engine's join failed: {call.error}"
+
         try:
             self.group = StatelessGroup.create(
                 None, rank=0, world_size=world, listener=lis, name=c.name, generation=self.generation,
-                timeout=timeout, liveness_timeout=liveness, token=c.token,
+                timeout=timeout, liveness_timeout=liveness, token=c.token, give_up=engine_failed,
             )  # fmt: skip
         except BaseException as e:
             lis.close()
