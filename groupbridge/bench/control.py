@@ -5,6 +5,12 @@ Measured side by side, in interleaved rounds of one run, against the peer approa
 (``set`` of a pickle by the source, blocking ``get`` by the receivers, keys never freed, no bound on a
 frozen store: what vLLM's group does). Ours runs with keys freed, every wait bounded, writes acknowledged,
 and (the ``sealed`` row) a token, so every value carries a MAC.
+
+Two measures of each: *back to back* (``ops`` broadcasts in a row, time per receive: a stream's
+throughput; vLLM's source never waits for the store, so it runs ahead and leaves the cores to its
+receivers, while ours waits for each acknowledgement) and *one at a time* (the source stamps the object
+and sends the next only 2 ms later, so every receiver is already waiting: the delay from the source's call
+to a receiver holding the object, what one control message costs a caller).
 """
 
 from __future__ import annotations
@@ -22,13 +28,35 @@ __all__ = ["run_control"]
 PAYLOAD = {"step": 7, "lr": 1e-6, "names": ["a", "b", "c"], "ok": True}
 
 
-def _peer_loop(store: Any, rank: int, tag: str, ops: int) -> None:
+SPACING_S = 0.002
+"""One at a time: the source's pause before each broadcast (every receiver is waiting by then)."""
+
+
+def _peer_loop(store: Any, rank: int, tag: str, ops: int, spaced: bool) -> list[float]:
+    delays = []
     for i in range(ops):
         key = f"peer/{tag}/{i}"
         if rank == 0:
-            store.set(key, pickle.dumps(PAYLOAD))
+            if spaced:
+                time.sleep(SPACING_S)
+            store.set(key, pickle.dumps({**PAYLOAD, "t": time.perf_counter()}))
         else:
-            pickle.loads(store.get(key))
+            got = pickle.loads(store.get(key))
+            delays.append(time.perf_counter() - got["t"])
+    return delays
+
+
+def _spaced(bcast: Any, rank: int, ops: int) -> list[float]:
+    """One at a time: each receiver's delay from the source's call to holding the object, in seconds."""
+    delays = []
+    for _ in range(ops):
+        if rank == 0:
+            time.sleep(SPACING_S)
+            bcast({**PAYLOAD, "t": time.perf_counter()})
+        else:
+            got = bcast(None)
+            delays.append(time.perf_counter() - got["t"])
+    return delays
 
 
 def _role(rank: int, n: int, ports: Any, ops: int, rounds: int) -> dict[str, list[float]]:
@@ -59,36 +87,53 @@ def _role(rank: int, n: int, ports: Any, ops: int, rounds: int) -> dict[str, lis
             "raw",
             TCPStore("127.0.0.1", port, None, False, timedelta(seconds=60), wait_for_workers=False),
         )
-    out: dict[str, list[float]] = {"ours": [], "ours_sealed": [], "peer": [], "peer_name": [peer_name]}  # type: ignore[list-item]
+    out: dict[str, list[Any]] = {label: [] for label in LABELS}
+    out["peer_name"] = [peer_name]
     obj = PAYLOAD if rank == 0 else None
+    spaced_ops = max(ops // 4, 20)
     for rnd in range(rounds):
         for label in ("ours", "peer", "ours_sealed"):
             plain.barrier()
             t0 = time.perf_counter()
             if label == "peer":
-                _run_peer(peer, rank, f"{rnd}", ops)
+                _run_peer(peer, rank, f"{rnd}", ops, spaced=False)
             else:
                 group = plain if label == "ours" else sealed
                 for _ in range(ops):
                     group.broadcast_obj(obj, src=0)
             out[label].append((time.perf_counter() - t0) / ops * 1e6)
+        for label in ("ours", "peer", "ours_sealed"):
+            plain.barrier()
+            if label == "peer":
+                delays = _run_peer(peer, rank, f"s{rnd}", spaced_ops, spaced=True)
+            else:
+                group = plain if label == "ours" else sealed
+                delays = _spaced(lambda o, g=group: g.broadcast_obj(o, src=0), rank, spaced_ops)
+            out[f"{label}_1"].append([d * 1e6 for d in delays])
     plain.barrier()
     sealed.close()
     plain.close()
     return out
 
 
-def _run_peer(peer: Any, rank: int, tag: str, ops: int) -> None:
+LABELS = ("ours", "ours_sealed", "peer", "ours_1", "ours_sealed_1", "peer_1")
+
+
+def _run_peer(peer: Any, rank: int, tag: str, ops: int, spaced: bool) -> list[float]:
     kind, obj = peer
-    if kind == "vllm":
-        for _ in range(ops):
-            obj.broadcast_obj(PAYLOAD if rank == 0 else None, src=0)
-    else:
-        _peer_loop(obj, rank, tag, ops)
+    if kind != "vllm":
+        return _peer_loop(obj, rank, tag, ops, spaced)
+    if spaced:
+        return _spaced(lambda o: obj.broadcast_obj(o, src=0), rank, ops)
+    for _ in range(ops):
+        obj.broadcast_obj(PAYLOAD if rank == 0 else None, src=0)
+    return []
 
 
 def run_control(ops: int = 400, rounds: int = 5, receivers: int = 2) -> list[dict[str, Any]]:
-    """Per-operation microseconds on each receiver (median of rounds) and the ratio to the peer's."""
+    """Per mode, on each receiver: back to back, microseconds per receive (median of rounds; ``worst_us``
+    the slowest round); one at a time, the median delay to the receiver and ``worst_us`` the longest single
+    one. ``vs_peer``: the median over receivers of the median over rounds of the ratio to the peer's."""
     n = receivers + 1
     import multiprocessing as mp
 
@@ -103,8 +148,27 @@ def run_control(ops: int = 400, rounds: int = 5, receivers: int = 2) -> list[dic
         ]
         records.append({
             "mode": peer_name if label == "peer" else label,
+            "measure": "back to back",
             "us_per_receive": round(statistics.median(per_rank), 1),
             "us_range": [round(min(per_rank), 1), round(max(per_rank), 1)],
+            "worst_us": round(max(max(r[label]) for r in results[1:]), 1),
+            "vs_peer": round(statistics.median(ratios), 2),
+            "keys_freed": label != "peer",
+        })  # fmt: skip
+    for label in ("peer", "ours", "ours_sealed"):
+        rounds_of = [[statistics.median(d) for d in r[f"{label}_1"]] for r in results[1:]]
+        peer_of = [[statistics.median(d) for d in r["peer_1"]] for r in results[1:]]
+        per_rank = [statistics.median(m) for m in rounds_of]
+        ratios = [
+            statistics.median(a / b for a, b in zip(mine, theirs, strict=True))
+            for mine, theirs in zip(rounds_of, peer_of, strict=True)
+        ]
+        records.append({
+            "mode": peer_name if label == "peer" else label,
+            "measure": "one at a time",
+            "us_per_receive": round(statistics.median(per_rank), 1),
+            "us_range": [round(min(per_rank), 1), round(max(per_rank), 1)],
+            "worst_us": round(max(max(d) for r in results[1:] for d in r[f"{label}_1"]), 1),
             "vs_peer": round(statistics.median(ratios), 2),
             "keys_freed": label != "peer",
         })  # fmt: skip
