@@ -93,6 +93,21 @@ def _drawn(draw: Callable[[Path], None], path: Path) -> None:
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
 
 
+@pytest.mark.slow  # about 10 s: three processes import vLLM
+@pytest.mark.timeout(180)
+def test_bench_control_measures_back_to_back_and_one_at_a_time() -> None:
+    proc = _run("bench", "--control", "--rounds", "1", "--json", timeout=170)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(proc.stdout)
+    assert [(r["mode"][:4], r["measure"]) for r in rows] == [
+        (m, measure) for measure in ("back to back", "one at a time") for m in ("vllm", "ours", "ours")
+    ], rows
+    for r in rows:  # a delay is measured from the source's stamp to the receiver holding the object
+        assert 0 < r["us_range"][0] <= r["us_per_receive"] <= r["us_range"][1] <= r["worst_us"], r
+    one = [r["us_per_receive"] for r in rows if r["measure"] == "one at a time"]
+    assert all(us > 10 for us in one), rows  # a store round trip at least, never a clock artefact
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_bench_plot_measures_and_draws_every_figure(tmp_path: Path) -> None:
