@@ -1,0 +1,117 @@
+"""`python scripts/control_protocols.py`: the store protocols behind a small broadcast, raw, one at a time.
+
+Three processes on a bare torch TCPStore (served by rank 0's process, as a group's is), no groupbridge code
+on the path: rank 0 stamps a small pickle and broadcasts it every 2 ms to ranks 1 and 2, which report the
+delay from the stamp to holding it. What each protocol costs before any of our Python runs:
+
+- ``vllm``: vLLM's ``StatelessProcessGroup``: an unacknowledged ``set``, receivers ``get`` (a wait, a read);
+- ``queues``: ours: per receiver a queue push and a bell, then an acknowledging ``check``; receivers pop, or
+  wait on their bell and pop;
+- ``key``: one key per broadcast, written and acknowledged; receivers ``get``.
+
+Protocols are run in turn, ``--rounds`` times, so a machine that drifts drifts for all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import pickle
+import statistics
+import time
+from datetime import timedelta
+from typing import Any
+
+PROTOCOLS = ("vllm", "queues", "key")
+SPACING_S = 0.002
+
+
+def _send(store: Any, protocol: str, i: int, data: bytes) -> None:
+    if protocol == "vllm":
+        store.set(f"v/{i}", data)
+    elif protocol == "key":
+        store.set(f"k/{i}", data)
+        store.check([f"k/{i}"])
+    else:
+        for r in (1, 2):
+            store.queue_push(f"q/{r}", data)
+            store.set(f"bell/{r}", "1")
+        store.check(["q/2"])
+
+
+def _receive(store: Any, protocol: str, i: int, rank: int) -> bytes:
+    if protocol == "vllm":
+        return bytes(store.get(f"v/{i}"))
+    if protocol == "key":
+        return bytes(store.get(f"k/{i}"))
+    while True:
+        try:
+            return bytes(store.queue_pop(f"q/{rank}", block=False))
+        except Exception:  # empty: clear the bell, look again, then wait for the next ring
+            store.delete_key(f"bell/{rank}")
+            try:
+                return bytes(store.queue_pop(f"q/{rank}", block=False))
+            except Exception:
+                store.wait([f"bell/{rank}"])
+
+
+def _role(rank: int, ports: Any, out: Any, barrier: Any, protocol: str, ops: int) -> None:
+    from torch.distributed import TCPStore
+
+    server = None
+    if rank == 0:
+        server = TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=60), wait_for_workers=False)
+        for _ in range(2):
+            ports.put(server.port)
+        port = server.port
+    else:
+        port = ports.get(timeout=60)
+    store = TCPStore("127.0.0.1", port, None, False, timedelta(seconds=60))
+    barrier.wait(60)
+    delays = []
+    for i in range(ops):
+        if rank == 0:
+            time.sleep(SPACING_S)
+            _send(store, protocol, i, pickle.dumps({"step": 7, "t": time.perf_counter()}))
+        else:
+            got = pickle.loads(_receive(store, protocol, i, rank))
+            delays.append((time.perf_counter() - got["t"]) * 1e6)
+    barrier.wait(60)
+    out.put((rank, delays))
+    del server
+
+
+def run(protocol: str, ops: int) -> list[list[float]]:
+    ctx = mp.get_context("spawn")
+    ports, out, barrier = ctx.Queue(), ctx.Queue(), ctx.Barrier(3)
+    procs = [ctx.Process(target=_role, args=(r, ports, out, barrier, protocol, ops)) for r in range(3)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict(out.get(timeout=120) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return [got[1], got[2]]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ops", type=int, default=300)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    rows: dict[str, list[list[float]]] = {p: [] for p in PROTOCOLS}
+    for _ in range(args.rounds):
+        for protocol in PROTOCOLS:
+            rows[protocol].extend(run(protocol, args.ops))
+    print("protocol  median delay per receiver and round (us)          worst (us)")
+    for protocol, runs in rows.items():
+        medians = " ".join(f"{statistics.median(d):6.1f}" for d in runs)
+        print(f"{protocol:8s}  {medians}  {max(max(d) for d in runs):8.1f}")
+
+
+if __name__ == "__main__":
+    main()
