@@ -171,10 +171,10 @@ def host_join(spec: JoinSpec, client: StoreClient) -> Joined:
     unverified: list[str] = []
 
     def everyone_joined() -> bool | None:
-        if spec.give_up is not None and (why := spec.give_up()) is not None:
-            msg = f"{spec.where}: rank 0 gave up waiting for the members: {why}"
+        if spec.give_up is not None and (why := _asked(spec.give_up)) is not None:
+            msg = f"rank 0 gave up waiting for the members: {why}"
             _fail_join(spec, store, sealer, msg)
-            raise GroupBridgeError(msg)
+            raise GroupBridgeError(f"{spec.where}: {msg}")
         if _call(spec, "waiting for members", lambda: store.add(_REJECTS, 0)):
             verified, reason = _read_reject(spec, store)
             if verified:
@@ -254,9 +254,19 @@ _VERDICT_READ_S = 1.0
 its error (a rank that never came, or died, never reads it)."""
 
 
+def _asked(give_up: Callable[[], str | None]) -> str | None:
+    """``give_up``'s reason; one that raises gives up too, with what it raised as the reason."""
+    try:
+        why = give_up()
+    except Exception as e:
+        return f"give_up raised {type(e).__name__}: {e}"
+    return None if why is None else str(why)
+
+
 def _fail_join(spec: JoinSpec, store: Any, sealer: Sealer, reason: str) -> None:
     """Publish why the join failed, and wait (bounded) until every other rank has read it: each counts its
-    read (``failed-read``), so that the ranks raise this reason, not a store that went away."""
+    read (``failed-read``), so that the ranks raise this reason, not a store that went away. A rank that
+    never comes costs the whole bound (a second): one that comes within it still reads the reason."""
     key, read = f"{spec.namespace}/failed", f"{spec.namespace}/failed-read"
     others = spec.world_size - 1
     try:

@@ -116,19 +116,25 @@ class StatelessGroup:
             liveness_timeout: a peer (or the store host) silent for this long is declared dead; failures
                 reach every member within about this long, whatever the operation timeout.
             give_up: rank 0 only: called (every few milliseconds) while it waits for the members; a reason
-                it returns ends the join at once with that reason, and members that joined are told it
-                (one that launched the members learns first that one of them cannot come).
+                it returns (or an exception it raises) ends the join with that reason within a second, and
+                the members that came raise it too, as ``GroupMismatchError`` (whoever launched the members
+                often learns first that one of them cannot come).
 
         Raises:
             ValueError, TypeError: bad arguments.
             JoinTimeoutError: not every rank joined within ``timeout`` (the message names the missing ranks).
             GroupBridgeError: ``give_up`` gave a reason (the message has it).
-            GroupMismatchError: a member of another name, generation, world size or token; a duplicate rank.
+            GroupMismatchError: a member of another name, generation, world size or token; a duplicate rank;
+                on a member, rank 0's ``give_up`` reason.
             StoreUnreachableError: a joiner could not reach the store, or a peer vanished while joining.
         """
         _check_arguments(rank, world_size, generation, timeout, liveness_timeout, name, token, listener)
-        if give_up is not None and (rank != 0 or not callable(give_up)):
-            raise ValueError("give_up= is a callable, for rank 0 (the host waits for the members)")
+        if give_up is not None and not callable(give_up):
+            raise TypeError(
+                f"give_up must be a callable returning a reason or None, got {type(give_up).__name__}"
+            )
+        if give_up is not None and rank != 0:
+            raise ValueError("give_up= is for rank 0 (the host waits for the members)")
         address = _store_address(address_or_host, port, rank, listener)
 
         self = object.__new__(cls)

@@ -53,14 +53,34 @@ def make_group(rank: int, n: int, host: str, ports: Any, **kwargs: Any) -> Any:
     return gb.StatelessGroup.create(host, port, rank=rank, world_size=n, listener=lis, **kwargs)
 
 
+_POLL = {"x86_64": "7", "aarch64": "73"}  # the poll syscall's number (ppoll on aarch64)
+
+
+def unobservable(pid: int) -> str | None:
+    """Why :func:`wait_until_blocked` cannot watch process ``pid`` from this one (another architecture, a
+    kernel without /proc's ``syscall`` file, a ptrace policy hiding a sibling's), or None when it can."""
+    import platform
+
+    if platform.machine() not in _POLL:
+        return f"which syscall is poll on {platform.machine()} is not known here"
+    try:
+        with open(f"/proc/{pid}/task/{pid}/syscall") as f:
+            f.read()
+    except OSError as e:
+        return f"/proc/{pid}/task/{pid}/syscall cannot be read here: {e}"
+    return None
+
+
 def wait_until_blocked(pid: int, tid: int | None = None, *, hold: float = 0.1, timeout: float = 10.0) -> None:
     """Return once thread ``tid`` of process ``pid`` (its main thread by default) has sat in one blocking
     ``poll`` (how torch's store client waits for a reply) for ``hold`` seconds without waking: a store round
     trip lasts microseconds, so a thread that stays there that long is inside a server-side wait. So a test
     goes on once the state it sets up exists, not after a sleep that a busy machine can outlast; raises
-    TimeoutError after ``timeout`` seconds."""
+    TimeoutError after ``timeout`` seconds. Check :func:`unobservable` first."""
+    import platform
     import time
 
+    poll = _POLL[platform.machine()]
     task = f"/proc/{pid}/task/{pid if tid is None else tid}"
 
     def sample() -> tuple[str, str] | None:
@@ -71,7 +91,7 @@ def wait_until_blocked(pid: int, tid: int | None = None, *, hold: float = 0.1, t
                 fields = dict(line.split(":", 1) for line in f if ":" in line)
         except (FileNotFoundError, ProcessLookupError):
             raise AssertionError(f"thread {tid or pid} of process {pid} ended instead of waiting") from None
-        if call != "7" or not fields["State"].strip().startswith("S"):  # 7: poll on x86_64
+        if call != poll or not fields["State"].strip().startswith("S"):
             return None
         return call, fields["voluntary_ctxt_switches"].strip()  # unchanged while it stays asleep
 

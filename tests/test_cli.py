@@ -99,13 +99,17 @@ def test_bench_control_measures_back_to_back_and_one_at_a_time() -> None:
     proc = _run("bench", "--control", "--rounds", "1", "--json", timeout=170)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads(proc.stdout)
-    assert [(r["mode"][:4], r["measure"]) for r in rows] == [
-        (m, measure) for measure in ("back to back", "one at a time") for m in ("vllm", "ours", "ours")
+    peer = rows[0]["mode"]
+    assert peer in ("vllm StatelessProcessGroup", "raw TCPStore (vLLM's protocol)"), rows
+    assert [(r["mode"], r["measure"]) for r in rows] == [
+        (m, measure) for measure in ("back to back", "one at a time") for m in (peer, "ours", "ours_sealed")
     ], rows
-    for r in rows:  # a delay is measured from the source's stamp to the receiver holding the object
-        assert 0 < r["us_range"][0] <= r["us_per_receive"] <= r["us_range"][1] <= r["worst_us"], r
-    one = [r["us_per_receive"] for r in rows if r["measure"] == "one at a time"]
-    assert all(us > 10 for us in one), rows  # a store round trip at least, never a clock artefact
+    one = [r for r in rows if r["measure"] == "one at a time"]
+    # a delay from the source's stamp to a receiver holding the object: a store round trip at least, and far
+    # below the 2 ms between broadcasts unless they queued (a clock read on the wrong side gave -2000 us)
+    assert all(10 < r["us_per_receive"] < 2000 for r in one), one
+    assert all(0.05 < r["vs_peer"] < 50 for r in rows), rows
+    assert [r["keys_freed"] for r in rows] == [False, True, True] * 2, rows
 
 
 @pytest.mark.slow

@@ -9,8 +9,8 @@ and (the ``sealed`` row) a token, so every value carries a MAC.
 Two measures of each: *back to back* (``ops`` broadcasts in a row, time per receive: a stream's
 throughput; vLLM's source never waits for the store, so it runs ahead and leaves the cores to its
 receivers, while ours waits for each acknowledgement) and *one at a time* (the source stamps the object
-and sends the next only 2 ms later, so every receiver is already waiting: the delay from the source's call
-to a receiver holding the object, what one control message costs a caller).
+and sends the next only 2 ms later, meant to find every receiver already waiting: the delay from the
+source's call to a receiver holding the object, what one control message costs a caller).
 """
 
 from __future__ import annotations
@@ -39,10 +39,11 @@ def _peer_loop(store: Any, rank: int, tag: str, ops: int, spaced: bool) -> list[
         if rank == 0:
             if spaced:
                 time.sleep(SPACING_S)
-            store.set(key, pickle.dumps({**PAYLOAD, "t": time.perf_counter()}))
+            store.set(key, pickle.dumps({**PAYLOAD, "t": time.perf_counter()} if spaced else PAYLOAD))
         else:
             got = pickle.loads(store.get(key))
-            delays.append(time.perf_counter() - got["t"])
+            if spaced:
+                delays.append(time.perf_counter() - got["t"])
     return delays
 
 
@@ -131,9 +132,11 @@ def _run_peer(peer: Any, rank: int, tag: str, ops: int, spaced: bool) -> list[fl
 
 
 def run_control(ops: int = 400, rounds: int = 5, receivers: int = 2) -> list[dict[str, Any]]:
-    """Per mode, on each receiver: back to back, microseconds per receive (median of rounds; ``worst_us``
-    the slowest round); one at a time, the median delay to the receiver and ``worst_us`` the longest single
-    one. ``vs_peer``: the median over receivers of the median over rounds of the ratio to the peer's."""
+    """Per mode, ``us_per_receive`` is the median over receivers of each receiver's median over rounds of:
+    back to back, the microseconds per receive of the round (``worst_us``: the slowest round); one at a time,
+    the round's median delay (``worst_us``: the longest single delay). ``us_range``: the receivers' lowest
+    and highest. ``vs_peer``: the median over receivers of the median over rounds of the ratio to the
+    peer's."""
     n = receivers + 1
     import multiprocessing as mp
 

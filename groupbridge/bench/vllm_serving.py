@@ -100,7 +100,7 @@ def run_serving(size: str = "bench", rounds: int = 3, dtype: str = "bfloat16") -
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     return [
         {
-            "mode": m, "bytes": nbytes, "rounds": len(v["seconds"]),
+            "mode": m, "bytes": nbytes, "dtype": dtype, "rounds": len(v["seconds"]),
             "seconds": statistics.median(v["seconds"]), "stall": statistics.median(v["stall"]),
             "stall_max": max(v["stall"]), "commit": statistics.median(v["commit"]) if v["commit"] else None,
             "stalls": v["stall"], "updates": v["seconds"], "commits": v["commit"],
