@@ -22,6 +22,8 @@ import time
 from datetime import timedelta
 from typing import Any
 
+from groupbridge._procs import run_roles
+
 PROTOCOLS = ("vllm", "queues", "key")
 SPACING_S = 0.002
 
@@ -55,7 +57,7 @@ def _receive(store: Any, protocol: str, i: int, rank: int) -> bytes:
                 store.wait([f"bell/{rank}"])
 
 
-def _role(rank: int, ports: Any, out: Any, barrier: Any, protocol: str, ops: int) -> None:
+def _role(rank: int, ports: Any, barrier: Any, protocol: str, ops: int) -> list[float]:
     from torch.distributed import TCPStore
 
     server = None
@@ -76,26 +78,16 @@ def _role(rank: int, ports: Any, out: Any, barrier: Any, protocol: str, ops: int
         else:
             got = pickle.loads(_receive(store, protocol, i, rank))
             delays.append((time.perf_counter() - got["t"]) * 1e6)
-    barrier.wait(60)
-    out.put((rank, delays))
+    barrier.wait(60)  # the store (rank 0's) outlives every receiver's last read
     del server
+    return delays
 
 
 def run(protocol: str, ops: int) -> list[list[float]]:
+    """Each receiver's delays (us) for one run of ``protocol``; the processes are reaped whatever happens."""
     ctx = mp.get_context("spawn")
-    ports, out, barrier = ctx.Queue(), ctx.Queue(), ctx.Barrier(3)
-    procs = [ctx.Process(target=_role, args=(r, ports, out, barrier, protocol, ops)) for r in range(3)]
-    for p in procs:
-        p.start()
-    try:
-        got = dict(out.get(timeout=120) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    return [got[1], got[2]]
+    ports, barrier = ctx.Queue(), ctx.Barrier(3)
+    return run_roles(_role, 3, (ports, barrier, protocol, ops), timeout=120, context=ctx)[1:]
 
 
 def main() -> None:
