@@ -15,6 +15,7 @@ source's call to a receiver holding the object, what one control message costs a
 
 from __future__ import annotations
 
+import itertools
 import pickle
 import statistics
 import time
@@ -32,19 +33,19 @@ SPACING_S = 0.002
 """One at a time: the source's pause before each broadcast (every receiver is waiting by then)."""
 
 
-def _peer_loop(store: Any, rank: int, tag: str, ops: int, spaced: bool) -> list[float]:
-    delays = []
-    for i in range(ops):
-        key = f"peer/{tag}/{i}"
+def _raw_broadcast(store: Any, rank: int, tag: str) -> Any:
+    """vLLM's object protocol on a raw store: the source ``set``s a pickle under the next key, the receivers
+    ``get`` it (waiting until it exists); keys are never freed."""
+    keys = (f"peer/{tag}/{i}" for i in itertools.count())
+
+    def bcast(obj: Any) -> Any:
+        key = next(keys)
         if rank == 0:
-            if spaced:
-                time.sleep(SPACING_S)
-            store.set(key, pickle.dumps({**PAYLOAD, "t": time.perf_counter()} if spaced else PAYLOAD))
-        else:
-            got = pickle.loads(store.get(key))
-            if spaced:
-                delays.append(time.perf_counter() - got["t"])
-    return delays
+            store.set(key, pickle.dumps(obj))
+            return obj
+        return pickle.loads(store.get(key))
+
+    return bcast
 
 
 def _spaced(bcast: Any, rank: int, ops: int) -> list[float]:
@@ -122,12 +123,11 @@ LABELS = ("ours", "ours_sealed", "peer", "ours_1", "ours_sealed_1", "peer_1")
 
 def _run_peer(peer: Any, rank: int, tag: str, ops: int, spaced: bool) -> list[float]:
     kind, obj = peer
-    if kind != "vllm":
-        return _peer_loop(obj, rank, tag, ops, spaced)
+    bcast = (lambda o: obj.broadcast_obj(o, src=0)) if kind == "vllm" else _raw_broadcast(obj, rank, tag)
     if spaced:
-        return _spaced(lambda o: obj.broadcast_obj(o, src=0), rank, ops)
+        return _spaced(bcast, rank, ops)
     for _ in range(ops):
-        obj.broadcast_obj(PAYLOAD if rank == 0 else None, src=0)
+        bcast(PAYLOAD if rank == 0 else None)
     return []
 
 
