@@ -71,8 +71,8 @@ def unobservable(pid: int) -> str | None:
     return None
 
 
-def wait_until_blocked(pid: int, tid: int | None = None, *, hold: float = 0.1, timeout: float = 10.0) -> None:
-    """Return once thread ``tid`` of process ``pid`` (its main thread by default) has sat in one blocking
+def wait_until_blocked(pid: int, *, hold: float = 0.1, timeout: float = 10.0) -> None:
+    """Return once the main thread of process ``pid`` has sat in one blocking
     ``poll`` (how torch's store client waits for a reply) for ``hold`` seconds without waking: a store round
     trip lasts microseconds, so a thread that stays there that long is inside a server-side wait. So a test
     goes on once the state it sets up exists, not after a sleep that a busy machine can outlast; raises
@@ -81,21 +81,23 @@ def wait_until_blocked(pid: int, tid: int | None = None, *, hold: float = 0.1, t
     import time
 
     poll = _POLL[platform.machine()]
-    task = f"/proc/{pid}/task/{pid if tid is None else tid}"
+    task = f"/proc/{pid}/task/{pid}"
 
-    def sample() -> tuple[str, str] | None:
+    def sample() -> str | None:
+        """The thread's voluntary context switches while it sleeps in poll (unchanged while it stays
+        asleep), else None."""
         try:
             with open(f"{task}/syscall") as f:
                 call = f.read().split()[0]
             with open(f"{task}/status") as f:
                 fields = dict(line.split(":", 1) for line in f if ":" in line)
         except (FileNotFoundError, ProcessLookupError):
-            raise AssertionError(f"thread {tid or pid} of process {pid} ended instead of waiting") from None
+            raise AssertionError(f"process {pid} ended instead of waiting") from None
         if call != poll or not fields["State"].strip().startswith("S"):
             return None
-        return call, fields["voluntary_ctxt_switches"].strip()  # unchanged while it stays asleep
+        return fields["voluntary_ctxt_switches"].strip()
 
-    first: tuple[float, tuple[str, str]] | None = None
+    first: tuple[float, str] | None = None
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         now, seen = time.monotonic(), sample()
@@ -104,6 +106,4 @@ def wait_until_blocked(pid: int, tid: int | None = None, *, hold: float = 0.1, t
         elif now - first[0] >= hold:
             return
         time.sleep(0.005)
-    raise TimeoutError(
-        f"thread {tid or pid} of process {pid} was not seen in one wait for {hold}s within {timeout}s"
-    )
+    raise TimeoutError(f"process {pid} was not seen in one wait for {hold}s within {timeout}s")

@@ -444,8 +444,8 @@ def _given_up(rank: int, ports: Any) -> Any:
 
 @pytest.mark.timeout(60)
 def test_rank_zero_gives_up_a_join_when_told_and_the_members_that_came_learn_why() -> None:
-    """A launcher that learns a member cannot come (an engine whose join call failed) ends the join at once
-    instead of at its timeout (30 s here), and the member that joined raises the same reason."""
+    """A launcher that learns a member cannot come (an engine whose join call failed) ends the join in
+    about a second, not at its timeout (30 s here); the member that joined raises the same reason."""
     res = run_ranks(_given_up, 2, CTX.Queue(), timeout=50)
     for r, (kind, text, took) in enumerate(res):
         assert "the launcher lost rank 2" in text and took < 5, (r, kind, text, took)
