@@ -28,7 +28,7 @@ from typing import Any
 
 from ._fmt import ranks
 from ._liveness import status_key, write_status
-from ._seal import ForgedMessageError, Sealer
+from ._seal import ForgedMessageError, Sealer, SessionSealer
 from .control import Deadline
 from .errors import (
     GroupBridgeError,
@@ -42,9 +42,10 @@ from .store import ROOT_PREFIX, StoreClient
 
 __all__ = ["PROTOCOL", "JoinSpec", "Joined", "host_join", "member_join"]
 
-PROTOCOL = 3
+PROTOCOL = 4
 """2 -> 3: a receiver's wants may be conditional (``wants_if``), which a member of protocol 2 would take as
-unconditional and plan otherwise."""
+unconditional and plan otherwise. 3 -> 4: a queue's reader waits on the queue itself (no bell), which a member
+of protocol 3 would never ring, and control messages are sealed with keyed BLAKE2b."""
 # The description and refusals live outside the group's namespace: a member of another name or generation
 # must find them to be told why it is refused.
 _META = f"{ROOT_PREFIX}/meta"
@@ -80,7 +81,7 @@ class Joined:
 
     def __init__(self, spec: JoinSpec, nonce: str, members: list[dict[str, Any]]) -> None:
         nonces = ",".join(str(m["nonce"]) for m in members)
-        self.sealer = Sealer(spec.token, f"{_context(spec, nonce)}/session/{nonces}")
+        self.sealer: Sealer = SessionSealer(spec.token, f"{_context(spec, nonce)}/session/{nonces}")
         self.members = members
 
 

@@ -16,7 +16,7 @@ import hmac
 
 from .errors import ProtocolError
 
-__all__ = ["MAC_BYTES", "ForgedMessageError", "Sealer"]
+__all__ = ["MAC_BYTES", "ForgedMessageError", "Sealer", "SessionSealer"]
 
 MAC_BYTES = 32
 
@@ -60,3 +60,24 @@ class Sealer:
     def digest(self) -> hashlib._Hash:
         """A fresh keyed hash for bulk data (HMAC-SHA256: about 1.4 GB/s with SHA extensions)."""
         return hmac.new(self._key, b"groupbridge-data/1", hashlib.sha256)  # type: ignore[return-value]
+
+
+class SessionSealer(Sealer):
+    """Seals a joined group's control messages with keyed BLAKE2b (a MAC by construction: the key goes
+    into the hash's own state, no HMAC wrapping needed).
+
+    Control messages are small and each is sealed and opened once, usually by a process that has just
+    woken from a wait, its caches cold: there HMAC-SHA256 through OpenSSL costs about 20 us a message and
+    keyed BLAKE2b, CPython's own code, about 8 (the two are equal, 2 us, when warm). Bulk data keeps
+    :meth:`Sealer.digest` (HMAC-SHA256 runs faster on large inputs where the CPU has SHA extensions).
+    """
+
+    _SMALL = 4096
+
+    def mac(self, key: str, payload: bytes | memoryview) -> bytes:
+        head = key.encode() + b"\0"
+        if len(payload) <= self._SMALL:  # one call: the copy costs less than a second update
+            return hashlib.blake2b(head + payload, key=self._key, digest_size=MAC_BYTES).digest()
+        h = hashlib.blake2b(head, key=self._key, digest_size=MAC_BYTES)
+        h.update(payload)
+        return h.digest()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import pickle
 import re
 import struct
+import threading
 from typing import Any
 
 import msgpack
@@ -101,29 +102,49 @@ def tensor_from_bytes(data: bytes | memoryview, dtype: torch.dtype, shape: tuple
     return out
 
 
-def _packer(allow_pickle: bool) -> msgpack.Packer:
-    def default(obj: Any) -> Any:
-        kind = type(obj)
-        if kind is tuple:
-            return msgpack.ExtType(_TUPLE, _pack(list(obj), allow_pickle))
-        if kind is int:  # beyond 64 bits (msgpack asks only then)
-            return msgpack.ExtType(_BIGINT, str(obj).encode())
-        if kind in (bytearray, memoryview):
-            return bytes(obj)
-        if isinstance(obj, torch.Tensor) and kind in (torch.Tensor, torch.nn.Parameter):
-            name = dtype_name(obj.dtype)
-            if name not in _DTYPES:
-                raise TypeError(f"tensors of dtype {obj.dtype} cannot travel in the safe encoding")
-            head = msgpack.packb([name, list(obj.shape)])
-            return msgpack.ExtType(_TENSOR, _TENSOR_HEAD.pack(len(head)) + head + tensor_bytes(obj))
-        if allow_pickle:
-            return msgpack.ExtType(_PICKLE, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
-        raise TypeError(
-            f"{kind.__name__} cannot travel in the safe encoding (None, bool, int, float, str, bytes, "
-            "list, tuple, dict with str keys, tensors); convert it, or make the group with allow_pickle=True"
-        )
+def _default(obj: Any, allow_pickle: bool) -> Any:
+    kind = type(obj)
+    if kind is tuple:
+        return msgpack.ExtType(_TUPLE, _pack(list(obj), allow_pickle, nested=True))
+    if kind is int:  # beyond 64 bits (msgpack asks only then)
+        return msgpack.ExtType(_BIGINT, str(obj).encode())
+    if kind in (bytearray, memoryview):
+        return bytes(obj)
+    if isinstance(obj, torch.Tensor) and kind in (torch.Tensor, torch.nn.Parameter):
+        name = dtype_name(obj.dtype)
+        if name not in _DTYPES:
+            raise TypeError(f"tensors of dtype {obj.dtype} cannot travel in the safe encoding")
+        head = msgpack.packb([name, list(obj.shape)])
+        return msgpack.ExtType(_TENSOR, _TENSOR_HEAD.pack(len(head)) + head + tensor_bytes(obj))
+    if allow_pickle:
+        return msgpack.ExtType(_PICKLE, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+    raise TypeError(
+        f"{kind.__name__} cannot travel in the safe encoding (None, bool, int, float, str, bytes, "
+        "list, tuple, dict with str keys, tensors); convert it, or make the group with allow_pickle=True"
+    )
 
-    return msgpack.Packer(default=default, strict_types=True, use_bin_type=True, datetime=False)
+
+def _default_safe(obj: Any) -> Any:
+    return _default(obj, False)
+
+
+def _default_pickle(obj: Any) -> Any:
+    return _default(obj, True)
+
+
+def _packer(allow_pickle: bool) -> msgpack.Packer:
+    return msgpack.Packer(
+        default=_default_pickle if allow_pickle else _default_safe,
+        strict_types=True,
+        use_bin_type=True,
+        datetime=False,
+    )
+
+
+_packers = threading.local()
+"""Each thread's two top-level packers (safe, pickle-allowed), made once: building a packer costs as much as
+packing a small object, more so with cold caches. A packer is not re-entrant, so a tuple's items (packed
+from inside the packer's ``default``) get a new one; msgpack resets a packer that raised."""
 
 
 def _check_keys(obj: Any, depth: int = 0) -> None:
@@ -142,10 +163,17 @@ def _check_keys(obj: Any, depth: int = 0) -> None:
                 _check_keys(value, depth + 1)
 
 
-def _pack(obj: Any, allow_pickle: bool) -> bytes:
+def _pack(obj: Any, allow_pickle: bool, *, nested: bool = False) -> bytes:
     _check_keys(obj)
+    if nested:
+        packer = _packer(allow_pickle)
+    else:
+        packer = getattr(_packers, "pickle" if allow_pickle else "safe", None)
+        if packer is None:
+            packer = _packer(allow_pickle)
+            setattr(_packers, "pickle" if allow_pickle else "safe", packer)
     try:
-        return bytes(_packer(allow_pickle).pack(obj))
+        return bytes(packer.pack(obj))
     except ValueError as e:  # msgpack's own nesting limit
         raise TypeError(f"object cannot be encoded: {e}") from None
     except RecursionError:

@@ -15,15 +15,16 @@ read them) and *queues* (``push``/``pop``: one reader per queue; popping consume
 is left to delete and the reader usually needs one round trip, not two). Objects between members travel
 in queues; weight-sync signals, barriers and gathers use keys.
 
-Two rules keep torch's store from waking a wait early (its server leaves a client registered on a queue it
-once waited on, and a later push to that queue ends whatever that client waits for next, after which a
-read of a key not yet written returns an empty value):
+A reader with nothing to pop waits in torch's blocking pop: one call that waits on the queue and pops as
+soon as it is woken, so the message follows the wake without a trip back through Python (the same cost
+as a ``get`` of a key). Two rules keep torch's server from waking a wait early, or from slowing down:
 
-- the channel never waits on a queue itself: a reader with nothing to pop waits on the queue's *bell*, a
-  key the pusher sets after every message; the reader deletes it before it looks again and waits (one
-  reader per queue, so no one else can take the ring meant for it);
+- its server leaves a client registered on a queue it once waited on (a push wakes the waiter but does
+  not forget it), so a later push to that queue ends whatever that client waits for next, and each
+  push walks every registration left; a reader therefore clears its registrations on a queue every
+  ``FORGET_EVERY`` waits on it (a ``compare_set`` of the queue's name, which does not create the key);
 - no value written through the channel is empty, so an empty read means "not there yet" and the wait
-  goes on, whatever woke it.
+  goes on, whatever woke it; a pop that a stray wake ends finds the queue empty and waits again.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from typing import TypeVar
 
 from ._fmt import ranks, seconds
 from ._seal import ForgedMessageError, Sealer
-from ._torch_private import QueueEmptyError
+from ._torch_private import QueueEmptyError, TCPStore
 from .errors import GroupBridgeError, PeerTimeoutError, ProtocolError, StoreUnreachableError
 from .store import StoreClient
 
@@ -51,6 +52,9 @@ T = TypeVar("T")
 _FORGED_RETRY_S = 0.005
 _SEQ = struct.Struct("<Q")
 MAX_EARLY = 1024
+FORGET_EVERY = 32
+"""A reader's waits on one queue between two clearings of the registrations torch's server keeps."""
+_ABSENT = "groupbridge: no such key"
 
 
 class Deadline:
@@ -120,12 +124,11 @@ class ControlChannel:
         self._early: dict[tuple[str, int], bytes] = {}
         """Messages popped ahead of their turn (a peer without the token may reorder a queue by popping and
         pushing back), kept until their number comes up."""
+        self._waits: collections.Counter[str] = collections.Counter()
+        """Waits on each queue since its registrations on the server were last cleared."""
 
     def key(self, key: str) -> str:
         return f"{self.prefix}/{key}"
-
-    def _bell(self, queue: str) -> str:
-        return self.key(f"bell/{queue}")
 
     # ------------------------------------------------------------------ plumbing
 
@@ -197,18 +200,15 @@ class ControlChannel:
         round trip, whatever the number of queues).
 
         The seal covers ``binding`` (the channel, e.g. ``bc/<src>``) and ``seq``, so a message moved to
-        another channel fails the check and a stale or replayed one is recognised by its number. Each
-        queue's bell rings after its message is in (see the module docstring).
+        another channel fails the check and a stale or replayed one is recognised by its number.
         """
         item = self.sealer.seal(self.key(binding), _SEQ.pack(seq) + payload)
         store = self.client.get()
         full = [self.key(q) for q in queues]
-        bells = [self._bell(q) for q in queues]
 
         def write() -> None:
-            for q, bell in zip(full, bells, strict=True):
+            for q in full:
                 store.queue_push(q, item)
-                store.set(bell, "1")
             store.check(full[-1:])  # answered after the pushes were applied: the acknowledgement
 
         self.call(write, what)
@@ -216,9 +216,9 @@ class ControlChannel:
     def pop(self, queue: str, seq: int, owner: int, deadline: Deadline, what: str, *, binding: str) -> bytes:
         """Message number ``seq`` of ``queue`` (pushed by ``owner``), consumed.
 
-        One round trip when the message is already there, else one bounded server-side wait on the
-        queue's bell. Forged messages and stale ones (numbered below ``seq``: left by a wait that gave up)
-        are dropped.
+        One round trip when the message is already there, else one more call: torch's blocking pop, bounded
+        by the deadline (see the module docstring). Forged messages and stale ones (numbered below ``seq``:
+        left by a wait that gave up) are dropped.
 
         Raises:
             PeerTimeoutError: the deadline passed (names ``owner``).
@@ -231,23 +231,15 @@ class ControlChannel:
         store = self.client.get()
         full = self.key(queue)
         bound = self.key(binding)
-        bell = self._bell(queue)
 
-        def take() -> bytes | None:
+        def take(block: bool) -> bytes | None:
             try:
-                return bytes(store.queue_pop(full, block=False))
-            except QueueEmptyError:
+                return bytes(store.queue_pop(full, block=block))
+            except QueueEmptyError:  # nothing there yet, or a stray wake ended the wait (module docstring)
                 return None
 
-        def wait_and_take() -> bytes | None:
-            store.delete_key(bell)  # rung for a message taken already, or for this one: look again
-            raw = take()
-            if raw is None:  # the push that comes next rings the bell after it
-                store.wait([bell])
-                raw = take()
-                if raw is None:  # rung with nothing queued: a bell written by someone else; do not spin
-                    time.sleep(_FORGED_RETRY_S)
-            return raw
+        def squatted() -> bool:  # a key of the queue's name (not ours) would end every wait at once
+            return bool(store.check([full])) and store.queue_len(full) == 0
 
         awaiting = False  # told to the watcher only before a wait: a message already there takes one trip
         try:
@@ -260,15 +252,18 @@ class ControlChannel:
                     if not awaiting:
                         self._awaiting((owner,))
                         awaiting = True
+                    self._forget_waiters(store, full, what)
                     store.set_timeout(timedelta(seconds=left))
                 try:
-                    raw = self.call(wait_and_take if wait else take, what)
+                    raw = self.call(lambda block=wait: take(block), what)  # type: ignore[misc]
                 except StoreUnreachableError as e:
                     if deadline.left() < 0.01 and not self.client.interrupted:
                         raise self._late(what, [owner], deadline) from e
                     raise
-                wait = raw is None
                 if raw is None:
+                    if wait and self.call(squatted, what):  # a stray wake is rare; this one would spin
+                        time.sleep(_FORGED_RETRY_S)
+                    wait = True
                     continue
                 try:
                     body = self.sealer.open(bound, raw)
@@ -290,6 +285,15 @@ class ControlChannel:
         finally:
             if awaiting:
                 self._awaiting(())
+
+    def _forget_waiters(self, store: TCPStore, full: str, what: str) -> None:
+        """Before a wait on ``full``: every ``FORGET_EVERY`` waits, clear this connection's registrations on
+        it that torch's server kept (a ``compare_set`` on a missing key wakes and forgets its waiters
+        without creating it)."""
+        self._waits[full] += 1
+        if self._waits[full] >= FORGET_EVERY:
+            self.call(lambda: store.compare_set(full, _ABSENT, "x"), what)
+            self._waits[full] = 0
 
     def add(self, key: str, amount: int, what: str) -> int:
         store = self.client.get()

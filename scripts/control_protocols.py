@@ -5,8 +5,10 @@ on the path: rank 0 stamps a small pickle and broadcasts it every 2 ms to ranks 
 delay from the stamp to holding it. What each protocol costs before any of our Python runs:
 
 - ``vllm``: vLLM's ``StatelessProcessGroup``: an unacknowledged ``set``, receivers ``get`` (a wait, a read);
-- ``queues``: ours: per receiver a queue push and a bell, then an acknowledging ``check``; receivers pop, or
-  wait on their bell and pop;
+- ``bells``: ours until protocol 4: per receiver a queue push and a bell, then an acknowledging ``check``;
+  receivers pop, or clear their bell, pop again, wait on the bell and pop;
+- ``queues``: ours: per receiver a queue push, then an acknowledging ``check``; receivers pop, or make torch's
+  blocking pop (a wait and a pop in one call), clearing the server's registrations every 32 waits;
 - ``key``: one key per broadcast, written and acknowledged; receivers ``get``.
 
 Protocols are run in turn, ``--rounds`` times, so a machine that drifts drifts for all.
@@ -23,8 +25,11 @@ from datetime import timedelta
 from typing import Any
 
 from groupbridge._procs import run_roles
+from groupbridge._torch_private import QueueEmptyError
 
-PROTOCOLS = ("vllm", "queues", "key")
+PROTOCOLS = ("vllm", "bells", "queues", "key")
+FORGET_EVERY = 32
+_waits = [0]
 SPACING_S = 0.002
 
 
@@ -37,7 +42,8 @@ def _send(store: Any, protocol: str, i: int, data: bytes) -> None:
     else:
         for r in (1, 2):
             store.queue_push(f"q/{r}", data)
-            store.set(f"bell/{r}", "1")
+            if protocol == "bells":
+                store.set(f"bell/{r}", "1")
         store.check(["q/2"])
 
 
@@ -46,6 +52,18 @@ def _receive(store: Any, protocol: str, i: int, rank: int) -> bytes:
         return bytes(store.get(f"v/{i}"))
     if protocol == "key":
         return bytes(store.get(f"k/{i}"))
+    if protocol == "queues":
+        try:
+            return bytes(store.queue_pop(f"q/{rank}", block=False))
+        except Exception:  # empty: wait on the queue itself
+            _waits[0] += 1
+            if _waits[0] % FORGET_EVERY == 0:
+                store.compare_set(f"q/{rank}", "absent", "x")
+            while True:
+                try:
+                    return bytes(store.queue_pop(f"q/{rank}", block=True))
+                except QueueEmptyError:  # a stray wake
+                    pass
     while True:
         try:
             return bytes(store.queue_pop(f"q/{rank}", block=False))

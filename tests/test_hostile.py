@@ -312,7 +312,6 @@ def test_an_earlier_instance_recorded_and_replayed_is_refused() -> None:
         fake.set(key, value)
     fake.add(f"{NS}/claim/0", 1)
     fake.queue_push(queue, message)
-    fake.set(f"{NS}/bell/p2p//0/1", "1")
     played: list[Any] = []
 
     def play_rank_0() -> None:  # gloo's side of rank 0, for a joiner that gets that far

@@ -1,10 +1,12 @@
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from datetime import timedelta
 
 import pytest
+from torch.distributed import TCPStore
 
 import groupbridge as gb
 from groupbridge.store import connect_store, host_store, namespaced
@@ -73,3 +75,45 @@ def test_namespaces_do_not_collide() -> None:
     b.set("x", "2")
     a2.set("x", "3")
     assert (a.get("x"), b.get("x"), a2.get("x")) == (b"1", b"2", b"3")
+
+
+@pytest.mark.timeout(30)
+def test_a_queue_reader_clears_what_torchs_server_keeps_of_its_waits() -> None:
+    """What the control channel's blocking pops rely on (``groupbridge.control``'s docstring): torch's server
+    keeps a client registered on a queue it once waited on, so a later push ends that client's wait on
+    anything else; a ``compare_set`` of the queue's name with an expected value that is not there clears
+    those registrations and creates no key (were torch to stop keeping them, the clearing would be harmless
+    and this test would still pass)."""
+    from groupbridge.control import _ABSENT
+
+    server = TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=10), wait_for_workers=False)
+    reader = TCPStore("127.0.0.1", server.port, None, False, timedelta(seconds=10))
+    writer = TCPStore("127.0.0.1", server.port, None, False, timedelta(seconds=10))
+
+    def waits_on_queue() -> None:
+        for _ in range(3):
+            pusher = threading.Timer(0.02, writer.queue_push, ("q", b"m"))
+            pusher.start()
+            assert bytes(reader.queue_pop("q", block=True)) == b"m"
+            pusher.join()
+
+    def wait_ended_by_a_push() -> bool:
+        """Whether a push to the queue ends the reader's 1 s wait on a key nobody writes."""
+        reader.set_timeout(timedelta(seconds=1))
+        pusher = threading.Timer(0.1, writer.queue_push, ("q", b"m"))
+        pusher.start()
+        try:
+            reader.wait(["never"])
+            ended = True
+        except RuntimeError:  # the wait's own timeout
+            ended = False
+        pusher.join()
+        assert bytes(reader.queue_pop("q", block=False)) == b"m"
+        reader.set_timeout(timedelta(seconds=10))
+        return ended
+
+    waits_on_queue()
+    reader.compare_set("q", _ABSENT, "x")
+    assert not reader.check(["q"])  # no key made, the queue is empty
+    assert not wait_ended_by_a_push()
+    assert int(reader.num_keys()) == 0
