@@ -35,7 +35,7 @@ import struct
 import time
 from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 from ._fmt import ranks, seconds
 from ._seal import ForgedMessageError, Sealer
@@ -45,7 +45,7 @@ from .store import StoreClient
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ControlChannel", "Deadline"]
+__all__ = ["ControlChannel", "Deadline", "Route"]
 
 T = TypeVar("T")
 
@@ -86,6 +86,15 @@ class Deadline:
 
     def __str__(self) -> str:
         return seconds(self.total)
+
+
+class Route(NamedTuple):
+    """A queue channel's names in the store (made by :meth:`ControlChannel.route`): the binding its seals
+    cover, and the queues it writes (a sender's route) or the one it reads (a receiver's). Kept by callers
+    that use a channel often, so that a message costs no formatting of names."""
+
+    binding: str
+    queues: tuple[str, ...]
 
 
 class ControlChannel:
@@ -195,26 +204,30 @@ class ControlChannel:
         store = self.client.get()
         self.call(lambda: store.set(full, data), what)  # type: ignore[arg-type]
 
-    def push(self, queues: Sequence[str], seq: int, payload: bytes, what: str, *, binding: str) -> None:
-        """Append message number ``seq`` to each of ``queues`` and return once the store has them (one
-        round trip, whatever the number of queues).
+    def route(self, binding: str, queues: Sequence[str]) -> Route:
+        """The full names of a queue channel: ``binding`` (e.g. ``bc/<src>``) and its ``queues``."""
+        return Route(self.key(binding), tuple(self.key(q) for q in queues))
 
-        The seal covers ``binding`` (the channel, e.g. ``bc/<src>``) and ``seq``, so a message moved to
-        another channel fails the check and a stale or replayed one is recognised by its number.
+    def push(self, route: Route, seq: int, payload: bytes, what: str) -> None:
+        """Append message number ``seq`` to each of ``route``'s queues and return once the store has them
+        (one round trip, whatever the number of queues).
+
+        The seal covers the route's binding and ``seq``, so a message moved to another channel fails the
+        check and a stale or replayed one is recognised by its number.
         """
-        item = self.sealer.seal(self.key(binding), _SEQ.pack(seq) + payload)
+        item = self.sealer.seal(route.binding, _SEQ.pack(seq) + payload)
         store = self.client.get()
-        full = [self.key(q) for q in queues]
+        queues = route.queues
 
         def write() -> None:
-            for q in full:
+            for q in queues:
                 store.queue_push(q, item)
-            store.check(full[-1:])  # answered after the pushes were applied: the acknowledgement
+            store.check([queues[-1]])  # answered after the pushes were applied: the acknowledgement
 
         self.call(write, what)
 
-    def pop(self, queue: str, seq: int, owner: int, deadline: Deadline, what: str, *, binding: str) -> bytes:
-        """Message number ``seq`` of ``queue`` (pushed by ``owner``), consumed.
+    def pop(self, route: Route, seq: int, owner: int, deadline: Deadline, what: str) -> bytes:
+        """Message number ``seq`` of ``route``'s queue (pushed by ``owner``), consumed.
 
         One round trip when the message is already there, else one more call: torch's blocking pop, bounded
         by the deadline (see the module docstring). Forged messages and stale ones (numbered below ``seq``:
@@ -225,12 +238,12 @@ class ControlChannel:
             ProtocolError: more than ``MAX_EARLY`` messages came ahead of their turn.
             PeerDiedError, StoreUnreachableError: a peer or the store failed meanwhile.
         """
-        early = self._early.pop((queue, seq), None)
+        (full,) = route.queues
+        early = self._early.pop((full, seq), None)
         if early is not None:
             return early
         store = self.client.get()
-        full = self.key(queue)
-        bound = self.key(binding)
+        bound = route.binding
 
         def take(block: bool) -> bytes | None:
             try:
@@ -268,10 +281,10 @@ class ControlChannel:
                 try:
                     body = self.sealer.open(bound, raw)
                 except ForgedMessageError:
-                    self._forged(queue)
+                    self._forged(full)
                     continue
                 if len(body) < _SEQ.size:
-                    raise ProtocolError(f"rank {self.rank}: a message in {queue!r} has no sequence number")
+                    raise ProtocolError(f"rank {self.rank}: a message in {full!r} has no sequence number")
                 (got,) = _SEQ.unpack_from(body)
                 if got == seq:
                     return body[_SEQ.size :]
@@ -281,7 +294,7 @@ class ControlChannel:
                             f"rank {self.rank} of {self._where()}: waiting for message #{seq} of {what} from "
                             f"rank {owner}, {len(self._early)} later ones arrived first"
                         )
-                    self._early[(queue, got)] = body[_SEQ.size :]
+                    self._early[(full, got)] = body[_SEQ.size :]
         finally:
             if awaiting:
                 self._awaiting(())

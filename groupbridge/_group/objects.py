@@ -19,7 +19,7 @@ from typing import Any
 
 from .. import codec
 from .._seal import Sealer
-from ..control import ControlChannel, Deadline
+from ..control import ControlChannel, Deadline, Route
 from ..errors import ProtocolError
 from ..store import StoreClient
 from .state import GroupState
@@ -47,6 +47,7 @@ class Objects:
         self._coll_seq = 0
         self._send_seq: dict[tuple[int, str], int] = {}
         self._recv_seq: dict[tuple[int, str], int] = {}
+        self._broadcast_routes: dict[int, Route] = {}
         self.garbage: deque[tuple[int, list[str]]] = deque()
         """Rank 0: (collective number, its keys) of finished collectives, oldest first, until deleted."""
 
@@ -77,7 +78,7 @@ class Objects:
         data = self._encode(obj)
         seq = self._send_seq.get((dst, tag), 0)
         channel = f"p2p/{tag}/{rank}/{dst}"
-        self._control.push([channel], seq, data, "send_obj", binding=channel)
+        self._control.push(self._control.route(channel, [channel]), seq, data, "send_obj")
         self._send_seq[(dst, tag)] = seq + 1
 
     def recv_obj(self, src: int, timeout: timedelta | Deadline | None, tag: str) -> Any:
@@ -87,11 +88,22 @@ class Objects:
         self._check_tag(tag)
         seq = self._recv_seq.get((src, tag), 0)
         channel = f"p2p/{tag}/{src}/{s.rank}"
-        data = self._control.pop(
-            channel, seq, src, s.deadline(timeout), f"object #{seq} (tag {tag!r})", binding=channel
-        )
+        route = self._control.route(channel, [channel])
+        data = self._control.pop(route, seq, src, s.deadline(timeout), f"object #{seq} (tag {tag!r})")
         self._recv_seq[(src, tag)] = seq + 1
         return self._decode(data, src)
+
+    def _broadcast_route(self, src: int) -> Route:
+        """The queues of broadcasts from ``src``: its route to every other rank, or this rank's from it.
+        Made once per source (a broadcast's cost is mostly the Python around its two store calls)."""
+        route = self._broadcast_routes.get(src)
+        if route is None:
+            s = self._state
+            binding = f"bc/{src}"
+            ranks = [r for r in range(s.world_size) if r != src] if s.rank == src else [s.rank]
+            route = self._control.route(binding, [f"{binding}/{r}" for r in ranks])
+            self._broadcast_routes[src] = route
+        return route
 
     def _next_seq(self) -> int:
         self._coll_seq += 1
@@ -134,21 +146,20 @@ class Objects:
             return obj
         data = self._encode(obj) if s.rank == src else b""  # a refused object consumes no sequence
         seq = self._next_seq()
-        binding = f"bc/{src}"
+        route = self._broadcast_route(src)
         if s.rank == src:
-            queues = [f"{binding}/{r}" for r in range(s.world_size) if r != src]
             keys = []
-            if len(data) > INLINE_MAX and len(queues) > 1:  # one copy in the store, read by everyone
+            if len(data) > INLINE_MAX and len(route.queues) > 1:  # one copy in the store, read by everyone
                 keys = [f"bc/{seq}"]
                 control.put(keys[0], data, "broadcast_obj")
-                control.push(queues, seq, _AT_KEY, "broadcast_obj", binding=binding)
+                control.push(route, seq, _AT_KEY, "broadcast_obj")
             else:
-                control.push(queues, seq, _INLINE + data, "broadcast_obj", binding=binding)
+                control.push(route, seq, _INLINE + data, "broadcast_obj")
             self._done_collective(seq, keys)
             return obj
         deadline = s.deadline(timeout)
         what = "a broadcast object"
-        msg = control.pop(f"{binding}/{s.rank}", seq, src, deadline, what, binding=binding)
+        msg = control.pop(route, seq, src, deadline, what)
         keys = []
         if msg == _AT_KEY:
             keys = [f"bc/{seq}"]
