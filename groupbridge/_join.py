@@ -44,8 +44,9 @@ __all__ = ["PROTOCOL", "JoinSpec", "Joined", "host_join", "member_join"]
 
 PROTOCOL = 4
 """2 -> 3: a receiver's wants may be conditional (``wants_if``), which a member of protocol 2 would take as
-unconditional and plan otherwise. 3 -> 4: a queue's reader waits on the queue itself (no bell), which a member
-of protocol 3 would never ring, and control messages are sealed with keyed BLAKE2b."""
+unconditional and plan otherwise. 3 -> 4: a queue's reader waits on the queue itself, and a member of
+protocol 3 would wait on a bell that nobody rings any more; control messages are sealed with keyed
+BLAKE2b."""
 # The description and refusals live outside the group's namespace: a member of another name or generation
 # must find them to be told why it is refused.
 _META = f"{ROOT_PREFIX}/meta"

@@ -1,12 +1,14 @@
 """Sealing control messages: a MAC keyed from the group's token, bound to the group and to the message's key.
 
 TCPStore has no authentication: whoever reaches the port reads and writes every key. With a token, every
-value a member acts on is written as ``MAC || payload`` where the MAC is HMAC-SHA256 under a key derived from
-the token, the group's name and generation, and the nonce rank 0 drew for this instance of the group; the
-MAC covers the store key (which carries the sequence number and the writer's rank) and the payload. A
-process without the token can therefore delete or overwrite keys (deny service) but cannot make a member
-accept a value: a replay from another key, another group or an earlier instance fails the check. Without a
-token values travel bare and the group trusts whoever reaches the port.
+value a member acts on is written as ``MAC || payload`` under a key derived from the token, the group's
+name and generation, and the nonce rank 0 drew for this instance of the group; the MAC covers the store key
+(which carries the sequence number and the writer's rank) and the payload. The join's records are sealed
+with HMAC-SHA256 (:class:`Sealer`), everything after the join with keyed BLAKE2b (:class:`SessionSealer`,
+see there why), so a member of another version still reads the group's description and is refused on its
+protocol number. A process without the token can therefore delete or overwrite keys (deny service) but
+cannot make a member accept a value: a replay from another key, another group or an earlier instance
+fails the check. Without a token values travel bare and the group trusts whoever reaches the port.
 """
 
 from __future__ import annotations
@@ -75,7 +77,9 @@ class SessionSealer(Sealer):
 
     def __init__(self, token: str | None, context: str) -> None:
         super().__init__(token, context)
-        self._keyed = hashlib.blake2b(key=self._key, digest_size=MAC_BYTES)
+        # a key of its own, not the one that keys the bulk digests
+        own = hmac.new(self._key, b"groupbridge-control/blake2b/1", hashlib.sha256).digest()
+        self._keyed = hashlib.blake2b(key=own, digest_size=MAC_BYTES)
 
     def mac(self, key: str, payload: bytes | memoryview) -> bytes:
         h = self._keyed.copy()

@@ -105,7 +105,7 @@ def tensor_from_bytes(data: bytes | memoryview, dtype: torch.dtype, shape: tuple
 def _default(obj: Any, allow_pickle: bool) -> Any:
     kind = type(obj)
     if kind is tuple:
-        return msgpack.ExtType(_TUPLE, _pack(list(obj), allow_pickle, nested=True))
+        return msgpack.ExtType(_TUPLE, _pack(list(obj), allow_pickle))
     if kind is int:  # beyond 64 bits (msgpack asks only then)
         return msgpack.ExtType(_BIGINT, str(obj).encode())
     if kind in (bytearray, memoryview):
@@ -141,10 +141,13 @@ def _packer(allow_pickle: bool) -> msgpack.Packer:
     )
 
 
-_packers = threading.local()
-"""Each thread's two top-level packers (safe, pickle-allowed), made once: building a packer costs as much as
-packing a small object, more so with cold caches. A packer is not re-entrant, so a tuple's items (packed
-from inside the packer's ``default``) get a new one; msgpack resets a packer that raised."""
+_idle = threading.local()
+"""Each thread's idle packers, one per kind (safe, pickle-allowed), kept between calls: building a packer
+costs as much as packing a small object, more so with cold caches. A packer in use is taken out, so a call
+made while it packs (a tuple's items, packed from inside its ``default``; a ``__reduce__`` or a signal
+handler that encodes) makes a fresh one; one that raised or packed more than ``_KEEP_MAX`` (its buffer
+grows to the largest object and stays so) is not put back."""
+_KEEP_MAX = 256 << 10
 
 
 def _check_keys(obj: Any, depth: int = 0) -> None:
@@ -163,21 +166,19 @@ def _check_keys(obj: Any, depth: int = 0) -> None:
                 _check_keys(value, depth + 1)
 
 
-def _pack(obj: Any, allow_pickle: bool, *, nested: bool = False) -> bytes:
+def _pack(obj: Any, allow_pickle: bool) -> bytes:
     _check_keys(obj)
-    if nested:
-        packer = _packer(allow_pickle)
-    else:
-        packer = getattr(_packers, "pickle" if allow_pickle else "safe", None)
-        if packer is None:
-            packer = _packer(allow_pickle)
-            setattr(_packers, "pickle" if allow_pickle else "safe", packer)
+    idle, kind = _idle.__dict__, "pickle" if allow_pickle else "safe"  # this thread's
+    packer = idle.pop(kind, None) or _packer(allow_pickle)
     try:
-        return bytes(packer.pack(obj))
+        out = packer.pack(obj)
     except ValueError as e:  # msgpack's own nesting limit
         raise TypeError(f"object cannot be encoded: {e}") from None
     except RecursionError:
         raise TypeError("object nests too deeply to be encoded") from None
+    if len(out) <= _KEEP_MAX:
+        idle[kind] = packer
+    return bytes(out)
 
 
 def encode(obj: Any, *, allow_pickle: bool = False) -> bytes:

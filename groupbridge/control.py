@@ -17,14 +17,20 @@ in queues; weight-sync signals, barriers and gathers use keys.
 
 A reader with nothing to pop waits in torch's blocking pop: one call that waits on the queue and pops as
 soon as it is woken, so the message follows the wake without a trip back through Python (the same cost
-as a ``get`` of a key). Two rules keep torch's server from waking a wait early, or from slowing down:
+as a ``get`` of a key). torch's server leaves a client registered on a queue it once waited on (a push
+wakes the waiter but does not forget it), with two effects this channel lives with:
 
-- its server leaves a client registered on a queue it once waited on (a push wakes the waiter but does
-  not forget it), so a later push to that queue ends whatever that client waits for next, and each
-  push walks every registration left; a reader therefore clears its registrations on a queue every
-  ``FORGET_EVERY`` waits on it (a ``compare_set`` of the queue's name, which does not create the key);
-- no value written through the channel is empty, so an empty read means "not there yet" and the wait
-  goes on, whatever woke it; a pop that a stray wake ends finds the queue empty and waits again.
+- a later push to that queue ends whatever that client waits for next (a *stray wake*: routine for a
+  member that reads from several channels). So no value written through the channel is empty, an empty
+  read means "not there yet" and the wait goes on, whatever woke it; a pop that a stray wake ends finds
+  the queue empty and waits again. Process groups, whose own waits do not know this, get a connection of
+  their own (:attr:`GroupState.pg_client <groupbridge._group.state.GroupState.pg_client>`);
+- each push walks every registration left, so a reader clears the registrations on a queue every
+  ``FORGET_EVERY`` waits on it (a ``compare_set`` of the queue's name, which wakes and forgets its waiters
+  without creating the key).
+
+A push wakes one waiter, the first registered: a process that reaches the port can take a reader's wake by
+waiting on its queue, as it can take the message by popping it (denial of service, see docs/security.md).
 """
 
 from __future__ import annotations
@@ -134,7 +140,7 @@ class ControlChannel:
         """Messages popped ahead of their turn (a peer without the token may reorder a queue by popping and
         pushing back), kept until their number comes up."""
         self._waits: collections.Counter[str] = collections.Counter()
-        """Waits on each queue since its registrations on the server were last cleared."""
+        """Waits on each queue (its registrations on the server are cleared every ``FORGET_EVERY``)."""
 
     def key(self, key: str) -> str:
         return f"{self.prefix}/{key}"
@@ -205,8 +211,9 @@ class ControlChannel:
         self.call(lambda: store.set(full, data), what)  # type: ignore[arg-type]
 
     def route(self, binding: str, queues: Sequence[str]) -> Route:
-        """The full names of a queue channel: ``binding`` (e.g. ``bc/<src>``) and its ``queues``."""
-        return Route(self.key(binding), tuple(self.key(q) for q in queues))
+        """The full names of a queue channel: ``binding`` (e.g. ``bc/<src>``) and its ``queues``. The binding
+        its seals cover is not a key's name, so a queued message copied into a key fails the check."""
+        return Route(self.key(binding) + "#queue", tuple(self.key(q) for q in queues))
 
     def push(self, route: Route, seq: int, payload: bytes, what: str) -> None:
         """Append message number ``seq`` to each of ``route``'s queues and return once the store has them
@@ -258,14 +265,15 @@ class ControlChannel:
         try:
             wait = False
             while True:
-                left = deadline.left()
-                if left <= 0:
-                    raise self._late(what, [owner], deadline)
                 if wait:
                     if not awaiting:
                         self._awaiting((owner,))
                         awaiting = True
                     self._forget_waiters(store, full, what)
+                left = deadline.left()
+                if left <= 0:
+                    raise self._late(what, [owner], deadline)
+                if wait:
                     store.set_timeout(timedelta(seconds=left))
                 try:
                     raw = self.call(lambda block=wait: take(block), what)  # type: ignore[misc]
@@ -274,10 +282,11 @@ class ControlChannel:
                         raise self._late(what, [owner], deadline) from e
                     raise
                 if raw is None:
-                    if wait and self.call(squatted, what):  # a stray wake is rare; this one would spin
+                    if wait and self.call(squatted, what):  # a key of the queue's name: do not spin
                         time.sleep(_FORGED_RETRY_S)
                     wait = True
                     continue
+                wait = False  # whatever this one was, the next may be there already
                 try:
                     body = self.sealer.open(bound, raw)
                 except ForgedMessageError:
@@ -300,13 +309,13 @@ class ControlChannel:
                 self._awaiting(())
 
     def _forget_waiters(self, store: TCPStore, full: str, what: str) -> None:
-        """Before a wait on ``full``: every ``FORGET_EVERY`` waits, clear this connection's registrations on
-        it that torch's server kept (a ``compare_set`` on a missing key wakes and forgets its waiters
-        without creating it)."""
+        """Before a wait on ``full``: every ``FORGET_EVERY`` waits, clear the registrations torch's server
+        kept on it (this reader's: nobody else waits on its queue). A ``compare_set`` on a missing key wakes
+        and forgets its waiters without creating it; a waiter it wakes is not waiting any more (its count is
+        spent), so no wake reaches anyone."""
         self._waits[full] += 1
-        if self._waits[full] >= FORGET_EVERY:
+        if self._waits[full] % FORGET_EVERY == 0:
             self.call(lambda: store.compare_set(full, _ABSENT, "x"), what)
-            self._waits[full] = 0
 
     def add(self, key: str, amount: int, what: str) -> int:
         store = self.client.get()

@@ -183,6 +183,7 @@ class StatelessGroup:
                 )  # fmt: skip
         self.address = s.address = address
         s.client = open_client(address, self.timeout, s.io_timeout())
+        s.pg_client = open_client(address, self.timeout, s.io_timeout())
         t0 = time.monotonic()
         spec = JoinSpec(
             rank=self.rank, world_size=self.world_size, name=self.name, generation=self.generation,
@@ -307,7 +308,7 @@ class StatelessGroup:
         self._tensors.release(abort=self._state.broken is not None)
         self._tensors.stop()
         with self._state.teardown_lock:
-            for client in (self._state.client, self._watch_client):
+            for client in (self._state.client, self._state.pg_client, self._watch_client):
                 if client is not None:
                     client.close()
         self._server = None  # the last reference: the store stops serving and closes its port

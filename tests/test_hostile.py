@@ -440,3 +440,34 @@ def test_a_same_user_process_cannot_write_the_senders_slots() -> None:
     written, refused = res[2]
     assert written == 0 and refused > 0, res[2]
     assert res[1] == [True] * 10, res[1]
+
+
+def _squatted_queue(rank: int, ports: Any) -> Any:
+    """A process without the token writes a key of the name of rank 1's queue from rank 0, so that every
+    wait on that queue ends at once; rank 0 sends 0.5 s later."""
+    g = make_group(rank, 2, "127.0.0.1", ports, token=TOKEN)
+    if rank == 0:
+        squatter = TCPStore("127.0.0.1", g.address.port, None, False, timedelta(seconds=10))
+        squatter.set(f"{NS}/p2p//0/1", "squatted")
+        g.barrier()
+        time.sleep(0.5)
+        g.send_obj("through", 1)
+        g.barrier()
+        g.close()
+        return None
+    g.barrier()
+    got = g.recv_obj(0)
+    waits = g.control._waits[f"{NS}/p2p//0/1"]
+    g.barrier()
+    g.close()
+    return got, waits
+
+
+@pytest.mark.timeout(60)
+def test_a_key_squatting_a_queues_name_does_not_make_its_reader_spin() -> None:
+    """Torch's wait on a queue returns at once while a key of the queue's name exists: the reader sees it
+    and polls every few milliseconds (about 100 times in 0.5 s) instead of spinning, and still gets its
+    message."""
+    got, waits = run_ranks(_squatted_queue, 2, CTX.Queue(), timeout=50)[1]
+    assert got == "through"
+    assert 10 < waits < 200, f"the reader waited {waits} times in 0.5 s"

@@ -127,7 +127,10 @@ def _quiet_count(g: Any, rank: int, tag: str) -> int:
     return count
 
 
-def _many_messages(rank: int, host: str, ports: Any) -> tuple[int, int]:
+def _many_messages(rank: int, host: str, ports: Any) -> tuple[int, int, int]:
+    import groupbridge.control
+
+    groupbridge.control.FORGET_EVERY = 4  # clear the server's registrations often: that makes no key either
     g = make_group(rank, 3, host, ports)
     baseline = _quiet_count(g, rank, "before")
     for i in range(1000):
@@ -142,16 +145,51 @@ def _many_messages(rank: int, host: str, ports: Any) -> tuple[int, int]:
         big = bytes([i]) * (200 << 10)
         assert g.broadcast_obj(big if rank == 0 else None, src=0) == big
     after = _quiet_count(g, rank, "after")
+    waits = max(g.control._waits.values(), default=0)  # on the queue this rank waited on most
     g.close()
-    return baseline, after
+    return baseline, after, waits
 
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("host", HOSTS)
 def test_keys_are_deleted_once_read(host: str) -> None:
     res = run_ranks(_many_messages, 3, host, CTX.Queue(), timeout=80)
-    baseline, after = res[0]
+    baseline, after, _ = res[0]
     assert after == baseline, res  # no message is left, nor a key made clearing a queue's waiters
+    assert max(r[2] for r in res[1:]) >= 4, res  # a receiver waited on a queue often enough to clear it
+
+
+def _process_groups_own_connection(rank: int, ports: Any) -> Any:
+    """Rank 1 waits for an object (torch's server then keeps its control connection registered on that
+    queue), then waits, as a device group's first collective does, for a key rank 0 writes 0.6 s later,
+    while rank 0 pushes a second object into the queue."""
+    from torch.distributed import PrefixStore
+
+    g = make_group(rank, 2, "127.0.0.1", ports)
+    ns = f"{g._state.namespace}/dev/test"
+    if rank == 1:
+        assert g.recv_obj(0) == "first"  # arrives 0.3 s later: this rank waited in a blocking pop
+        g.barrier()
+        got = bytes(PrefixStore(ns, g._state.pg_client.get()).get("id"))
+        assert g.recv_obj(0) == "second"
+    else:
+        time.sleep(0.3)
+        g.send_obj("first", 1)
+        g.barrier()
+        time.sleep(0.3)
+        g.send_obj("second", 1)  # would end a wait on rank 1's control connection early
+        time.sleep(0.3)
+        PrefixStore(ns, g._state.pg_client.get()).set("id", "the real one")
+        got = b""
+    g.close()
+    return got
+
+
+@pytest.mark.timeout(60)
+def test_a_process_groups_wait_is_not_ended_by_a_push_to_a_queue() -> None:
+    """A device group's lazy start reads its id with torch's own ``get``, which takes a stray wake for an
+    empty value; the process groups have a store connection of their own, never used for a queue wait."""
+    assert run_ranks(_process_groups_own_connection, 2, CTX.Queue(), timeout=50)[1] == b"the real one"
 
 
 def _pickle(rank: int, host: str, ports: Any, allowed: bool) -> Any:

@@ -82,8 +82,7 @@ def test_a_queue_reader_clears_what_torchs_server_keeps_of_its_waits() -> None:
     """What the control channel's blocking pops rely on (``groupbridge.control``'s docstring): torch's server
     keeps a client registered on a queue it once waited on, so a later push ends that client's wait on
     anything else; a ``compare_set`` of the queue's name with an expected value that is not there clears
-    those registrations and creates no key (were torch to stop keeping them, the clearing would be harmless
-    and this test would still pass)."""
+    those registrations and creates no key."""
     from groupbridge.control import _ABSENT
 
     server = TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=10), wait_for_workers=False)
@@ -112,6 +111,9 @@ def test_a_queue_reader_clears_what_torchs_server_keeps_of_its_waits() -> None:
         reader.set_timeout(timedelta(seconds=10))
         return ended
 
+    waits_on_queue()
+    if not wait_ended_by_a_push():
+        pytest.skip("this torch forgets a queue's waiters itself: there is nothing to clear")
     waits_on_queue()
     reader.compare_set("q", _ABSENT, "x")
     assert not reader.check(["q"])  # no key made, the queue is empty

@@ -59,8 +59,9 @@ class Health:
         """Called by the watcher on a finding: wake the caller's wait (its connection is then spent)."""
         s = self._state
         with s.teardown_lock:
-            if s.client is not None:
-                s.client.interrupt()
+            for client in (s.client, s.pg_client):
+                if client is not None:
+                    client.interrupt()
 
     @contextlib.contextmanager
     def depending_on(self, ranks: Iterable[int]) -> Iterator[None]:
@@ -74,8 +75,8 @@ class Health:
 
     def set_awaited(self, peers: Iterable[int]) -> None:
         """The ranks the caller's current wait depends on: the watcher wakes it if one of them fails."""
-        if self.watcher is not None:
-            self.watcher.awaited = tuple(dict.fromkeys((*peers, *self.scope)))
+        if self.watcher is not None:  # cleared after every wait, on the caller's way out: the short way
+            self.watcher.awaited = tuple(dict.fromkeys((*peers, *self.scope))) if peers or self.scope else ()
 
     def grace(self, extra: float) -> timedelta:
         """Two of the watcher's beats and ``extra`` seconds, at most 2 s: long enough for a peer's last

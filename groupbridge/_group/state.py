@@ -58,6 +58,11 @@ class GroupState:
     log: GroupLog
     client: StoreClient | None = None
     """The caller's store connection (the watcher has its own); the watcher shuts it down on a finding."""
+    pg_client: StoreClient | None = None
+    """The process groups' own connection (gloo's rendezvous, a device group's first collective), shut down
+    with ``client``. Never used for a queue wait, so torch's server never ends one of its waits early (see
+    :mod:`groupbridge.control`: a connection that waited on a queue is woken by later pushes to it), which
+    a process group's own ``get`` would take for an empty value."""
     broken: str | None = None
     """Why the group broke (an abort, a peer's failure), once it did; the group is then of no further use."""
     closed: bool = False

@@ -132,8 +132,8 @@ class Tensors:
         s = self._state
         t0 = time.monotonic()
         bound = min(s.timeout, max(2 * s.liveness_timeout, timedelta(seconds=5)))
-        assert s.client is not None
-        store = PrefixStore(f"{s.namespace}/gloo", s.client.get())
+        assert s.pg_client is not None
+        store = PrefixStore(f"{s.namespace}/gloo", s.pg_client.get())
         done: list[Backend | BaseException] = []
         bind_host = self._bind_host()
 
@@ -184,10 +184,12 @@ class Tensors:
             backend = BACKEND_FOR_DEVICE.get(kind)
             if backend is None or not backend_available(backend):
                 raise ValueError(f"no process-group backend for {kind} tensors in this torch build")
-            assert s.client is not None
+            assert s.pg_client is not None
+            store = s.pg_client.get()
+            store.set_timeout(s.timeout)  # its first collective waits there for rank 0's id
             group = _torch_private.new_device_group(
                 kind,
-                PrefixStore(f"{s.namespace}/dev/{kind}", s.client.get()),
+                PrefixStore(f"{s.namespace}/dev/{kind}", store),
                 s.rank,
                 s.world_size,
                 s.timeout,
