@@ -25,9 +25,11 @@ wakes the waiter but does not forget it), with two effects this channel lives wi
   read means "not there yet" and the wait goes on, whatever woke it; a pop that a stray wake ends finds
   the queue empty and waits again. Process groups, whose own waits do not know this, get a connection of
   their own (:attr:`GroupState.pg_client <groupbridge._group.state.GroupState.pg_client>`);
-- each push walks every registration left, so a reader clears the registrations on a queue every
-  ``FORGET_EVERY`` waits on it (a ``compare_set`` of the queue's name, which wakes and forgets its waiters
-  without creating the key).
+- each push walks every registration left, and a queue waited on once (a tag used once) would keep one on
+  the server for good, so the queues a reader waited on are cleared at the liveness watcher's next beat,
+  on its own connection, off the caller's path (:meth:`ControlChannel.sweep`: a ``compare_set`` of the
+  queue's name, which wakes and forgets its waiters without creating the key; a reader waiting on it
+  then takes that as a stray wake).
 
 A push wakes one waiter, the first registered: a process that reaches the port can take a reader's wake by
 waiting on its queue, as it can take the message by popping it (denial of service, see docs/security.md).
@@ -45,7 +47,7 @@ from typing import NamedTuple, TypeVar
 
 from ._fmt import ranks, seconds
 from ._seal import ForgedMessageError, Sealer
-from ._torch_private import QueueEmptyError, TCPStore
+from ._torch_private import QueueEmptyError
 from .errors import GroupBridgeError, PeerTimeoutError, ProtocolError, StoreUnreachableError
 from .store import StoreClient
 
@@ -58,8 +60,6 @@ T = TypeVar("T")
 _FORGED_RETRY_S = 0.005
 _SEQ = struct.Struct("<Q")
 MAX_EARLY = 1024
-FORGET_EVERY = 32
-"""A reader's waits on one queue between two clearings of the registrations torch's server keeps."""
 _ABSENT = "groupbridge: no such key"
 
 
@@ -139,8 +139,10 @@ class ControlChannel:
         self._early: dict[tuple[str, int], bytes] = {}
         """Messages popped ahead of their turn (a peer without the token may reorder a queue by popping and
         pushing back), kept until their number comes up."""
-        self._waits: collections.Counter[str] = collections.Counter()
-        """Waits on each queue (its registrations on the server are cleared every ``FORGET_EVERY``)."""
+        self._waited: set[str] = set()
+        """Queues this reader waited on since the watcher last cleared their registrations (:meth:`sweep`)."""
+        self.waits = 0
+        """Blocking pops made, stray wakes included."""
 
     def key(self, key: str) -> str:
         return f"{self.prefix}/{key}"
@@ -269,7 +271,8 @@ class ControlChannel:
                     if not awaiting:
                         self._awaiting((owner,))
                         awaiting = True
-                    self._forget_waiters(store, full, what)
+                    self._waited.add(full)
+                    self.waits += 1
                 left = deadline.left()
                 if left <= 0:
                     raise self._late(what, [owner], deadline)
@@ -308,15 +311,6 @@ class ControlChannel:
             if awaiting:
                 self._awaiting(())
 
-    def _forget_waiters(self, store: TCPStore, full: str, what: str) -> None:
-        """Before a wait on ``full``: every ``FORGET_EVERY`` waits, clear the registrations torch's server
-        kept on it (this reader's: nobody else waits on its queue). A ``compare_set`` on a missing key wakes
-        and forgets its waiters without creating it; a waiter it wakes is not waiting any more (its count is
-        spent), so no wake reaches anyone."""
-        self._waits[full] += 1
-        if self._waits[full] % FORGET_EVERY == 0:
-            self.call(lambda: store.compare_set(full, _ABSENT, "x"), what)
-
     def add(self, key: str, amount: int, what: str) -> int:
         store = self.client.get()
         return int(self.call(lambda: store.add(self.key(key), amount), what))
@@ -333,12 +327,20 @@ class ControlChannel:
         self._discarded.extend(self.key(k) for k in keys)
 
     def sweep(self, client: StoreClient, budget: float = 0.05) -> None:
-        """Delete discarded keys for at most ``budget`` seconds (the watcher's beat must not wait on a long
-        backlog: the rest goes at the next beat); called on the liveness watcher's thread, and at close."""
+        """Delete discarded keys, then clear the registrations torch's server kept on the queues waited on
+        (see the module docstring), for at most ``budget`` seconds (the watcher's beat must not wait on a
+        long backlog: the rest goes at the next beat); called on the liveness watcher's thread, and at
+        close."""
         store = client.get()
         until = time.monotonic() + budget
         while self._discarded and time.monotonic() < until:
             store.delete_key(self._discarded.popleft())
+        while self._waited and time.monotonic() < until:
+            try:
+                queue = self._waited.pop()
+            except KeyError:  # taken by the other sweep (close sweeps while the watcher may still beat)
+                break
+            store.compare_set(queue, _ABSENT, "x")
 
     def delete(self, keys: Sequence[str], what: str) -> None:
         store = self.client.get()

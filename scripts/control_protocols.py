@@ -8,7 +8,8 @@ delay from the stamp to holding it. What each protocol costs before any of our P
 - ``bells``: ours until protocol 4: per receiver a queue push and a bell, then an acknowledging ``check``;
   receivers pop, or clear their bell, pop again, wait on the bell and pop;
 - ``queues``: ours: per receiver a queue push, then an acknowledging ``check``; receivers pop, or make torch's
-  blocking pop (a wait and a pop in one call), clearing the server's registrations every 32 waits;
+  blocking pop (a wait and a pop in one call); the server's registrations are cleared every 32 waits here
+  (the library clears them on its watcher's connection, off the path);
 - ``key``: one key per broadcast, written and acknowledged; receivers ``get``.
 
 Protocols are run in turn, ``--rounds`` times, so a machine that drifts drifts for all.

@@ -456,8 +456,9 @@ def _squatted_queue(rank: int, ports: Any) -> Any:
         g.close()
         return None
     g.barrier()
+    waits = g.control.waits
     got = g.recv_obj(0)
-    waits = g.control._waits[f"{NS}/p2p//0/1"]
+    waits = g.control.waits - waits
     g.barrier()
     g.close()
     return got, waits

@@ -128,9 +128,6 @@ def _quiet_count(g: Any, rank: int, tag: str) -> int:
 
 
 def _many_messages(rank: int, host: str, ports: Any) -> tuple[int, int, int]:
-    import groupbridge.control
-
-    groupbridge.control.FORGET_EVERY = 4  # clear the server's registrations often: that makes no key either
     g = make_group(rank, 3, host, ports)
     baseline = _quiet_count(g, rank, "before")
     for i in range(1000):
@@ -144,8 +141,12 @@ def _many_messages(rank: int, host: str, ports: Any) -> tuple[int, int, int]:
     for i in range(5):  # above INLINE_MAX: stored once under a key, the queues carry a pointer
         big = bytes([i]) * (200 << 10)
         assert g.broadcast_obj(big if rank == 0 else None, src=0) == big
+    waits = g.control.waits
+    deadline = time.monotonic() + 10  # the watcher clears the queues waited on (which makes no key either)
+    while g.control._waited and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not g.control._waited, "the watcher did not clear the queues waited on"
     after = _quiet_count(g, rank, "after")
-    waits = max(g.control._waits.values(), default=0)  # on the queue this rank waited on most
     g.close()
     return baseline, after, waits
 
@@ -156,7 +157,7 @@ def test_keys_are_deleted_once_read(host: str) -> None:
     res = run_ranks(_many_messages, 3, host, CTX.Queue(), timeout=80)
     baseline, after, _ = res[0]
     assert after == baseline, res  # no message is left, nor a key made clearing a queue's waiters
-    assert max(r[2] for r in res[1:]) >= 4, res  # a receiver waited on a queue often enough to clear it
+    assert max(r[2] for r in res[1:]) > 0, res  # a receiver waited: there was something to clear
 
 
 def _process_groups_own_connection(rank: int, ports: Any) -> Any:
@@ -190,6 +191,38 @@ def test_a_process_groups_wait_is_not_ended_by_a_push_to_a_queue() -> None:
     """A device group's lazy start reads its id with torch's own ``get``, which takes a stray wake for an
     empty value; the process groups have a store connection of their own, never used for a queue wait."""
     assert run_ranks(_process_groups_own_connection, 2, CTX.Queue(), timeout=50)[1] == b"the real one"
+
+
+def _stray_wake(rank: int, ports: Any) -> Any:
+    """Rank 1 waits for an object under tag "b" (torch's server then keeps it registered on that queue),
+    then waits under tag "a" while rank 0 sends under "b" first: that push ends the wait on "a" early."""
+    g = make_group(rank, 2, "127.0.0.1", ports)
+    out: Any = None
+    if rank == 1:
+        assert g.recv_obj(0, tag="b") == "b0"  # sent 0.3 s later: a wait on queue "b"
+        g.barrier()
+        t0, waits = time.monotonic(), g.control.waits
+        got = g.recv_obj(0, tag="a", timeout=timedelta(seconds=5))
+        out = got, time.monotonic() - t0, g.recv_obj(0, tag="b"), g.control.waits - waits
+    else:
+        time.sleep(0.3)
+        g.send_obj("b0", 1, tag="b")
+        g.barrier()
+        time.sleep(0.3)
+        g.send_obj("b1", 1, tag="b")
+        time.sleep(0.3)
+        g.send_obj("a0", 1, tag="a")
+    g.close()
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_a_wait_ended_by_a_push_to_another_queue_waits_again() -> None:
+    got, waited, other, waits = run_ranks(_stray_wake, 2, CTX.Queue(), timeout=50)[1]
+    if waits < 2:
+        pytest.skip("this torch forgets a queue's waiters itself: no wait ends early")
+    assert (got, other) == ("a0", "b1")
+    assert 0.5 < waited < 3, waited  # it waited on, through the stray wake, for the object sent 0.6 s later
 
 
 def _pickle(rank: int, host: str, ports: Any, allowed: bool) -> Any:
