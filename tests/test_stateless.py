@@ -417,7 +417,7 @@ def _wait_after_a_pop(rank: int, ports: Any) -> Any:
             g.recv_obj(1)
             wait_until_blocked(peer)  # rank 1 now waits for key "k"
             g.send_obj("second", 1)  # a push to the queue rank 1 once waited on
-            wait_until_blocked(peer, hold=0.3)  # the push did not end its wait
+            wait_until_blocked(peer, hold=0.3)  # the push ended its wait; it waits again
             g.control.put("k", b"value", "writing k")
             return None
         g.send_obj(os.getpid(), 0, tag="pid")
@@ -431,10 +431,11 @@ def _wait_after_a_pop(rank: int, ports: Any) -> Any:
 
 
 @pytest.mark.timeout(60)
-def test_a_wait_is_not_ended_by_a_push_to_a_queue_once_waited_on() -> None:
-    """torch's store keeps a client registered on a queue it waited on; a later push there ended the
-    client's next wait and the read returned an empty value for a key not yet written. Rank 0 acts only
-    once rank 1 is seen inside each wait (its thread asleep in the store client's poll)."""
+def test_a_read_ended_early_by_a_push_to_a_queue_once_waited_on_waits_on() -> None:
+    """torch's store keeps a client registered on a queue it waited on; a later push there ends the
+    client's next wait (a stray wake), and the read must take the key not yet written as "not yet", not
+    return an empty value. Rank 0 acts only once rank 1 is seen inside each wait (its thread asleep in the
+    store client's poll)."""
     res = run_ranks(_wait_after_a_pop, 2, CTX.Queue(), timeout=50)
     if isinstance(res[0], str):
         pytest.skip(res[0])
