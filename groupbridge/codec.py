@@ -16,7 +16,7 @@ from __future__ import annotations
 import pickle
 import re
 import struct
-import threading
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -105,7 +105,7 @@ def tensor_from_bytes(data: bytes | memoryview, dtype: torch.dtype, shape: tuple
 def _default(obj: Any, allow_pickle: bool) -> Any:
     kind = type(obj)
     if kind is tuple:
-        return msgpack.ExtType(_TUPLE, _pack(list(obj), allow_pickle))
+        return msgpack.ExtType(_TUPLE, encode(list(obj), allow_pickle=allow_pickle)[len(_MAGIC) :])
     if kind is int:  # beyond 64 bits (msgpack asks only then)
         return msgpack.ExtType(_BIGINT, str(obj).encode())
     if kind in (bytearray, memoryview):
@@ -141,12 +141,14 @@ def _packer(allow_pickle: bool) -> msgpack.Packer:
     )
 
 
-_idle = threading.local()
-"""Each thread's idle packers, one per kind (safe, pickle-allowed), kept between calls: building a packer
-costs as much as packing a small object, more so with cold caches. A packer in use is taken out, so a call
-made while it packs (a tuple's items, packed from inside its ``default``; a ``__reduce__`` or a signal
-handler that encodes) makes a fresh one; one that raised or packed more than ``_KEEP_MAX`` (its buffer
-grows to the largest object and stays so) is not put back."""
+_idle: tuple[list[msgpack.Packer], list[msgpack.Packer]] = ([], [])
+"""Idle packers of each kind (safe, pickle-allowed), kept between calls: building a packer costs as much as
+packing a small object, more so with cold caches. A packer in use is taken out (``list.pop`` and
+``append`` are atomic), so another thread, or a call made while it packs (a tuple's items, packed from
+inside its ``default``; a ``__reduce__`` or a signal handler that encodes), takes another or makes a fresh
+one. One that raised or packed more than ``_KEEP_MAX`` (its buffer grows to the largest object and stays
+so) is not put back, nor more than ``_IDLE_MAX`` of a kind."""
+_IDLE_MAX = 4
 _KEEP_MAX = 256 << 10
 
 
@@ -166,24 +168,23 @@ def _check_keys(obj: Any, depth: int = 0) -> None:
                 _check_keys(value, depth + 1)
 
 
-def _pack(obj: Any, allow_pickle: bool) -> bytes:
+def encode(obj: Any, *, allow_pickle: bool = False) -> bytes:
+    """Encode ``obj``; raises ``TypeError`` for anything outside the safe set unless pickle is allowed."""
     _check_keys(obj)
-    idle, kind = _idle.__dict__, "pickle" if allow_pickle else "safe"  # this thread's
-    packer = idle.pop(kind, None) or _packer(allow_pickle)
+    idle = _idle[allow_pickle]
+    try:
+        packer = idle.pop()
+    except IndexError:
+        packer = _packer(allow_pickle)
     try:
         out = packer.pack(obj)
     except ValueError as e:  # msgpack's own nesting limit
         raise TypeError(f"object cannot be encoded: {e}") from None
     except RecursionError:
         raise TypeError("object nests too deeply to be encoded") from None
-    if len(out) <= _KEEP_MAX:
-        idle[kind] = packer
-    return bytes(out)
-
-
-def encode(obj: Any, *, allow_pickle: bool = False) -> bytes:
-    """Encode ``obj``; raises ``TypeError`` for anything outside the safe set unless pickle is allowed."""
-    return _MAGIC + _pack(obj, allow_pickle)
+    if len(out) <= _KEEP_MAX and len(idle) < _IDLE_MAX:
+        idle.append(packer)
+    return _MAGIC + out  # type: ignore[no-any-return]  # bytes: the packer resets after each call
 
 
 def _pairs(pairs: list[tuple[Any, Any]]) -> dict[str, Any]:
@@ -211,7 +212,9 @@ def _tensor(data: bytes) -> torch.Tensor:
     return tensor_from_bytes(memoryview(data)[_TENSOR_HEAD.size + n :], dtype_from_name(name), tuple(shape))
 
 
-def _unpack(data: bytes, allow_pickle: bool, depth: int) -> Any:
+def _ext_hook(allow_pickle: bool, depth: int) -> Callable[[int, bytes], Any]:
+    """msgpack's hook for the extension types, inside ``depth`` tuples."""
+
     def ext(code: int, payload: bytes) -> Any:
         if code == _TUPLE:
             if depth >= MAX_DEPTH:
@@ -234,9 +237,21 @@ def _unpack(data: bytes, allow_pickle: bool, depth: int) -> Any:
             return pickle.loads(payload)
         raise ProtocolError(f"unknown extension type {code} in message")
 
-    return msgpack.unpackb(
-        data, ext_hook=ext, object_pairs_hook=_pairs, strict_map_key=False, raw=False, timestamp=2
-    )  # timestamp=2: msgpack's own timestamp extension decodes to a plain int (nanoseconds)
+    return ext
+
+
+_TOP_HOOKS = (_ext_hook(False, 0), _ext_hook(True, 0))
+"""The hooks of a message's top level (safe, pickle-allowed), made once: a decode builds no closure."""
+
+
+_UNPACK: dict[str, Any] = {"object_pairs_hook": _pairs, "strict_map_key": False, "raw": False, "timestamp": 2}
+"""The decoder's options besides the extension hook (timestamp=2: msgpack's own timestamp extension decodes to
+a plain int, nanoseconds)."""
+
+
+def _unpack(data: bytes, allow_pickle: bool, depth: int) -> Any:
+    """A tuple's items (``depth`` tuples down)."""
+    return msgpack.unpackb(data, ext_hook=_ext_hook(allow_pickle, depth), **_UNPACK)
 
 
 def decode(data: bytes, *, allow_pickle: bool = False) -> Any:
@@ -251,9 +266,8 @@ def decode(data: bytes, *, allow_pickle: bool = False) -> Any:
     if not data.startswith(_MAGIC):
         raise ProtocolError("message does not start with the groupbridge codec header")
     try:
-        value = _unpack(bytes(data[len(_MAGIC) :]), allow_pickle, 0)
+        return msgpack.unpackb(memoryview(data)[len(_MAGIC) :], ext_hook=_TOP_HOOKS[allow_pickle], **_UNPACK)
     except ProtocolError:
         raise
     except (ValueError, TypeError, OverflowError, RecursionError, msgpack.UnpackException) as e:
         raise ProtocolError(f"malformed message: {type(e).__name__}: {e}") from None
-    return value

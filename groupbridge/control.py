@@ -43,7 +43,7 @@ import struct
 import time
 from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
-from typing import NamedTuple, TypeVar
+from typing import NamedTuple, NoReturn, TypeVar
 
 from ._fmt import ranks, seconds
 from ._seal import ForgedMessageError, Sealer
@@ -151,27 +151,37 @@ class ControlChannel:
 
     def call(self, fn: Callable[[], T], what: str) -> T:
         """Run one store call, turning torch's errors into the group's (the watcher's finding first)."""
+        if self._failure() is not None:
+            self._raise_failure()
+        try:
+            return fn()
+        except GroupBridgeError:
+            raise
+        except (RuntimeError, OSError) as e:
+            self._store_failed(e, what)
+
+    def _raise_failure(self) -> None:
+        """Raise the group's failure if it has one (callers on a hot path look first, one call fewer)."""
         failed = self._failure()
         if failed is not None:
             try:
                 raise failed
             finally:  # no cycle through this frame (it would keep a failed sync's buffers until collected)
                 del failed
-        try:
-            return fn()
-        except GroupBridgeError:
-            raise
-        except (RuntimeError, OSError) as e:
-            failed = self._failure()
-            if failed is not None:
-                try:
-                    raise failed from e
-                finally:
-                    del failed
-            raise StoreUnreachableError(
-                f"rank {self.rank}: the store of {self._where()} (hosted by rank 0) did not answer during "
-                f"{what}: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
-            ) from e
+
+    def _store_failed(self, e: BaseException, what: str) -> NoReturn:
+        """Raise for a store call that failed with ``e``: the watcher's finding if it has one (a peer died,
+        the store went), else :class:`StoreUnreachableError`."""
+        failed = self._failure()
+        if failed is not None:
+            try:
+                raise failed from e
+            finally:
+                del failed
+        raise StoreUnreachableError(
+            f"rank {self.rank}: the store of {self._where()} (hosted by rank 0) did not answer during "
+            f"{what}: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+        ) from e
 
     def _open(self, key: str, raw: bytes) -> bytes:
         return self.sealer.open(self.key(key), raw)
@@ -224,16 +234,21 @@ class ControlChannel:
         The seal covers the route's binding and ``seq``, so a message moved to another channel fails the
         check and a stale or replayed one is recognised by its number.
         """
-        item = self.sealer.seal(route.binding, _SEQ.pack(seq) + payload)
+        # Written out (no closures, no call()): this is the path of every small control message, whose cost
+        # is mostly the Python it runs, with caches cold (the caller has just woken).
+        item = _SEQ.pack(seq) + payload
+        if self.sealer.enabled:
+            item = self.sealer.seal(route.binding, item)
         store = self.client.get()
         queues = route.queues
-
-        def write() -> None:
+        if self._failure() is not None:
+            self._raise_failure()
+        try:
             for q in queues:
                 store.queue_push(q, item)
             store.check([queues[-1]])  # answered after the pushes were applied: the acknowledgement
-
-        self.call(write, what)
+        except (RuntimeError, OSError) as e:
+            self._store_failed(e, what)
 
     def pop(self, route: Route, seq: int, owner: int, deadline: Deadline, what: str) -> bytes:
         """Message number ``seq`` of ``route``'s queue (pushed by ``owner``), consumed.
@@ -252,17 +267,13 @@ class ControlChannel:
         if early is not None:
             return early
         store = self.client.get()
-        bound = route.binding
-
-        def take(block: bool) -> bytes | None:
-            try:
-                return bytes(store.queue_pop(full, block=block))
-            except QueueEmptyError:  # nothing there yet, or a stray wake ended the wait (module docstring)
-                return None
+        sealer = self.sealer
 
         def squatted() -> bool:  # a key of the queue's name (not ours) would end every wait at once
             return bool(store.check([full])) and store.queue_len(full) == 0
 
+        # The store call is written out (no closures, no call()): after a wake, this is the path of every
+        # small control message, whose cost is mostly the Python it runs, with caches cold.
         awaiting = False  # told to the watcher only before a wait: a message already there takes one trip
         try:
             wait = False
@@ -278,35 +289,41 @@ class ControlChannel:
                     raise self._late(what, [owner], deadline)
                 if wait:
                     store.set_timeout(timedelta(seconds=left))
+                if self._failure() is not None:
+                    self._raise_failure()
                 try:
-                    raw = self.call(lambda block=wait: take(block), what)  # type: ignore[misc]
-                except StoreUnreachableError as e:
-                    if deadline.left() < 0.01 and not self.client.interrupted:
-                        raise self._late(what, [owner], deadline) from e
-                    raise
+                    raw: bytes | None = store.queue_pop(full, block=wait)
+                # QueueEmptyError: nothing there yet, or a stray wake ended the wait (module docstring)
+                except QueueEmptyError:
+                    raw = None
+                except (RuntimeError, OSError) as e:
+                    if deadline.left() < 0.01 and not self.client.interrupted and self._failure() is None:
+                        raise self._late(what, [owner], deadline) from e  # the wait ran out of time
+                    self._store_failed(e, what)
                 if raw is None:
                     if wait and self.call(squatted, what):  # a key of the queue's name: do not spin
                         time.sleep(_FORGED_RETRY_S)
                     wait = True
                     continue
                 wait = False  # whatever this one was, the next may be there already
-                try:
-                    body = self.sealer.open(bound, raw)
-                except ForgedMessageError:
-                    self._forged(full)
-                    continue
-                if len(body) < _SEQ.size:
+                if sealer.enabled:
+                    try:
+                        raw = sealer.open(route.binding, raw)
+                    except ForgedMessageError:
+                        self._forged(full)
+                        continue
+                if len(raw) < _SEQ.size:
                     raise ProtocolError(f"rank {self.rank}: a message in {full!r} has no sequence number")
-                (got,) = _SEQ.unpack_from(body)
+                (got,) = _SEQ.unpack_from(raw)
                 if got == seq:
-                    return body[_SEQ.size :]
+                    return raw[_SEQ.size :]
                 if got > seq:
                     if len(self._early) >= MAX_EARLY:
                         raise ProtocolError(
                             f"rank {self.rank} of {self._where()}: waiting for message #{seq} of {what} from "
                             f"rank {owner}, {len(self._early)} later ones arrived first"
                         )
-                    self._early[(full, got)] = body[_SEQ.size :]
+                    self._early[(full, got)] = raw[_SEQ.size :]
         finally:
             if awaiting:
                 self._awaiting(())

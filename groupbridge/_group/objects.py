@@ -62,8 +62,11 @@ class Objects:
         try:
             return codec.decode(data, allow_pickle=self._allow_pickle)
         except ProtocolError as e:
-            s = self._state
-            raise ProtocolError(f"rank {s.rank} of {s.where()}: object from rank {src}: {e}") from e
+            raise self._malformed(e, src) from e
+
+    def _malformed(self, e: ProtocolError, src: int) -> ProtocolError:
+        s = self._state
+        return ProtocolError(f"rank {s.rank} of {s.where()}: object from rank {src}: {e}")
 
     @staticmethod
     def _check_tag(tag: str) -> None:
@@ -138,36 +141,45 @@ class Objects:
             self.garbage.popleft()  # only once deleted: an empty deque means the keys are gone
 
     def broadcast_obj(self, obj: Any, src: int, timeout: timedelta | Deadline | None) -> Any:
+        # Written for a small object, the common case: its cost is mostly the Python it runs, with caches
+        # cold (the caller has just woken), so the checks that pass are inline and the codec is called as is.
         s, control = self._state, self._control
-        s.check_open()
-        s.check_rank(src, "src")
+        if s.closed or s.broken is not None:
+            s.check_open()
+        if type(src) is not int or not 0 <= src < s.world_size:
+            s.check_rank(src, "src")
         if s.world_size == 1:
-            self._encode(obj)
+            codec.encode(obj, allow_pickle=self._allow_pickle)
             return obj
-        data = self._encode(obj) if s.rank == src else b""  # a refused object consumes no sequence
-        seq = self._next_seq()
-        route = self._broadcast_route(src)
+        # a refused object consumes no sequence
+        data = codec.encode(obj, allow_pickle=self._allow_pickle) if s.rank == src else b""
+        self._coll_seq = seq = self._coll_seq + 1
+        route = self._broadcast_routes.get(src) or self._broadcast_route(src)
+        keys = []
         if s.rank == src:
-            keys = []
             if len(data) > INLINE_MAX and len(route.queues) > 1:  # one copy in the store, read by everyone
                 keys = [f"bc/{seq}"]
                 control.put(keys[0], data, "broadcast_obj")
                 control.push(route, seq, _AT_KEY, "broadcast_obj")
             else:
                 control.push(route, seq, _INLINE + data, "broadcast_obj")
-            self._done_collective(seq, keys)
+            if keys or seq % WATERMARK_EVERY == 0:
+                self._done_collective(seq, keys)
             return obj
         deadline = s.deadline(timeout)
         what = "a broadcast object"
         msg = control.pop(route, seq, src, deadline, what)
-        keys = []
         if msg == _AT_KEY:
             keys = [f"bc/{seq}"]
             msg = _INLINE + control.get_one(keys[0], src, deadline, what)
-        if not msg.startswith(_INLINE):
+        elif not msg.startswith(_INLINE):
             raise ProtocolError(f"rank {s.rank} of {s.where()}: malformed broadcast from rank {src}")
-        self._done_collective(seq, keys)
-        return self._decode(msg[1:], src)
+        if keys or seq % WATERMARK_EVERY == 0:
+            self._done_collective(seq, keys)
+        try:
+            return codec.decode(msg[1:], allow_pickle=self._allow_pickle)
+        except ProtocolError as e:
+            raise self._malformed(e, src) from e
 
     def all_gather_obj(self, obj: Any, timeout: timedelta | Deadline | None) -> list[Any]:
         s = self._state
