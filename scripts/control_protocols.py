@@ -12,13 +12,17 @@ delay from the stamp to holding it. What each protocol costs before any of our P
   (the library clears them on its watcher's connection, off the path);
 - ``key``: one key per broadcast, written and acknowledged; receivers ``get``.
 
-Protocols are run in turn, ``--rounds`` times, so a machine that drifts drifts for all.
+Protocols are run in turn, ``--rounds`` times, so a machine that drifts drifts for all. ``--pin 1,0,0``
+keeps rank 0 (and the store's thread) on CPU 1 and the receivers on CPU 0: where each process runs, not the
+protocol, sets most of the delay on a small virtual machine (a wake-up that crosses to an idle CPU costs
+more than the rest of the broadcast).
 """
 
 from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import pickle
 import statistics
 import time
@@ -76,9 +80,11 @@ def _receive(store: Any, protocol: str, i: int, rank: int) -> bytes:
                 store.wait([f"bell/{rank}"])
 
 
-def _role(rank: int, ports: Any, barrier: Any, protocol: str, ops: int) -> list[float]:
+def _role(rank: int, ports: Any, barrier: Any, protocol: str, ops: int, pin: list[int] | None) -> list[float]:
     from torch.distributed import TCPStore
 
+    if pin is not None:  # before the store starts its thread, which inherits it
+        os.sched_setaffinity(0, {pin[rank]})
     server = None
     if rank == 0:
         server = TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=60), wait_for_workers=False)
@@ -102,22 +108,27 @@ def _role(rank: int, ports: Any, barrier: Any, protocol: str, ops: int) -> list[
     return delays
 
 
-def run(protocol: str, ops: int) -> list[list[float]]:
-    """Each receiver's delays (us) for one run of ``protocol``; the processes are reaped whatever happens."""
+def run(protocol: str, ops: int, pin: list[int] | None = None) -> list[list[float]]:
+    """Each receiver's delays (us) for one run of ``protocol``, ranks on the CPUs ``pin`` names (else where
+    the scheduler puts them); the processes are reaped whatever happens."""
     ctx = mp.get_context("spawn")
     ports, barrier = ctx.Queue(), ctx.Barrier(3)
-    return run_roles(_role, 3, (ports, barrier, protocol, ops), timeout=120, context=ctx)[1:]
+    return run_roles(_role, 3, (ports, barrier, protocol, ops, pin), timeout=120, context=ctx)[1:]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ops", type=int, default=300)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--pin", help="the CPU of ranks 0, 1 and 2, e.g. 1,0,0 (default: the scheduler's choice)")
     args = ap.parse_args()
+    pin = [int(c) for c in args.pin.split(",")] if args.pin else None
+    if pin is not None and len(pin) != 3:
+        ap.error("--pin names three CPUs, one per rank")
     rows: dict[str, list[list[float]]] = {p: [] for p in PROTOCOLS}
     for _ in range(args.rounds):
         for protocol in PROTOCOLS:
-            rows[protocol].extend(run(protocol, args.ops))
+            rows[protocol].extend(run(protocol, args.ops, pin))
     print("protocol  median delay per receiver and round (us)          worst (us)")
     for protocol, runs in rows.items():
         medians = " ".join(f"{statistics.median(d):6.1f}" for d in runs)
