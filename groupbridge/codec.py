@@ -105,7 +105,7 @@ def tensor_from_bytes(data: bytes | memoryview, dtype: torch.dtype, shape: tuple
 def _default(obj: Any, allow_pickle: bool) -> Any:
     kind = type(obj)
     if kind is tuple:
-        return msgpack.ExtType(_TUPLE, encode(list(obj), allow_pickle=allow_pickle)[len(_MAGIC) :])
+        return msgpack.ExtType(_TUPLE, _pack(list(obj), allow_pickle))
     if kind is int:  # beyond 64 bits (msgpack asks only then)
         return msgpack.ExtType(_BIGINT, str(obj).encode())
     if kind in (bytearray, memoryview):
@@ -168,10 +168,9 @@ def _check_keys(obj: Any, depth: int = 0) -> None:
                 _check_keys(value, depth + 1)
 
 
-def encode(obj: Any, *, allow_pickle: bool = False) -> bytes:
-    """Encode ``obj``; raises ``TypeError`` for anything outside the safe set unless pickle is allowed."""
+def _pack(obj: Any, allow_pickle: bool) -> bytes:
     _check_keys(obj)
-    idle = _idle[allow_pickle]
+    idle = _idle[1 if allow_pickle else 0]
     try:
         packer = idle.pop()
     except IndexError:
@@ -184,7 +183,12 @@ def encode(obj: Any, *, allow_pickle: bool = False) -> bytes:
         raise TypeError("object nests too deeply to be encoded") from None
     if len(out) <= _KEEP_MAX and len(idle) < _IDLE_MAX:
         idle.append(packer)
-    return _MAGIC + out  # type: ignore[no-any-return]  # bytes: the packer resets after each call
+    return out  # type: ignore[no-any-return]  # bytes: the packer resets after each call
+
+
+def encode(obj: Any, *, allow_pickle: bool = False) -> bytes:
+    """Encode ``obj``; raises ``TypeError`` for anything outside the safe set unless pickle is allowed."""
+    return _MAGIC + _pack(obj, allow_pickle)
 
 
 def _pairs(pairs: list[tuple[Any, Any]]) -> dict[str, Any]:
@@ -266,7 +270,9 @@ def decode(data: bytes, *, allow_pickle: bool = False) -> Any:
     if not data.startswith(_MAGIC):
         raise ProtocolError("message does not start with the groupbridge codec header")
     try:
-        return msgpack.unpackb(memoryview(data)[len(_MAGIC) :], ext_hook=_TOP_HOOKS[allow_pickle], **_UNPACK)
+        return msgpack.unpackb(
+            memoryview(data)[len(_MAGIC) :], ext_hook=_TOP_HOOKS[1 if allow_pickle else 0], **_UNPACK
+        )
     except ProtocolError:
         raise
     except (ValueError, TypeError, OverflowError, RecursionError, msgpack.UnpackException) as e:

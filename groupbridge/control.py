@@ -151,8 +151,7 @@ class ControlChannel:
 
     def call(self, fn: Callable[[], T], what: str) -> T:
         """Run one store call, turning torch's errors into the group's (the watcher's finding first)."""
-        if self._failure() is not None:
-            self._raise_failure()
+        self._check_failure()
         try:
             return fn()
         except GroupBridgeError:
@@ -160,8 +159,8 @@ class ControlChannel:
         except (RuntimeError, OSError) as e:
             self._store_failed(e, what)
 
-    def _raise_failure(self) -> None:
-        """Raise the group's failure if it has one (callers on a hot path look first, one call fewer)."""
+    def _check_failure(self) -> None:
+        """Raise the group's failure (the liveness watcher's finding), if it has one."""
         failed = self._failure()
         if failed is not None:
             try:
@@ -241,9 +240,8 @@ class ControlChannel:
             item = self.sealer.seal(route.binding, item)
         store = self.client.get()
         queues = route.queues
-        if self._failure() is not None:
-            self._raise_failure()
-        try:
+        self._check_failure()
+        try:  # torch's calls only: a GroupBridgeError (an OSError too) must not reach the handler
             for q in queues:
                 store.queue_push(q, item)
             store.check([queues[-1]])  # answered after the pushes were applied: the acknowledgement
@@ -289,9 +287,8 @@ class ControlChannel:
                     raise self._late(what, [owner], deadline)
                 if wait:
                     store.set_timeout(timedelta(seconds=left))
-                if self._failure() is not None:
-                    self._raise_failure()
-                try:
+                self._check_failure()
+                try:  # torch's call only: a GroupBridgeError (an OSError too) must not reach the handlers
                     raw: bytes | None = store.queue_pop(full, block=wait)
                 # QueueEmptyError: nothing there yet, or a stray wake ended the wait (module docstring)
                 except QueueEmptyError:
@@ -306,24 +303,25 @@ class ControlChannel:
                     wait = True
                     continue
                 wait = False  # whatever this one was, the next may be there already
+                body = raw
                 if sealer.enabled:
                     try:
-                        raw = sealer.open(route.binding, raw)
+                        body = sealer.open(route.binding, raw)
                     except ForgedMessageError:
                         self._forged(full)
                         continue
-                if len(raw) < _SEQ.size:
+                if len(body) < _SEQ.size:
                     raise ProtocolError(f"rank {self.rank}: a message in {full!r} has no sequence number")
-                (got,) = _SEQ.unpack_from(raw)
+                (got,) = _SEQ.unpack_from(body)
                 if got == seq:
-                    return raw[_SEQ.size :]
+                    return body[_SEQ.size :]
                 if got > seq:
                     if len(self._early) >= MAX_EARLY:
                         raise ProtocolError(
                             f"rank {self.rank} of {self._where()}: waiting for message #{seq} of {what} from "
                             f"rank {owner}, {len(self._early)} later ones arrived first"
                         )
-                    self._early[(full, got)] = raw[_SEQ.size :]
+                    self._early[(full, got)] = body[_SEQ.size :]
         finally:
             if awaiting:
                 self._awaiting(())

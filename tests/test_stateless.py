@@ -51,6 +51,20 @@ def _happy(rank: int, host: str, ports: Any) -> dict[str, Any]:
         g.broadcast_obj(Point(1), src=rank)  # every rank: fails locally, before anything is sent
     except TypeError as e:
         out["unsafe"] = str(e)
+    refused = []  # a timeout that is not a timedelta: every rank refuses it before its collective counts
+    for bad in (
+        lambda: g.broadcast_obj(rank, src=0, timeout=5),  # type: ignore[arg-type]
+        lambda: g.all_gather_obj(rank, timeout=5),  # type: ignore[arg-type]
+        lambda: g.barrier(timeout=5),  # type: ignore[arg-type]
+    ):
+        try:
+            bad()
+        except TypeError as e:
+            refused.append("timedelta" in str(e))
+    out["bad_timeout"] = refused
+    out["in_step"] = g.broadcast_obj(
+        "still in step" if rank == 0 else None, src=0, timeout=timedelta(seconds=5)
+    )
     t = torch.full((1 << 16,), float(rank + 1))
     g.all_reduce(t)
     out["allreduce"] = t[0].item()
@@ -92,6 +106,8 @@ def test_four_processes_every_pattern(host: str) -> None:
         assert out["bcast_from_2"] == ("two", b"\x00\x01")
         assert out["gather"] == [{"rank": r, "f": r / 2} for r in range(4)]
         assert "Point cannot travel" in out["unsafe"] and "allow_pickle" in out["unsafe"]
+        assert out["bad_timeout"] == [True, True, True]
+        assert out["in_step"] == "still in step"
         assert out["allreduce"] == 10.0
         assert out["broadcast_ok"]
         assert "closed" in out["after_close"]

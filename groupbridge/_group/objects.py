@@ -151,10 +151,13 @@ class Objects:
         if s.world_size == 1:
             codec.encode(obj, allow_pickle=self._allow_pickle)
             return obj
-        # a refused object consumes no sequence
+        # a refused object or timeout consumes no sequence, on any rank (the source checks a timeout given)
         data = codec.encode(obj, allow_pickle=self._allow_pickle) if s.rank == src else b""
+        deadline = s.deadline(timeout) if s.rank != src or timeout is not None else None
         self._coll_seq = seq = self._coll_seq + 1
-        route = self._broadcast_routes.get(src) or self._broadcast_route(src)
+        route = self._broadcast_routes.get(src)
+        if route is None:
+            route = self._broadcast_route(src)
         keys = []
         if s.rank == src:
             if len(data) > INLINE_MAX and len(route.queues) > 1:  # one copy in the store, read by everyone
@@ -163,18 +166,18 @@ class Objects:
                 control.push(route, seq, _AT_KEY, "broadcast_obj")
             else:
                 control.push(route, seq, _INLINE + data, "broadcast_obj")
-            if keys or seq % WATERMARK_EVERY == 0:
+            if keys or seq % WATERMARK_EVERY == 0:  # else _done_collective has nothing to do
                 self._done_collective(seq, keys)
             return obj
-        deadline = s.deadline(timeout)
         what = "a broadcast object"
+        assert deadline is not None
         msg = control.pop(route, seq, src, deadline, what)
         if msg == _AT_KEY:
             keys = [f"bc/{seq}"]
             msg = _INLINE + control.get_one(keys[0], src, deadline, what)
         elif not msg.startswith(_INLINE):
             raise ProtocolError(f"rank {s.rank} of {s.where()}: malformed broadcast from rank {src}")
-        if keys or seq % WATERMARK_EVERY == 0:
+        if keys or seq % WATERMARK_EVERY == 0:  # else _done_collective has nothing to do
             self._done_collective(seq, keys)
         try:
             return codec.decode(msg[1:], allow_pickle=self._allow_pickle)
@@ -187,11 +190,12 @@ class Objects:
         data = self._encode(obj)
         if s.world_size == 1:
             return [obj]
+        deadline = s.deadline(timeout)  # a refused timeout consumes no sequence
         seq = self._next_seq()
         keys = [f"ag/{seq}/{r}" for r in range(s.world_size)]
         self._control.post(keys[s.rank], data, "all_gather_obj")
         others = s.others()
-        got = self._control.get([keys[r] for r in others], others, s.deadline(timeout), "all_gather_obj")
+        got = self._control.get([keys[r] for r in others], others, deadline, "all_gather_obj")
         out = [obj] * s.world_size
         for r, value in zip(others, got, strict=True):
             out[r] = self._decode(value, r)
@@ -203,9 +207,10 @@ class Objects:
         s.check_open()
         if s.world_size == 1:
             return
+        deadline = s.deadline(timeout)  # a refused timeout consumes no sequence
         seq = self._next_seq()
         keys = [f"bar/{seq}/{r}" for r in range(s.world_size)]
         self._control.post(keys[s.rank], b"1", "barrier")
         others = s.others()
-        self._control.get([keys[r] for r in others], others, s.deadline(timeout), "the barrier")
+        self._control.get([keys[r] for r in others], others, deadline, "the barrier")
         self._done_collective(seq, keys, flush=True)
