@@ -47,7 +47,7 @@ from typing import NamedTuple, NoReturn, TypeVar
 
 from ._fmt import ranks, seconds
 from ._seal import ForgedMessageError, Sealer
-from ._torch_private import QueueEmptyError
+from ._torch_private import QueueEmptyError, TCPStore
 from .errors import GroupBridgeError, PeerTimeoutError, ProtocolError, StoreUnreachableError
 from .store import StoreClient
 
@@ -182,9 +182,6 @@ class ControlChannel:
             f"{what}: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
         ) from e
 
-    def _open(self, key: str, raw: bytes) -> bytes:
-        return self.sealer.open(self.key(key), raw)
-
     def _forged(self, key: str) -> None:
         if not self._warned_forgery:
             self._warned_forgery = True
@@ -267,9 +264,6 @@ class ControlChannel:
         store = self.client.get()
         sealer = self.sealer
 
-        def squatted() -> bool:  # a key of the queue's name (not ours) would end every wait at once
-            return bool(store.check([full])) and store.queue_len(full) == 0
-
         # The store call is written out (no closures, no call()): after a wake, this is the path of every
         # small control message, whose cost is mostly the Python it runs, with caches cold.
         awaiting = False  # told to the watcher only before a wait: a message already there takes one trip
@@ -290,15 +284,14 @@ class ControlChannel:
                 self._check_failure()
                 try:  # torch's call only: a GroupBridgeError (an OSError too) must not reach the handlers
                     raw: bytes | None = store.queue_pop(full, block=wait)
-                # QueueEmptyError: nothing there yet, or a stray wake ended the wait (module docstring)
                 except QueueEmptyError:
-                    raw = None
+                    raw = None  # nothing there yet, or a stray wake ended the wait (module docstring)
                 except (RuntimeError, OSError) as e:
                     if deadline.left() < 0.01 and not self.client.interrupted and self._failure() is None:
                         raise self._late(what, [owner], deadline) from e  # the wait ran out of time
                     self._store_failed(e, what)
                 if raw is None:
-                    if wait and self.call(squatted, what):  # a key of the queue's name: do not spin
+                    if wait and self.call(lambda: self._squatted(store, full), what):  # do not spin
                         time.sleep(_FORGED_RETRY_S)
                     wait = True
                     continue
@@ -325,6 +318,11 @@ class ControlChannel:
         finally:
             if awaiting:
                 self._awaiting(())
+
+    @staticmethod
+    def _squatted(store: TCPStore, queue: str) -> bool:
+        """A key of ``queue``'s name (not ours) is there: every wait on the queue would end at once."""
+        return bool(store.check([queue])) and store.queue_len(queue) == 0
 
     def add(self, key: str, amount: int, what: str) -> int:
         store = self.client.get()

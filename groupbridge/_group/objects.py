@@ -97,15 +97,13 @@ class Objects:
         return self._decode(data, src)
 
     def _broadcast_route(self, src: int) -> Route:
-        """The queues of broadcasts from ``src``: its route to every other rank, or this rank's from it.
-        Made once per source (a broadcast's cost is mostly the Python around its two store calls)."""
-        route = self._broadcast_routes.get(src)
-        if route is None:
-            s = self._state
-            binding = f"bc/{src}"
-            ranks = [r for r in range(s.world_size) if r != src] if s.rank == src else [s.rank]
-            route = self._control.route(binding, [f"{binding}/{r}" for r in ranks])
-            self._broadcast_routes[src] = route
+        """Make and keep the queues of broadcasts from ``src``: its route to every other rank, or this rank's
+        from it. Made once per source (a broadcast's cost is mostly the Python around its two store calls);
+        :meth:`broadcast_obj` looks in ``_broadcast_routes`` first."""
+        s = self._state
+        binding = f"bc/{src}"
+        ranks = [r for r in range(s.world_size) if r != src] if s.rank == src else [s.rank]
+        route = self._broadcast_routes[src] = self._control.route(binding, [f"{binding}/{r}" for r in ranks])
         return route
 
     def _next_seq(self) -> int:
