@@ -4,7 +4,9 @@ Measured side by side, in interleaved rounds of one run, against the peer approa
 ``StatelessProcessGroup`` when vLLM is importable, else the same protocol written out on a raw TCPStore
 (``set`` of a pickle by the source, blocking ``get`` by the receivers, keys never freed, no bound on a
 frozen store: what vLLM's group does). Ours runs with keys freed, every wait bounded, writes acknowledged,
-and (the ``sealed`` row) a token, so every value carries a MAC.
+and (the ``sealed`` row) a token, so every value carries a MAC. A third anchor is the peer with its writes
+acknowledged as ours are (the source's ``set`` followed by a ``check`` on the same connection, answered
+once the set is applied): what that guarantee costs by itself, with none of our Python.
 
 Two measures of each: *back to back* (``ops`` broadcasts in a row, time per receive: a stream's
 throughput; vLLM's source never waits for the store, so it runs ahead and leaves the cores to its
@@ -46,6 +48,22 @@ def _raw_broadcast(store: Any, rank: int, tag: str) -> Any:
         return pickle.loads(store.get(key))
 
     return bcast
+
+
+_ACK_KEY = "groupbridge-bench/ack"
+"""The key the acknowledged peer's source checks: any key does, the answer comes after its set is applied."""
+
+
+def _acked(bcast: Any, store: Any, rank: int) -> Any:
+    """``bcast`` (the peer's) with the source's write acknowledged, as ours are."""
+
+    def acked(obj: Any) -> Any:
+        out = bcast(obj)
+        if rank == 0:
+            store.check([_ACK_KEY])
+        return out
+
+    return acked
 
 
 def _spaced(bcast: Any, rank: int, ops: int) -> list[float]:
@@ -94,20 +112,22 @@ def _role(rank: int, n: int, ports: Any, ops: int, rounds: int) -> dict[str, lis
     obj = PAYLOAD if rank == 0 else None
     spaced_ops = max(ops // 4, 20)
     for rnd in range(rounds):
-        for label in ("ours", "peer", "ours_sealed"):
+        for label in ("ours", "peer", "peer_acked", "ours_sealed"):
             plain.barrier()
             t0 = time.perf_counter()
-            if label == "peer":
-                _run_peer(peer, rank, f"{rnd}", ops, spaced=False)
+            if label.startswith("peer"):
+                _run_peer(peer, rank, f"{label}{rnd}", ops, spaced=False, acked=label == "peer_acked")
             else:
                 group = plain if label == "ours" else sealed
                 for _ in range(ops):
                     group.broadcast_obj(obj, src=0)
             out[label].append((time.perf_counter() - t0) / ops * 1e6)
-        for label in ("ours", "peer", "ours_sealed"):
+        for label in ("ours", "peer", "peer_acked", "ours_sealed"):
             plain.barrier()
-            if label == "peer":
-                delays = _run_peer(peer, rank, f"s{rnd}", spaced_ops, spaced=True)
+            if label.startswith("peer"):
+                delays = _run_peer(
+                    peer, rank, f"s{label}{rnd}", spaced_ops, spaced=True, acked=label == "peer_acked"
+                )
             else:
                 group = plain if label == "ours" else sealed
                 delays = _spaced(lambda o, g=group: g.broadcast_obj(o, src=0), rank, spaced_ops)
@@ -118,17 +138,24 @@ def _role(rank: int, n: int, ports: Any, ops: int, rounds: int) -> dict[str, lis
     return out
 
 
-LABELS = ("ours", "ours_sealed", "peer", "ours_1", "ours_sealed_1", "peer_1")
+LABELS = ("ours", "ours_sealed", "peer", "peer_acked", "ours_1", "ours_sealed_1", "peer_1", "peer_acked_1")
+ROWS = ("peer", "peer_acked", "ours", "ours_sealed")
 
 
-def _run_peer(peer: Any, rank: int, tag: str, ops: int, spaced: bool) -> list[float]:
+def _run_peer(peer: Any, rank: int, tag: str, ops: int, spaced: bool, acked: bool) -> list[float]:
     kind, obj = peer
     bcast = (lambda o: obj.broadcast_obj(o, src=0)) if kind == "vllm" else _raw_broadcast(obj, rank, tag)
+    if acked:
+        bcast = _acked(bcast, obj.store if kind == "vllm" else obj, rank)
     if spaced:
         return _spaced(bcast, rank, ops)
     for _ in range(ops):
         bcast(PAYLOAD if rank == 0 else None)
     return []
+
+
+def _mode(label: str, peer_name: str) -> str:
+    return {"peer": peer_name, "peer_acked": f"{peer_name}, writes acknowledged"}.get(label, label)
 
 
 def run_control(ops: int = 400, rounds: int = 5, receivers: int = 2) -> list[dict[str, Any]]:
@@ -144,21 +171,21 @@ def run_control(ops: int = 400, rounds: int = 5, receivers: int = 2) -> list[dic
     results = run_roles(_role, n, (n, ports, ops, rounds), timeout=300)
     peer_name = results[0]["peer_name"][0]
     records = []
-    for label in ("peer", "ours", "ours_sealed"):
+    for label in ROWS:
         per_rank = [statistics.median(r[label]) for r in results[1:]]
         ratios = [
             statistics.median(a / b for a, b in zip(r[label], r["peer"], strict=True)) for r in results[1:]
         ]
         records.append({
-            "mode": peer_name if label == "peer" else label,
+            "mode": _mode(label, peer_name),
             "measure": "back to back",
             "us_per_receive": round(statistics.median(per_rank), 1),
             "us_range": [round(min(per_rank), 1), round(max(per_rank), 1)],
             "worst_us": round(max(max(r[label]) for r in results[1:]), 1),
             "vs_peer": round(statistics.median(ratios), 2),
-            "keys_freed": label != "peer",
+            "keys_freed": not label.startswith("peer"),
         })  # fmt: skip
-    for label in ("peer", "ours", "ours_sealed"):
+    for label in ROWS:
         rounds_of = [[statistics.median(d) for d in r[f"{label}_1"]] for r in results[1:]]
         peer_of = [[statistics.median(d) for d in r["peer_1"]] for r in results[1:]]
         per_rank = [statistics.median(m) for m in rounds_of]
@@ -167,12 +194,12 @@ def run_control(ops: int = 400, rounds: int = 5, receivers: int = 2) -> list[dic
             for mine, theirs in zip(rounds_of, peer_of, strict=True)
         ]
         records.append({
-            "mode": peer_name if label == "peer" else label,
+            "mode": _mode(label, peer_name),
             "measure": "one at a time",
             "us_per_receive": round(statistics.median(per_rank), 1),
             "us_range": [round(min(per_rank), 1), round(max(per_rank), 1)],
             "worst_us": round(max(max(d) for r in results[1:] for d in r[f"{label}_1"]), 1),
             "vs_peer": round(statistics.median(ratios), 2),
-            "keys_freed": label != "peer",
+            "keys_freed": not label.startswith("peer"),
         })  # fmt: skip
     return records
