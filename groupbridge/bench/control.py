@@ -112,7 +112,7 @@ def _role(rank: int, n: int, ports: Any, ops: int, rounds: int) -> dict[str, lis
     obj = PAYLOAD if rank == 0 else None
     spaced_ops = max(ops // 4, 20)
     for rnd in range(rounds):
-        for label in ("ours", "peer", "peer_acked", "ours_sealed"):
+        for label in ORDER:
             plain.barrier()
             t0 = time.perf_counter()
             if label.startswith("peer"):
@@ -122,7 +122,7 @@ def _role(rank: int, n: int, ports: Any, ops: int, rounds: int) -> dict[str, lis
                 for _ in range(ops):
                     group.broadcast_obj(obj, src=0)
             out[label].append((time.perf_counter() - t0) / ops * 1e6)
-        for label in ("ours", "peer", "peer_acked", "ours_sealed"):
+        for label in ORDER:
             plain.barrier()
             if label.startswith("peer"):
                 delays = _run_peer(
@@ -138,8 +138,11 @@ def _role(rank: int, n: int, ports: Any, ops: int, rounds: int) -> dict[str, lis
     return out
 
 
-LABELS = ("ours", "ours_sealed", "peer", "peer_acked", "ours_1", "ours_sealed_1", "peer_1", "peer_acked_1")
 ROWS = ("peer", "peer_acked", "ours", "ours_sealed")
+"""The modes, in the table's order."""
+ORDER = ("ours", "peer", "peer_acked", "ours_sealed")
+"""The modes, in each round's order."""
+LABELS = ROWS + tuple(f"{label}_1" for label in ROWS)
 
 
 def _run_peer(peer: Any, rank: int, tag: str, ops: int, spaced: bool, acked: bool) -> list[float]:
@@ -152,6 +155,12 @@ def _run_peer(peer: Any, rank: int, tag: str, ops: int, spaced: bool, acked: boo
     for _ in range(ops):
         bcast(PAYLOAD if rank == 0 else None)
     return []
+
+
+def _per_round(figures: list[Any], suffix: str) -> list[float]:
+    """A receiver's figure per round: back to back (no suffix) the round's time per receive, one at a time
+    the round's median delay."""
+    return [statistics.median(d) for d in figures] if suffix else list(figures)
 
 
 def _mode(label: str, peer_name: str) -> str:
@@ -170,36 +179,27 @@ def run_control(ops: int = 400, rounds: int = 5, receivers: int = 2) -> list[dic
     ports = mp.get_context("spawn").Queue()
     results = run_roles(_role, n, (n, ports, ops, rounds), timeout=300)
     peer_name = results[0]["peer_name"][0]
-    records = []
-    for label in ROWS:
-        per_rank = [statistics.median(r[label]) for r in results[1:]]
-        ratios = [
-            statistics.median(a / b for a, b in zip(r[label], r["peer"], strict=True)) for r in results[1:]
-        ]
-        records.append({
-            "mode": _mode(label, peer_name),
-            "measure": "back to back",
-            "us_per_receive": round(statistics.median(per_rank), 1),
-            "us_range": [round(min(per_rank), 1), round(max(per_rank), 1)],
-            "worst_us": round(max(max(r[label]) for r in results[1:]), 1),
-            "vs_peer": round(statistics.median(ratios), 2),
-            "keys_freed": not label.startswith("peer"),
-        })  # fmt: skip
-    for label in ROWS:
-        rounds_of = [[statistics.median(d) for d in r[f"{label}_1"]] for r in results[1:]]
-        peer_of = [[statistics.median(d) for d in r["peer_1"]] for r in results[1:]]
+    receivers_out = results[1:]
+
+    def record(label: str, measure: str) -> dict[str, Any]:
+        """One row of the table: ``label``'s figures on every receiver, beside the peer's."""
+        suffix = "" if measure == "back to back" else "_1"  # one at a time: a list of delays per round
+        rounds_of = [_per_round(r[label + suffix], suffix) for r in receivers_out]
+        peer_of = [_per_round(r["peer" + suffix], suffix) for r in receivers_out]
         per_rank = [statistics.median(m) for m in rounds_of]
         ratios = [
             statistics.median(a / b for a, b in zip(mine, theirs, strict=True))
             for mine, theirs in zip(rounds_of, peer_of, strict=True)
         ]
-        records.append({
+        worst = max(max(d) if suffix else d for r in receivers_out for d in r[label + suffix])
+        return {
             "mode": _mode(label, peer_name),
-            "measure": "one at a time",
+            "measure": measure,
             "us_per_receive": round(statistics.median(per_rank), 1),
             "us_range": [round(min(per_rank), 1), round(max(per_rank), 1)],
-            "worst_us": round(max(max(d) for r in results[1:] for d in r[f"{label}_1"]), 1),
+            "worst_us": round(worst, 1),
             "vs_peer": round(statistics.median(ratios), 2),
             "keys_freed": not label.startswith("peer"),
-        })  # fmt: skip
-    return records
+        }
+
+    return [record(label, measure) for measure in ("back to back", "one at a time") for label in ROWS]
