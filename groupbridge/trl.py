@@ -34,10 +34,10 @@ class WeightTransfer(SessionState):
         pause: the server's pause mode at the swap (``"keep"``, ``"wait"``, ``"abort"``), or None to never
             pause it (requests in flight then go on through the swap: a sequence may mix tokens of both
             versions).
-        http_timeout: seconds that bound each HTTP call (the update's own bound is ``timeout``).
+        http_timeout: seconds that bound each HTTP call (the update's own bound is ``timeout_s``).
         **config: :class:`groupbridge.engine.TrainerConfig`'s fields (``host`` the trainer binds and the
             server's workers dial, ``workers`` = the server's worker processes, ``transport``, ``token``,
-            ``atomic``, ``delta``, ``timeout``, ...).
+            ``atomic``, ``delta``, ``timeout_s``, ...).
     """
 
     def __init__(
