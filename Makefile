@@ -49,7 +49,7 @@ typecheck: setup
 unit: setup
 	$(PY) -m pytest -q -m "not slow"
 
-# The heavy checks (about 5 minutes): CI runs them after `make test`.
+# The heavy checks (about 10 minutes on 2 cores): CI runs them after `make test`.
 test-slow: setup
 	$(PY) -m pytest -q -m slow
 
