@@ -104,3 +104,28 @@ def test_shard_checks_its_box_at_once() -> None:
         gb.Shard(t, (4, 3, 1), (0, 0, 0))
     with pytest.raises(TypeError):
         gb.Shard(t, (4.0, 3), (0, 0))  # type: ignore[arg-type]
+
+
+def test_a_source_s_buckets_stay_within_what_its_transport_reserved() -> None:
+    """A pair can carry more bytes than its source holds (pieces aligned to 16 bytes, a replicated cell cut
+    into one piece per holder): each source's cap, announced before the plan is known, bounds its buckets,
+    and one row (which cannot be cut) never exceeds it when the cap is at least a row."""
+    shape = (48, 64)
+    v, b = _held("v", (8, 64), (0, 0), (8, 64)), _held("b", (5,), (0,), (5,))
+    # rank 2 holds the least, so it is given every part of the replicated b
+    held = {s: [_rows("w", shape, 3, s), *([v] if s < 2 else []), b] for s in range(3)}
+    wanted = {
+        3: [
+            _held("w", shape, (0, 0), shape),
+            _held("b", (5,), (0,), (5,)),
+            _held("v", (8, 64), (0, 0), (8, 64)),
+        ]
+    }
+    caps = {s: sum(-(-h.box.numel * 4 // 16) * 16 for h in held[s]) for s in held}  # as a sender reserves
+    free = plan_shards(held, wanted, bucket_bytes=1 << 20)
+    assert max(b.nbytes for b in free.buckets(2, 3)) > caps[2]  # the case in point: 3 pieces of b
+    plan = plan_shards(held, wanted, bucket_bytes=1 << 20, caps=caps)
+    for (src, _), buckets in plan.pairs.items():
+        assert all(b.nbytes <= caps[src] for b in buckets), (src, [b.nbytes for b in buckets])
+    for name in ("w", "b", "v"):
+        assert bool((_covered(plan, 3, name) == 1).all()), name

@@ -140,6 +140,10 @@ class Header:
     that later syncs can be deltas against it."""
     base: int | None = None
     """The version this sync would be a delta against, when the source offers one."""
+    bucket_cap: int = 0
+    """The most bytes one bucket of this source's many-source stream may hold (what its transport reserved
+    before the sync was announced: shared slots are sized then); 0: no limit beyond ``bucket_bytes``. Every
+    member plans this source's pairs within it."""
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -155,6 +159,7 @@ class Header:
             "offer": self.offer,
             "keeps_base": self.keeps_base,
             "base": self.base,
+            "bucket_cap": self.bucket_cap,
         }
 
     @classmethod
@@ -192,6 +197,7 @@ class Header:
             d["offer"],
             field("keeps_base", bool),
             base,
+            field("bucket_cap", int, 0, MAX_BUCKET_BYTES),
         )
 
 

@@ -81,9 +81,16 @@ def element_size(dtype: str) -> int:
 
 
 def plan_shards(
-    held: Mapping[int, Sequence[Held]], wanted: Mapping[int, Sequence[Held]], bucket_bytes: int
+    held: Mapping[int, Sequence[Held]],
+    wanted: Mapping[int, Sequence[Held]],
+    bucket_bytes: int,
+    caps: Mapping[int, int] | None = None,
 ) -> ShardPlan:
-    """The plan (see the module's docstring); ManifestMismatchError lists every problem found."""
+    """The plan (see the module's docstring); ManifestMismatchError lists every problem found.
+
+    ``caps``: per source, the most bytes one of its buckets may hold (0 or absent: ``bucket_bytes``), what
+    its transport reserved before the plan was known. A pair's bytes are not its source's bytes: pieces are
+    aligned and a cell split among holders is several pieces, so only the plan can keep to a reservation."""
     problems: list[str] = []
     order: list[str] = []
     dtypes: dict[str, str] = {}
@@ -130,7 +137,12 @@ def plan_shards(
             f"\n... and {len(problems) - 50} more" if len(problems) > 50 else ""
         )
         raise ManifestMismatchError(f"the senders' and receivers' tensors do not fit together:\n{shown}")
-    pairs = {pair: _bucketed(boxes, dtypes, bucket_bytes) for pair, boxes in sorted(pieces.items()) if boxes}
+    caps = caps or {}
+    pairs = {
+        pair: _bucketed(boxes, dtypes, min(bucket_bytes, caps.get(pair[0]) or bucket_bytes))
+        for pair, boxes in sorted(pieces.items())
+        if boxes
+    }
     return ShardPlan(tuple(n for n in order if n in wants), dtypes, shapes, pairs, load, tuple(replicated))
 
 

@@ -268,7 +268,8 @@ def settle_shards(
         held = {s: _held(manifests[s], posts[s].get("boxes"), s) for s in sources}
         every = _union(held)
         wanted = {r: _wanted(p, every, r) for r, p in enumerate(posts) if r not in sources}
-        plan = plan_shards(held, wanted, lead.bucket_bytes)
+        caps = {s: headers[s].bucket_cap for s in sources}
+        plan = plan_shards(held, wanted, lead.bucket_bytes, caps)
         whole = Manifest(tuple(Entry(n, plan.global_shapes[n], plan.dtypes[n], plan.dtypes[n], None)
                                for n in plan.order))  # fmt: skip
         return plan, whole, {pair: pair_key(b) for pair, b in plan.pairs.items() if me in pair}
@@ -366,7 +367,7 @@ def _layout_key(posts: list[Any], sources: list[int], headers: Mapping[int, Head
     layout = [
         me,
         headers[sources[0]].bucket_bytes,
-        [(s, headers[s].digest, posts[s].get("boxes")) for s in sources],
+        [(s, headers[s].digest, headers[s].bucket_cap, posts[s].get("boxes")) for s in sources],
         [
             (r, [p.get("wants"), p.get("wants_if")] if isinstance(p, dict) else p)
             for r, p in enumerate(posts)

@@ -210,12 +210,14 @@ class WeightSender(Closing):
         self._described.remember(manifest, shards)
         tx = self._tx(kind)
         plan = self._plan(manifest)
+        reserved = _reservation(plan, manifest, kind, self.bucket_bytes)
         header = Header(
             version, manifest.digest, self.bucket_bytes, self.solo_bytes, kind,
             "hmac" if self.group.sealed else ("xxh3" if self.checksum else ""), plan.total_bytes,
             secrets.token_hex(6), self.options[kind].to_wire(), tx.offer(),
             keeps_base=self._delta is not None,
             base=self._delta.offer(manifest) if self._delta is not None else None,
+            bucket_cap=reserved.bucket_bytes if TRANSPORTS[kind].pairs else 0,
         )  # fmt: skip
         try:
             session = open_session(

@@ -1,0 +1,138 @@
+"""Every sync the weight core runs, over every layout it must carry: one source sending whole tensors, or
+three holding different layouts of the same tensors (rows over all three, columns over two, uneven rows over
+two, a bias replicated on all; bfloat16 and float32 mixed); two receivers wanting whole tensors, column boxes
+(a tensor-parallel worker), or one of each; each transport that can carry the sync; atomic and streaming;
+full syncs and deltas. Every version is checked bit for bit on every receiver.
+
+One group per (sources, transport, delta): its receivers change what they want between syncs (each change
+is planned again), so the matrix costs a few process starts instead of one per cell.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+import pytest
+import torch
+
+import groupbridge as gb
+from tests.helpers import CTX, make_group, run_ranks
+
+SHAPES = {"w": (48, 64), "v": (64, 30), "e": (51, 32), "b": (64,)}
+DTYPES = {"w": torch.bfloat16, "v": torch.float32, "e": torch.bfloat16, "b": torch.float32}
+RECEIVERS = 2
+WANTS = {"whole": ("whole", "whole"), "boxes": ("boxes", "boxes"), "one of each": ("whole", "boxes")}
+"""What receivers 1 and 2 want, by the name of the case."""
+MODES = ("atomic", "streaming")
+SYNCS_PER_CASE = 2  # per (wants, mode): the second may be a delta against the first
+
+
+def _full(name: str, version: int) -> torch.Tensor:
+    """Version ``version`` of tensor ``name``: a fixed tensor with every fifth value moved per version (so
+    that a delta has something to leave out)."""
+    g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    t = torch.randn(SHAPES[name], generator=g)
+    flat = t.view(-1)
+    flat[version % 5 :: 5] += float(version)
+    return t.to(DTYPES[name])
+
+
+def _chunk(t: torch.Tensor, parts: int, i: int, dim: int) -> gb.Shard:
+    """Piece i of ``t`` as torch.chunk cuts it (uneven when the size does not divide)."""
+    pieces = torch.chunk(t, parts, dim)
+    offset = [0] * t.dim()
+    offset[dim] = sum(p.shape[dim] for p in pieces[:i])
+    return gb.Shard(pieces[i].clone(), tuple(t.shape), tuple(offset))
+
+
+def _held(rank: int, sources: int, version: int) -> dict[str, Any]:
+    if sources == 1:
+        return {name: _full(name, version) for name in SHAPES}
+    out: dict[str, Any] = {"w": _chunk(_full("w", version), sources, rank, 0)}  # rows over all
+    if rank < 2:
+        out["v"] = _chunk(_full("v", version), 2, rank, 1)  # columns over two
+        out["e"] = _chunk(_full("e", version), 2, rank, 0)  # 51 rows: 26 and 25
+    out["b"] = _full("b", version)  # a replica on every source
+    return {name: out[name] for name in SHAPES if name in out}
+
+
+def _target(want: str) -> dict[str, Any]:
+    whole = {name: torch.zeros(SHAPES[name], dtype=DTYPES[name]) for name in SHAPES}
+    if want == "whole":
+        return whole
+    boxes: dict[str, Any] = {}
+    for name in ("w", "v", "e"):  # the right half of the columns
+        rows, cols = SHAPES[name]
+        boxes[name] = gb.Shard(torch.zeros(rows, cols - cols // 2, dtype=DTYPES[name]), (rows, cols),
+                               (0, cols // 2))  # fmt: skip
+    boxes["b"] = whole["b"]
+    return boxes
+
+
+def _exact(target: dict[str, Any], version: int) -> bool:
+    for name, value in target.items():
+        want = _full(name, version)
+        if isinstance(value, gb.Shard):
+            got, want = value.tensor, want[value.box.slices([0] * want.dim())]
+        else:
+            got = value
+        if got.dtype != want.dtype or not torch.equal(got, want):
+            return False
+    return True
+
+
+def _cases() -> list[tuple[str, str, int]]:
+    """(wants, mode, version) in the order every member walks them."""
+    out, version = [], 0
+    for wants in WANTS:
+        for mode in MODES:
+            for _ in range(SYNCS_PER_CASE):
+                version += 1
+                out.append((wants, mode, version))
+    return out
+
+
+def _member(rank: int, ports: Any, sources: int, transport: str, delta: bool) -> Any:
+    n = sources + RECEIVERS
+    with make_group(rank, n, "127.0.0.1", ports) as g:
+        if rank < sources:
+            with gb.WeightSender(g, transport=transport, delta="always" if delta else False) as snd:
+                stats = [snd.send(_held(rank, sources, v), version=v) for _, _, v in _cases()]
+                return [(s.transport, s.delta) for s in stats]
+        rcv = gb.WeightReceiver(g)
+        out, targets = [], {}
+        for wants, mode, version in _cases():  # a target lives as long as its case (a delta's base)
+            target = targets.setdefault((wants, mode), _target(WANTS[wants][rank - sources]))
+            held = rcv.receive_into(target, atomic=mode == "atomic")
+            out.append((wants, mode, held, _exact(target, version)))
+        return out
+
+
+ONE_SOURCE = ["auto", "shm", "p2p", "broadcast", "relay"]
+THREE_SOURCES = ["auto", "shm", "p2p"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("delta", [False, True], ids=["full", "delta"])
+@pytest.mark.parametrize(
+    ("sources", "transport"),
+    [(1, t) for t in ONE_SOURCE] + [(3, t) for t in THREE_SOURCES],
+    ids=[f"1-source-{t}" for t in ONE_SOURCE] + [f"3-sources-{t}" for t in THREE_SOURCES],
+)
+def test_every_layout_lands_bit_exact(sources: int, transport: str, delta: bool) -> None:
+    res = run_ranks(_member, sources + RECEIVERS, CTX.Queue(), sources, transport, delta, timeout=110)
+    for got in res[sources:]:
+        wrong = [
+            (w, m, v)
+            for (w, m, held, exact), (_, _, v) in zip(got, _cases(), strict=True)
+            if not exact or held != v
+        ]
+        assert not wrong, f"not bit-exact (wants, mode, version): {wrong}\n{got}"
+    for sent in res[:sources]:
+        if transport in ("shm", "p2p"):
+            assert {t for t, _ in sent} == {transport}, sent
+        if delta:  # the second sync of every case is a delta against the first
+            assert all(
+                d for (_, d), (_, _, v) in zip(sent, _cases(), strict=True) if v % SYNCS_PER_CASE == 0
+            ), sent
