@@ -23,6 +23,13 @@ It runs on the engine layer's sessions, as the vLLM backend does: each sending a
 control does nothing (verl's manager calls the rollout workers itself); each rollout worker one
 :class:`~groupbridge.engine.WorkerSession` for its life (its kept buffer reused by every update), whose loader
 hands the landed tensors to verl's server adapter.
+
+``delta`` (``true`` or ``"always"``, as ``WeightSender(delta=)``): only what changed since the last update
+travels. The bridge is per update, the bases are not: each sending actor rank keeps its own for the engine's
+life (a :class:`~groupbridge.weights.DeltaMemory`: one copy of the bytes it sends), and each rollout worker's
+kept buffer is its base. A rollout worker that lost it (restarted, a new replica) gets a full update (with
+one sending rank: the whole update is full for every worker, since one stream carries it; with
+``sources="all"``: that worker's pairs only); the next is a delta again.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ from .engine import BridgeInfo, Described, TrainerConfig, TrainerSession, Worker
 from .engine._calls import usable
 from .errors import WeightSyncError
 from .net import Listener, listen
+from .weights import DeltaMemory, SyncStats
 from .weights.manifest import Manifest
 
 __all__ = ["GroupBridgeCheckpointEngine"]
@@ -103,6 +111,9 @@ class GroupBridgeCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         atomic: a rollout worker yields nothing until every byte landed and was verified, so a sender
             failing midway leaves its engine untouched; False yields
             each tensor as it lands (the server adapter loads while bytes move; a failure midway is torn).
+        delta: ``True`` sends only what changed since the last update where diffing pays (a slow link);
+            ``"always"`` on every update after the first; ``False`` (default) full updates. Costs one copy of
+            the bytes each sending rank sends, kept for the engine's life (see the module docstring).
     """
 
     def __init__(
@@ -119,13 +130,15 @@ class GroupBridgeCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         checksum: bool = True,
         device: str = "cpu",
         atomic: bool = True,
+        delta: bool | str = False,
     ) -> None:
         if sources not in (1, "all"):
             raise ValueError(f"sources={sources!r} must be 1 or 'all'")
         if not isinstance(bucket_size, int) or bucket_size < 1:
             raise ValueError(f"bucket_size={bucket_size!r} must be a positive number of bytes")
         # checked now, as every update's would be (a bad value fails at construction, not at step 1)
-        TrainerConfig(host=host, transport=transport, token=token, timeout_s=timeout, liveness_s=liveness)
+        TrainerConfig(host=host, transport=transport, token=token, timeout_s=timeout, liveness_s=liveness,
+                      delta=delta)  # fmt: skip
         self.bucket_size = bucket_size
         self.is_master = is_master
         self.host = host
@@ -137,6 +150,9 @@ class GroupBridgeCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         self.checksum = checksum
         self.device = torch.device(device)
         self.atomic = atomic
+        self.delta = delta
+        self.memory = DeltaMemory()
+        """A sending actor rank's delta bases, kept across updates (each update's session is new)."""
         self.rank: int | None = None
         self.session: TrainerSession | None = None
         """A sending actor rank's session for this update (a new one per update: verl makes a new bridge)."""
@@ -214,8 +230,10 @@ class GroupBridgeCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
             workers=world_size - sources, transport=self.transport if sources == 1 else "auto",
             token=self.token, timeout_s=self.timeout, liveness_s=self.liveness, checksum=self.checksum,
             bucket_bytes=self.bucket_size, name="verl", sources=sources, listener=lis if rank == 0 else None,
+            delta=self.delta,
         )  # fmt: skip
-        self.session = TrainerSession(config, _VerlDrives() if rank == 0 else None, rank=rank)
+        self.session = TrainerSession(config, _VerlDrives() if rank == 0 else None, rank=rank,
+                                      memory=self.memory)  # fmt: skip
         try:
             self.session.connect()
         except BaseException:
@@ -266,8 +284,7 @@ class GroupBridgeCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         else:
             await asyncio.to_thread(self._send_streamed, session, weights, version)
         self.last_seconds = time.perf_counter() - t0
-        gb_per_s = session.last_stats.gb_per_s if session.last_stats is not None else 0.0
-        return {"groupbridge/seconds": self.last_seconds, "groupbridge/gb_per_s": gb_per_s}
+        return _metrics(self.last_seconds, session.last_stats)
 
     def _send_streamed(
         self, session: TrainerSession, weights: Iterable[tuple[str, torch.Tensor]], version: int
@@ -319,6 +336,25 @@ class GroupBridgeCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
                     await done
             while not handoff.pairs.empty():
                 handoff.pairs.get_nowait()
+
+
+def _metrics(seconds: float, stats: SyncStats | None) -> dict[str, float]:
+    """verl metrics of one update on this rank: ``bytes`` (what it sent, as whole bytes), ``wire_bytes``
+    (what travelled: less than ``bytes`` for a delta), ``changed_fraction`` (of the values compared; 1.0
+    for a full update), ``delta`` (1.0 when this rank sent a delta), and ``base_bytes`` (what it keeps for
+    deltas)."""
+    out = {"groupbridge/seconds": seconds}
+    if stats is None:
+        return out
+    out.update({
+        "groupbridge/gb_per_s": stats.gb_per_s,
+        "groupbridge/bytes": float(stats.bytes),
+        "groupbridge/wire_bytes": float(stats.wire_bytes),
+        "groupbridge/changed_fraction": stats.changed_fraction,
+        "groupbridge/delta": float(stats.delta),
+        "groupbridge/base_bytes": float(stats.base_bytes),
+    })  # fmt: skip
+    return out
 
 
 def _take(pairs: queue.SimpleQueue[Any], seconds: float) -> Any:

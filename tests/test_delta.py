@@ -376,3 +376,31 @@ def test_policy_refreshes_the_base_now_and_then_while_full_syncs_win() -> None:
         assert not p.wants_delta()
         kept.append(p.keep_base())
     assert kept[:2] == [True, True] and sum(kept[2:]) == 4, kept  # two in a row out of every eight
+
+
+def _bridges(rank: int, host: str, ports: Any, keep: str) -> Any:
+    """A bridge per version, as verl makes one per update: the sender and receiver of each are new, their
+    bases kept in a DeltaMemory (``keep``: "both", or "sender" only: the receiver holds nothing, so each
+    sync is full)."""
+    from groupbridge.weights import DeltaMemory
+
+    memory, target, out = DeltaMemory(), _layers(0), []
+    for v in (1, 2, 3):
+        with make_group(rank, 2, host, ports) as g:
+            if rank == 0:
+                with gb.WeightSender(g, bucket_bytes=16 << 10, delta="always", memory=memory) as snd:
+                    out.append(snd.send(_layers(1, v), version=v).delta)
+            else:
+                mine = memory if keep == "both" else None
+                with gb.WeightReceiver(g, src=0, memory=mine) as rcv:
+                    rcv.receive_into(target)
+                out.append(all(bit_equal(target[k], t) for k, t in _layers(1, v).items()))
+    return out
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("keep", ["both", "sender"])
+def test_deltas_outlive_a_bridge_when_both_sides_keep_their_bases(keep: str) -> None:
+    res = run_ranks(_bridges, 2, "127.0.0.1", CTX.Queue(), keep, timeout=80)
+    assert res[0] == ([False, True, True] if keep == "both" else [False, False, False]), res
+    assert res[1] == [True] * 3, res

@@ -112,7 +112,8 @@ def test_the_trl_example_runs(tmp_path: Path) -> None:
 
 def test_the_verl_example_runs(tmp_path: Path) -> None:
     out = run([str(ROOT / "examples" / "verl_checkpoint_engine.py")], tmp_path, 120)
-    assert out.count("equal to the actor's") >= 2, out[-3000:]
+    assert out.count("equal to the actor's") == 3, out[-3000:]
+    assert out.count("(delta, ") == 2 and "(full, " in out, out[-3000:]  # updates 2 and 3 are deltas
 
 
 # The demo with two faults: the trainer's reference tokens changed at step 3 (an engine serving other

@@ -41,6 +41,7 @@ from .._closing import Closing
 from ..errors import GroupBridgeError, PeerDiedError, SyncRefusedError, VerificationError, WeightSyncError
 from ..net import Address, Listener, listen
 from ..stateless import StatelessGroup
+from ..weights import DeltaMemory
 from ..weights.sender import SyncStats, WeightSender
 from ..weights.transports import TRANSPORTS
 from ._calls import Call, abort_later, usable
@@ -216,7 +217,14 @@ class TrainerSession(Closing):
     (their ``control`` is not used). Other ranks have no session.
     """
 
-    def __init__(self, config: TrainerConfig, control: EngineControl | None, *, rank: int = 0) -> None:
+    def __init__(
+        self,
+        config: TrainerConfig,
+        control: EngineControl | None,
+        *,
+        rank: int = 0,
+        memory: DeltaMemory | None = None,
+    ) -> None:
         config.check_rank(rank)
         if rank >= config.sources:
             raise ValueError(f"rank {rank} does not send (sources={config.sources}): it needs no session")
@@ -233,6 +241,9 @@ class TrainerSession(Closing):
         self.config = config
         self.control = control
         self.rank = rank
+        self.memory = memory if memory is not None else DeltaMemory()
+        """With ``config.delta``: the bases this rank sends deltas against, kept across its bridges (pass
+        one to a session of each update, as verl's engine does, for deltas across sessions)."""
         self.group: StatelessGroup | None = None
         self.sender: WeightSender | None = None
         self.generation = 0
@@ -274,7 +285,13 @@ class TrainerSession(Closing):
                 c.host, c.port, rank=self.rank, world_size=world, name=c.name, generation=self.generation,
                 timeout=timeout, liveness_timeout=liveness, token=c.token,
             )  # fmt: skip
-            self.sender = WeightSender(self.group, checksum=c.checksum, bucket_bytes=c.bucket_bytes)
+            self.sender = WeightSender(
+                self.group,
+                checksum=c.checksum,
+                bucket_bytes=c.bucket_bytes,
+                delta=c.delta,
+                memory=self.memory,
+            )
             return
         assert self.control is not None
         given, self._listener = self._listener, None  # served once: a later bridge binds a new socket
@@ -318,8 +335,9 @@ class TrainerSession(Closing):
                 logger.warning("groupbridge: could not read the version the engine serves (%s); the first "
                                "update is version %d", e, self.next_version(None))  # fmt: skip
         self.sender = WeightSender(
-            self.group, transport=c.transport, checksum=c.checksum, bucket_bytes=c.bucket_bytes, delta=c.delta
-        )
+            self.group, transport=c.transport, checksum=c.checksum, bucket_bytes=c.bucket_bytes,
+            delta=c.delta, memory=self.memory,
+        )  # fmt: skip
 
     def close(self) -> None:
         """Close the bridge; the workers are told to leave it first (rank 0), so that none is left holding

@@ -35,6 +35,7 @@ import torch
 from .._closing import Closing
 from ..errors import TornUpdateError, WeightSyncError
 from ..stateless import StatelessGroup
+from ..weights import DeltaMemory
 from ..weights._bytes import BufferCache
 from ..weights.manifest import Manifest
 from ..weights.receiver import WeightReceiver, WeightUpdate
@@ -198,6 +199,9 @@ class WorkerSession(Closing):
         model, its ``finish`` among it: what the loader does after the pairs, e.g. repacking kernels)."""
         self._buffers = BufferCache()
         """The receive buffers (the kept copy of the weights among them), kept across bridge generations."""
+        self._memory = DeltaMemory(buffers=self._buffers)
+        """What a delta is applied to, kept across bridges too (a trainer that makes a bridge per update, as
+        verl does, still sends deltas)."""
         self._landing: _Landing | None = None
         self._received: int | None = None
         self._staged: list[tuple[str, torch.Tensor]] | None = None
@@ -222,7 +226,9 @@ class WorkerSession(Closing):
             liveness_timeout=timedelta(seconds=info.liveness_s), token=info.token,
         )  # fmt: skip
         # no src: the handshake finds the senders (rank 0, or every trainer rank sending its shards)
-        self.receiver = WeightReceiver(self.group, device=self.device, buffers=self._buffers)
+        self.receiver = WeightReceiver(
+            self.group, device=self.device, buffers=self._buffers, memory=self._memory
+        )
         self.info = info
         self.log.info("groupbridge: worker joined %s as rank %d of %d", info.host, rank, info.world_size)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ._memory import DeltaMemory
 from .flatten import flatten_
 from .manifest import Manifest
 from .plan import Plan
@@ -12,6 +13,7 @@ from .transports import BroadcastOptions, P2POptions, RelayOptions, SharedOption
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "BroadcastOptions",
+    "DeltaMemory",
     "Manifest",
     "P2POptions",
     "Plan",

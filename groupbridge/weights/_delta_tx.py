@@ -22,6 +22,7 @@ from ..stateless import StatelessGroup
 from . import _bytes, _delta
 from ._copier import Copier, Job
 from ._delta_sync import Description, Policy, delta_groups, wire_plan, word_counts
+from ._memory import SentBase
 from ._session import Session, Stream
 from ._source import Puller
 from ._tx_stream import Progress
@@ -59,6 +60,20 @@ class DeltaSender:
         self.base_digest = ""
         self._second: Copier | None = None
         self._kept = False
+
+    def kept(self) -> SentBase | None:
+        """The committed base and the policy's measurements, for the next bridge's sender (a
+        :class:`~._memory.DeltaMemory`); None when no base is valid."""
+        if self.base is None or self.base_version is None:
+            return None
+        return SentBase(self.base, self.base_version, self.base_digest, self.policy)
+
+    def resume(self, kept: SentBase) -> None:
+        """Start from a base an earlier sender of this rank committed (its policy's measurements too)."""
+        always = self.policy.always
+        self.base, self.base_version, self.base_digest = kept.tensor, kept.version, kept.digest
+        self.policy = kept.policy
+        self.policy.always = always
 
     def offer(self, manifest: Manifest) -> int | None:
         """The base version this sync's header offers a delta against, if the policy wants one."""

@@ -33,6 +33,7 @@ from ._appliers import (
     wire_typed,
 )
 from ._copier import Copier
+from ._memory import DeltaMemory
 from ._rx_stream import RxStreams, VerifyFailed, acknowledge, allocated, give_up, settle, tell_failure
 from ._session import (
     Header,
@@ -43,7 +44,6 @@ from ._session import (
     merged_plan,
 )
 from ._sharded import PlanMemo, ShardedSession, open_session
-from ._sharded_delta import PairBases
 from ._sharded_rx import Taker, data_ptr, shards_into, shards_named, wants_of
 from ._update import WeightUpdate, abandon_update
 from .manifest import Entry, Manifest, compare, expected_specs, mismatch_message, tensors_of
@@ -67,6 +67,9 @@ class WeightReceiver(Closing):
         device: where received buckets land for ``receive()`` (default: CPU).
         buffers: receive buffers owned by the caller, kept across receivers (an engine's worker keeps one
             across bridges: a new bridge's first update lands in memory already touched, not page-faulting).
+        memory: a :class:`~groupbridge.weights.DeltaMemory` this rank keeps across bridges (a framework that
+            makes a new group per update): the version this receiver's last predecessor held in full (and
+            its buffers, unless ``buffers`` is given) is a base a sender's delta can be applied to.
     """
 
     def __init__(
@@ -78,7 +81,10 @@ class WeightReceiver(Closing):
         rename: Callable[[str], str] | Mapping[str, str] | None = None,
         device: str | torch.device = "cpu",
         buffers: _bytes.BufferCache | None = None,
+        memory: DeltaMemory | None = None,
     ) -> None:
+        if memory is not None and not isinstance(memory, DeltaMemory):
+            raise TypeError(f"memory= takes a DeltaMemory, got {type(memory).__name__}")
         if src is not None and src == group.rank:
             raise ValueError(f"src={src} is this rank; the receiver must be another rank")
         self.group = group
@@ -92,14 +98,19 @@ class WeightReceiver(Closing):
         self._rename = make_renamer(rename)
         self._renames = rename is not None
         self._known: dict[str, Manifest] = {}
+        if buffers is None and memory is not None:
+            buffers = memory.buffers
         self._buffers = buffers if buffers is not None else _bytes.BufferCache()
         self._own_buffers = buffers is None
+        self._own_memory = memory is None
+        self._memory = memory if memory is not None else DeltaMemory(buffers=self._buffers)
+        """The bases deltas are applied to: the version held in full (``held``: how the base is kept,
+        version, manifest digest) and, with many sources, one base per cut; the caller's, when given, so
+        that they outlive this receiver's group."""
         self._plans = PlanCache()
-        self._pair_bases = PairBases()
+        self._pair_bases = self._memory.pairs
         """With many sources whose senders keep bases: what this receiver last took, one base per cut."""
         self._shard_plans = PlanMemo()
-        self._held: tuple[Any, ...] | None = None
-        """For delta syncs: (how the base is kept, version, manifest digest) of the version held in full."""
         self._reads: tuple[str, dict[str, Any]] | None = None
         """``receive(reads=...)``: (the sources' key, the wants to post) learned in the last handshake."""
 
@@ -132,10 +143,9 @@ class WeightReceiver(Closing):
                 return Verdict(f"rank {self.group.rank}: {problem}", "transport")
             dest = _dest(manifest, targets, self._rename) if targets is not None else None
             in_place = dest is not None and laid_out_in_place(manifest, dest, receiving=True)
-            base = header.base is not None and header.base == self.version
-            return Verdict(
-                in_place=in_place, base=base and self._held == (keep, header.base, manifest.digest)
-            )
+            # the held tag names the version (a receiver of a new bridge, given a memory, has no version yet)
+            base = header.base is not None and self._memory.held == (keep, header.base, manifest.digest)
+            return Verdict(in_place=in_place, base=base)
 
         return open_session(self.group, deadline, self._known, wants=wants, wants_if=wants_if, seen=seen,
                             src=self.src, judge=judge, check=check, attach=self._streams.attach_pair,
@@ -152,7 +162,8 @@ class WeightReceiver(Closing):
         self._streams.close()
         if self._own_buffers:
             self._buffers.clear()
-        self._pair_bases.clear()
+        if self._own_memory:
+            self._pair_bases.clear()
         self._copier.close()
 
     # ------------------------------------------------------------------ receive()
@@ -215,7 +226,7 @@ class WeightReceiver(Closing):
                 self._reads = learning.learned
         abandon = partial(abandon_update, self.group)
         if isinstance(session, ShardedSession):
-            self._held = None
+            self._memory.held = None
             only = set(posted[1]) if posted and learning is not None and learning.used else None
             pairs = shards_named(self._taker(), session, deadline, keep, only)
             return WeightUpdate(session, _scoped(self.group, pairs), kept=keep, abandon=abandon)
@@ -254,7 +265,7 @@ class WeightReceiver(Closing):
             if e.alias_of is not None:
                 aliases.setdefault(manifest.sources[i], []).append(names(i))
         yielded: list[str] = []
-        self._held = None
+        self._memory.held = None
         what = f"receiving version {header.version}"
         problem: str | None = None
         try:
@@ -285,7 +296,7 @@ class WeightReceiver(Closing):
         settle(self.group, header.version, problem, deadline, failed)
         self.version = header.version
         if header.keeps_base:
-            self._held = (("receive",), header.version, manifest.digest)
+            self._memory.held = (("receive",), header.version, manifest.digest)
         acknowledge(self.group, session.src, header.version)
 
     # ------------------------------------------------------------------ receive_into()
@@ -329,7 +340,7 @@ class WeightReceiver(Closing):
             wants=wants_of(targets, self._renames),
         )
         if isinstance(session, ShardedSession):
-            self._held = None
+            self._memory.held = None
             return shards_into(self._taker(), session, targets, atomic, deadline)
         header, manifest = session.header, session.manifest
         version = header.version
@@ -346,7 +357,7 @@ class WeightReceiver(Closing):
         device = next((d.device for d in dest), self.device)
         ring = Ring(self._buffers, device)
         names = _namer(manifest, self._rename)
-        self._held = None
+        self._memory.held = None
         applier: Applier = allocated(self.group, what, lambda: Staged(
             self._buffers.get("base" if header.keeps_base else "staging", plan.total_bytes, device),
             plan, manifest, ring, self._copier, names, dest=dest, delta=session.delta,
@@ -375,7 +386,7 @@ class WeightReceiver(Closing):
         if header.keeps_base and (
             atomic or all(wire_typed(d, e) for d, e in zip(dest, entries, strict=True))
         ):
-            self._held = (keep, version, manifest.digest)
+            self._memory.held = (keep, version, manifest.digest)
         acknowledge(self.group, session.src, version)
         return version
 

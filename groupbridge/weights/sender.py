@@ -26,6 +26,7 @@ from ._copier import Copier
 from ._delta_sync import delta_digest
 from ._delta_tx import DeltaSender
 from ._described import Boxes, Described, NamedTensors, Pairs, Specs, in_place, named_tensors_of, peek_device
+from ._memory import DeltaMemory
 from ._session import (
     Header,
     Session,
@@ -89,6 +90,9 @@ class WeightSender(Closing):
             A receiver that holds another version (it missed one, it is new) makes the sync a full one for
             all; so does a new group. ``"always"``
             diffs every sync, even where the wire is faster than the diff (tests, benchmarks).
+        memory: with ``delta``, a :class:`~groupbridge.weights.DeltaMemory` this rank keeps across bridges
+            (a framework that makes a new group per update): this sender starts from the bases the last
+            sender given it committed, and leaves its own there when closed.
     """
 
     def __init__(
@@ -103,6 +107,7 @@ class WeightSender(Closing):
         rename: Callable[[str], str] | Mapping[str, str] | None = None,
         transport_options: TransportOptions | Sequence[TransportOptions] | None = None,
         delta: bool | str = False,
+        memory: DeltaMemory | None = None,
     ) -> None:
         if transport != "auto" and transport not in TRANSPORTS:
             raise ValueError(f"transport={transport!r} is not one of auto, {', '.join(TRANSPORTS)}")
@@ -114,6 +119,8 @@ class WeightSender(Closing):
             raise ValueError(f"solo_bytes={solo_bytes} must be >= 1")
         if delta not in (False, True, "always"):
             raise ValueError(f"delta={delta!r} must be False, True or 'always'")
+        if memory is not None and not isinstance(memory, DeltaMemory):
+            raise TypeError(f"memory= takes a DeltaMemory, got {type(memory).__name__}")
         self.group = group
         self.src = group.rank
         self.bucket_bytes = bucket_bytes or DEFAULT_BUCKET_BYTES
@@ -131,7 +138,11 @@ class WeightSender(Closing):
         self._plans = PlanCache()
         self._delta = DeltaSender(group, self._copier, self._scratch, delta == "always") if delta else None
         """Present when asked for deltas: the base, the policy and the diff."""
-        self._pair_bases = PairBases() if delta else None
+        self._memory = memory if delta else None
+        if self._delta is not None and memory is not None and memory.sent is not None:
+            self._delta.resume(memory.sent)
+            memory.sent = None  # this sender's now: written back when it closes
+        self._pair_bases = (memory.pairs if memory is not None else PairBases()) if delta else None
         """With many sources and ``delta``: the bytes this member last sent, one base per cut."""
         self._shard_plans = PlanMemo()
         self._sending = threading.Lock()
@@ -360,8 +371,10 @@ class WeightSender(Closing):
         self._transports.clear()
         self._copier.close()
         if self._delta is not None:
+            if self._memory is not None:
+                self._memory.sent = self._delta.kept()
             self._delta.close()
-        if self._pair_bases is not None:
+        if self._pair_bases is not None and self._memory is None:
             self._pair_bases.clear()
         self._scratch.clear()
 

@@ -1,0 +1,64 @@
+"""What deltas need to outlive one bridge: a member's bases and the versions they hold.
+
+A sender's base and a receiver's kept copy are what a delta is computed against; both normally live as long
+as their :class:`~groupbridge.WeightSender` / :class:`~groupbridge.WeightReceiver`, that is, as long as one
+group. A framework that makes a new bridge for every update (verl's checkpoint-engine manager does) would
+then never send a delta. A :class:`DeltaMemory` is owned by the caller instead and handed to the sender or
+receiver of each new bridge of the same member: what the last one committed is taken up by the next.
+
+Nothing in it is trusted across bridges more than within one: a base is offered only when the other side
+says it holds the same version of the same manifest (or, with many sources, of the same cut), and every
+delta is checked against the source's digest of the new bytes, so a stale or foreign base makes a sync fail
+its check, never land wrong. A member that lost its memory (a restarted worker, a new replica) holds no
+base: its next sync is a full one (with many sources: its own pairs only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ._bytes import BufferCache
+from ._sharded_delta import PairBases
+
+__all__ = ["DeltaMemory", "SentBase"]
+
+
+@dataclass(eq=False, slots=True)
+class SentBase:
+    """A sender's whole-tensor base: the plan-layout bytes of ``version`` of the manifest ``digest``."""
+
+    tensor: torch.Tensor
+    version: int
+    digest: str
+    policy: Any
+    """The delta policy's measurements of the link (:class:`._delta_sync.Policy`)."""
+
+
+@dataclass(eq=False, slots=True)
+class DeltaMemory:
+    """One member's delta state, kept across bridges (see the module docstring). Use one per member and
+    role; the sender or receiver it is given reads it when made and writes it back when closed."""
+
+    pairs: PairBases = field(default_factory=PairBases)
+    """Many sources: one base per cut, with the version it holds (both roles)."""
+    buffers: BufferCache = field(default_factory=BufferCache)
+    """A receiver's buffers (its kept copy among them) when it is given no ``buffers=`` of its own."""
+    sent: SentBase | None = None
+    """A sender's whole-tensor base, once a sync with it committed."""
+    held: tuple[Any, ...] | None = None
+    """A receiver's tag of the version it holds in full (how it is kept, version, manifest digest)."""
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held for deltas (bases; a receiver's buffers are counted where they are owned)."""
+        return self.pairs.nbytes + (self.sent.tensor.numel() if self.sent is not None else 0)
+
+    def clear(self) -> None:
+        """Forget every base: the next sync of each pair is a full one."""
+        self.pairs.clear()
+        self.buffers.clear()
+        self.sent = None
+        self.held = None
