@@ -4,8 +4,10 @@ two, a bias replicated on all; bfloat16 and float32 mixed); two receivers wantin
 (a tensor-parallel worker), or one of each; each transport that can carry the sync; atomic and streaming;
 full syncs and deltas. Every version is checked bit for bit on every receiver.
 
-One group per (sources, transport, delta): its receivers change what they want between syncs (each change
-is planned again), so the matrix costs a few process starts instead of one per cell.
+One group per (device, sources, transport, delta): its receivers change what they want between syncs (each
+change is planned again), so the matrix costs a few process starts instead of one per cell. It runs on every
+device this host has: on a CUDA host the same cases run with every tensor on the GPU, over ``auto`` (CUDA IPC
+on one host; NCCL refuses two ranks on one GPU, so the group's own transports need a GPU per member).
 """
 
 from __future__ import annotations
@@ -28,14 +30,14 @@ MODES = ("atomic", "streaming")
 SYNCS_PER_CASE = 2  # per (wants, mode): the second may be a delta against the first
 
 
-def _full(name: str, version: int) -> torch.Tensor:
+def _full(name: str, version: int, device: str = "cpu") -> torch.Tensor:
     """Version ``version`` of tensor ``name``: a fixed tensor with every fifth value moved per version (so
     that a delta has something to leave out)."""
     g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
     t = torch.randn(SHAPES[name], generator=g)
     flat = t.view(-1)
     flat[version % 5 :: 5] += float(version)
-    return t.to(DTYPES[name])
+    return t.to(DTYPES[name]).to(device)
 
 
 def _chunk(t: torch.Tensor, parts: int, i: int, dim: int) -> gb.Shard:
@@ -46,33 +48,33 @@ def _chunk(t: torch.Tensor, parts: int, i: int, dim: int) -> gb.Shard:
     return gb.Shard(pieces[i].clone(), tuple(t.shape), tuple(offset))
 
 
-def _held(rank: int, sources: int, version: int) -> dict[str, Any]:
+def _held(rank: int, sources: int, version: int, device: str) -> dict[str, Any]:
     if sources == 1:
-        return {name: _full(name, version) for name in SHAPES}
-    out: dict[str, Any] = {"w": _chunk(_full("w", version), sources, rank, 0)}  # rows over all
+        return {name: _full(name, version, device) for name in SHAPES}
+    out: dict[str, Any] = {"w": _chunk(_full("w", version, device), sources, rank, 0)}  # rows over all
     if rank < 2:
-        out["v"] = _chunk(_full("v", version), 2, rank, 1)  # columns over two
-        out["e"] = _chunk(_full("e", version), 2, rank, 0)  # 51 rows: 26 and 25
-    out["b"] = _full("b", version)  # a replica on every source
+        out["v"] = _chunk(_full("v", version, device), 2, rank, 1)  # columns over two
+        out["e"] = _chunk(_full("e", version, device), 2, rank, 0)  # 51 rows: 26 and 25
+    out["b"] = _full("b", version, device)  # a replica on every source
     return {name: out[name] for name in SHAPES if name in out}
 
 
-def _target(want: str) -> dict[str, Any]:
-    whole = {name: torch.zeros(SHAPES[name], dtype=DTYPES[name]) for name in SHAPES}
+def _target(want: str, device: str) -> dict[str, Any]:
+    whole = {name: torch.zeros(SHAPES[name], dtype=DTYPES[name], device=device) for name in SHAPES}
     if want == "whole":
         return whole
     boxes: dict[str, Any] = {}
     for name in ("w", "v", "e"):  # the right half of the columns
         rows, cols = SHAPES[name]
-        boxes[name] = gb.Shard(torch.zeros(rows, cols - cols // 2, dtype=DTYPES[name]), (rows, cols),
-                               (0, cols // 2))  # fmt: skip
+        half = torch.zeros(rows, cols - cols // 2, dtype=DTYPES[name], device=device)
+        boxes[name] = gb.Shard(half, (rows, cols), (0, cols // 2))
     boxes["b"] = whole["b"]
     return boxes
 
 
 def _exact(target: dict[str, Any], version: int) -> bool:
     for name, value in target.items():
-        want = _full(name, version)
+        want = _full(name, version).to(_device_of(value))
         if isinstance(value, gb.Shard):
             got, want = value.tensor, want[value.box.slices([0] * want.dim())]
         else:
@@ -80,6 +82,10 @@ def _exact(target: dict[str, Any], version: int) -> bool:
         if got.dtype != want.dtype or not torch.equal(got, want):
             return False
     return True
+
+
+def _device_of(value: Any) -> torch.device:
+    return value.tensor.device if isinstance(value, gb.Shard) else value.device
 
 
 def _cases() -> list[tuple[str, str, int]]:
@@ -93,17 +99,17 @@ def _cases() -> list[tuple[str, str, int]]:
     return out
 
 
-def _member(rank: int, ports: Any, sources: int, transport: str, delta: bool) -> Any:
+def _member(rank: int, ports: Any, sources: int, transport: str, delta: bool, device: str) -> Any:
     n = sources + RECEIVERS
     with make_group(rank, n, "127.0.0.1", ports) as g:
         if rank < sources:
             with gb.WeightSender(g, transport=transport, delta="always" if delta else False) as snd:
-                stats = [snd.send(_held(rank, sources, v), version=v) for _, _, v in _cases()]
+                stats = [snd.send(_held(rank, sources, v, device), version=v) for _, _, v in _cases()]
                 return [(s.transport, s.delta) for s in stats]
-        rcv = gb.WeightReceiver(g)
+        rcv = gb.WeightReceiver(g, device=device)
         out, targets = [], {}
         for wants, mode, version in _cases():  # a target lives as long as its case (a delta's base)
-            target = targets.setdefault((wants, mode), _target(WANTS[wants][rank - sources]))
+            target = targets.setdefault((wants, mode), _target(WANTS[wants][rank - sources], device))
             held = rcv.receive_into(target, atomic=mode == "atomic")
             out.append((wants, mode, held, _exact(target, version)))
         return out
@@ -111,17 +117,20 @@ def _member(rank: int, ports: Any, sources: int, transport: str, delta: bool) ->
 
 ONE_SOURCE = ["auto", "shm", "p2p", "broadcast", "relay"]
 THREE_SOURCES = ["auto", "shm", "p2p"]
+CASES = [("cpu", 1, t) for t in ONE_SOURCE] + [("cpu", 3, t) for t in THREE_SOURCES]
+if torch.cuda.is_available():
+    CASES += [("cuda", 1, "auto"), ("cuda", 3, "auto")]
+    if torch.cuda.device_count() >= 3 + RECEIVERS:  # NCCL: a GPU per member
+        CASES += [("cuda", s, t) for s, t in ((1, "p2p"), (1, "broadcast"), (3, "p2p"))]
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("delta", [False, True], ids=["full", "delta"])
 @pytest.mark.parametrize(
-    ("sources", "transport"),
-    [(1, t) for t in ONE_SOURCE] + [(3, t) for t in THREE_SOURCES],
-    ids=[f"1-source-{t}" for t in ONE_SOURCE] + [f"3-sources-{t}" for t in THREE_SOURCES],
+    ("device", "sources", "transport"), CASES, ids=[f"{d}-{s}-source{'s' * (s > 1)}-{t}" for d, s, t in CASES]
 )
-def test_every_layout_lands_bit_exact(sources: int, transport: str, delta: bool) -> None:
-    res = run_ranks(_member, sources + RECEIVERS, CTX.Queue(), sources, transport, delta, timeout=110)
+def test_every_layout_lands_bit_exact(device: str, sources: int, transport: str, delta: bool) -> None:
+    res = run_ranks(_member, sources + RECEIVERS, CTX.Queue(), sources, transport, delta, device, timeout=110)
     for got in res[sources:]:
         wrong = [
             (w, m, v)

@@ -104,7 +104,7 @@ class ShardedSession:
 @dataclass(frozen=True, slots=True)
 class Exchange:
     """One member's means for step 3: the session, where its boxes live, its copy thread, its buffers, the
-    sync's deadline, and its pair bases when deltas are kept."""
+    sync's deadline, the device its buffers live on, and its pair bases when deltas are kept."""
 
     group: StatelessGroup
     session: ShardedSession
@@ -112,6 +112,9 @@ class Exchange:
     copier: Copier
     buffers: _bytes.BufferCache
     deadline: Deadline
+    device: torch.device
+    """Where this member's stream buffers and pair bases live: its tensors' device (a source's stream over a
+    host-only transport: the host)."""
     bases: PairBases | None = None
 
     def pairs(self, sending: bool) -> list[Pair]:
@@ -123,7 +126,11 @@ class Exchange:
                 continue
             peer = dst if sending else src
             key = session.keys[(src, dst)]
-            base = self.bases.begin(peer, key, total(buckets))[0] if self.bases is not None else None
+            base = (
+                self.bases.begin(peer, key, total(buckets), self.device)[0]
+                if self.bases is not None
+                else None
+            )
             out.append(Pair(peer, buckets, base, (src, dst) in session.deltas, key))
         return out
 

@@ -57,7 +57,7 @@ class PairBases:
         base = self._bases.get(key) if self._peers.get(peer) == key else None
         return base[0] if base is not None else None
 
-    def begin(self, peer: int, key: str, nbytes: int) -> tuple[torch.Tensor, bool]:
+    def begin(self, peer: int, key: str, nbytes: int, device: torch.device) -> tuple[torch.Tensor, bool]:
         """The base of the pair with ``peer`` for this sync, invalid until :meth:`commit` (kept bytes when
         the cut is the same: a delta is applied to them); and whether this sync began it already (for a
         pair of the same cut: its bytes are being brought up to date once, for both)."""
@@ -65,9 +65,9 @@ class PairBases:
         self._peers[peer] = key
         self._drop_unused()  # free what no pair cuts so any more before allocating
         base = self._bases.get(key)
-        if base is None or base[1].numel() != nbytes:
-            self._bases.pop(key, None)
-            buffer = _bytes.new_buffer(nbytes, torch.device("cpu"))
+        if base is None or base[1].numel() != nbytes or base[1].device != device:
+            self._bases.pop(key, None)  # a base moved to another device holds nothing there
+            buffer = _bytes.new_buffer(nbytes, device)
         else:
             buffer = base[1]
         self._bases[key] = (None, buffer)

@@ -33,7 +33,7 @@ from ._sharded import (
 from ._sharded_delta import PairBases, bucket_word
 from .plan import Plan
 from .shard import Box, Shard, box_of
-from .transports import Landed, Landing
+from .transports import Landed, Landing, pair_transport, stream_device
 
 __all__ = ["Taker", "data_ptr", "receive_shards", "shards_into", "shards_named", "wants_of"]
 
@@ -45,7 +45,6 @@ def receive_shards(x: Exchange, streams: RxStreams, written: list[str]) -> str |
     are refused (a digest mismatch), or None."""
     group, session = x.group, x.session
     verify = session.header.verify
-    cpu = torch.device("cpu")
     after: list[Callable[[], str | None]] = []
     problems: list[str] = []
     walks: dict[int, tuple[Iterator[tuple[int, torch.Tensor, bool]], list[Feed]]] = {}
@@ -60,14 +59,15 @@ def receive_shards(x: Exchange, streams: RxStreams, written: list[str]) -> str |
                 after.append(partial(lander.check_digests, x.deadline))
         rx, sync = streams.pair(src, session.headers[src], x.deadline)
         plan = Plan.of_sizes([n for n, _ in feed])
-        rx.open(plan, cpu, replace(sync, to=(group.rank,) * len(feed)))
+        device = stream_device(pair_transport(session.headers[src].transport), x.device)
+        rx.open(plan, device, replace(sync, to=(group.rank,) * len(feed)))
         # A bucket read where it lies (a shared slot) keeps the slot until this receiver comes back to that
         # source's stream; the source may wait for that only when no other receiver's bucket lies between
         # (it has no more receivers than slots), else it could wait on a later bucket: then copy out first.
         receivers = sum(1 for s, _ in session.plan.pairs if s == src)
         slots = getattr(sync.options, "slots", 0)
         kind = Landing.SCRATCH if receivers <= slots else Landing.STAGING
-        land = partial(_land, x.buffers, f"recv{src}", rx.scratch_buffers, plan, kind)
+        land = partial(_land, x.buffers, f"recv{src}", rx.scratch_buffers, plan, kind, device)
         walks[src] = (rx.buckets(plan, land, x.deadline), feed)
     for t in range(max((len(feed) for _, feed in walks.values()), default=0)):
         for src in sorted(walks):
@@ -89,11 +89,13 @@ Feed = tuple[int, Callable[[torch.Tensor], None]]
 """A pair's bucket as its receiver takes it: (bytes, what lands it)."""
 
 
-def _land(buffers: _bytes.BufferCache, name: str, ring: int, plan: Plan, kind: Landing, k: int) -> Landed:
-    """Where a pair's bucket lands: the receiver's own buffer (a ring per source); SCRATCH lets a transport
-    with a shared slot hand out the slot itself instead."""
+def _land(
+    buffers: _bytes.BufferCache, name: str, ring: int, plan: Plan, kind: Landing, device: torch.device, k: int
+) -> Landed:
+    """Where a pair's bucket lands: the receiver's own buffer on ``device`` (a ring per source); SCRATCH
+    lets a transport with a shared slot hand out the slot itself instead."""
     start, end = plan.bucket_range(k)
-    return Landed(buffers.get(f"{name}-{k % ring}", end - start, torch.device("cpu")), kind)
+    return Landed(buffers.get(f"{name}-{k % ring}", end - start, device), kind)
 
 
 class _Lander:
@@ -243,14 +245,15 @@ class Taker:
 
 
 def _land_shards(
-    taker: Taker, session: ShardedSession, slots: dict[str, Slot], deadline: Deadline, written: list[str]
-) -> None:
+    taker: Taker, session: ShardedSession, slots: dict[str, Slot], deadline: Deadline, written: list[str],
+    device: torch.device,
+) -> None:  # fmt: skip
     """Receive every source's pieces into ``slots``, then vote; raises (the peers told) on failure."""
     what = f"receiving version {session.header.version}"
     bases = taker.bases if session.header.keeps_base else None
     if bases is None:
         taker.bases.clear()  # the senders keep none: nothing to apply a delta to, memory back
-    x = Exchange(taker.group, session, slots, taker.copier, taker.buffers, deadline, bases)
+    x = Exchange(taker.group, session, slots, taker.copier, taker.buffers, deadline, device, bases)
     try:
         problem = receive_shards(x, taker.streams, written)
     except BaseException as e:
@@ -288,6 +291,12 @@ def _commit(taker: Taker, session: ShardedSession) -> None:
         acknowledge(taker.group, src, session.header.version)
 
 
+def _device_of(tensors: list[torch.Tensor], default: torch.device) -> torch.device:
+    """Where a receiver's targets are (its staging, landing buffers and bases go there too); targets on
+    several devices stage on the first one's."""
+    return tensors[0].device if tensors else default
+
+
 def shards_into(taker: Taker, session: ShardedSession, targets: dict[str, Any], atomic: bool,
                 deadline: Deadline) -> int:  # fmt: skip
     """``receive_into`` of a many-source sync: staged in a kept buffer (atomic) or straight into the
@@ -296,15 +305,15 @@ def shards_into(taker: Taker, session: ShardedSession, targets: dict[str, Any], 
     dest = {wire: _slot(targets[taker.rename(wire)]) for wire in session.plan.order}
     boxes = {w: box for w, (_, box) in dest.items()}
     what = f"receiving version {version}"
-    cpu = torch.device("cpu")
+    device = _device_of([t for t, _ in dest.values()], taker.device)
     slots = (
-        allocated(taker.group, what, lambda: _staging(taker, session.plan, boxes, cpu))
+        allocated(taker.group, what, lambda: _staging(taker, session.plan, boxes, device))
         if atomic
         else dict(dest)
     )
     written: list[str] = []
     try:
-        _land_shards(taker, session, slots, deadline, written)
+        _land_shards(taker, session, slots, deadline, written, device)
     except BaseException as e:
         if not isinstance(e, Exception):
             raise
@@ -346,7 +355,7 @@ def shards_named(
                 for w, box in whole.items()}  # fmt: skip
 
     slots = allocated(taker.group, f"receiving version {session.header.version}", make)
-    _land_shards(taker, session, slots, deadline, [])
+    _land_shards(taker, session, slots, deadline, [], taker.device)
     yielded = 0
     try:
         for wire, (t, _) in slots.items():

@@ -40,8 +40,7 @@ def send_shards(x: _sharded.Exchange, tx: TxTransport, sync: Sync[Any]) -> Sent:
     then its changed buckets' encodings take the place of its buckets."""
     group, session, slots = x.group, x.session, x.slots
     assert isinstance(slots, SourceSlots)
-    plan, verify = session.plan, session.header.verify
-    cpu = torch.device("cpu")
+    plan, verify, device = session.plan, session.header.verify, x.device
     stream: list[tuple[int, int, int, Callable[[Callable[[], torch.Tensor]], torch.Tensor]]] = []
     """(round, receiver, bytes, fill): ``fill(buffer)`` packs the bucket (into ``buffer()``), returns it."""
     digests: dict[int, list[int | bytes]] = {}
@@ -57,7 +56,7 @@ def send_shards(x: _sharded.Exchange, tx: TxTransport, sync: Sync[Any]) -> Sent:
             assert base is not None
             if pair.key not in described:
                 described[pair.key] = _describe_delta(
-                    group, session, buckets, slots, base, x.copier, x.buffers, sent
+                    group, session, buckets, slots, base, x.copier, x.buffers, sent, device
                 )
             desc, payloads = described[pair.key]
             group.send_obj(desc, dst, tag=_sharded.DELTA_TAG)
@@ -76,9 +75,9 @@ def send_shards(x: _sharded.Exchange, tx: TxTransport, sync: Sync[Any]) -> Sent:
             for k, b in enumerate(buckets)
         ]
     stream.sort(key=lambda e: (e[0], e[1]))
-    tx.open(Plan.of_sizes([e[2] for e in stream]), cpu, replace(sync, to=tuple(e[1] for e in stream)))
+    tx.open(Plan.of_sizes([e[2] for e in stream]), device, replace(sync, to=tuple(e[1] for e in stream)))
     for k, (_, _, nbytes, fill) in enumerate(stream):
-        view = fill(partial(tx.buffer, k, nbytes, cpu))
+        view = fill(partial(tx.buffer, k, nbytes, device))
         tx.post(k, view)
         sent.wire_bytes += nbytes
     tx.finish()
@@ -116,16 +115,17 @@ def _full_bucket(
 def _describe_delta(
     group: StatelessGroup, session: ShardedSession, buckets: tuple[Bucket, ...],
     slots: SourceSlots, base: torch.Tensor, copier: Copier, buffers: _bytes.BufferCache, sent: Sent,
+    device: torch.device,
 ) -> tuple[Any, list[torch.Tensor]]:  # fmt: skip
     """A delta pair: diff every bucket against the base (bringing it up to the new version); the pair's
     description (as it goes on the wire) and the changed buckets' encodings, in order."""
     plan, kind = session.plan, delta_digest(session.header)
     encs, digests, wire, pos = [], [], [], 0
     biggest = max((b.nbytes for b in buckets), default=1)
-    mask = buffers.get("delta-mask", biggest, torch.device("cpu")).view(torch.bool)
+    mask = buffers.get("delta-mask", biggest, device).view(torch.bool)
     for b in buckets:
         w = bucket_word(b, plan.dtypes)
-        new = buffers.get("delta-new", b.nbytes, torch.device("cpu"))
+        new = buffers.get("delta-new", b.nbytes, device)
         slots.need(b)
         copier.run(partial(_pack, b, new, slots, plan))
         slots.packed(b)
@@ -276,13 +276,14 @@ def send_sharded(
     tx: TxTransport,
     sync: Sync[Any],
     bases: PairBases | None,
+    device: torch.device,
 ) -> SyncStats:
-    """This member's part of a many-source sync: its pieces to every receiver over ``tx``, the vote, the
-    acks."""
+    """This member's part of a many-source sync: its pieces to every receiver over ``tx`` (its buffers and
+    bases on ``device``), the vote, the acks."""
     t0 = time.perf_counter()
     me, deadline = group.rank, sync.deadline
     try:
-        exchange = _sharded.Exchange(group, session, slots, copier, buffers, deadline, bases)
+        exchange = _sharded.Exchange(group, session, slots, copier, buffers, deadline, device, bases)
         sent = send_shards(exchange, tx, sync)
         slots.finish()
         version = session.header.version

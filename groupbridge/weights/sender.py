@@ -53,6 +53,7 @@ from .transports import (
     across_hosts,
     choose,
     pair_transport,
+    stream_device,
 )
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "SyncStats", "WeightSender", "named_tensors_of"]
@@ -237,7 +238,7 @@ class WeightSender(Closing):
                 plans=self._shard_plans,
             )  # fmt: skip
             if isinstance(session, ShardedSession):
-                return self._send_pairs(session, manifest, items, shards, kind, deadline)
+                return self._send_pairs(session, manifest, items, shards, kind, device, deadline)
             return self._stream(session, plan, items, device, tx, deadline, progress)
         except BaseException as e:
             if isinstance(e, SyncRefusedError):  # every member ended the sync alike: the group is fine
@@ -253,7 +254,7 @@ class WeightSender(Closing):
 
     def _send_pairs(
         self, session: ShardedSession, manifest: Manifest, items: Pairs, shards: Boxes, kind: str,
-        deadline: Deadline,
+        device: torch.device, deadline: Deadline,
     ) -> SyncStats:  # fmt: skip
         """A many-source sync: this source's pairs over the transport that carries them (see
         ``pair_transport``: the chosen one when it can, else ``p2p``)."""
@@ -265,7 +266,7 @@ class WeightSender(Closing):
         sync = Sync(session.headers[self.src].sync_id, deadline, options, self._copier.copy)
         slots = SourceSlots(manifest, items, shards, session.plan, self.src)
         return send_sharded(self.group, session, slots, self._copier, self._scratch, self._tx(pairs), sync,
-                            self._pair_bases)  # fmt: skip
+                            self._pair_bases, stream_device(pairs, device))  # fmt: skip
 
     def _tx(self, kind: str) -> TxTransport:
         tx = self._transports.get(kind)

@@ -5,7 +5,7 @@
 - ``shm``: a ring of shared-memory segments on one host; the sender fills, receivers copy out in parallel.
 - ``cuda_ipc``: the same over CUDA IPC buffers, for CUDA tensors on one host.
 - ``p2p``: the group's point-to-point send/recv, each bucket to its own receiver: a many-source sync's
-  pairs across hosts (``shm`` carries them on one host).
+  pairs across hosts (``shm`` and ``cuda_ipc`` carry them on one host).
 
 Each states what it needs and can do in its :class:`TransportSpec`, and takes its own options dataclass
 (:class:`BroadcastOptions`, :class:`RelayOptions`, :class:`SharedOptions`), which the sender announces in
@@ -58,6 +58,7 @@ __all__ = [
     "choose",
     "pair_transport",
     "spec",
+    "stream_device",
 ]
 
 TRANSPORTS: dict[str, TransportSpec[Any]] = {s.name: s for s in (BROADCAST, RELAY, SHM, CUDA_IPC, P2P)}
@@ -67,6 +68,13 @@ def pair_transport(kind: str) -> str:
     """What carries a many-source sync's pairs from a source whose header names ``kind``: ``kind`` itself
     when it can (``shm`` on one host), else ``p2p``."""
     return kind if spec(kind).pairs else "p2p"
+
+
+def stream_device(kind: str, device: torch.device) -> torch.device:
+    """Where the buffers of a stream over transport ``kind`` live, for a member whose tensors are on
+    ``device``: there, unless the transport carries host memory only (``shm``'s slots: the host)."""
+    carried = spec(kind).devices
+    return device if not carried or device.type in carried else torch.device("cpu")
 
 
 def spec(kind: str) -> TransportSpec[Any]:

@@ -412,7 +412,7 @@ def _spec(kind: str, device: str) -> TransportSpec[SharedOptions]:
         kind, SharedOptions, SharedOptions.parse,
         lambda group, options: SharedTx(group, options, kind),
         lambda group: SharedRx(group, kind),
-        one_host=True, devices=(device,), pairs=kind == "shm",
+        one_host=True, devices=(device,), pairs=True,
     )  # fmt: skip
 
 
