@@ -595,3 +595,49 @@ def test_boxes_a_receiver_reads_do_not_move_a_broadcast_onto_pairs() -> None:
     with_e = full + _full("e", 4).numel() * 2
     assert sent == [{1: full, 2: full}] * 3 + [{1: with_e, 2: with_e}] * 3, sent
     assert first == second == [True] * 6, (first, second)
+
+
+def _streamed(rank: int, ports: Any, got_a: Any) -> Any:
+    """Sources 0 and 1 hold row halves of ``a`` then ``z`` (a bucket each); receiver 2 iterates
+    ``receive()``. Version 1: source 1's generator holds ``z`` back until the receiver has been handed ``a``,
+    which it can only be if tensors are yielded as they land. Version 2 moves only ``z``, as a delta:
+    ``receive()`` yields ``z`` alone, and ``only_changed=False`` would have yielded both."""
+
+    def full(name: str, version: int) -> torch.Tensor:
+        t = torch.arange(32 * 16, dtype=torch.float32).reshape(32, 16) + (100 if name == "z" else 0)
+        return t + (version if name == "z" else 0)
+
+    with make_group(rank, 3, "127.0.0.1", ports) as g:
+        if rank < 2:
+            waited = []
+
+            def held(version: int) -> Any:
+                for name in ("a", "z"):
+                    if name == "z" and rank == 1 and version == 1:
+                        waited.append(got_a.wait(20))
+                    yield name, gb.Shard(full(name, version)[16 * rank : 16 * rank + 16].clone(), (32, 16),
+                                         (16 * rank, 0))  # fmt: skip
+
+            specs = {n: ((16, 16), torch.float32, (32, 16), (16 * rank, 0)) for n in ("a", "z")}
+            with gb.WeightSender(g, bucket_bytes=1024, delta="always") as snd:
+                deltas = [snd.send(held(v), version=v, specs=specs).delta for v in (1, 2)]
+            return waited, deltas
+        rcv = gb.WeightReceiver(g)
+        out = []
+        for v in (1, 2):
+            names, exact = [], True
+            for name, t in rcv.receive():
+                names.append(name)
+                exact = exact and torch.equal(t, full(name, v))
+                if name == "a":
+                    got_a.set()
+            out.append((names, exact))
+        return out
+
+
+@pytest.mark.timeout(60)
+def test_many_sources_receive_yields_each_tensor_as_it_lands_and_only_what_changed() -> None:
+    res = run_ranks(_streamed, 3, CTX.Queue(), CTX.Event(), timeout=50)
+    assert res[1][0] == [True], res  # source 1 went on because the receiver already had ``a``
+    assert [d for _, d in res[:2]] == [[False, True]] * 2, res
+    assert res[2] == [(["a", "z"], True), (["z"], True)], res

@@ -3,7 +3,8 @@ the vote, the commit."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections import Counter
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
@@ -20,7 +21,7 @@ from ._copier import Copier
 from ._delta_sync import Description, delta_digest, wire_plan
 from ._rx_stream import RxStreams, acknowledge, allocated, give_up, tell_failure
 from ._session import vote
-from ._shard_plan import Bucket, ShardPlan, element_size
+from ._shard_plan import Bucket, Piece, ShardPlan, element_size
 from ._sharded import (
     DELTA_TAG,
     DIGEST_TAG,
@@ -38,21 +39,54 @@ from .transports import Landed, Landing, pair_transport, stream_device
 __all__ = ["Taker", "data_ptr", "receive_shards", "shards_into", "shards_named", "wants_of"]
 
 
-def receive_shards(x: Exchange, streams: RxStreams, written: list[str]) -> str | None:
+class Arrivals:
+    """Which of a receiver's tensors have every piece landed (from every source), and which changed: a
+    tensor is handed on as soon as it is whole, whatever order the sources' streams deliver it in."""
+
+    def __init__(self, session: ShardedSession, me: int) -> None:
+        self.left: Counter[str] = Counter(
+            p.name for (_, dst), buckets in session.plan.pairs.items() if dst == me for b in buckets
+            for p in b.pieces
+        )  # fmt: skip
+        self.changed: set[str] = set()
+        self._ready: list[str] = []
+
+    def landed(self, pieces: Sequence[Piece], changed: Sequence[bool]) -> None:
+        for p, moved in zip(pieces, changed, strict=True):
+            if moved:
+                self.changed.add(p.name)
+            self.left[p.name] -= 1
+            if self.left[p.name] == 0:
+                self._ready.append(p.name)
+
+    def take(self) -> list[str]:
+        """The tensors that became whole since the last call, in the order they did."""
+        ready, self._ready = self._ready, []
+        return ready
+
+
+def receive_shards(
+    x: Exchange, streams: RxStreams, written: list[str], arrivals: Arrivals | None = None
+) -> Generator[str, None, str | None]:
     """This receiver's part of step 3: land every source's pieces in its slots (keyed by wire name);
     ``written`` collects the names written. Each source's buckets come over its pair transport (attached in
-    the handshake), read in the order every member walks them: round, then source. Returns why the bytes
-    are refused (a digest mismatch), or None."""
+    the handshake), read in the order every member walks them: round, then source. Yields each tensor's
+    wire name as it becomes whole (every piece of it landed). Returns why the bytes are refused (a digest
+    mismatch), or None."""
     group, session = x.group, x.session
     verify = session.header.verify
+    arrivals = arrivals if arrivals is not None else Arrivals(session, group.rank)
     after: list[Callable[[], str | None]] = []
     problems: list[str] = []
     walks: dict[int, tuple[Iterator[tuple[int, torch.Tensor, bool]], list[Feed]]] = {}
     for pair in x.pairs(sending=False):
         src, buckets = pair.peer, pair.buckets
-        lander = _Lander(group, session, src, buckets, x.slots, x.copier, pair.base, written, problems)
+        lander = _Lander(
+            group, session, src, buckets, x.slots, x.copier, pair.base, written, problems, arrivals
+        )
         if pair.delta:
             feed = lander.delta(group.recv_obj(src, timeout=x.deadline, tag=DELTA_TAG))
+            yield from arrivals.take()  # its unchanged buckets were unpacked from the base
         else:
             feed = [(b.nbytes, partial(lander.full, k)) for k, b in enumerate(buckets)]
             if verify:
@@ -75,6 +109,7 @@ def receive_shards(x: Exchange, streams: RxStreams, written: list[str]) -> str |
             if t < len(feed):
                 k, view, _ = next(buckets_in)
                 feed[k][1](view)
+                yield from arrivals.take()
                 if k == len(feed) - 1:  # the pair's last: let its transport free what it holds now
                     for _ in buckets_in:
                         raise ProtocolError(f"rank {src}'s stream has more buckets than its plan")
@@ -112,18 +147,22 @@ class _Lander:
         base: torch.Tensor | None,
         written: list[str],
         problems: list[str],
+        arrivals: Arrivals,
     ) -> None:
         self.group, self.session, self.src, self.buckets = group, session, src, buckets
         self.slots, self.copier, self.base = slots, copier, base
-        self.written, self.problems = written, problems
+        self.written, self.problems, self.arrivals = written, problems, arrivals
         self.starts = [start_of(buckets, k) for k in range(len(buckets))]
         self.mine: list[int | bytes] = []
 
-    def _unpack(self, k: int, view: torch.Tensor) -> None:
-        for p in self.buckets[k].pieces:
+    def _unpack(self, k: int, view: torch.Tensor, changed: Sequence[bool] | None = None) -> None:
+        """Bucket k's pieces into the slots; ``changed`` (per piece; None: all) says which of them moved."""
+        pieces = self.buckets[k].pieces
+        for p in pieces:
             if p.name not in self.written:
                 self.written.append(p.name)
         self.copier.run(partial(_unpack, self.buckets[k], view, self.slots, self.session.plan))
+        self.arrivals.landed(pieces, changed if changed is not None else [True] * len(pieces))
 
     def full(self, k: int, buf: torch.Tensor) -> None:
         verify = self.session.header.verify
@@ -152,7 +191,7 @@ class _Lander:
         wplan, changed = wire_plan(desc, sizes, words)
         for k in range(len(self.buckets)):
             if k not in changed:
-                self._check(k, desc)
+                self._check(k, desc, [False] * len(self.buckets[k].pieces))
         out: list[tuple[int, Callable[[torch.Tensor], None]]] = []
         for j, k in enumerate(changed):
             start, end = wplan.bucket_range(j)
@@ -163,7 +202,7 @@ class _Lander:
         assert self.base is not None
         return self.base[self.starts[k] : self.starts[k] + self.buckets[k].nbytes]
 
-    def _check(self, k: int, desc: Description) -> None:
+    def _check(self, k: int, desc: Description, changed: Sequence[bool]) -> None:
         kind = delta_digest(self.session.header)
         if _bytes.digest(self._view(k), kind, self.group) != desc.digests[k]:
             self.problems.append(
@@ -171,7 +210,7 @@ class _Lander:
                 "receiver's copy of the version it held differs from the sender's"
             )
             return
-        self._unpack(k, self._view(k))
+        self._unpack(k, self._view(k), changed)
 
     def _apply(self, k: int, j: int, desc: Description, payload: torch.Tensor) -> None:
         kind = delta_digest(self.session.header)
@@ -179,8 +218,18 @@ class _Lander:
             self.problems.append(f"the delta of bucket {k} from rank {self.src} arrived corrupted")
             return
         w = bucket_word(self.buckets[k], self.session.plan.dtypes)
-        self.copier.run(partial(_delta.apply, self._view(k), payload, desc.codes[k], desc.counts[k], w))
-        self._check(k, desc)
+        moved = self.copier.run(
+            partial(_delta.apply, self._view(k), payload, desc.codes[k], desc.counts[k], w)
+        )
+        self._check(k, desc, _pieces_hit(self.buckets[k], moved, w))
+
+
+def _pieces_hit(bucket: Bucket, positions: torch.Tensor, w: int) -> list[bool]:
+    """Which of the bucket's pieces hold one of the changed word ``positions`` (sorted)."""
+    pos = positions.cpu()
+    starts = torch.tensor([p.offset // w for p in bucket.pieces], dtype=torch.int64)
+    ends = torch.tensor([(p.offset + p.nbytes) // w for p in bucket.pieces], dtype=torch.int64)
+    return (torch.searchsorted(pos, ends) > torch.searchsorted(pos, starts)).tolist()
 
 
 def _unpack(bucket: Bucket, buf: torch.Tensor, slots: Mapping[str, Slot], plan: ShardPlan) -> None:
@@ -246,16 +295,20 @@ class Taker:
 
 def _land_shards(
     taker: Taker, session: ShardedSession, slots: dict[str, Slot], deadline: Deadline, written: list[str],
-    device: torch.device,
-) -> None:  # fmt: skip
-    """Receive every source's pieces into ``slots``, then vote; raises (the peers told) on failure."""
+    device: torch.device, arrivals: Arrivals,
+) -> Generator[str, None, None]:  # fmt: skip
+    """Receive every source's pieces into ``slots``, yielding each tensor's wire name as it becomes whole,
+    then vote; raises (the peers told) on failure. Closed early, it tells nobody (its caller says why)."""
     what = f"receiving version {session.header.version}"
     bases = taker.bases if session.header.keeps_base else None
     if bases is None:
         taker.bases.clear()  # the senders keep none: nothing to apply a delta to, memory back
     x = Exchange(taker.group, session, slots, taker.copier, taker.buffers, deadline, device, bases)
     try:
-        problem = receive_shards(x, taker.streams, written)
+        problem = yield from receive_shards(x, taker.streams, written, arrivals)
+    except GeneratorExit:
+        taker.bases.abandon()
+        raise
     except BaseException as e:
         taker.bases.abandon()
         tell_failure(taker.group, e, what)
@@ -313,7 +366,10 @@ def shards_into(taker: Taker, session: ShardedSession, targets: dict[str, Any], 
     )
     written: list[str] = []
     try:
-        _land_shards(taker, session, slots, deadline, written, device)
+        for _ in _land_shards(
+            taker, session, slots, deadline, written, device, Arrivals(session, taker.group.rank)
+        ):
+            pass
     except BaseException as e:
         if not isinstance(e, Exception):
             raise
@@ -337,12 +393,16 @@ def shards_into(taker: Taker, session: ShardedSession, targets: dict[str, Any], 
 
 
 def shards_named(
-    taker: Taker, session: ShardedSession, deadline: Deadline, keep: bool, only: set[str] | None = None
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """``receive()`` of a many-source sync: whole tensors, staged, yielded once every member voted yes
-    (``keep``: views of one buffer the receiver keeps, valid until the next sync; else tensors of their
-    own). ``only``: the tensors this receiver asked boxes of (``receive(reads=...)``), each whole-shaped: the
-    plan brings its box, the rest of it keeps what the kept buffer held."""
+    taker: Taker, session: ShardedSession, deadline: Deadline, keep: bool, only: set[str] | None = None,
+    every: bool = True,
+) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
+    """``receive()`` of a many-source sync: whole tensors, each yielded as soon as every piece of it landed
+    (from whichever sources hold it), as a one-source ``receive()`` yields them as their buckets land; the
+    vote follows the last (the digests are checked then: a refusal raises from the iteration, as there).
+    ``keep``: views of one buffer the receiver keeps, valid until the next sync; else tensors of their own.
+    ``only``: the tensors this receiver asked boxes of (``receive(reads=...)``), each whole-shaped: the plan
+    brings its box, the rest of it keeps what the kept buffer held. ``every=False`` (``only_changed``):
+    tensors of a delta that did not change are not yielded."""
     plan = session.plan
     whole = {w: Box((0,) * len(plan.global_shapes[w]), plan.global_shapes[w])
              for w in plan.order if only is None or w in only}  # fmt: skip
@@ -355,15 +415,22 @@ def shards_named(
                 for w, box in whole.items()}  # fmt: skip
 
     slots = allocated(taker.group, f"receiving version {session.header.version}", make)
-    _land_shards(taker, session, slots, deadline, [], taker.device)
+    arrivals = Arrivals(session, taker.group.rank)
+    landing = _land_shards(taker, session, slots, deadline, [], taker.device, arrivals)
     yielded = 0
     try:
-        for wire, (t, _) in slots.items():
-            yield taker.rename(wire), t
-            yielded += 1
+        for wire in landing:
+            if wire in slots and (every or wire in arrivals.changed):
+                yielded += 1
+                yield taker.rename(wire), slots[wire][0]
+        for wire, (t, _) in slots.items():  # no piece to wait for (empty tensors): whole already
+            if every and t.numel() == 0:
+                yielded += 1
+                yield taker.rename(wire), t
     except GeneratorExit:  # the sources wait for this receiver's acknowledgement: tell them now
+        landing.close()
         tell_failure(taker.group, RuntimeError(
-            f"the consumer stopped after {yielded} of {len(slots)} tensors"), f"receiving version "
+            f"the consumer stopped after taking {yielded} tensors"), f"receiving version "
             f"{session.header.version}")  # fmt: skip
         raise
     _commit(taker, session)

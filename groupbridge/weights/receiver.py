@@ -228,7 +228,9 @@ class WeightReceiver(Closing):
         if isinstance(session, ShardedSession):
             self._memory.held = None
             only = set(posted[1]) if posted and learning is not None and learning.used else None
-            pairs = shards_named(self._taker(), session, deadline, keep, only)
+            pairs = shards_named(
+                self._taker(), session, deadline, keep, only, not (session.delta and only_changed)
+            )
             return WeightUpdate(session, _scoped(self.group, pairs), kept=keep, abandon=abandon)
         every = not (session.delta and only_changed)
         pairs = _scoped(self.group, self._named(session, deadline, every, keep))
