@@ -305,7 +305,7 @@ def _replicas(rank: int, ports: Any) -> Any:
     one base. At version 3 rank 3 is new (its pair travels whole) while rank 2's is a delta of that cut."""
     with make_group(rank, 4, "127.0.0.1", ports) as g:
         if rank < 2:
-            snd = gb.WeightSender(g, delta=True, bucket_bytes=8192)
+            snd = gb.WeightSender(g, delta="always", bucket_bytes=8192)
             out = []
             for v in (1, 2, 3, 4):
                 full = _evolving(v)
@@ -352,7 +352,7 @@ def _evolving(version: int) -> dict[str, torch.Tensor]:
 def _deltas(rank: int, ports: Any) -> Any:
     with make_group(rank, 4, "127.0.0.1", ports) as g:
         if rank < 2:
-            snd = gb.WeightSender(g, delta=True, bucket_bytes=8192)
+            snd = gb.WeightSender(g, delta="always", bucket_bytes=8192)
             out = []
             for v in (1, 2, 3, 4):
                 full = _evolving(v)
@@ -641,3 +641,24 @@ def test_many_sources_receive_yields_each_tensor_as_it_lands_and_only_what_chang
     assert res[1][0] == [True], res  # source 1 went on because the receiver already had ``a``
     assert [d for _, d in res[:2]] == [[False, True]] * 2, res
     assert res[2] == [(["a", "z"], True), (["z"], True)], res
+
+
+def _policy(rank: int, ports: Any, delta: Any) -> Any:
+    with make_group(rank, 3, "127.0.0.1", ports) as g:
+        if rank < 2:
+            with gb.WeightSender(g, delta=delta, bucket_bytes=8192) as snd:
+                return [snd.send(_source(rank, 2, v), version=v).delta for v in (1, 2, 3)]
+        rcv = gb.WeightReceiver(g)
+        target = {k: torch.zeros(SHAPES[k], dtype=DTYPES[k]) for k in SHAPES}
+        return [rcv.receive_into(target) == v and _exact(target, v) for v in (1, 2, 3)]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("delta", "deltas"), [(True, [False, False]), ("always", [False, True, True])])
+def test_pairs_follow_the_senders_delta_policy(delta: Any, deltas: list[bool]) -> None:
+    """``delta=True`` times two full syncs before its policy may choose a delta (a pair holding a base no
+    longer diffs by itself); ``"always"`` diffs from the second sync on."""
+    res = run_ranks(_policy, 3, CTX.Queue(), delta, timeout=50)
+    assert res[2] == [True] * 3, res
+    for sent in res[:2]:
+        assert sent[: len(deltas)] == deltas, res

@@ -7,8 +7,9 @@ Side by side in one run, interleaved by round:
   through the best single-source transport (relay, a chain through the four hosts);
 - (b) many sources: every trainer sends each receiver the rows it holds that the receiver wants;
 - (c) the link bound: the most bytes any one link carries in (b), at the link rate;
-- (d) many sources sending deltas (``WeightSender(delta=True)``, on a bridge of its own so that its bases
-  outlive the full syncs of (b)), after about 2 % of every source's values changed (every 50th element).
+- (d) many sources sending deltas (``WeightSender(delta="always")``: a delta every sync, where
+  ``delta=True`` would first time two full ones; on a bridge of its own so that its bases outlive the full
+  syncs of (b)), after about 2 % of every source's values changed (every 50th element).
 
 Peak memory is each trainer rank's peak resident size after the (b)-only warm-up round and after the run
 (the gather of (a) holds the whole model on rank 0).
@@ -97,7 +98,7 @@ def _role(rank: int, cfg: SourcesConfig, t: int, hosts: list[tuple[str, str]], p
             shards[name] = Shard(_rows_of(name, shape, lo, hi), shape, (lo,) + (0,) * (len(shape) - 1))
         # p2p, named: the simulated hosts share one kernel, where ``auto`` would find shared memory
         snd = WeightSender(g, transport="p2p", bucket_bytes=cfg.bucket_bytes)
-        snd_d = WeightSender(gd, transport="p2p", bucket_bytes=cfg.bucket_bytes, delta=True)
+        snd_d = WeightSender(gd, transport="p2p", bucket_bytes=cfg.bucket_bytes, delta="always")
         relay = None
         if ga is not None:
             chunks = RelayOptions(chunk_bytes=4 << 20)

@@ -140,6 +140,9 @@ class Header:
     that later syncs can be deltas against it."""
     base: int | None = None
     """The version this sync would be a delta against, when the source offers one."""
+    pair_deltas: bool = False
+    """Many sources: this source's delta policy wants its pairs sent as deltas this sync (where its receiver
+    holds the same base); else they travel whole, and the bases are refreshed."""
     bucket_cap: int = 0
     """The most bytes one bucket of this source's many-source stream may hold (what its transport reserved
     before the sync was announced: shared slots are sized then); 0: no limit beyond ``bucket_bytes``. Every
@@ -160,6 +163,7 @@ class Header:
             "keeps_base": self.keeps_base,
             "base": self.base,
             "bucket_cap": self.bucket_cap,
+            "pair_deltas": self.pair_deltas,
         }
 
     @classmethod
@@ -197,6 +201,7 @@ class Header:
             d["offer"],
             field("keeps_base", bool),
             base,
+            field("pair_deltas", bool),
             field("bucket_cap", int, 0, MAX_BUCKET_BYTES),
         )
 

@@ -302,7 +302,7 @@ def settle_shards(
     holds = [dict(v.held) for v in verdicts]
     deltas = frozenset(
         (s, r) for (s, r) in plan.pairs
-        if headers[s].keeps_base and holds[s].get(r) is not None and holds[s].get(r) == holds[r].get(s)
+        if headers[s].pair_deltas and holds[s].get(r) is not None and holds[s].get(r) == holds[r].get(s)
     )  # fmt: skip
     return ShardedSession(tuple(sources), lead, whole, plan, headers, deltas, keys)
 

@@ -229,6 +229,7 @@ class WeightSender(Closing):
             secrets.token_hex(6), self.options[kind].to_wire(), tx.offer(),
             keeps_base=self._delta is not None,
             base=self._delta.offer(manifest) if self._delta is not None else None,
+            pair_deltas=self._delta is not None and self._delta.policy.chose_delta,
             bucket_cap=reserved.bucket_bytes if TRANSPORTS[kind].pairs else 0,
         )  # fmt: skip
         try:
@@ -265,8 +266,15 @@ class WeightSender(Closing):
         options = self.options[kind] if pairs == kind else TRANSPORTS[pairs].options()
         sync = Sync(session.headers[self.src].sync_id, deadline, options, self._copier.copy)
         slots = SourceSlots(manifest, items, shards, session.plan, self.src)
-        return send_sharded(self.group, session, slots, self._copier, self._scratch, self._tx(pairs), sync,
-                            self._pair_bases, stream_device(pairs, device))  # fmt: skip
+        stats = send_sharded(self.group, session, slots, self._copier, self._scratch, self._tx(pairs), sync,
+                             self._pair_bases, stream_device(pairs, device))  # fmt: skip
+        if self._delta is not None:  # the policy learns from pairs as from one source's stream
+            policy = self._delta.policy
+            if stats.delta:
+                policy.record_delta(stats.seconds, stats.bytes, stats.wire_bytes, stats.changed_fraction)
+            else:
+                policy.record_full(stats.seconds, stats.bytes)
+        return stats
 
     def _tx(self, kind: str) -> TxTransport:
         tx = self._transports.get(kind)
