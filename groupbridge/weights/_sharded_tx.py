@@ -25,6 +25,7 @@ from ._session import collect_acks, vote
 from ._shard_plan import Bucket, ShardPlan
 from ._sharded import ShardedSession, Slot, piece_view, start_of
 from ._sharded_delta import PairBases, bucket_word
+from ._source import Puller
 from ._stats import SyncStats
 from .manifest import Manifest
 from .plan import Plan
@@ -170,11 +171,9 @@ class SourceSlots(Mapping[str, Slot]):
     against the manifest and let go once the last of those buckets is packed."""
 
     def __init__(self, manifest: Manifest, items: Pairs, shards: Boxes, plan: ShardPlan, me: int) -> None:
-        self._entries = manifest.entries
         self._shards = shards
-        self._items = iter(items)
+        self._puller = Puller(manifest, iter(items))
         self._lazy = not isinstance(items, list)
-        self._pulled = 0
         self._slots: dict[str, Slot] = {}
         self._replicated: dict[str, list[Box]] = {}
         for name, cell, holders in plan.replicated:
@@ -201,8 +200,8 @@ class SourceSlots(Mapping[str, Slot]):
         """Pull every tensor ``bucket`` reads."""
         for p in bucket.pieces:
             while p.name not in self._slots:
-                if not self._pull():
-                    raise ValueError(f"the named tensors ended before {p.name!r}, which the manifest lists")
+                if not self._pull():  # pulled every entry: the plan names one the manifest does not
+                    raise ValueError(f"the plan reads {p.name!r}, which this source's manifest does not list")
 
     def packed(self, bucket: Bucket) -> None:
         """``bucket`` is packed: a lazy source's tensors that no later bucket reads are let go."""
@@ -235,30 +234,18 @@ class SourceSlots(Mapping[str, Slot]):
             pass
 
     def _pull(self) -> bool:
-        if self._pulled == len(self._entries):
+        if self._puller.done:
             return False
-        try:
-            name, t = next(self._items)
-        except StopIteration:
-            raise ValueError(
-                f"the named tensors ended after {self._pulled} of {len(self._entries)} entries of the "
-                "manifest"
-            ) from None
-        e = self._entries[self._pulled]
-        if name != e.name or tuple(t.shape) != e.shape or str(t.dtype).removeprefix("torch.") != e.dtype:
-            raise ValueError(
-                f"tensor #{self._pulled} is {name!r} {list(t.shape)} {t.dtype}; the manifest says {e.name!r} "
-                f"{list(e.shape)} {e.dtype} (the order and shapes must not change)"
-            )
-        self._pulled += 1
+        _, e, t = self._puller.take()
+        name = e.name
         offset = self._shards[name][1] if name in self._shards else (0,) * t.dim()
         for cell in self._replicated.get(name, ()):
             if self._hasher is None:
                 self._hasher = ThreadPoolExecutor(1, thread_name_prefix="groupbridge-replicas")
             where = f"{name} at {list(cell.offset)} of shape {list(cell.shape)}"
-            self._replicas[where] = self._hasher.submit(_cell_digest, t.detach()[cell.slices(offset)])
+            self._replicas[where] = self._hasher.submit(_cell_digest, t[cell.slices(offset)])
         if self._left[name] > 0 or not self._lazy:
-            self._slots[name] = (t.detach(), Box(offset, tuple(t.shape)))
+            self._slots[name] = (t, Box(offset, tuple(t.shape)))
         return True
 
 

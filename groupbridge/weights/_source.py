@@ -1,4 +1,6 @@
-"""The sender's side of a sync's source: tensors pulled as buckets need them, checked, released."""
+"""The sender's side of a sync's source: tensors pulled as buckets need them, checked, released. One puller
+for every sync: a one-source stream keeps what it pulled by manifest index (:meth:`Puller.pull_through`),
+a many-source stream by box (``_sharded_tx.SourceSlots``, through :meth:`Puller.take`)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ from collections.abc import Iterator
 import torch
 
 from ..codec import dtype_from_name
-from .manifest import Manifest
+from .manifest import Entry, Manifest
 from .plan import Plan
 
 __all__ = ["Puller"]
@@ -28,28 +30,39 @@ class Puller:
         self._items = items
         self._pulled = 0
 
+    @property
+    def done(self) -> bool:
+        """Every entry of the manifest was pulled."""
+        return self._pulled == len(self.entries)
+
+    def take(self) -> tuple[int, Entry, torch.Tensor]:
+        """The source's next tensor, checked against the manifest: (its index, its entry, the tensor,
+        detached). ValueError when the source ends early or its tensor is not the entry's."""
+        entries, index = self.entries, self._pulled
+        try:
+            name, t = next(self._items)
+        except StopIteration:
+            raise ValueError(
+                f"the named tensors ended after {index} of {len(entries)} entries of the manifest"
+            ) from None
+        e = entries[index]
+        if name != e.name or tuple(t.shape) != e.shape or str(t.dtype).removeprefix("torch.") != e.dtype:
+            raise ValueError(
+                f"tensor #{index} is {name!r} {list(t.shape)} {t.dtype}; the manifest says "
+                f"{e.name!r} {list(e.shape)} {e.dtype} (the order and shapes must not change)"
+            )
+        self._pulled += 1
+        return index, e, t.detach()
+
     def pull_through(self, index: int) -> None:
-        entries = self.entries
+        """Pull every tensor up to entry ``index``, keeping each by its index (see :attr:`live`)."""
         while self._pulled <= index:
-            try:
-                name, t = next(self._items)
-            except StopIteration:
-                raise ValueError(
-                    f"the named tensors ended after {self._pulled} of {len(entries)} entries of the manifest"
-                ) from None
-            e = entries[self._pulled]
-            if name != e.name or tuple(t.shape) != e.shape or str(t.dtype).removeprefix("torch.") != e.dtype:
-                raise ValueError(
-                    f"tensor #{self._pulled} is {name!r} {list(t.shape)} {t.dtype}; the manifest says "
-                    f"{e.name!r} {list(e.shape)} {e.dtype} (the order and shapes must not change)"
-                )
+            i, e, src = self.take()
             if e.alias_of is None and e.nbytes:
-                src = t.detach()
-                if src.dtype == self.wire[self._pulled]:
+                if src.dtype == self.wire[i]:
                     src = src.contiguous()
-                    self.direct[self._pulled] = src
-                self.live[self._pulled] = src
-            self._pulled += 1
+                    self.direct[i] = src
+                self.live[i] = src
 
     def release(self, plan: Plan, k: int) -> None:
         """Drop the tensors whose last bytes are in bucket ``k`` (sent or diffed by now)."""
