@@ -404,3 +404,27 @@ def test_deltas_outlive_a_bridge_when_both_sides_keep_their_bases(keep: str) -> 
     res = run_ranks(_bridges, 2, "127.0.0.1", CTX.Queue(), keep, timeout=80)
     assert res[0] == ([False, True, True] if keep == "both" else [False, False, False]), res
     assert res[1] == [True] * 3, res
+
+
+def _policy_bridges(rank: int, host: str, ports: Any) -> Any:
+    """``delta=True`` over a bridge per version: the policy's measurements outlive each sender."""
+    from groupbridge.weights import DeltaMemory
+
+    memory, target, seen = DeltaMemory(), _layers(0), []
+    for v in (1, 2, 3):
+        with make_group(rank, 2, host, ports) as g:
+            if rank == 0:
+                with gb.WeightSender(g, bucket_bytes=16 << 10, delta=True, memory=memory) as snd:
+                    snd.send(_layers(1, v), version=v)
+                seen.append(memory.policy.full_syncs)
+            else:
+                with gb.WeightReceiver(g, src=0, memory=memory) as rcv:
+                    rcv.receive_into(target)
+    return seen
+
+
+@pytest.mark.timeout(90)
+def test_the_delta_policy_outlives_a_bridge() -> None:
+    """Its warm-up (two full syncs timed) is not started again on every new bridge."""
+    seen = run_ranks(_policy_bridges, 2, "127.0.0.1", CTX.Queue(), timeout=80)[0]
+    assert seen[:2] == [1, 2] and seen[2] >= 2, seen

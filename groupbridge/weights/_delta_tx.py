@@ -62,18 +62,20 @@ class DeltaSender:
         self._kept = False
 
     def kept(self) -> SentBase | None:
-        """The committed base and the policy's measurements, for the next bridge's sender (a
-        :class:`~._memory.DeltaMemory`); None when no base is valid."""
+        """The committed base, for the next bridge's sender (a :class:`~._memory.DeltaMemory`); None when no
+        base is valid."""
         if self.base is None or self.base_version is None:
             return None
-        return SentBase(self.base, self.base_version, self.base_digest, self.policy)
+        return SentBase(self.base, self.base_version, self.base_digest)
 
-    def resume(self, kept: SentBase) -> None:
-        """Start from a base an earlier sender of this rank committed (its policy's measurements too)."""
-        always = self.policy.always
-        self.base, self.base_version, self.base_digest = kept.tensor, kept.version, kept.digest
-        self.policy = kept.policy
-        self.policy.always = always
+    def resume(self, kept: SentBase | None, policy: Policy | None) -> None:
+        """Start from what an earlier sender of this rank kept: its committed base, its policy's
+        measurements of the link (this sender's ``always`` setting wins)."""
+        if kept is not None:
+            self.base, self.base_version, self.base_digest = kept.tensor, kept.version, kept.digest
+        if policy is not None:
+            policy.always = self.policy.always
+            self.policy = policy
 
     def offer(self, manifest: Manifest) -> int | None:
         """The base version this sync's header offers a delta against, if the policy wants one."""

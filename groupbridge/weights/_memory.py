@@ -33,8 +33,6 @@ class SentBase:
     tensor: torch.Tensor
     version: int
     digest: str
-    policy: Any
-    """The delta policy's measurements of the link (:class:`._delta_sync.Policy`)."""
 
 
 @dataclass(eq=False, slots=True)
@@ -48,6 +46,9 @@ class DeltaMemory:
     """A receiver's buffers (its kept copy among them) when it is given no ``buffers=`` of its own."""
     sent: SentBase | None = None
     """A sender's whole-tensor base, once a sync with it committed."""
+    policy: Any = None
+    """A sender's delta policy (:class:`._delta_sync.Policy`): what it measured of the link, kept whether
+    or not a base is (a framework's bridge per update would otherwise never get past its warm-up)."""
     held: tuple[Any, ...] | None = None
     """A receiver's tag of the version it holds in full (how it is kept, version, manifest digest)."""
 
@@ -61,4 +62,5 @@ class DeltaMemory:
         self.pairs.clear()
         self.buffers.clear()
         self.sent = None
+        self.policy = None
         self.held = None

@@ -65,9 +65,12 @@ class PairBases:
         self._peers[peer] = key
         self._drop_unused()  # free what no pair cuts so any more before allocating
         base = self._bases.get(key)
-        if base is None or base[1].numel() != nbytes or base[1].device != device:
-            self._bases.pop(key, None)  # a base moved to another device holds nothing there
+        if base is None or base[1].numel() != nbytes:
+            self._bases.pop(key, None)
             buffer = _bytes.new_buffer(nbytes, device)
+        elif base[1].device != device:  # the member's tensors moved: its base (the verdicts said held) too
+            buffer = _bytes.new_buffer(nbytes, device)
+            buffer.copy_(base[1])
         else:
             buffer = base[1]
         self._bases[key] = (None, buffer)

@@ -300,7 +300,8 @@ def _land_shards(
     """Receive every source's pieces into ``slots``, yielding each tensor's wire name as it becomes whole,
     then vote; raises (the peers told) on failure. Closed early, it tells nobody (its caller says why)."""
     what = f"receiving version {session.header.version}"
-    bases = taker.bases if session.header.keeps_base else None
+    # bases when any source keeps them (each source's header says whether its pairs may be deltas)
+    bases = taker.bases if any(h.keeps_base for h in session.headers.values()) else None
     if bases is None:
         taker.bases.clear()  # the senders keep none: nothing to apply a delta to, memory back
     x = Exchange(taker.group, session, slots, taker.copier, taker.buffers, deadline, device, bases)

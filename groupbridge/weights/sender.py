@@ -140,13 +140,14 @@ class WeightSender(Closing):
         self._delta = DeltaSender(group, self._copier, self._scratch, delta == "always") if delta else None
         """Present when asked for deltas: the base, the policy and the diff."""
         self._memory = memory if delta else None
-        if self._delta is not None and memory is not None and memory.sent is not None:
-            self._delta.resume(memory.sent)
+        if self._delta is not None and memory is not None:
+            self._delta.resume(memory.sent, memory.policy)
             memory.sent = None  # this sender's now: written back when it closes
         self._pair_bases = (memory.pairs if memory is not None else PairBases()) if delta else None
         """With many sources and ``delta``: the bytes this member last sent, one base per cut."""
         self._shard_plans = PlanMemo()
         self._sending = threading.Lock()
+        self._closed = False
 
     @property
     def delta(self) -> bool:
@@ -374,7 +375,11 @@ class WeightSender(Closing):
         return self._plans.get(manifest, self.bucket_bytes, self.solo_bytes)
 
     def close(self) -> None:
-        """Release transport resources (shared slots, buffers) and the copy thread. The group stays open."""
+        """Release transport resources (shared slots, buffers) and the copy thread. The group stays open.
+        Idempotent: with a ``memory``, what it keeps is written back once."""
+        if self._closed:
+            return
+        self._closed = True
         for tx in self._transports.values():
             tx.close()
         self._transports.clear()
@@ -382,6 +387,7 @@ class WeightSender(Closing):
         if self._delta is not None:
             if self._memory is not None:
                 self._memory.sent = self._delta.kept()
+                self._memory.policy = self._delta.policy
             self._delta.close()
         if self._pair_bases is not None and self._memory is None:
             self._pair_bases.clear()

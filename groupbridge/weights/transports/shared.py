@@ -349,6 +349,7 @@ class SharedRx:
             view = landed.view
             if landed.landing is Landing.SCRATCH and view.device == slot.device:
                 yield k, slot, False  # the slot is freed when the next bucket is asked for
+                _sync(slot)  # what the consumer queued on the device reading it (CUDA IPC) ran first
             else:
                 self._copy(view, slot)
                 _sync(view)
