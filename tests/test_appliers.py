@@ -170,3 +170,14 @@ def test_staged_receive_yields_views_of_the_kept_copy_as_buckets_complete(copier
     for i, t in pairs:
         assert t.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
         assert torch.equal(t, new[manifest.entries[i].name])
+
+
+def test_a_refusal_after_tensors_were_yielded_says_so_and_not_that_the_target_is_torn() -> None:
+    """``receive()`` has no target: what it handed on is held by its consumer, never 'the target'."""
+    from groupbridge.weights._appliers import refused
+
+    err = refused(3, 2, RuntimeError("digests differ"), ["a"], 2, yielded=True)
+    assert isinstance(err, gb.TornUpdateError) and err.written == ["a"], err
+    text = str(err)
+    assert "TORN" not in text and "1 of 2 tensors were yielded" in text and "still 2" in text, text
+    assert "whatever consumed them holds part of it" in text, text

@@ -59,11 +59,16 @@ def torn(
 
 
 def refused(
-    version: int, held: int | None, cause: BaseException, written: list[str], total: int
-) -> WeightSyncError:
-    """The error of a receiver when the sync failed at or before the vote: torn when it wrote (or yielded)
-    some tensors already, else untouched. A :class:`SyncRefusedError` that every member raised stays one
-    (the group is usable); a torn update is a :class:`TornUpdateError` whatever ended it."""
+    version: int, held: int | None, cause: BaseException, written: list[str], total: int, *,
+    yielded: bool = False,
+) -> WeightSyncError:  # fmt: skip
+    """The error of a receiver when the sync failed at or before the vote: torn when it wrote (or, for
+    ``receive()``: ``yielded``) some tensors already, else untouched. A :class:`SyncRefusedError` that every
+    member raised stays one (the group is usable); a torn update is a :class:`TornUpdateError` whatever ended
+    it."""
+    if written and yielded:  # nothing of this receiver's is torn: what consumed the tensors holds them
+        return torn(version, held, cause, written, total, "some tensors were yielded before the vote",
+                    subject="whatever consumed them holds part of it", verb="yielded")  # fmt: skip
     if written:
         return torn(version, held, cause, written, total, "its tensors were written before the vote")
     kind = SyncRefusedError if isinstance(cause, SyncRefusedError) else WeightSyncError

@@ -293,7 +293,7 @@ class WeightReceiver(Closing):
                     verb="yielded"))  # fmt: skip
 
         def failed(e: BaseException) -> Exception:
-            return refused(header.version, self.version, e, yielded, len(entries))
+            return refused(header.version, self.version, e, yielded, len(entries), yielded=True)
 
         settle(self.group, header.version, problem, deadline, failed)
         self.version = header.version
