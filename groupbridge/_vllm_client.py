@@ -142,8 +142,9 @@ def start_update(client: SyncClient) -> None:
     except Exception:
         raise first from None  # not a leftover update: the start failed for its own reason
     logger.warning(
-        "groupbridge: vLLM was left mid-update by an earlier trainer (%s); abandoned that update, nothing "
-        "loaded (%s), and started this one", first, abandoned[:300],
+        "groupbridge: vLLM was left mid-update (by an update of this trainer or another that failed or "
+        "was refused after vLLM's start: %s); abandoned that update, nothing loaded (%s), and started this "
+        "one", first, abandoned[:300],
     )  # fmt: skip
 
 
