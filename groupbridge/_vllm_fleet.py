@@ -22,6 +22,18 @@ from .errors import WeightSyncError
 __all__ = ["FleetClient"]
 
 
+def _engine_of(client: Any) -> tuple[str, Any]:
+    """Which engine a client drives, as far as it says: its offline ``LLM``, its server's address, or
+    itself."""
+    llm = getattr(client, "llm", None)
+    if llm is not None:
+        return ("llm", f"offline LLM at 0x{id(llm):x}")
+    url = getattr(client, "base_url", None)
+    if isinstance(url, str) and url:
+        return ("url", url.rstrip("/"))
+    return ("client", f"{type(client).__name__} at 0x{id(client):x}")
+
+
 class FleetClient:
     """One ``VLLMWeightSyncClient`` over several engines (offline ``LLM``s through
     :class:`groupbridge.vllm.OfflineClient`, ``vllm serve`` servers through vLLM's HTTP client, ...).
@@ -45,6 +57,14 @@ class FleetClient:
             raise ValueError(f"workers={workers!r}: one count >= 1 per engine ({len(clients)} engines)")
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise ValueError(f"timeout_s={timeout_s!r} must be a positive number of seconds")
+        seen: dict[Any, int] = {}
+        for k, c in enumerate(clients):  # the same engine twice would join one bridge twice: refused now,
+            key = _engine_of(c)  # not at the end of the join's timeout
+            if key in seen:
+                raise ValueError(
+                    f"engines {seen[key]} and {k} of the fleet are one engine ({key[1]}): list it once"
+                )
+            seen[key] = k
         self.clients = list(clients)
         self.workers = counts
         self.timeout_s = float(timeout_s)

@@ -1199,3 +1199,17 @@ def test_a_replica_killed_during_the_transfer_leaves_the_others_serving(
         del second
         gc.collect()
         remove_new(before)
+
+
+def test_a_fleet_refuses_an_engine_listed_twice_at_once() -> None:
+    """Listed twice, one engine's workers would join one bridge twice: refused when the fleet is made, not
+    after the join's whole timeout."""
+    from groupbridge._vllm_client import HttpClient
+    from groupbridge.vllm import FleetClient
+
+    with pytest.raises(
+        ValueError, match=r"engines 0 and 2 of the fleet are one engine \(http://127.0.0.1:9\)"
+    ):
+        FleetClient([HttpClient("http://127.0.0.1:9/"), HttpClient("http://127.0.0.1:8"),
+                     HttpClient("http://127.0.0.1:9")])  # fmt: skip
+    assert len(FleetClient([HttpClient("http://127.0.0.1:9"), HttpClient("http://127.0.0.1:8")]).clients) == 2
