@@ -148,6 +148,20 @@ def start_update(client: SyncClient) -> None:
     )  # fmt: skip
 
 
+def cannot_score(client: Any) -> str | None:
+    """Why ``client`` (or an engine of a fleet) cannot score a probe (see :func:`prompt_logprobs`), or
+    None: asked when the trainer starts, so that ``verify`` is refused before any update is committed."""
+    for each in getattr(client, "clients", None) or [client]:
+        if not callable(getattr(each, "prompt_logprobs", None)) and not isinstance(
+            getattr(each, "base_url", None), str
+        ):
+            return (
+                f"{type(each).__name__} cannot score a probe: give it prompt_logprobs(tokens) or a base_url "
+                "(a vllm serve server), or drop verify="
+            )
+    return None
+
+
 def prompt_logprobs(
     client: Any, tokens: list[int], model: str | None = None, timeout: float = 120.0
 ) -> list[float]:

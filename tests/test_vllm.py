@@ -1213,3 +1213,21 @@ def test_a_fleet_refuses_an_engine_listed_twice_at_once() -> None:
         FleetClient([HttpClient("http://127.0.0.1:9/"), HttpClient("http://127.0.0.1:8"),
                      HttpClient("http://127.0.0.1:9")])  # fmt: skip
     assert len(FleetClient([HttpClient("http://127.0.0.1:9"), HttpClient("http://127.0.0.1:8")]).clients) == 2
+
+
+def test_a_probe_no_engine_can_score_is_refused_when_the_trainer_starts() -> None:
+    """vLLM's Ray client has neither prompt_logprobs nor a server address: verify= is refused by
+    trainer_init, before anything joins or commits (it used to commit, then raise)."""
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+    from vllm.distributed.weight_transfer.clients import RayVLLMWeightSyncClient
+
+    from groupbridge.engine import Probe
+    from groupbridge.vllm import FleetClient, TrainerInitInfo
+
+    probe = Probe([1, 2, 3], lambda v: [0.0, 0.0])
+    for client in (
+        RayVLLMWeightSyncClient([]),
+        FleetClient([OfflineClient(object()), RayVLLMWeightSyncClient([])]),
+    ):
+        with pytest.raises(TypeError, match="RayVLLMWeightSyncClient cannot score a probe"):
+            WeightTransferTrainerFactory.trainer_init(TrainerInitInfo(rank=0, verify=probe), client=client)

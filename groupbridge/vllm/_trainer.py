@@ -21,7 +21,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightSource,
 )
 
-from .._vllm_client import VllmControl
+from .._vllm_client import VllmControl, cannot_score
 from ..engine import SessionState, TrainerConfig, TrainerSession
 from ._lora import AdapterSpec, peft_adapter
 from ._plugin import BACKEND
@@ -80,6 +80,10 @@ class TrainerEngine(SessionState, TrainerWeightTransferEngine[TrainerInitInfo]):
         self.info = info if info is not None else TrainerInitInfo(rank=0 if is_sender else 1)
         sends = self.info.rank < self.info.sources
         self._adapter: dict[str, Any] | None = None
+        if self.info.verify is not None and self.info.rank == 0:
+            problem = cannot_score(client)
+            if problem is not None:  # found now: after a commit, the engines would serve unverified weights
+                raise TypeError(problem)
         control = VllmControl(client, update_info=self._update_info)
         self.session = TrainerSession(self.info, control, rank=self.info.rank) if sends else None
 
