@@ -1218,16 +1218,17 @@ def test_a_fleet_refuses_an_engine_listed_twice_at_once() -> None:
 def test_a_probe_no_engine_can_score_is_refused_when_the_trainer_starts() -> None:
     """vLLM's Ray client has neither prompt_logprobs nor a server address: verify= is refused by
     trainer_init, before anything joins or commits (it used to commit, then raise)."""
-    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+    from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
     from vllm.distributed.weight_transfer.clients import RayVLLMWeightSyncClient
 
     from groupbridge.engine import Probe
-    from groupbridge.vllm import FleetClient, TrainerInitInfo
+    from groupbridge.vllm import FleetClient
 
     probe = Probe([1, 2, 3], lambda v: [0.0, 0.0])
-    for client in (
-        RayVLLMWeightSyncClient([]),
-        FleetClient([OfflineClient(object()), RayVLLMWeightSyncClient([])]),
-    ):
+    fleet = FleetClient([OfflineClient(object()), RayVLLMWeightSyncClient([])])
+    for client, workers in ((RayVLLMWeightSyncClient([]), 1), (fleet, 2)):
+        info = TrainerInitInfo(rank=0, workers=workers, verify=probe)
         with pytest.raises(TypeError, match="RayVLLMWeightSyncClient cannot score a probe"):
-            WeightTransferTrainerFactory.trainer_init(TrainerInitInfo(rank=0, verify=probe), client=client)
+            WeightTransferTrainerFactory.trainer_init(
+                info, client=client, source=ModuleSource(torch.nn.Linear(2, 2))
+            )
