@@ -27,7 +27,6 @@ per (source, receiver) pair (:mod:`._sharded`). The vote and the commit are the 
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -45,13 +44,16 @@ from ..errors import (
 )
 from ..stateless import StatelessGroup
 from . import _bytes
+from ._header import MAX_BUCKET_BYTES, VERIFY, Header, Verdict
 from .manifest import Manifest
 from .plan import Plan
 from .transports import TRANSPORTS, Sync
 
 __all__ = [
     "ACK_TAG",
+    "MAX_BUCKET_BYTES",
     "MERGED_BYTES",
+    "VERIFY",
     "Header",
     "Renamer",
     "Session",
@@ -107,147 +109,6 @@ def make_renamer(rename: Callable[[str], str] | Mapping[str, str] | None) -> Ren
     if callable(rename):
         return rename
     raise TypeError(f"rename= must be a callable or a mapping, got {type(rename).__name__}")
-
-
-VERIFY = ("", "xxh3", "hmac")
-_SYNC_ID = re.compile(r"[0-9a-f]{1,64}")
-MAX_BUCKET_BYTES = 1 << 40
-MAX_OFFER_ITEMS = 64
-
-
-@dataclass(frozen=True, slots=True)
-class Header:
-    """What a source announces about its stream of a sync (sealed with the group's token, if any)."""
-
-    version: int
-    digest: str
-    """The manifest's digest: receivers that know it need not be sent the manifest again."""
-    bucket_bytes: int
-    solo_bytes: int
-    transport: str
-    verify: str
-    """How receivers check the bytes before accepting them: "" (not at all), "xxh3", or "hmac" (always with
-    a token: keyed from it, so bytes injected by anyone else are refused)."""
-    total_bytes: int
-    sync_id: str
-    """Names this sync's control keys (fresh per sync: a signal of one sync never passes for another's)."""
-    transport_options: dict[str, Any]
-    """The transport's own options, parsed by its :class:`TransportSpec` on each receiver."""
-    offer: dict[str, Any]
-    """What receivers need to attach to the transport (shared slots to map), see ``TxTransport.offer``."""
-    keeps_base: bool = False
-    """The source keeps a base (``WeightSender(delta=True)``): receivers keep the version they get, so
-    that later syncs can be deltas against it."""
-    base: int | None = None
-    """The version this sync would be a delta against, when the source offers one."""
-    pair_deltas: bool = False
-    """Many sources: this source's delta policy wants its pairs sent as deltas this sync (where its receiver
-    holds the same base); else they travel whole, and the bases are refreshed."""
-    bucket_cap: int = 0
-    """The most bytes one bucket of this source's many-source stream may hold (what its transport reserved
-    before the sync was announced: shared slots are sized then); 0: no limit beyond ``bucket_bytes``. Every
-    member plans this source's pairs within it."""
-
-    def to_wire(self) -> dict[str, Any]:
-        return {
-            "version": self.version,
-            "digest": self.digest,
-            "bucket_bytes": self.bucket_bytes,
-            "solo_bytes": self.solo_bytes,
-            "transport": self.transport,
-            "verify": self.verify,
-            "total_bytes": self.total_bytes,
-            "sync_id": self.sync_id,
-            "transport_options": self.transport_options,
-            "offer": self.offer,
-            "keeps_base": self.keeps_base,
-            "base": self.base,
-            "bucket_cap": self.bucket_cap,
-            "pair_deltas": self.pair_deltas,
-        }
-
-    @classmethod
-    def from_wire(cls, d: Any) -> Header:
-        """Parse a header from the wire; anything malformed is a :class:`ProtocolError`."""
-        if not isinstance(d, dict):
-            raise ProtocolError(f"sync header is a {type(d).__name__}, not a dict")
-
-        def field(name: str, kind: type, lo: int = 0, hi: int = 1 << 62) -> Any:
-            v: Any = d.get(name)
-            if type(v) is not kind or (isinstance(v, int) and not lo <= v <= hi):
-                raise ProtocolError(f"sync header field {name!r} is missing, mistyped or out of range")
-            return v
-
-        verify = field("verify", str)
-        if verify not in VERIFY:
-            raise ProtocolError(f"sync header: unknown verification {verify!r}")
-        if not _SYNC_ID.fullmatch(field("sync_id", str)):
-            raise ProtocolError("sync header: 'sync_id' is malformed")
-        if len(field("offer", dict)) > MAX_OFFER_ITEMS:
-            raise ProtocolError("sync header: the transport's offer is too large")
-        base = d.get("base")
-        if base is not None and type(base) is not int:
-            raise ProtocolError("sync header: the delta's base version is malformed")
-        return cls(
-            field("version", int, -(1 << 62)),
-            field("digest", str),
-            field("bucket_bytes", int, 1, MAX_BUCKET_BYTES),
-            field("solo_bytes", int, 1, MAX_BUCKET_BYTES),
-            field("transport", str),
-            verify,
-            field("total_bytes", int),
-            d["sync_id"],
-            field("transport_options", dict),
-            d["offer"],
-            field("keeps_base", bool),
-            base,
-            field("pair_deltas", bool),
-            field("bucket_cap", int, 0, MAX_BUCKET_BYTES),
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class Verdict:
-    """A receiver's answer to a header, gathered by every member."""
-
-    problem: str | None = None
-    """Why this receiver cannot take the sync, or None."""
-    kind: str = "other"
-    """What the problem is: ``stale`` (not a newer version), ``manifest`` (other tensors than expected),
-    ``transport`` (it cannot attach to the transport), ``size`` (more than the receiver may allocate) or
-    ``other``."""
-    in_place: bool = False
-    """Its tensors lie in the plan's byte layout (see :data:`MERGED_BYTES`)."""
-    base: bool = False
-    """It holds the version the header offers a delta against."""
-    held: tuple[tuple[int, int], ...] = ()
-    """Many sources: (peer, version) of every pair base this member holds for the sync's cut."""
-
-    KINDS = ("stale", "manifest", "transport", "size", "other")
-
-    def to_wire(self) -> dict[str, Any]:
-        wire: dict[str, Any] = {"problem": self.problem, "kind": self.kind, "in_place": self.in_place,
-                                "base": self.base}  # fmt: skip
-        if self.held:
-            wire["held"] = [list(h) for h in self.held]
-        return wire
-
-    @classmethod
-    def from_wire(cls, d: Any, rank: int) -> Verdict:
-        if not (
-            isinstance(d, dict)
-            and isinstance(d.get("in_place"), bool)
-            and isinstance(d.get("base"), bool)
-            and d.get("kind") in cls.KINDS
-            and (d.get("problem") is None or isinstance(d["problem"], str))
-        ):
-            raise ProtocolError(f"rank {rank}'s verdict on the sync is malformed")
-        held = d.get("held", [])
-        if not isinstance(held, list) or not all(
-            isinstance(h, list) and len(h) == 2 and all(type(x) is int for x in h) for h in held
-        ):
-            raise ProtocolError(f"rank {rank}'s verdict on the sync is malformed")
-        return cls(d["problem"], d["kind"], d["in_place"], d["base"], tuple((h[0], h[1]) for h in held))
 
 
 @dataclass(frozen=True, slots=True)

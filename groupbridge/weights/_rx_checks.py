@@ -1,0 +1,129 @@
+"""A receiver's part of the handshake, apart from its transports: whether it takes a sync (its verdict on
+the version, the size and the tensors), and, for a consumer that reads only boxes of some tensors
+(``receive(reads=...)``), what it posts for the next sync and whether the boxes still fit.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ._session import Header, Verdict
+from .manifest import Entry, Manifest, compare, mismatch_message
+from .shard import Box
+
+__all__ = ["Reads", "host_memory", "refusal"]
+
+
+def _renamed(e: Entry, rename: Callable[[str], str]) -> Entry:
+    return Entry(rename(e.name), e.shape, e.dtype, e.wire_dtype, e.alias_of)
+
+
+def refusal(
+    held: int | None,
+    header: Header,
+    manifest: Manifest,
+    *,
+    rename: Callable[[str], str],
+    expected: dict[str, tuple[tuple[int, ...], str]] | None,
+    accept: Callable[[Manifest], str | None] | None,
+    allow_stale: bool,
+    rank: int,
+) -> Verdict | None:
+    """A receiver's refusal of a sync (a version not newer than ``held``, more bytes than this host's memory
+    where no target or ``expected=`` bounds them, other tensors than expected, its ``accept`` saying no),
+    or None."""
+    if not allow_stale and held is not None and header.version <= held:
+        return Verdict(f"holds version {held}; version {header.version} is not newer", "stale")
+    if expected is None and manifest.nbytes > (cap := host_memory()):
+        return Verdict(
+            f"rank {rank}: version {header.version} announces {manifest.nbytes / 2**30:.1f} GiB of tensors, "
+            f"more than this host's memory ({cap / 2**30:.1f} GiB): nothing is allocated from sizes that no "
+            "target and no expected= bound",
+            "size",
+        )
+    renamed = Manifest(tuple(_renamed(e, rename) for e in manifest.entries))
+    if expected is not None:
+        problems = compare(renamed, expected)
+        if any(problems.values()):
+            return Verdict(mismatch_message(problems, f"rank {rank}"), "manifest")
+    if accept is not None and (problem := accept(renamed)) is not None:
+        return Verdict(problem, "manifest")
+    return None
+
+
+def host_memory() -> int:
+    """This host's physical memory: the cap on what ``receive()`` allocates from the sizes a sender announced
+    (a receiver with targets or ``expected=`` allocates only what those say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not a POSIX host: a bound still, if a loose one
+        return 1 << 40
+
+
+class Reads:
+    """One handshake of ``receive(reads=...)``: the wants posted (learned in an earlier one), whether they
+    hold for this sync's sources, and the wants learned from this sync's manifest for the next one."""
+
+    def __init__(
+        self,
+        reads: Callable[[Manifest], Mapping[str, Box | None]],
+        posted: tuple[str, dict[str, Any]] | None,
+        rank: int,
+    ) -> None:  # fmt: skip
+        self.reads, self.posted, self.rank = reads, posted, rank
+        self.key: str | None = None
+        self.used = False
+        self.learned = posted
+        """What to post next time: what this handshake's check learned, or (it did not get that far) the
+        same as this time."""
+
+    def seen(self, key: str, used: bool) -> None:
+        self.key, self.used = key, used
+
+    def accepting(self, accept: Callable[[Manifest], str | None] | None) -> Callable[[Manifest], str | None]:
+        def check(manifest: Manifest) -> str | None:
+            problem = accept(manifest) if accept is not None else None
+            if problem is not None and self.used:
+                self.learned = None  # maybe refused for what the boxes left out: the next sync brings all
+            if problem is not None or self.key is None:
+                return problem
+            wants = _wants_wire(manifest, self.reads(manifest))
+            self.learned = (self.key, wants) if wants is not None else None
+            if self.used and self.posted is not None:
+                return _outside(self.posted[1], wants, self.rank)
+            return None
+
+        return check
+
+
+def _wants_wire(manifest: Manifest, reads: Mapping[str, Box | None]) -> dict[str, Any] | None:
+    """The wants a receiver posts for ``reads`` (None when every box read is its whole tensor); a tensor
+    read as None (not read at all) is left out of them, so not yielded when they are used."""
+    wants: dict[str, Any] = {}
+    partial_box = False
+    for e in manifest.entries:  # tied names too: a sync with boxes carries each name as a tensor of its own
+        whole = Box((0,) * len(e.shape), tuple(e.shape))
+        if e.name in reads and reads[e.name] is None:
+            continue  # alone, no reason to ask for boxes: an unread tied name costs nothing whole
+        box = reads.get(e.name) or whole
+        if not box.within(e.shape):
+            raise ValueError(f"the box read of {e.name} ({box}) lies outside its shape {list(e.shape)}")
+        partial_box = partial_box or box != whole
+        wants[e.name] = [e.wire_dtype, list(e.shape), list(box.offset), list(box.shape)]
+    return wants if partial_box else None
+
+
+def _outside(posted: dict[str, Any], now: dict[str, Any] | None, rank: int) -> str | None:
+    """Why the boxes read now do not fit in the boxes posted (which this sync brings), or None."""
+    for name, w in (now or {}).items():
+        p = posted.get(name)
+        if p is None or not Box(tuple(p[2]), tuple(p[3])).contains(Box(tuple(w[2]), tuple(w[3]))):
+            return (
+                f"rank {rank}: its loader now reads {name} beyond the box it asked for; the next sync "
+                "brings what it reads now"
+            )
+    if now is None and posted:
+        return f"rank {rank}: its loader now reads every tensor whole; the next sync brings them whole"
+    return None
