@@ -1062,7 +1062,9 @@ def test_the_newest_adapters_stay_filed_and_an_older_one_leaves() -> None:
 def test_vllm_serve_lists_the_newest_adapter_by_name(tmp_path_factory: pytest.TempPathFactory) -> None:
     """Adapter updates into ``vllm serve`` over HTTP: after each, ``/v1/models`` lists ``policy@v<n>`` (and
     no version older than the newest two), and a client asking for it by name gets the PEFT model's
-    tokens; the base model's name still serves the base."""
+    tokens; the base model's name still serves the base. A client without the token cannot list the
+    registry's adapter under a name of its own, nor its own adapter under the next version's name: the server
+    stays up and the next version is the trainer's."""
     from peft import LoraConfig, get_peft_model
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
@@ -1100,6 +1102,17 @@ def test_vllm_serve_lists_the_newest_adapter_by_name(tmp_path_factory: pytest.Te
                 want = reference(model)
                 assert [srv.complete(p, TOKENS, model=f"policy@v{step + 1}") for p in PROMPTS] == want
                 assert [srv.complete(p, TOKENS) for p in PROMPTS] == base_tokens
+                if (
+                    step == 0
+                ):  # hostile API clients: our path under another name, their adapter under our next
+                    squat = path / "squatter"
+                    model.save_pretrained(squat)
+                    for body in ({"lora_name": "mine", "lora_path": "groupbridge:policy@v1"},
+                                 {"lora_name": "policy@v2", "lora_path": str(squat)}):  # fmt: skip
+                        with pytest.raises(RuntimeError, match="HTTP 500"):
+                            srv.client.post("v1/load_lora_adapter", body)
+                    listed = {m["id"] for m in srv.client.get("v1/models")["data"]}
+                    assert "mine" not in listed and "policy@v2" not in listed, listed
             assert not any(m.startswith("policy@v1") for m in listed), listed
             # version 4 disagrees with the probe: no longer listed, version 3 listed and served again
             perturb_adapter(model, 98)

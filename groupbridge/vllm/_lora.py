@@ -13,12 +13,20 @@ nothing goes through disk, and a request begun on version 2 goes on with version
 
 The newest ``max_live`` versions of a name stay in the registry; an older one leaves it at a later commit
 once no request of the running batch uses it.
+
+Any API client of ``vllm serve`` (with runtime LoRA updating on) can ask vLLM to load an adapter; the
+loader refuses, at that call and before anything is listed, a ``groupbridge:`` path under any name but its
+own (another name would outlive the registry's version behind it, and its next load would fail inside a
+model step, where it ends the engine) and an adapter from anywhere else under a version name,
+``<name>@v<version>`` (names are predictable: a client could take the next version's name ahead of the
+trainer, and every request for it would get that client's weights).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 import zlib
 from collections.abc import Iterable
@@ -31,6 +39,9 @@ logger = logging.getLogger("vllm.groupbridge")
 
 SCHEME = "groupbridge:"
 """The ``lora_path`` of an adapter served from the registry."""
+
+_VERSION_NAME = re.compile(r"[^@/]+@v[0-9]+")
+"""The names adapters received over the bridge are served under (:func:`adapter_name`)."""
 
 __all__ = ["SCHEME", "AdapterSpec", "adapter_id", "adapter_name", "adapter_request", "peft_adapter"]
 
@@ -233,8 +244,17 @@ def serve_from_registry() -> None:
         return
 
     def load(self: Any, lora_request: Any) -> Any:
-        if str(lora_request.lora_path).startswith(SCHEME):
+        path, name = str(lora_request.lora_path), str(lora_request.lora_name)
+        if path.startswith(SCHEME):
+            own = path[len(SCHEME) :]
+            if name != own:
+                raise ValueError(f"adapter {path!r} is served only under its own name {own!r}, not {name!r}")
             return _load_from_registry(self, lora_request)
+        if _VERSION_NAME.fullmatch(name):
+            raise ValueError(
+                f"{name!r} is a name of the adapter versions this engine receives over the bridge "
+                "(<name>@v<version>): load an adapter of your own under another name"
+            )
         return original(self, lora_request)
 
     load._groupbridge = True  # type: ignore[attr-defined]
