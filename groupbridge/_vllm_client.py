@@ -10,7 +10,7 @@ import logging
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 logger = logging.getLogger(__name__)
@@ -148,16 +148,25 @@ def start_update(client: SyncClient) -> None:
     )  # fmt: skip
 
 
-def cannot_score(client: Any) -> str | None:
-    """Why ``client`` (or an engine of a fleet) cannot score a probe (see :func:`prompt_logprobs`), or
-    None: asked when the trainer starts, so that ``verify`` is refused before any update is committed."""
-    for each in getattr(client, "clients", None) or [client]:
+def cannot_score(client: Any, tokens: Sequence[int] = ()) -> tuple[type[Exception], str] | None:
+    """Why ``client`` (or an engine of a fleet) cannot score a probe of ``tokens`` (see
+    :func:`prompt_logprobs`), as the error to raise, or None: asked when the trainer starts, so that
+    ``verify`` is refused before any update is committed. A token outside an engine's vocabulary (where the
+    client can say it: an offline engine's) is refused too: the engine would die scoring it."""
+    for k, each in enumerate(getattr(client, "clients", None) or [client]):
         if not callable(getattr(each, "prompt_logprobs", None)) and not isinstance(
             getattr(each, "base_url", None), str
         ):
-            return (
+            return TypeError, (
                 f"{type(each).__name__} cannot score a probe: give it prompt_logprobs(tokens) or a base_url "
                 "(a vllm serve server), or drop verify="
+            )
+        vocab = getattr(each, "vocab_size", None)
+        size = vocab() if callable(vocab) else None
+        if isinstance(size, int) and tokens and max(tokens) >= size:
+            return ValueError, (
+                f"the probe's token {max(tokens)} lies outside engine {k}'s vocabulary of {size} tokens (it "
+                "would end the engine when scored): probe with token ids below it"
             )
     return None
 

@@ -655,6 +655,9 @@ def test_a_probe_that_disagrees_rolls_vllm_back_to_the_version_it_served(dense: 
         lp = causal_logprobs(model, PROBE)
         return [x + 1.0 for x in lp] if v == 402 else lp  # the trainer's model "disagrees" at version 3
 
+    vocab = OfflineClient(llm).vocab_size()
+    with pytest.raises(ValueError, match=f"token {vocab} lies outside engine 0's vocabulary of {vocab}"):
+        trainer(llm, model, verify=Probe([1, vocab, 3], ref))  # refused before it joins: the engine lives on
     eng = trainer(llm, model, verify=Probe(PROBE, ref, atol=1e-3), first_version=400)
     try:
         for step in range(2):
@@ -1245,3 +1248,20 @@ def test_a_probe_no_engine_can_score_is_refused_when_the_trainer_starts() -> Non
             WeightTransferTrainerFactory.trainer_init(
                 info, client=client, source=ModuleSource(torch.nn.Linear(2, 2))
             )
+
+
+def test_a_peft_model_with_two_active_adapters_is_refused() -> None:
+    """PEFT's ``active_adapter`` names the first of several active ones: sending it alone would have the
+    engine serve another model than the trainer's."""
+    from peft import LoraConfig, get_peft_model
+
+    from groupbridge.vllm._lora import peft_adapter
+
+    model = get_peft_model(
+        torch.nn.Sequential(torch.nn.Linear(4, 4)), LoraConfig(r=2, target_modules=["0"]), "a"
+    )
+    model.add_adapter("b", LoraConfig(r=2, target_modules=["0"]))
+    assert set(peft_adapter(model)[0]) and peft_adapter(model)[1]["r"] == 2  # one active: sent
+    model.base_model.set_adapter(["a", "b"])
+    with pytest.raises(ValueError, match="2 active adapters"):
+        peft_adapter(model)

@@ -30,6 +30,13 @@ class OfflineClient:
     def shutdown_weight_transfer_engine(self) -> None:
         self.llm.shutdown_weight_transfer_engine()
 
+    def vocab_size(self) -> int:
+        """The engine's vocabulary: a probe token at or past it would end the engine in its embedding (an
+        engine started with ``skip_tokenizer_init=True`` checks no prompt token)."""
+        engine = self.llm.llm_engine
+        config = getattr(engine, "model_config", None) or engine.vllm_config.model_config
+        return int(config.get_vocab_size())
+
     def served_version(self) -> int | None:
         """The version the engine reports serving, when it is a number."""
         from .._vllm_client import as_version

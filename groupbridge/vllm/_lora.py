@@ -92,7 +92,13 @@ def peft_adapter(module: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict
             f"TrainerInitInfo(adapter=...) sends a PEFT model's adapter; the source's module is a "
             f"{type(module).__name__}"
         )
-    active = module.active_adapter
+    actives = list(module.active_adapters)
+    if len(actives) != 1:  # PEFT's active_adapter names the first alone: the engine would serve another model
+        raise ValueError(
+            f"the PEFT model has {len(actives)} active adapters ({', '.join(actives)}); an update sends one: "
+            "activate only the adapter to serve (model.set_adapter(name))"
+        )
+    active = actives[0]
     tensors = get_peft_model_state_dict(module, adapter_name=active)
 
     def plain(o: Any) -> Any:

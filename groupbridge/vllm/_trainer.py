@@ -81,9 +81,9 @@ class TrainerEngine(SessionState, TrainerWeightTransferEngine[TrainerInitInfo]):
         sends = self.info.rank < self.info.sources
         self._adapter: dict[str, Any] | None = None
         if self.info.verify is not None and self.info.rank == 0:
-            problem = cannot_score(client)
+            problem = cannot_score(client, self.info.verify.tokens)
             if problem is not None:  # found now: after a commit, the engines would serve unverified weights
-                raise TypeError(problem)
+                raise problem[0](problem[1])
         control = VllmControl(client, update_info=self._update_info)
         self.session = TrainerSession(self.info, control, rank=self.info.rank) if sends else None
 
