@@ -61,6 +61,11 @@ class DeltaSender:
         self._second: Copier | None = None
         self._kept = False
 
+    @property
+    def nbytes(self) -> int:
+        """Memory held for deltas: the base's buffer, refreshed this sync or not."""
+        return self.base.numel() if self.base is not None else 0
+
     def kept(self) -> SentBase | None:
         """The committed base, for the next bridge's sender (a :class:`~._memory.DeltaMemory`); None when no
         base is valid."""

@@ -358,7 +358,7 @@ class WeightSender(Closing):
             wire_bytes=wire_bytes,
             changed_fraction=changed,
             delta=session.delta,
-            base_bytes=0 if base is None else base.numel(),
+            base_bytes=self._delta.nbytes if self._delta is not None else 0,
             by_receiver=dict.fromkeys(receivers, plan.total_bytes),
         )
         self.group.log.info(
