@@ -218,13 +218,16 @@ def announce_adapter(client: Any, name: str, version: int, max_live: int, rolled
     listed = {str(card["id"]) for card in http.get("v1/models")["data"]}
     if full not in listed:  # a rollback's version is listed still: loading it again is refused
         http.post("v1/load_lora_adapter", {"lora_name": full, "lora_path": f"groupbridge:{full}"})
-    for served in sorted(listed):
-        base, _, v = served.rpartition("@v")
-        if (
-            base == name
-            and v.isdigit()
-            and (int(v) <= version - max_live or (rolled_back and int(v) > version))
-        ):
+    versions: dict[int, str] = {}
+    for served in listed:
+        stem, _, number = served.rpartition("@v")
+        if stem == name and number.isdigit():
+            versions[int(number)] = served
+    # the newest max_live committed versions stay listed (a rolled-back one is unlisted at its rollback, so
+    # the versions listed are the committed ones: counted, not subtracted, since versions have gaps)
+    kept = sorted(n for n in {*versions, version} if n <= version)[-max_live:]
+    for n, served in sorted(versions.items()):
+        if n not in kept:
             http.post("v1/unload_lora_adapter", {"lora_name": served})
 
 

@@ -1125,6 +1125,12 @@ def test_vllm_serve_lists_the_newest_adapter_by_name(tmp_path_factory: pytest.Te
             assert "policy@v3" in listed and "policy@v4" not in listed, listed
             assert srv.weight_version() == "3"
             assert [srv.complete(p, TOKENS, model="policy@v3") for p in PROMPTS] == want
+            # version 5 (4 was rolled back): the newest two committed versions stay listed, 3 and 5
+            perturb_adapter(model, 99)
+            eng.send_weights()
+            listed = {m["id"] for m in srv.client.get("v1/models")["data"]}
+            assert {"policy@v3", "policy@v5"} <= listed and "policy@v2" not in listed, listed
+            assert [srv.complete(p, TOKENS, model="policy@v5") for p in PROMPTS] == reference(model)
         finally:
             eng.shutdown()
     finally:
