@@ -153,7 +153,8 @@ def cannot_score(client: Any, tokens: Sequence[int] = ()) -> tuple[type[Exceptio
     :func:`prompt_logprobs`), as the error to raise, or None: asked when the trainer starts, so that
     ``verify`` is refused before any update is committed. A token outside an engine's vocabulary (where the
     client can say it: an offline engine's) is refused too: the engine would die scoring it."""
-    for k, each in enumerate(getattr(client, "clients", None) or [client]):
+    engines = getattr(client, "clients", None) or [client]
+    for each in engines:
         if not callable(getattr(each, "prompt_logprobs", None)) and not isinstance(
             getattr(each, "base_url", None), str
         ):
@@ -161,6 +162,7 @@ def cannot_score(client: Any, tokens: Sequence[int] = ()) -> tuple[type[Exceptio
                 f"{type(each).__name__} cannot score a probe: give it prompt_logprobs(tokens) or a base_url "
                 "(a vllm serve server), or drop verify="
             )
+    for k, each in enumerate(engines):  # every engine can score: can it score these tokens?
         vocab = getattr(each, "vocab_size", None)
         size = vocab() if callable(vocab) else None
         if isinstance(size, int) and tokens and max(tokens) >= size:
