@@ -21,6 +21,7 @@ CPU buckets are diffed with numpy on views of the same memory; other devices use
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -293,8 +294,14 @@ def changed_entries(plan: Plan, k: int, positions: torch.Tensor, w: int) -> list
     segs = plan.buckets[k]
     if positions.numel() == 0 or not segs:
         return []
+    hit = spans_hit(positions, [(s.bucket_offset, s.nbytes) for s in segs], w)
+    return [s.index for s, h in zip(segs, hit, strict=True) if h]
+
+
+def spans_hit(positions: torch.Tensor, spans: Sequence[tuple[int, int]], w: int) -> list[bool]:
+    """For each (byte offset, bytes) span of a bucket, whether one of the changed word ``positions``
+    (sorted) falls in it (spans start and end on word boundaries)."""
     pos = positions.cpu()
-    starts = torch.tensor([s.bucket_offset // w for s in segs], dtype=torch.int64)
-    ends = torch.tensor([(s.bucket_offset + s.nbytes) // w for s in segs], dtype=torch.int64)
-    hit = torch.searchsorted(pos, ends) > torch.searchsorted(pos, starts)
-    return [segs[j].index for j in hit.nonzero().view(-1).tolist()]
+    starts = torch.tensor([offset // w for offset, _ in spans], dtype=torch.int64)
+    ends = torch.tensor([(offset + n) // w for offset, n in spans], dtype=torch.int64)
+    return (torch.searchsorted(pos, ends) > torch.searchsorted(pos, starts)).tolist()

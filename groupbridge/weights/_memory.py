@@ -38,7 +38,8 @@ class SentBase:
 @dataclass(eq=False, slots=True)
 class DeltaMemory:
     """One member's delta state, kept across bridges (see the module docstring). Use one per member and
-    role; the sender or receiver it is given reads it when made and writes it back when closed."""
+    role: a sender takes what it holds when made and writes its own back when closed; a receiver keeps its
+    state in it as it goes."""
 
     pairs: PairBases = field(default_factory=PairBases)
     """Many sources: one base per cut, with the version it holds (both roles)."""
@@ -51,11 +52,6 @@ class DeltaMemory:
     or not a base is (a framework's bridge per update would otherwise never get past its warm-up)."""
     held: tuple[Any, ...] | None = None
     """A receiver's tag of the version it holds in full (how it is kept, version, manifest digest)."""
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes held for deltas (bases; a receiver's buffers are counted where they are owned)."""
-        return self.pairs.nbytes + (self.sent.tensor.numel() if self.sent is not None else 0)
 
     def clear(self) -> None:
         """Forget every base: the next sync of each pair is a full one."""

@@ -66,7 +66,7 @@ class Arrivals:
 
 
 def receive_shards(
-    x: Exchange, streams: RxStreams, written: list[str], arrivals: Arrivals | None = None
+    x: Exchange, streams: RxStreams, written: list[str], arrivals: Arrivals
 ) -> Generator[str, None, str | None]:
     """This receiver's part of step 3: land every source's pieces in its slots (keyed by wire name);
     ``written`` collects the names written. Each source's buckets come over its pair transport (attached in
@@ -75,7 +75,6 @@ def receive_shards(
     mismatch), or None."""
     group, session = x.group, x.session
     verify = session.header.verify
-    arrivals = arrivals if arrivals is not None else Arrivals(session, group.rank)
     after: list[Callable[[], str | None]] = []
     problems: list[str] = []
     walks: dict[int, tuple[Iterator[tuple[int, torch.Tensor, bool]], list[Feed]]] = {}
@@ -221,15 +220,9 @@ class _Lander:
         moved = self.copier.run(
             partial(_delta.apply, self._view(k), payload, desc.codes[k], desc.counts[k], w)
         )
-        self._check(k, desc, _pieces_hit(self.buckets[k], moved, w))
-
-
-def _pieces_hit(bucket: Bucket, positions: torch.Tensor, w: int) -> list[bool]:
-    """Which of the bucket's pieces hold one of the changed word ``positions`` (sorted)."""
-    pos = positions.cpu()
-    starts = torch.tensor([p.offset // w for p in bucket.pieces], dtype=torch.int64)
-    ends = torch.tensor([(p.offset + p.nbytes) // w for p in bucket.pieces], dtype=torch.int64)
-    return (torch.searchsorted(pos, ends) > torch.searchsorted(pos, starts)).tolist()
+        self._check(
+            k, desc, _delta.spans_hit(moved, [(p.offset, p.nbytes) for p in self.buckets[k].pieces], w)
+        )
 
 
 def _unpack(bucket: Bucket, buf: torch.Tensor, slots: Mapping[str, Slot], plan: ShardPlan) -> None:

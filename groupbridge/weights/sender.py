@@ -215,7 +215,7 @@ class WeightSender(Closing):
         try:
             items, manifest, shards = self._described.describe(named_tensors, specs)
             items, device = peek_device(items)
-            kind = self._choose(device, manifest)
+            kind, cap = self._choose(device, manifest)
         except (ValueError, TypeError, TransportUnavailableError) as e:
             kind = "transport" if isinstance(e, TransportUnavailableError) else "input"
             refuse(self.group, f"{type(e).__name__}: {e}", deadline, kind)
@@ -223,7 +223,6 @@ class WeightSender(Closing):
         self._described.remember(manifest, shards)
         tx = self._tx(kind)
         plan = self._plan(manifest)
-        reserved = _reservation(plan, manifest, kind, self.bucket_bytes)
         header = Header(
             version, manifest.digest, self.bucket_bytes, self.solo_bytes, kind,
             "hmac" if self.group.sealed else ("xxh3" if self.checksum else ""), plan.total_bytes,
@@ -231,7 +230,7 @@ class WeightSender(Closing):
             keeps_base=self._delta is not None,
             base=self._delta.offer(manifest) if self._delta is not None else None,
             pair_deltas=self._delta is not None and self._delta.policy.chose_delta,
-            bucket_cap=reserved.bucket_bytes if TRANSPORTS[kind].pairs else 0,
+            bucket_cap=cap,
         )  # fmt: skip
         try:
             session = open_session(
@@ -283,21 +282,22 @@ class WeightSender(Closing):
             tx = self._transports[kind] = TRANSPORTS[kind].make_tx(self.group, self.options[kind])
         return tx
 
-    def _choose(self, device: torch.device, manifest: Manifest) -> str:
-        """The transport for this sync, its resources claimed: ``auto`` falls back (and says why) when a
-        same-host transport cannot get them; an explicit choice raises instead."""
+    def _choose(self, device: torch.device, manifest: Manifest) -> tuple[str, int]:
+        """The transport for this sync, its resources claimed, and the most one bucket of a many-source
+        stream over it may hold (``Header.bucket_cap``: what it reserved, for one that carries pairs; else
+        0): ``auto`` falls back (and says why) when a same-host transport cannot get them; an explicit
+        choice raises instead."""
         kind = choose(self.transport, self.group, device)
+        reserved = _reservation(self._plan(manifest), manifest, kind, self.bucket_bytes)
         try:
-            self._tx(kind).reserve(
-                _reservation(self._plan(manifest), manifest, kind, self.bucket_bytes), device
-            )
+            self._tx(kind).reserve(reserved, device)
         except TransportUnavailableError as e:
             if self.transport != "auto":
                 raise
             fallback = across_hosts(self.group)
             self.group.log.warning("%s; using %s instead", e, fallback)
-            return fallback
-        return kind
+            return fallback, 0
+        return kind, reserved.bucket_bytes if TRANSPORTS[kind].pairs else 0
 
     def _stream(
         self,
