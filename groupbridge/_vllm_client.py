@@ -13,9 +13,19 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from .engine import Capabilities, EngineControl
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["HttpClient", "SyncClient", "VllmControl", "as_version", "prompt_logprobs", "served_version"]
+__all__ = [
+    "HttpClient",
+    "SyncClient",
+    "VllmControl",
+    "as_version",
+    "out_of_vocabulary",
+    "prompt_logprobs",
+    "served_version",
+]
 
 
 class SyncClient(Protocol):
@@ -30,22 +40,33 @@ class SyncClient(Protocol):
     def finish_weight_update(self, weight_version: str | None = None) -> None: ...
 
 
-class VllmControl:
-    """vLLM's weight-sync client as the session's engine control. ``before_commit`` runs just before the
-    commit, vLLM's load of the staged update: where a server is paused (TRL's ``pause()``) so that serving
-    stops for the swap, not for the transfer."""
+class VllmControl(EngineControl):
+    """One vLLM engine's weight-sync client as the session's engine control. ``before_commit`` runs just
+    before the commit, vLLM's load of the staged update: where a server is paused (TRL's ``pause()``) so that
+    serving stops for the swap, not for the transfer.
+
+    Its capabilities follow the client: a probe needs a client that scores (an offline engine's, or a
+    server's address); versions, one that reports them; adapters, an offline engine started with LoRA or a
+    server (whose workers refuse an adapter they cannot serve in the first update's handshake, before any
+    byte moves). Every vLLM engine of this backend can roll back."""
 
     def __init__(
         self,
         client: SyncClient,
-        before_commit: Callable[[], None] | None = None,
         update_info: Callable[[], dict[str, Any]] | None = None,
+        before_commit: Callable[[], None] | None = None,
     ) -> None:
         self.client = client
         self.before_commit = before_commit
         self.update_info = update_info
         """What each update tells the workers beside its version (an adapter's name and config)."""
         self._committed: int | None = None
+        self.capabilities = Capabilities(
+            probe=_scores(client),
+            rollback=True,
+            adapters=_serves_adapters(client),
+            versions=callable(getattr(client, "served_version", None)) or _server(client) is not None,
+        )
 
     def join(self, info: dict[str, Any]) -> None:
         self.client.init_weight_transfer_engine(info)
@@ -91,18 +112,20 @@ class VllmControl:
         except Exception:
             raise first from None  # not an open update: the leave failed for its own reason
 
+    def describe(self) -> str:
+        server = _server(self.client)
+        return f"the vLLM engine behind {type(self.client).__name__}" + (f" at {server}" if server else "")
+
     def describe_rank(self, worker: int) -> str | None:
-        """Which engine's worker the ``worker``-th bridge worker is (a fleet names its engines)."""
-        describe = getattr(self.client, "describe_worker", None)
-        return describe(worker) if callable(describe) else f"vLLM worker {worker}"
+        server = _server(self.client)
+        return f"vLLM worker {worker}" + (f" of the server at {server}" if server else "")
 
     def probe(self, tokens: list[int]) -> list[list[float]]:
-        """Each replica's log-probabilities of ``tokens[1:]`` (a fleet: one list per engine), through the
-        adapter just committed when the updates are an adapter's."""
+        """The engine's log-probabilities of ``tokens[1:]``, through the adapter just committed when the
+        updates are an adapter's."""
         adapter = self._adapter()
         model = f"{adapter['name']}@v{self._committed}" if adapter is not None else None
-        each = getattr(self.client, "prompt_logprobs_each", None)
-        return each(tokens, model) if callable(each) else [prompt_logprobs(self.client, tokens, model)]
+        return [prompt_logprobs(self.client, tokens, model)]
 
     def rollback(self, version: int) -> None:
         """Every worker loads ``version`` again (the one it served before its last update); vLLM then
@@ -118,6 +141,27 @@ class VllmControl:
         if adapter is not None:
             announce_adapter(self.client, adapter["name"], version, adapter["max_live"], rolled_back=True)
         self._committed = version
+
+
+def _server(client: Any) -> str | None:
+    """The address of the ``vllm serve`` server a client talks to (vLLM's HTTP client's, ours), or None."""
+    url = getattr(client, "base_url", None)
+    return url.rstrip("/") if isinstance(url, str) and url else None
+
+
+def _scores(client: Any) -> bool:
+    return callable(getattr(client, "prompt_logprobs", None)) or _server(client) is not None
+
+
+def _serves_adapters(client: Any) -> bool:
+    lora = getattr(client, "lora_enabled", None)  # an offline engine can say; a server's workers say later
+    if not callable(lora):
+        return _server(client) is not None
+    try:
+        return bool(lora())
+    except Exception as e:  # an engine that cannot say is not trusted with adapters
+        logger.warning("groupbridge: %s cannot say whether it serves adapters: %s", type(client).__name__, e)
+        return False
 
 
 def start_update(client: SyncClient) -> None:
@@ -148,25 +192,15 @@ def start_update(client: SyncClient) -> None:
     )  # fmt: skip
 
 
-def cannot_score(client: Any, tokens: Sequence[int] = ()) -> tuple[type[Exception], str] | None:
-    """Why ``client`` (or an engine of a fleet) cannot score a probe of ``tokens`` (see
-    :func:`prompt_logprobs`), as the error to raise, or None: asked when the trainer starts, so that
-    ``verify`` is refused before any update is committed. A token outside an engine's vocabulary (where the
-    client can say it: an offline engine's) is refused too: the engine would die scoring it."""
-    engines = getattr(client, "clients", None) or [client]
-    for each in engines:
-        if not callable(getattr(each, "prompt_logprobs", None)) and not isinstance(
-            getattr(each, "base_url", None), str
-        ):
-            return TypeError, (
-                f"{type(each).__name__} cannot score a probe: give it prompt_logprobs(tokens) or a base_url "
-                "(a vllm serve server), or drop verify="
-            )
-    for k, each in enumerate(engines):  # every engine can score: can it score these tokens?
+def out_of_vocabulary(clients: Sequence[Any], tokens: Sequence[int]) -> str | None:
+    """Why a probe of ``tokens`` cannot be scored by one of ``clients`` (a token outside an engine's
+    vocabulary, where its client can say it: an offline engine's; the engine would die scoring it), or
+    None: asked when the trainer starts, so that ``verify`` is refused before any update is committed."""
+    for k, each in enumerate(clients):
         vocab = getattr(each, "vocab_size", None)
         size = vocab() if callable(vocab) else None
         if isinstance(size, int) and tokens and max(tokens) >= size:
-            return ValueError, (
+            return (
                 f"the probe's token {max(tokens)} lies outside engine {k}'s vocabulary of {size} tokens (it "
                 "would end the engine when scored): probe with token ids below it"
             )
@@ -204,10 +238,6 @@ def announce_adapter(client: Any, name: str, version: int, max_live: int, rolled
     from the workers' memory: the path is ``groupbridge:<name>@v<version>``), and stops listing the
     versions older than the newest ``max_live`` (requests already running on them go on). ``rolled_back``:
     ``version`` is served again after a rollback: the versions newer than it are no longer listed."""
-    each = getattr(client, "announce_adapter", None)  # a fleet: every engine
-    if callable(each):
-        each(name, version, max_live, rolled_back)
-        return
     noted = getattr(client, "adapter_committed", None)
     if callable(noted):
         noted(name, version)
@@ -234,8 +264,8 @@ def announce_adapter(client: Any, name: str, version: int, max_live: int, rolled
 
 
 def served_version(client: Any) -> int | None:
-    """What :meth:`VllmControl.served` says: the client's own ``served_version`` (an offline engine's, a
-    fleet's), else the server's ``/weight_info`` at its ``base_url``."""
+    """What :meth:`VllmControl.served` says: the client's own ``served_version`` (an offline engine's),
+    else the server's ``/weight_info`` at its ``base_url``."""
     own = getattr(client, "served_version", None)
     if callable(own):
         got = own()

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 
-from .engine import BridgeInfo, Described, TrainerConfig, TrainerSession, WorkerSession
+from .engine import BridgeInfo, Described, EngineControl, TrainerConfig, TrainerSession, WorkerSession
 from .engine._calls import usable
 from .errors import WeightSyncError
 from .net import Listener, listen
@@ -58,7 +58,7 @@ _TAG = "groupbridge"
 _END = object()
 
 
-class _VerlDrives:
+class _VerlDrives(EngineControl):
     """The trainer session's engine control under verl: nothing to call, verl's manager drives the rollout
     workers itself (``init_process_group``, ``receive_weights``, ``finalize`` on each)."""
 

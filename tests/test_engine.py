@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from groupbridge.engine import Probe, TrainerConfig, TrainerSession
+from groupbridge.engine import Capabilities, EngineControl, Fleet, Probe, TrainerConfig, TrainerSession
 from groupbridge.errors import ManifestMismatchError, PeerDiedError, VerificationError, WeightSyncError
 from tests.helpers import CTX, Ranks
 
@@ -67,7 +67,7 @@ def _engine(rank: int, calls: Any, replies: Any) -> dict[str, Any]:
         result: Any = None
         try:
             if call == "join":
-                session.join(BridgeInfo(**arg), 1)
+                session.join(BridgeInfo(**arg), arg.get("sources", 1) + arg.get("rank_offset", 0))
             elif call == "begin":
                 session.begin()
                 session.receive(arg)
@@ -110,8 +110,10 @@ def _engine(rank: int, calls: Any, replies: Any) -> dict[str, Any]:
             replies.put(("error", f"{type(e).__name__}: {e}"))
 
 
-class Control:
+class Control(EngineControl):
     """The engine's RPC: a call is a message to the worker process, answered within a bound."""
+
+    capabilities = Capabilities(probe=True, rollback=True)
 
     def __init__(self, calls: Any, replies: Any) -> None:
         self.calls, self.replies = calls, replies
@@ -404,11 +406,11 @@ def test_a_dead_member_is_named_even_when_another_member_aborted_first() -> None
     """A worker that saw another stop aborts the bridge; when its abort reaches the trainer first, the error
     still names the member that stopped, not the one that aborted."""
 
-    class Described:
+    class Described(_Hangs):
         def describe_rank(self, worker: int) -> str:
             return f"engine {worker}'s worker 0"
 
-    session = TrainerSession(TrainerConfig(workers=2), Described())  # type: ignore[arg-type]
+    session = TrainerSession(TrainerConfig(workers=2), Described())
     died = PeerDiedError("rank 0 of group 'g': rank 2 stopped its heartbeat: last heard 2.0s ago", rank=2)
     aborted = PeerDiedError(
         "rank 0 of group 'g': rank 1 aborted: rank 1 gave up receiving version 3: PeerDiedError: rank 1 of "
@@ -440,3 +442,89 @@ def test_an_engine_whose_join_fails_ends_the_trainers_wait_at_once() -> None:
         del control.join  # the engine's own join again
         assert session.send(slow(1.0, 0), specs=SPECS) == 1
     assert out["version"] == 1 and out["sum"] == 1.0 * WHOLE
+
+
+class _Hangs(EngineControl):
+    """An engine whose every call hangs (its RPC never answers), and that declares nothing."""
+
+    def __init__(self) -> None:
+        self.called: list[str] = []
+        self.release = threading.Event()
+
+    def join(self, info: dict[str, Any]) -> None:
+        self.called.append("join")
+        self.release.wait(30)
+
+    def begin(self, version: int) -> None:
+        self.called.append("begin")
+
+    def commit(self, version: int) -> None:
+        self.called.append("commit")
+
+    def leave(self) -> None:
+        self.called.append("leave")
+
+
+def test_a_fleet_of_two_engines_commits_as_one_and_probes_each() -> None:
+    """Two engines (a worker process each, each behind its own control) behind one engine-neutral Fleet:
+    one bridge, engine 1's worker after engine 0's, every version on both, one probe list per replica."""
+    queues = [(CTX.Queue(), CTX.Queue()) for _ in range(2)]
+    workers = [Ranks(_engine, 1, q) for q in queues]
+    controls = [Control(*q) for q in queues]
+    fleet = Fleet(controls, timeout_s=30)
+    assert fleet.capabilities == Capabilities(probe=True, rollback=True)
+    probe = Probe(list(range(len(SHAPES) + 1)), lambda v: _means(float(v)), atol=1e-3)
+    config = TrainerConfig(workers=2, timeout_s=30, liveness_s=10, bucket_bytes=32 << 10, verify=probe)
+    try:
+        with TrainerSession(config, fleet) as session:
+            for v in (1, 2):
+                assert session.send(slow(float(v), 0), specs=SPECS) == v
+            assert fleet.probe([]) == [_means(2.0), _means(2.0)]
+            assert fleet.describe_rank(1) == "engine 1's worker 0 (engine 1 of 2 in the fleet)"
+    finally:
+        for c in controls:
+            c.rpc("stop")
+        results = [w.results(30) for w in workers]
+    for each in results:
+        ((ok, res),) = each.values()
+        assert ok, res
+        assert res["version"] == 2 and res["sum"] == 2.0 * WHOLE
+
+
+def test_a_fleet_call_is_bounded_by_one_timeout_and_names_every_engine_that_hung() -> None:
+    """Two engines that never answer: the fleet's call raises after its one timeout_s (not one per engine),
+    naming both."""
+    engines = [_Hangs(), _Hangs()]
+    fleet = Fleet(engines, timeout_s=1)
+    t0 = time.monotonic()
+    with pytest.raises(WeightSyncError, match=r"join failed on 2 of 2 engines.*\n.*engine 0: did not return "
+                       r"within 1 s\nengine 1: did not return within 1 s"):  # fmt: skip
+        fleet.join({"sources": 1, "world_size": 3})
+    took = time.monotonic() - t0
+    for e in engines:
+        e.release.set()
+    assert 1.0 <= took < 1.6, took
+
+
+def test_what_an_engine_cannot_do_is_refused_before_anything_joins() -> None:
+    """verify needs probe and rollback; a fleet has what every engine declares: a session is refused at
+    once, naming the engine and what it lacks, and no engine is called. A control that is no EngineControl
+    is refused too."""
+    plain = _Hangs()
+    probe = Probe([1, 2], lambda v: [0.0])
+    with pytest.raises(TypeError, match=r"_Hangs declares no probe capability; _Hangs declares no rollback"):
+        TrainerSession(TrainerConfig(verify=probe), plain)
+    with pytest.raises(
+        TypeError, match=r"^(?!.*engine 0).*engine 1 \(_Hangs declares no rollback capability\)"
+    ):
+        TrainerSession(TrainerConfig(rollback=True, workers=2), Fleet([Control(None, None), plain]))
+    assert plain.called == []
+
+    class Duck:  # the four calls, but no declaration of what else it can do
+        def join(self, info: Any) -> None: ...
+        def begin(self, version: int) -> None: ...
+        def commit(self, version: int) -> None: ...
+        def leave(self) -> None: ...
+
+    with pytest.raises(TypeError, match=r"control must be a groupbridge\.engine\.EngineControl"):
+        TrainerSession(TrainerConfig(), Duck())  # type: ignore[arg-type]

@@ -1009,14 +1009,12 @@ def test_a_verified_adapter_that_disagrees_is_withdrawn_and_the_previous_served(
 
 
 @pytest.mark.slow  # a LoRA engine of its own (about 35 s to start and stop)
-def test_an_adapter_the_engine_cannot_serve_is_refused_before_bytes_move(
-    lora: tuple[Any, Any], dense: tuple[Any, Any]
-) -> None:
-    """Rank 32 against max_lora_rank 16, and any adapter into an engine started without LoRA: refused in the
-    handshake on both sides (the same ManifestMismatchError), nothing filed; the engine goes on."""
+def test_an_adapter_the_engine_cannot_serve_is_refused_before_bytes_move(lora: tuple[Any, Any]) -> None:
+    """Rank 32 against max_lora_rank 16: refused in the handshake on both sides (the same
+    ManifestMismatchError), nothing filed; the engine goes on."""
     from peft import LoraConfig, get_peft_model
 
-    llm, model = lora
+    llm, _ = lora
     wide = get_peft_model(
         make_model(Path(tempfile.mkdtemp()), "qwen2", seed=5),
         LoraConfig(r=32, target_modules=["q_proj"], init_lora_weights=False),
@@ -1027,14 +1025,25 @@ def test_an_adapter_the_engine_cannot_serve_is_refused_before_bytes_move(
             eng.send_weights()
     finally:
         eng.shutdown()
-    plain, _ = dense
-    eng = trainer(plain, model, adapter="policy")
-    try:
-        with pytest.raises(gb.ManifestMismatchError, match="enable_lora=True"):
-            eng.send_weights()
-        assert served(plain)  # still serving
-    finally:
-        eng.shutdown()
+
+
+def test_an_adapter_for_an_engine_without_lora_is_refused_by_trainer_init(dense: tuple[Any, Any]) -> None:
+    """An engine started without LoRA declares no adapters capability: trainer_init refuses an adapter
+    before anything joins (it used to be refused by the first update's handshake), alone or in a fleet."""
+    from groupbridge.vllm import FleetClient
+
+    llm, model = dense
+    before = llm.get_weight_version()
+    with pytest.raises(TypeError, match="OfflineClient declares no adapters capability"):
+        trainer(llm, model, adapter="policy")
+    with pytest.raises(
+        TypeError, match=r"engine 0 \(the vLLM engine behind OfflineClient declares no adapters"
+    ):
+        WeightTransferTrainerFactory.trainer_init(
+            TrainerInitInfo(rank=0, adapter="policy"), client=FleetClient([OfflineClient(llm)]),
+            source=ModuleSource(model),
+        )  # fmt: skip
+    assert served(llm) and llm.get_weight_version() == before  # still serving, its version unmoved
 
 
 def test_the_newest_adapters_stay_filed_and_an_older_one_leaves() -> None:
@@ -1250,7 +1259,7 @@ def test_a_probe_no_engine_can_score_is_refused_when_the_trainer_starts() -> Non
     fleet = FleetClient([OfflineClient(object()), RayVLLMWeightSyncClient([])])
     for client, workers in ((RayVLLMWeightSyncClient([]), 1), (fleet, 2)):
         info = TrainerInitInfo(rank=0, workers=workers, verify=probe)
-        with pytest.raises(TypeError, match="RayVLLMWeightSyncClient cannot score a probe"):
+        with pytest.raises(TypeError, match="RayVLLMWeightSyncClient declares no probe capability"):
             WeightTransferTrainerFactory.trainer_init(
                 info, client=client, source=ModuleSource(torch.nn.Linear(2, 2))
             )

@@ -9,16 +9,21 @@ swap and the rollback are here, once.
 
 from __future__ import annotations
 
+from ._config import TrainerConfig
+from ._control import Capabilities, EngineControl
+from ._fleet import Fleet
 from ._info import BridgeInfo, check_seconds
 from ._probe import Probe, causal_logprobs
 from ._state import Described, SessionState
-from ._trainer import EngineControl, TrainerConfig, TrainerSession
+from ._trainer import TrainerSession
 from ._worker import Loader, WorkerSession
 
 __all__ = [
     "BridgeInfo",
+    "Capabilities",
     "Described",
     "EngineControl",
+    "Fleet",
     "Loader",
     "Probe",
     "SessionState",

@@ -28,186 +28,28 @@ import logging
 import re
 import threading
 import time
-import warnings
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from .._closing import Closing
 from ..errors import GroupBridgeError, PeerDiedError, SyncRefusedError, VerificationError, WeightSyncError
-from ..net import Address, Listener, listen
+from ..net import Address, listen
 from ..stateless import StatelessGroup
 from ..weights import DeltaMemory
 from ..weights.sender import SyncStats, WeightSender
-from ..weights.transports import TRANSPORTS
 from ._calls import Call, abort_later, usable
-from ._info import BridgeInfo, check_seconds
+from ._config import TrainerConfig
+from ._control import EngineControl
+from ._info import BridgeInfo
 from ._probe import Probe
 
-__all__ = ["EngineControl", "TrainerConfig", "TrainerSession"]
+__all__ = ["TrainerSession"]
 
 logger = logging.getLogger(__name__)
-
-
-class EngineControl(Protocol):
-    """How a trainer drives an engine's workers (each call returns once every worker returned).
-
-    ``join(info)``: each worker joins the bridge (``info``: a :class:`BridgeInfo` as plain JSON, the worker's
-    rank its own). ``begin(version)``: each worker starts an update and receives it (its handshake; then,
-    atomic, its bytes land in the background). ``commit(version)``: each worker loads what it received and
-    serves ``version``. ``leave()``: each worker leaves the bridge (before the trainer closes it).
-
-    With ``TrainerConfig(verify=...)`` or ``rollback=True``, also: ``probe(tokens)`` -> one list of
-    log-probabilities of ``tokens[1:]`` per replica, computed by its own request path; ``rollback(version)``:
-    each worker loads ``version`` again (the one it served before its last update) and the engine serves it.
-    """
-
-    def join(self, info: dict[str, Any]) -> None: ...
-
-    def begin(self, version: int) -> None: ...
-
-    def commit(self, version: int) -> None: ...
-
-    def leave(self) -> None: ...
-
-
-@dataclass(kw_only=True)
-class TrainerConfig:
-    """How the trainer hosts the bridge to an engine's workers. Frozen once made (checked then, and a session
-    reads it throughout): ``dataclasses.replace(config, field=value)`` makes a changed copy, checked again.
-
-    Attributes:
-        host: the address the trainer binds and the workers dial: IPv4, IPv6 or a host name (default
-            loopback). The socket is bound before its port is told to anyone.
-        port: 0 lets the kernel pick a free port.
-        workers: how many worker processes join (data parallel x tensor parallel x pipeline parallel, summed
-            over every engine the control drives).
-        transport: ``"auto"`` (shared memory on one CPU host, CUDA IPC on one GPU host, broadcast or relay
-            across hosts) or one by name.
-        atomic: stage the whole update and load it only once every worker has every byte (a trainer dying
-            midway leaves the engine serving the old weights; the bytes land while it serves); False streams
-            buckets into the engine's loader (the engine serves nothing until the update ends).
-        token: a shared secret: members prove it at join and every bucket carries a MAC.
-        timeout_s: seconds that bound each whole update (and joining).
-        liveness_s: seconds after which a silent peer counts as gone.
-        timeout, liveness: the names ``timeout_s`` and ``liveness_s`` had before they said their unit;
-            still taken (with a DeprecationWarning), never together with the new name.
-        checksum: XXH3-64 checksum of every bucket, verified before the update is loaded (implied by a token).
-        bucket_bytes: bucket size (None: the library's default).
-        first_version: the version of the first send (then +1 each time). None (default): 1, or, with one
-            sending rank whose engine already serves a numbered version (an earlier trainer's), the one
-            after it, so that the version an engine reports never goes back. (With several sending ranks
-            only rank 0 talks to the engine and every rank must send the same version: each starts at 1;
-            pass one above the served version.)
-        delta: send only what changed since the version every worker holds, where that pays (``True``) or
-            always (``"always"``); see :class:`groupbridge.WeightSender`.
-        sources: trainer ranks that send, ranks 0 .. sources-1. With 1, rank 0 sends whole tensors. With
-            more, every one of them joins the bridge and sends what it holds (DTensor parameters as their
-            local boxes, ``gb.Shard`` values as theirs); the workers assemble whole tensors from every rank
-            (one commit for all). Rank 0 hosts the bridge and drives the engine; the others dial it at
-            ``host``/``port``: bind rank 0's socket first (``lis = gb.listen(host, 0)``), pass it as
-            ``listener=`` on rank 0 and ``lis.port`` to the others.
-        listener: on rank 0, a socket bound beforehand (see ``sources``); the first bridge is served on it.
-        name: the bridge's name (a worker of another job is refused at join).
-        verify: a :class:`groupbridge.engine.Probe`: after every swap each replica scores its tokens; one that
-            disagrees with the trainer's model rolls every replica back to the version served before, and
-            the send raises ``gb.VerificationError``. Requests served between the swap and the rollback saw
-            the unverified weights (``last_seconds["unverified"]``); a user who cannot accept that holds its
-            own requests while ``send_weights`` runs.
-        rollback: the workers keep the bytes of the version served before each update, so that a probe that
-            disagrees, or a commit that failed on some engine, can have it served again: one more copy of
-            the model's wire bytes in host memory per worker, and one host memcpy of them per update (on
-            the landing thread, while the engine serves). None: on exactly when ``verify`` is set.
-    """
-
-    host: str = "127.0.0.1"
-    port: int = 0
-    workers: int = 1
-    transport: str = "auto"
-    atomic: bool = True
-    token: str | None = None
-    timeout_s: float = 300.0
-    liveness_s: float = 10.0
-    checksum: bool = True
-    bucket_bytes: int | None = None
-    first_version: int | None = None
-    name: str = "engine"
-    delta: bool | str = False
-    sources: int = 1
-    listener: Listener | None = None
-    verify: Probe | None = None
-    rollback: bool | None = None
-    timeout: float | None = None
-    liveness: float | None = None
-
-    def __post_init__(self) -> None:
-        for old in ("timeout", "liveness"):
-            value = getattr(self, old)
-            if value is None:
-                continue
-            new = f"{old}_s"
-            if getattr(self, new) != _DEFAULTS[new]:
-                raise ValueError(f"{old}= and {new}= are one setting: pass {new}= only")
-            # the caller's line: past this method and __init__ (and a subclass's __post_init__ calling it)
-            depth = 3 if type(self).__post_init__ is TrainerConfig.__post_init__ else 4
-            warnings.warn(f"{old}= is deprecated: pass {new}= (seconds)", DeprecationWarning,
-                          stacklevel=depth)  # fmt: skip
-            object.__setattr__(self, new, value)
-        if not isinstance(self.workers, int) or self.workers < 1:
-            raise ValueError(f"workers={self.workers!r} must be >= 1 (the number of worker processes)")
-        if self.transport != "auto" and self.transport not in TRANSPORTS:
-            raise ValueError(f"transport={self.transport!r} is not one of auto, {', '.join(TRANSPORTS)}")
-        check_seconds(timeout_s=self.timeout_s, liveness_s=self.liveness_s)
-        if not isinstance(self.port, int) or not 0 <= self.port < 65536:
-            raise ValueError(f"port={self.port!r} is not a TCP port (0: the kernel picks one)")
-        fv = self.first_version
-        if fv is not None and (isinstance(fv, bool) or not isinstance(fv, int) or fv < 0):
-            raise ValueError(f"first_version={fv!r} must be None or an int >= 0")
-        if not isinstance(self.sources, int) or self.sources < 1:
-            raise ValueError(f"sources={self.sources!r} must be >= 1 (the trainer ranks that send)")
-        if self.delta not in (False, True, "always"):
-            raise ValueError(f"delta={self.delta!r} must be False, True or 'always'")
-        if self.verify is not None and not isinstance(self.verify, Probe):
-            raise TypeError(f"verify must be a groupbridge.engine.Probe, got {type(self.verify).__name__}")
-        if self.rollback not in (None, False, True):
-            raise ValueError(f"rollback={self.rollback!r} must be None, False or True")
-        if self.verify is not None and self.rollback is False:
-            raise ValueError(
-                "verify needs rollback (a replica that disagrees is rolled back): drop rollback=False"
-            )
-        object.__setattr__(self, "_frozen", True)
-
-    # Frozen by hand, not by ``dataclass(frozen=True)``: the vLLM backend's TrainerInitInfo is this class and
-    # vLLM's own (a plain dataclass), and Python refuses a frozen dataclass beside a plain one.
-    def __setattr__(self, name: str, value: Any) -> None:
-        if self.__dict__.get("_frozen"):
-            raise dataclasses.FrozenInstanceError(
-                f"cannot assign to {name!r}: a {type(self).__name__} is frozen once made (its checks ran on "
-                f"these values); make a changed copy: dataclasses.replace(config, {name}=...)"
-            )
-        object.__setattr__(self, name, value)
-
-    def __delattr__(self, name: str) -> None:
-        raise dataclasses.FrozenInstanceError(f"cannot delete {name!r}: a {type(self).__name__} is frozen")
-
-    @property
-    def keeps_previous(self) -> bool:
-        """The workers keep the previous version's bytes (``rollback``, by default with ``verify``)."""
-        return self.rollback if self.rollback is not None else self.verify is not None
-
-    def check_rank(self, rank: int) -> None:
-        if 0 < rank < self.sources and self.port == 0:
-            raise ValueError(
-                f"rank {rank} of {self.sources} sending trainer ranks dials rank 0's bridge: pass port= "
-                "(rank 0's address.port)"
-            )
-
-
-_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainerConfig)}
 
 
 class TrainerSession(Closing):
@@ -230,14 +72,13 @@ class TrainerSession(Closing):
             raise ValueError(f"rank {rank} does not send (sources={config.sources}): it needs no session")
         if rank == 0 and control is None:
             raise ValueError("rank 0 drives the engine: pass its control")
-        if rank == 0 and config.keeps_previous:
-            needed = ("probe", "rollback") if config.verify is not None else ("rollback",)
-            missing = [m for m in needed if not callable(getattr(control, m, None))]
-            if missing:
+        if rank == 0:
+            if not isinstance(control, EngineControl):
                 raise TypeError(
-                    f"verify/rollback need an engine control with {' and '.join(missing)}(): "
-                    f"{type(control).__name__} has none"
+                    f"control must be a groupbridge.engine.EngineControl (its subclass declares what the "
+                    f"engine can do), got {type(control).__name__}"
                 )
+            control.check(config.needs())  # before anything joins: a verify no engine can honour is refused
         self.config = config
         self.control = control
         self.rank = rank
@@ -326,11 +167,10 @@ class TrainerSession(Closing):
             self.group.close()
             self.group = None
             raise
-        served = getattr(control, "served", None)
         unnumbered = self.version is None and self.sent is None and self.engine_served is None
-        if unnumbered and c.sources == 1 and c.first_version is None and callable(served):
+        if unnumbered and c.sources == 1 and c.first_version is None and control.capabilities.versions:
             try:
-                self.engine_served = served()
+                self.engine_served = control.served()
             except Exception as e:  # only the default version depends on it
                 logger.warning("groupbridge: could not read the version the engine serves (%s); the first "
                                "update is version %d", e, self.next_version(None))  # fmt: skip
@@ -449,7 +289,6 @@ class TrainerSession(Closing):
     def _who(self, error: BaseException) -> tuple[int, str] | None:
         """The dead bridge member an error names, and the engine it belongs to in words
         (``control.describe_rank``), or None."""
-        describe = getattr(self.control, "describe_rank", None)
         seen: BaseException | None = error
         rank: int | None = None
         while seen is not None and rank is None:
@@ -460,9 +299,9 @@ class TrainerSession(Closing):
                     stopped = re.search(r"rank (\d+) stopped its heartbeat", str(seen))
                     rank = int(stopped.group(1)) if stopped else None
             seen = seen.__cause__ or seen.__context__
-        if not callable(describe) or rank is None or rank < self.config.sources:
+        if self.control is None or rank is None or rank < self.config.sources:
             return None
-        described = describe(rank - self.config.sources)
+        described = self.control.describe_rank(rank - self.config.sources)
         return (rank, f"bridge rank {rank} is {described}") if described else None
 
     def _verify(self, probe: Probe, v: int) -> None:
@@ -473,13 +312,13 @@ class TrainerSession(Closing):
         pool = ThreadPoolExecutor(1, thread_name_prefix="groupbridge-reference")
         try:
             expected = pool.submit(probe.expected, v)
-            served = self.control.probe(list(probe.tokens))  # type: ignore[attr-defined]
-            worst = probe.worst(expected.result(timeout=self.config.timeout_s), served)
+            scores = self.control.probe(list(probe.tokens))
+            worst = probe.worst(expected.result(timeout=self.config.timeout_s), scores)
         except Exception as e:
-            back, served = self._roll_back(v)
+            back, now = self._roll_back(v)
             raise VerificationError(
                 f"the probe of version {v} failed: {type(e).__name__}: {e}; {back}",
-                version=v, replica=-1, difference=float("nan"), served=served,
+                version=v, replica=-1, difference=float("nan"), served=now,
             ) from e  # fmt: skip
         finally:
             pool.shutdown(wait=False)
@@ -492,7 +331,7 @@ class TrainerSession(Closing):
         self.last_seconds["unverified"] = time.perf_counter() - t0
         raise VerificationError(
             f"replica {k} serves version {v} with log-probabilities {diff:.4g} away from the trainer's "
-            f"(atol {probe.atol:g}; {len(served)} replica(s) probed): {back}",
+            f"(atol {probe.atol:g}; {len(scores)} replica(s) probed): {back}",
             version=v, replica=k, difference=diff, served=served_now,
         )  # fmt: skip
 

@@ -39,8 +39,8 @@ vLLM's plugins itself).
 
 from __future__ import annotations
 
-from .._vllm_fleet import FleetClient
 from ._client import OfflineClient
+from ._fleet import FleetClient
 from ._lora import adapter_request
 from ._plugin import BACKEND, register
 from ._serve import Server

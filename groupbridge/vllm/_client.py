@@ -37,6 +37,10 @@ class OfflineClient:
         config = getattr(engine, "model_config", None) or engine.vllm_config.model_config
         return int(config.get_vocab_size())
 
+    def lora_enabled(self) -> bool:
+        """Whether the engine was started to serve LoRA adapters (``enable_lora=True``)."""
+        return self.llm.llm_engine.vllm_config.lora_config is not None
+
     def served_version(self) -> int | None:
         """The version the engine reports serving, when it is a number."""
         from .._vllm_client import as_version

@@ -21,8 +21,9 @@ from vllm.distributed.weight_transfer.base import (
     WeightSource,
 )
 
-from .._vllm_client import VllmControl, cannot_score
-from ..engine import SessionState, TrainerConfig, TrainerSession
+from .._vllm_client import VllmControl, out_of_vocabulary
+from ..engine import EngineControl, SessionState, TrainerConfig, TrainerSession
+from ._fleet import FleetClient
 from ._lora import AdapterSpec, peft_adapter
 from ._plugin import BACKEND
 
@@ -48,6 +49,9 @@ class TrainerInitInfo(_VllmTrainerInitInfo, TrainerConfig):
     name: str = "vllm"
     adapter: str | None = None
     max_live_adapters: int = 2
+
+    def needs(self) -> tuple[str, ...]:
+        return TrainerConfig.needs(self) + (("adapters",) if self.adapter is not None else ())
 
     def __post_init__(self) -> None:
         TrainerConfig.__post_init__(self)
@@ -80,11 +84,15 @@ class TrainerEngine(SessionState, TrainerWeightTransferEngine[TrainerInitInfo]):
         self.info = info if info is not None else TrainerInitInfo(rank=0 if is_sender else 1)
         sends = self.info.rank < self.info.sources
         self._adapter: dict[str, Any] | None = None
-        if self.info.verify is not None and self.info.rank == 0:
-            problem = cannot_score(client, self.info.verify.tokens)
+        fleet = client if isinstance(client, FleetClient) else None
+        control: EngineControl | None = None  # only rank 0 drives the engines
+        if self.info.rank == 0:
+            control = fleet.control(self._update_info) if fleet else VllmControl(client, self._update_info)
+            control.check(self.info.needs())  # before anything joins (the session checks it again)
+        if control is not None and self.info.verify is not None:  # every engine scores: these tokens too?
+            problem = out_of_vocabulary(fleet.clients if fleet else [client], self.info.verify.tokens)
             if problem is not None:  # found now: after a commit, the engines would serve unverified weights
-                raise problem[0](problem[1])
-        control = VllmControl(client, update_info=self._update_info)
+                raise ValueError(problem)
         self.session = TrainerSession(self.info, control, rank=self.info.rank) if sends else None
 
     @classmethod
@@ -105,11 +113,11 @@ class TrainerEngine(SessionState, TrainerWeightTransferEngine[TrainerInitInfo]):
             raise ValueError("backend 'groupbridge' sends a WeightSource each step: pass source=")
         if client is None and init_info.rank == 0:
             raise ValueError("trainer rank 0 drives the engines: pass client= (e.g. an OfflineClient)")
-        fleet = getattr(client, "total_workers", None)  # a FleetClient knows its engines' workers
-        if isinstance(fleet, int) and fleet != init_info.workers and init_info.is_sender:
+        n = client.total_workers if isinstance(client, FleetClient) else init_info.workers
+        if n != init_info.workers and init_info.is_sender:
             raise ValueError(
-                f"workers={init_info.workers}, but the fleet's engines have {fleet} workers "
-                f"({getattr(client, 'workers', '?')} per engine): pass TrainerInitInfo(workers={fleet})"
+                f"workers={init_info.workers}, but the fleet's engines have {n} workers "
+                f"({client.workers} per engine): pass TrainerInitInfo(workers={n})"  # type: ignore[union-attr]
             )
         engine = cls(client=client, source=source, is_sender=init_info.is_sender, info=init_info)
         if engine.session is not None:
