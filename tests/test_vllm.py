@@ -1280,3 +1280,153 @@ def test_a_peft_model_with_two_active_adapters_is_refused() -> None:
     model.base_model.set_adapter(["a", "b"])
     with pytest.raises(ValueError, match="2 active adapters"):
         peft_adapter(model)
+
+
+def _greedy_across(old: Any, new: Any, prompt: list[int], tokens: list[int], b: int) -> list[int]:
+    """What an engine whose weights moved from ``old`` to ``new`` after sampling ``tokens[:b]`` generates
+    (greedy, ``len(tokens)`` in all): ``b`` tokens by ``old``, then ``new`` continuing over the keys and
+    values ``old`` computed (the last old token is the first the new weights forward)."""
+    with torch.no_grad():
+        out = old(torch.tensor([prompt + tokens[: b - 1]]), use_cache=True)
+        want = [int(t) for t in old.generate(torch.tensor([prompt]), max_new_tokens=b, min_new_tokens=b,
+                                             do_sample=False)[0, len(prompt):]]  # fmt: skip
+        past, last = out.past_key_values, torch.tensor([[tokens[b - 1]]])
+        while len(want) < len(tokens):
+            step = new(last, past_key_values=past, use_cache=True)
+            past, nxt = step.past_key_values, int(step.logits[0, -1].argmax())
+            want.append(nxt)
+            last = torch.tensor([[nxt]])
+    return want
+
+
+def test_each_tokens_version_is_exact_across_an_unpaused_update(dense: tuple[Any, Any]) -> None:
+    """Two requests generating while an update commits (the engine unpaused): vLLM's weight_versions spans
+    put each request's boundary exactly where the weights changed, since the commit and its label are one
+    engine-core call. Checked against transformers: the tokens labelled old are the old model's greedy
+    ones, those labelled new the new model's continuation over the old model's keys and values."""
+    import copy
+
+    from vllm.sampling_params import RequestOutputKind
+
+    from groupbridge._vllm_client import VllmControl
+    from groupbridge.engine import TrainerSession
+
+    llm, model = dense
+    assert not llm.llm_engine.vllm_config.scheduler_config.async_scheduling  # see docs/vllm.md
+    engine = llm.llm_engine
+    params = vllm.SamplingParams(max_tokens=100, min_tokens=100, temperature=0,
+                                 output_kind=RequestOutputKind.CUMULATIVE)  # fmt: skip
+    prompts = [[1, 2, 3, 4], [7, 100, 5]]
+    seen: dict[str, Any] = {}
+    started = threading.Event()
+
+    def generate() -> None:  # step only: vLLM's client sends nothing to the engine core here (its socket
+        while engine.has_unfinished_requests():  # is not thread-safe: the trainer's calls use it meanwhile)
+            for out in engine.step():
+                seen[out.request_id.split("-")[1]] = out
+            if len(seen) == 2 and all(len(o.outputs[0].token_ids) >= 10 for o in seen.values()):
+                started.set()
+
+    runner = threading.Thread(target=generate, daemon=True)
+
+    def gate() -> None:  # just before the commit (the bytes landed): two requests, well under way
+        for k, p in enumerate(prompts):
+            engine.add_request(f"span-{k}-{uuid.uuid4().hex}", {"prompt_token_ids": p}, params)
+        runner.start()
+        assert started.wait(60), "the requests did not start"
+
+    config = TrainerConfig(timeout_s=60, liveness_s=10)
+    with TrainerSession(config, VllmControl(OfflineClient(llm))) as session:
+        old_version = session.send(iter(ModuleSource(model)))
+        old = copy.deepcopy(model)
+        perturb(model, 71)
+        perturb(model, 72)
+        session.control.before_commit = gate  # type: ignore[union-attr]
+        new_version = session.send(iter(ModuleSource(model)))
+        runner.join(60)
+    assert not runner.is_alive() and len(seen) == 2
+    got = {}
+    for k in range(len(prompts)):
+        out = seen[str(k)].outputs[0]
+        got[k] = (list(out.token_ids), [(s.start, s.end, s.version) for s in out.weight_versions])
+    _check_spans(old, model, prompts, got, (old_version, new_version))
+
+
+def _check_spans(
+    old: Any, new: Any, prompts: list[list[int]], got: dict[int, Any], versions: tuple[int, int]
+) -> None:
+    """Each request's tokens and spans ``(start, end, version)``: two spans, old then new version, meeting
+    inside the request, where transformers says the weights changed."""
+    for k, p in enumerate(prompts):
+        tokens, spans = got[k]
+        assert len(spans) == 2, spans  # the update landed inside each request
+        (s0, b, v0), (b1, end, v1) = spans
+        assert (s0, b1, end, v0, v1) == (0, b, len(tokens), *map(str, versions)), spans
+        assert 0 < b < len(tokens)
+        assert tokens == _greedy_across(old, new, p, tokens, b), (k, b)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_vllm_serve_reports_each_tokens_version_exactly(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The same through ``vllm serve`` (its scale-out generate route, which returns the spans): two
+    streamed requests across an unpaused update, each token's version exact."""
+    import copy
+    import urllib.request
+
+    from groupbridge._vllm_client import HttpClient, VllmControl
+    from groupbridge.engine import TrainerSession
+
+    path = tmp_path_factory.mktemp("qwen2-serve-spans")
+    model = make_model(path, "qwen2", seed=8)
+    prompts = [[1, 2, 3, 4], [7, 100, 5]]
+    got: dict[int, Any] = {}
+    counts = [0, 0]
+    errors: list[BaseException] = []
+
+    def stream(k: int, base: str) -> None:
+        body = {"token_ids": prompts[k], "stream": True, "output_mode": "tokens",
+                "sampling_params": {"max_tokens": 300, "min_tokens": 300, "temperature": 0}}  # fmt: skip
+        req = urllib.request.Request(f"{base}/inference/v1/generate", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+        tokens: list[int] = []
+        spans: list[Any] = []
+        try:
+            with urllib.request.urlopen(req, timeout=120) as r:
+                for line in r:
+                    if not line.startswith(b"data: {"):
+                        continue
+                    choice = json.loads(line[6:])["choices"][0]
+                    tokens += choice.get("token_ids") or []
+                    counts[k] = len(tokens)
+                    spans = choice.get("weight_versions") or spans
+        except BaseException as e:
+            errors.append(e)
+        got[k] = (tokens, [(s["start"], s["end"], s["version"]) for s in spans])
+
+    threads: list[threading.Thread] = []
+
+    def gate() -> None:  # just before the commit (the bytes landed): two requests, well under way
+        threads.extend(threading.Thread(target=stream, args=(k, srv.base), daemon=True) for k in range(2))
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while min(counts) < 10 and not errors and time.monotonic() < deadline:
+            time.sleep(0.002)
+        assert min(counts) >= 10, (counts, errors)
+
+    # a long generation (a request of 100 tokens on this model can end between the client seeing its tenth
+    # token and the commit reaching the engine)
+    with Server(path, log=path / "serve.log", max_model_len=320, extra=("--enable-scale-out",)) as srv:
+        control = VllmControl(HttpClient(srv.base, timeout=60))
+        with TrainerSession(TrainerConfig(timeout_s=60, liveness_s=10), control) as session:
+            old_version = session.send(iter(ModuleSource(model)))
+            old = copy.deepcopy(model)
+            perturb(model, 71)
+            perturb(model, 72)
+            control.before_commit = gate
+            new_version = session.send(iter(ModuleSource(model)))
+            for t in threads:
+                t.join(120)
+        assert not errors, errors
+        _check_spans(old, model, prompts, got, (old_version, new_version))

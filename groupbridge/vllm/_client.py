@@ -25,7 +25,14 @@ class OfflineClient:
         self.llm.update_weights({"update_info": update_info})
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self.llm.finish_weight_update(weight_version=weight_version)
+        """The commit; with a version, labelled in the same engine-core call (see :mod:`._compat`), so that
+        every token's version in ``CompletionOutput.weight_versions`` is exact."""
+        if weight_version is None:
+            self.llm.finish_weight_update()
+            return
+        from ._compat import commit_offline
+
+        commit_offline(self.llm, weight_version)
 
     def shutdown_weight_transfer_engine(self) -> None:
         self.llm.shutdown_weight_transfer_engine()

@@ -2,7 +2,8 @@
 
 vLLM calls every ``vllm.general_plugins`` entry point in each of its processes (the API server, the engine
 core, every worker), possibly more than once per process, so registering must be idempotent and cheap: it
-records module paths only and imports the engines when a factory first builds one.
+records module paths only and imports the engines when a factory first builds one. It also installs the
+one-call commit (:mod:`._compat`): an engine-core utility and the server's route to it.
 """
 
 from __future__ import annotations
@@ -21,3 +22,6 @@ def register() -> None:
         WeightTransferEngineFactory.register_engine(BACKEND, "groupbridge.vllm._worker", "WorkerEngine")
     if BACKEND not in WeightTransferTrainerFactory._registry:
         WeightTransferTrainerFactory.register_engine(BACKEND, "groupbridge.vllm._trainer", "TrainerEngine")
+    from ._compat import install
+
+    install()

@@ -1,0 +1,74 @@
+"""Where groupbridge reaches into vLLM past its public API, kept in one place: read from vLLM 0.32.
+
+**The commit and its version label in one engine-core call.** vLLM's ``finish_weight_update(weight_version)``
+is two calls into the engine core: a ``collective_rpc`` that has the workers load the update, then
+``set_weight_version``. The engine core runs model steps between the two, so the tokens sampled there carry
+the old version's label although the new weights made them: ``CompletionOutput.weight_versions`` (the spans
+of output tokens per version) puts a request's boundary late. :data:`COMMIT` is one engine-core utility that
+does both, between the same two model steps: the spans are then exact (with synchronous scheduling; see
+``docs/vllm.md`` for what asynchronous scheduling does to the boundary). It is added to the engine core in
+each engine-core process when the plugin loads there, and the two clients route to it:
+:func:`commit_offline` for an offline ``LLM`` (the trainer's :class:`~groupbridge.vllm.OfflineClient`) and
+``AsyncLLM.finish_weight_update`` for ``vllm serve``, wrapped for engines whose weight-transfer backend is
+``groupbridge`` only (others keep vLLM's behaviour).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from ._plugin import BACKEND
+
+__all__ = ["COMMIT", "VLLM_READ", "commit_offline", "install"]
+
+VLLM_READ = "0.32"
+"""The vLLM release the private names below were read from."""
+
+COMMIT = "groupbridge_commit"
+"""The engine-core utility: the workers' ``finish_weight_update``, then the label, in one call."""
+
+
+def _commit(core: Any, weight_version: str) -> None:
+    """On the engine core (its ``EngineCore``), between two model steps: every worker loads what it staged,
+    then the outputs of every later step carry ``weight_version``. A load that fails raises before the
+    label moves: the engine keeps reporting the version it served."""
+    core.model_executor.collective_rpc("finish_weight_update")
+    core._weight_version = weight_version
+
+
+def commit_offline(llm: Any, weight_version: str) -> None:
+    """An offline ``LLM``'s commit of its staged update, labelled ``weight_version``: one engine-core call."""
+    client = llm.llm_engine.engine_core
+    if hasattr(client, "call_utility"):  # the engine core in its own process (vLLM's default)
+        client.call_utility(COMMIT, weight_version)
+    else:  # in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+        _commit(client.engine_core, weight_version)
+
+
+def _ours(engine: Any) -> bool:
+    config = getattr(getattr(engine, "vllm_config", None), "weight_transfer_config", None)
+    return getattr(config, "backend", None) == BACKEND
+
+
+def install() -> None:
+    """Add :data:`COMMIT` to the engine core and route a ``vllm serve``'s labelled finish through it (in this
+    process; idempotent: the plugin loads more than once per process)."""
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.engine.core import EngineCore
+
+    if not hasattr(EngineCore, COMMIT):
+        setattr(EngineCore, COMMIT, _commit)
+    original = AsyncLLM.finish_weight_update
+    if getattr(original, "_groupbridge", False):
+        return
+
+    @functools.wraps(original)
+    async def finish_weight_update(self: Any, weight_version: str | None = None) -> None:
+        if weight_version is None or not _ours(self):
+            await original(self, weight_version)
+        else:
+            await self.engine_core.call_utility_async(COMMIT, weight_version)
+
+    finish_weight_update._groupbridge = True  # type: ignore[attr-defined]
+    AsyncLLM.finish_weight_update = finish_weight_update
