@@ -522,7 +522,8 @@ from datetime import timedelta
 import groupbridge as gb
 lis = gb.listen("127.0.0.1", 0)
 print(json.dumps({"host": "127.0.0.1", "port": lis.address.port, "world_size": 2, "name": "vllm",
-                  "generation": 77, "atomic": sys.argv[2] == "atomic", "timeout_s": 60, "liveness_s": 2}),
+                  "generation": 77, "atomic": sys.argv[2] == "atomic", "timeout_s": 60, "liveness_s": 2,
+                  "swap": "reload" if sys.argv[2] == "streaming-reload" else "shadow"}),
       flush=True)
 grp = gb.StatelessGroup.create(None, rank=0, world_size=2, listener=lis, name="vllm", generation=77,
                                timeout=timedelta(seconds=60), liveness_timeout=timedelta(seconds=2))
@@ -537,14 +538,16 @@ gb.WeightSender(grp, bucket_bytes=64 * 1024).send(slow(), version=999, specs=spe
 """
 
 
-@pytest.mark.parametrize("mode", ["atomic", "streaming"])
+@pytest.mark.parametrize("mode", ["atomic", "streaming", "streaming-reload"])
 def test_a_trainer_killed_midway_leaves_vllm_serving_the_old_weights(
     dense: tuple[Any, Any], tmp_path: Path, mode: str
 ) -> None:
     """Atomic: ``update_weights`` returned after the handshake (the bytes land while vLLM serves); the
     landing fails, ``finish_weight_update`` raises and loads nothing, vLLM still serves the old weights and
-    reports the old version (vLLM is left mid-update). Streaming: the error names the update torn. Both: a
-    new trainer (a new bridge generation) then takes over, abandoning what was left."""
+    reports the old version (vLLM is left mid-update). Streaming into the shadow: the update fails and the
+    serving model is untouched. Streaming with ``swap="reload"`` (into the serving model): the error names
+    the update torn. All: a new trainer (a new bridge generation) then takes over, abandoning what was
+    left."""
     llm, model = dense
     version, tokens = llm.get_weight_version(), served(llm)
     state = tmp_path / "state.pt"
@@ -584,6 +587,10 @@ def test_a_trainer_killed_midway_leaves_vllm_serving_the_old_weights(
             with pytest.raises(Exception, match="version 999 did not land"):
                 llm.finish_weight_update(weight_version="999")
             assert time.monotonic() - t0 < 20
+            assert llm.get_weight_version() == version and served(llm) == tokens
+        elif mode == "streaming":
+            assert failed, "the update was reported applied although the trainer died midway"
+            assert "the serving model is untouched" in str(failed[0]), failed[0]
             assert llm.get_weight_version() == version and served(llm) == tokens
         else:
             assert failed, "the update was reported applied although the trainer died midway"

@@ -9,7 +9,7 @@ from typing import Any
 
 from ..net import Listener
 from ..weights.transports import TRANSPORTS
-from ._info import check_seconds
+from ._info import SWAPS, check_seconds
 from ._probe import Probe
 
 __all__ = ["TrainerConfig"]
@@ -58,6 +58,11 @@ class TrainerConfig:
             the send raises ``gb.VerificationError``. Requests served between the swap and the rollback saw
             the unverified weights (``last_seconds["unverified"]``); a user who cannot accept that holds its
             own requests while ``send_weights`` runs.
+        swap: ``"shadow"`` (default): a worker whose engine can keep a second copy of its model (vLLM's)
+            loads and processes each update into it while it serves, and the commit exchanges the copies:
+            the engine stops for the exchange only, whatever the model's size (one more processed copy of
+            the model in the worker's memory). ``"reload"``: the commit loads the update into the serving
+            copy (the engine stops for the load; no second copy).
         rollback: the workers keep the bytes of the version served before each update, so that a probe that
             disagrees, or a commit that failed on some engine, can have it served again: one more copy of
             the model's wire bytes in host memory per worker, and one host memcpy of them per update (on
@@ -78,6 +83,7 @@ class TrainerConfig:
     name: str = "engine"
     delta: bool | str = False
     sources: int = 1
+    swap: str = "shadow"
     listener: Listener | None = None
     verify: Probe | None = None
     rollback: bool | None = None
@@ -109,6 +115,8 @@ class TrainerConfig:
             raise ValueError(f"first_version={fv!r} must be None or an int >= 0")
         if not isinstance(self.sources, int) or self.sources < 1:
             raise ValueError(f"sources={self.sources!r} must be >= 1 (the trainer ranks that send)")
+        if self.swap not in SWAPS:
+            raise ValueError(f"swap={self.swap!r} must be one of {', '.join(SWAPS)}")
         if self.delta not in (False, True, "always"):
             raise ValueError(f"delta={self.delta!r} must be False, True or 'always'")
         if self.verify is not None and not isinstance(self.verify, Probe):

@@ -9,6 +9,7 @@ MAX_TIMEOUT_S = 3600.0
 """The longest an update (or a worker's join) may be allowed to take: an engine answers nothing else while a
 worker waits in its RPC, so an unbounded or absurd value would stop serving without an error."""
 MAX_LIVENESS_S = 300.0
+SWAPS = ("shadow", "reload")
 
 
 def check_seconds(**values: Any) -> None:
@@ -39,6 +40,10 @@ class BridgeInfo:
     rollback: bool = False
     """Keep the bytes of the version served before each update (one more copy of the model's wire bytes in
     host memory), so that the trainer can have it served again (see :mod:`._rollback`)."""
+    swap: str = "shadow"
+    """``"shadow"``: a worker whose loader keeps a second copy of its model loads each update into it
+    while it serves, and the commit exchanges the copies (see ``engine.Swaps``); ``"reload"``: the commit
+    loads the update into the serving copy (no second copy held)."""
     rank_offset: int = 0
     """Where this engine's workers start among the workers: with several engines on one bridge (a fleet),
     engine k's workers follow those of engines 0 .. k-1. A worker's rank is ``sources + rank_offset + its
@@ -60,4 +65,6 @@ class BridgeInfo:
                 f"rank_offset={self.rank_offset!r} must be an int in [0, {self.world_size - self.sources}) "
                 "(the workers of the engines before this one)"
             )
+        if self.swap not in SWAPS:
+            raise ValueError(f"swap={self.swap!r} must be one of {', '.join(SWAPS)}")
         check_seconds(timeout_s=self.timeout_s, liveness_s=self.liveness_s)

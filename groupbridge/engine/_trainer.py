@@ -141,7 +141,7 @@ class TrainerSession(Closing):
         info = BridgeInfo(
             host=lis.address.host, port=lis.port, world_size=world, sources=c.sources, name=c.name,
             generation=self.generation, token=c.token, atomic=c.atomic, timeout_s=c.timeout_s,
-            liveness_s=c.liveness_s, rollback=c.keeps_previous,
+            liveness_s=c.liveness_s, rollback=c.keeps_previous, swap=c.swap,
         )  # fmt: skip
         control = self.control
         call = Call("join", lambda: control.join(dataclasses.asdict(info)))

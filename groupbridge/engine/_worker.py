@@ -23,10 +23,8 @@ update, see :mod:`._rollback`)::
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from datetime import timedelta
 from typing import Protocol
 
@@ -38,12 +36,13 @@ from ..stateless import StatelessGroup
 from ..weights import DeltaMemory
 from ..weights._bytes import BufferCache
 from ..weights.manifest import Manifest
-from ..weights.receiver import WeightReceiver, WeightUpdate
+from ..weights.receiver import WeightReceiver
 from ..weights.shard import Box
 from ._info import BridgeInfo
+from ._landing import Landing, keep_then
 from ._rollback import KeptCopy
 
-__all__ = ["Loader", "ReadsBoxes", "WorkerSession"]
+__all__ = ["Loader", "ReadsBoxes", "Swaps", "WorkerSession"]
 
 Pairs = Iterator[tuple[str, torch.Tensor]]
 
@@ -65,103 +64,31 @@ class Loader(Protocol):
     def finish(self) -> None: ...
 
 
+class Swaps(Protocol):
+    """A :class:`Loader` that keeps a second copy of its model, the shadow: an update is loaded and
+    processed into the shadow off the serving path (an atomic update's on the landing thread, before the
+    sender is acknowledged), and the commit exchanges the two copies, a pause that does not grow with the
+    model. The copy that served is then the shadow, holding the previous version: a rollback exchanges
+    them back.
+
+    ``swapping()``: whether the update being received goes through the shadow (one that does not, an
+    adapter's, is loaded as by any loader). ``prepare(pairs)``: load and process them into the shadow, all
+    of it, the serving copy untouched (views of the kept buffer, as ``load`` gets). ``swap()``: exchange
+    the copies; it runs where ``load`` would (the engine's commit)."""
+
+    def swapping(self) -> bool: ...
+
+    def prepare(self, weights: Pairs) -> None: ...
+
+    def swap(self) -> None: ...
+
+
 class ReadsBoxes(Protocol):
     """A :class:`Loader` that also says, after ``check``, which box of each tensor its model reads (a
     tensor-parallel worker keeps its slice; None: none of it): every later update from the same trainer
     manifests brings this worker only those boxes (see ``WeightReceiver.receive(reads=...)``)."""
 
     def reads(self, manifest: Manifest) -> Mapping[str, Box | None]: ...
-
-
-_END = object()
-
-
-def _keep_then(update: WeightUpdate, keep: Callable[[], None] | None) -> WeightUpdate:
-    """Run ``keep`` (the rollback copy) before ``update`` overwrites the kept buffer; if it fails, the sync
-    is aborted for every member (nothing was read yet) and the failure raised."""
-    if keep is not None:
-        try:
-            keep()
-        except BaseException:
-            update.close()
-            raise
-    return update
-
-
-class _Landing:
-    """An update's bytes landing on a thread of their own, in the kept buffer: an atomic update's while the
-    engine goes on serving; a streaming update's ahead of the loader, which takes each tensor as it lands
-    (``pairs()``), so that the transfer and the load overlap instead of taking turns. Views of the kept
-    buffer stay valid until the next update, so landing ahead overwrites nothing the loader holds."""
-
-    def __init__(
-        self,
-        update: WeightUpdate,
-        log: logging.Logger,
-        *,
-        stream: bool = False,
-        before: Callable[[], None] | None = None,
-    ) -> None:
-        self.version = update.version
-        self.staged: list[tuple[str, torch.Tensor]] | None = None
-        self.error: BaseException | None = None
-        self.seconds = 0.0
-        self._queue: queue.SimpleQueue[object] | None = queue.SimpleQueue() if stream else None
-        self._stop = threading.Event()
-
-        def run() -> None:
-            t0 = time.perf_counter()
-            landed: list[tuple[str, torch.Tensor]] = []
-            try:
-                pairs = iter(_keep_then(update, before))
-                for item in pairs:
-                    if self._stop.is_set():  # the loader failed: the sync is abandoned, the sender told
-                        pairs.close()  # type: ignore[attr-defined]
-                        break
-                    landed.append(item)
-                    if self._queue is not None:
-                        self._queue.put(item)
-                else:
-                    self.staged = landed
-            except BaseException as e:  # the sender was told by the receiver; the engine learns at commit
-                self.error = e
-                log.error("groupbridge: version %d did not land (%s: %s); the model is untouched (a landing "
-                          "fills only the kept buffer)", self.version, type(e).__name__, e)  # fmt: skip
-            finally:
-                self.seconds = time.perf_counter() - t0
-                if self._queue is not None:
-                    self._queue.put(_END)
-
-        self._thread = threading.Thread(target=run, name=f"groupbridge-landing-{self.version}", daemon=True)
-        self._thread.start()
-
-    def pairs(self, seconds: float) -> Pairs:
-        """The landed pairs as they land (``stream``); raises what stopped the landing. ``seconds`` bounds
-        the wait for each (the landing's own waits are bounded by the update's timeout)."""
-        assert self._queue is not None
-        while True:
-            try:
-                item = self._queue.get(timeout=seconds)
-            except queue.Empty:
-                raise TimeoutError(
-                    f"no tensor of version {self.version} landed within {seconds:g} s"
-                ) from None
-            if item is _END:
-                if self.error is not None:
-                    raise self.error
-                return
-            yield item  # type: ignore[misc]
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    @property
-    def running(self) -> bool:
-        return self._thread.is_alive()
-
-    def wait(self, seconds: float) -> bool:
-        self._thread.join(seconds)
-        return not self._thread.is_alive()
 
 
 class WorkerSession(Closing):
@@ -173,6 +100,8 @@ class WorkerSession(Closing):
         background: an atomic update's bytes land on a thread, so the engine serves until ``commit``;
             False lands them inside ``receive`` (the engine's RPC), as a streaming update always does.
         log: where the session's lines go (an engine's own logger keeps its format).
+        swaps: the loader again, where it keeps a shadow (:class:`Swaps`), used when the trainer's bridge
+            asks for swaps (``BridgeInfo.swap``).
     """
 
     def __init__(
@@ -182,8 +111,10 @@ class WorkerSession(Closing):
         device: str | torch.device = "cpu",
         background: bool = True,
         log: logging.Logger | None = None,
+        swaps: Swaps | None = None,
     ) -> None:
         self.loader = loader
+        self.swaps = swaps
         self.device = torch.device(device)
         self.background = background
         self.log = log if log is not None else logging.getLogger(__name__)
@@ -202,13 +133,19 @@ class WorkerSession(Closing):
         self._memory = DeltaMemory(buffers=self._buffers)
         """What a delta is applied to, kept across bridges too (a trainer that makes a bridge per update, as
         verl does, still sends deltas)."""
-        self._landing: _Landing | None = None
+        self._landing: Landing | None = None
         self._received: int | None = None
         self._staged: list[tuple[str, torch.Tensor]] | None = None
         self._streamed: list[tuple[str, torch.Tensor]] | None = None
         self._kept = KeptCopy()
         """The bytes of the version served before the update in flight (``BridgeInfo.rollback``)."""
         self._rollback_to: int | None = None
+        self._prepared: int | None = None
+        """The version received into the shadow, to be swapped in at the commit."""
+        self.shadow_holds: int | None = None
+        """The version the shadow holds, complete (the one served before the last swap); None: none."""
+        self._live_clean = True
+        """The serving copy holds ``version`` and nothing else (no load into it failed midway since)."""
 
     # ------------------------------------------------------------------ bridge
 
@@ -261,6 +198,7 @@ class WorkerSession(Closing):
         self._staged = None
         self._streamed = None
         self._rollback_to = None
+        self._prepared = None
 
     def receive(self, version: int | None = None) -> None:
         """The handshake (the loader's dry run of the manifest); then the bytes: an atomic update's land on
@@ -274,22 +212,34 @@ class WorkerSession(Closing):
         # it, valid until the next update. A delta update still yields every tensor (a loader may need whole
         # layers); only the changes travel.
         reads: ReadsBoxes | None = self.loader if hasattr(self.loader, "reads") else None  # type: ignore[assignment]
+        swaps = self.swaps if self.swaps is not None and self.info.swap == "shadow" else None
+        shadow = swaps is not None and swaps.swapping()
+        landed: list[tuple[str, torch.Tensor]] = []  # an atomic update: into the shadow before the ack
+        ready = None
+        if shadow and self.info.atomic:
+            ready = lambda: self._prepare(iter(landed), None)  # noqa: E731
         update = self.receiver.receive(
             timeout=timedelta(seconds=self.info.timeout_s), accept=lambda m: self._check(m, check),
-            only_changed=False, keep=True, reads=reads.reads if reads is not None else None,
+            only_changed=False, keep=True, reads=reads.reads if reads is not None else None, ready=ready,
         )  # fmt: skip
         t1 = time.perf_counter()
         if version is not None and update.version != version:
             self.log.warning("groupbridge: the engine says version %d, the bridge %d", version,
                              update.version)  # fmt: skip
         self.timings = {"handshake": t1 - t0, "check": sum(check)}
-        keep = self._kept.before_landing if self.info.rollback else None
+        # with a shadow, the copy that served keeps the previous version: no bytes kept aside
+        keep = self._kept.before_landing if self.info.rollback and not shadow else None
         if keep is None:
             self._kept.clear()
+        if shadow:
+            self.shadow_holds = None  # overwritten from now on
         if not self.info.atomic and update.kept:
-            streamed = _Landing(update, self.log, stream=True, before=keep)
+            streamed = Landing(update, self.log, stream=True, before=keep)
             try:
-                self._load(streamed.pairs(self.info.timeout_s), update.version)
+                if shadow:
+                    self._prepare(streamed.pairs(self.info.timeout_s), update.version)
+                else:
+                    self._load(streamed.pairs(self.info.timeout_s), update.version)
             finally:
                 streamed.stop()
                 if not streamed.wait(self.info.liveness_s + 5) and self.group is not None:
@@ -298,11 +248,16 @@ class WorkerSession(Closing):
             self.timings["landing"] = streamed.seconds
             self._streamed = streamed.staged
         elif not self.info.atomic:
-            self._load(iter(update), update.version)
-        elif self.background:
-            self._landing = _Landing(update, self.log, before=keep)
+            if shadow:
+                self._prepare(iter(update), update.version)
+            else:
+                self._load(iter(update), update.version)
+        elif self.background or shadow:
+            self._landing = Landing(update, self.log, before=keep, into=landed)
         else:
-            self._staged = list(_keep_then(update, keep))
+            self._staged = list(keep_then(update, keep))
+        if shadow:
+            self._prepared = update.version
         self._received = update.version
         self.timings["receive"] = time.perf_counter() - t1
 
@@ -326,6 +281,7 @@ class WorkerSession(Closing):
                 f"joined since drops what an earlier one sent); the model still holds {held}"
             )
         version, landing, staged, streamed = self._received, self._landing, self._staged, self._streamed
+        prepared, self._prepared = self._prepared, None
         self._received, self._landing, self._staged, self._streamed = None, None, None, None
         if landing is not None:
             t0 = time.perf_counter()
@@ -344,6 +300,8 @@ class WorkerSession(Closing):
                     "nothing loaded"
                 ) from landing.error
             staged = landing.staged
+        if prepared == version:
+            return self._swap(version, "swap")
         if staged is not None:
             t0 = time.perf_counter()
             self._load(iter(staged), version)
@@ -356,10 +314,14 @@ class WorkerSession(Closing):
         return version
 
     def stage_rollback(self, version: int) -> None:
-        """The next ``commit`` loads ``version`` again from the rollback copy (see :mod:`._rollback`):
-        the version this worker served before its last update. Raises WeightSyncError, and stages nothing,
-        when this worker does not keep that version's bytes."""
+        """The next ``commit`` serves ``version`` again, the version this worker served before its last
+        update: the shadow swapped back in where it holds it, else loaded from the rollback copy (see
+        :mod:`._rollback`); nothing where the model serves it still (a swap that did not happen here).
+        Raises WeightSyncError, and stages nothing, when this worker does not keep that version."""
         self._drop("a rollback began before the last update landed", settle=True)
+        if self.swaps is not None and version in (self.shadow_holds, self.version) and self._live_clean:
+            self._rollback_to = version
+            return
         kept = self._kept.copy
         if kept is None or kept[0] != version:
             has = (
@@ -375,7 +337,16 @@ class WorkerSession(Closing):
 
     def _roll_back(self) -> int:
         version, self._rollback_to = self._rollback_to, None
-        assert version is not None and self._kept.copy is not None
+        assert version is not None
+        if self.swaps is not None and self._live_clean and version == self.version:
+            self.log.warning("groupbridge: version %d is served still: nothing to roll back", version)
+            return version
+        if self.swaps is not None and self._live_clean and version == self.shadow_holds:
+            self._swap(version, "rollback")
+            self.log.warning("groupbridge: rolled back to version %d by a swap (%.3f s)", version,
+                             self.timings["rollback"])  # fmt: skip
+            return version
+        assert self._kept.copy is not None
         t0 = time.perf_counter()
         self._load(iter(self._kept.copy[1]), version)
         self.timings = {"rollback": time.perf_counter() - t0}
@@ -424,6 +395,33 @@ class WorkerSession(Closing):
         finally:
             seconds.append(time.perf_counter() - t0)
 
+    def _prepare(self, weights: Pairs, version: int | None) -> None:
+        """The update into the shadow (see :class:`Swaps`); the serving copy is untouched whatever happens."""
+        assert self.swaps is not None
+        t0 = time.perf_counter()
+        try:
+            self.swaps.prepare(weights)
+        except Exception as e:
+            held = self.version if self.version is not None else "the initial weights"
+            raise WeightSyncError(
+                f"{'the update' if version is None else f'version {version}'} did not reach the shadow "
+                f"whole ({type(e).__name__}: {e}); the serving model is untouched and serves {held}"
+            ) from e
+        self.timings["prepare"] = time.perf_counter() - t0
+
+    def _swap(self, version: int, what: str) -> int:
+        """The shadow, holding ``version``, becomes the serving copy; the copy that served, the shadow."""
+        assert self.swaps is not None
+        t0 = time.perf_counter()
+        self.swaps.swap()
+        self.timings[what] = time.perf_counter() - t0
+        self.shadow_holds, self.version = self.version, version
+        self._live_clean = True
+        if what == "swap":
+            self.log.info("groupbridge: version %d committed by a swap: %s", version,
+                          ", ".join(f"{k} {v:.3f} s" for k, v in self.timings.items()))  # fmt: skip
+        return version
+
     def _load(self, weights: Pairs, version: int) -> None:
         """The loader's load, then its finish, whatever happened; a load that fails midway is torn."""
         loaded: list[str] = []
@@ -434,6 +432,7 @@ class WorkerSession(Closing):
                 yield name, t
 
         try:
+            self._live_clean = False
             self.loader.load(counted())
         except Exception as e:
             try:
@@ -452,4 +451,5 @@ class WorkerSession(Closing):
             raise
         t0 = time.perf_counter()
         self.loader.finish()
+        self._live_clean = True
         self.timings["finish"] = time.perf_counter() - t0

@@ -1,5 +1,8 @@
 """Where groupbridge reaches into vLLM past its public API, kept in one place: read from vLLM 0.32.
 
+**The shadow** (:func:`build_shadow`, :func:`exchange`): a second copy of the model, loaded and processed
+while the serving copy serves, whose tensors are exchanged into the serving copy's modules at the commit.
+
 **The commit and its version label in one engine-core call.** vLLM's ``finish_weight_update(weight_version)``
 is two calls into the engine core: a ``collective_rpc`` that has the workers load the update, then
 ``set_weight_version``. The engine core runs model steps between the two, so the tokens sampled there carry
@@ -18,9 +21,11 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import torch
+
 from ._plugin import BACKEND
 
-__all__ = ["COMMIT", "VLLM_READ", "commit_offline", "install"]
+__all__ = ["COMMIT", "VLLM_READ", "build_shadow", "commit_offline", "exchange", "install", "same_layout"]
 
 VLLM_READ = "0.32"
 """The vLLM release the private names below were read from."""
@@ -72,3 +77,64 @@ def install() -> None:
 
     finish_weight_update._groupbridge = True  # type: ignore[attr-defined]
     AsyncLLM.finish_weight_update = finish_weight_update
+
+
+def build_shadow(vllm_config: Any) -> torch.nn.Module:
+    """A second copy of the model, built and loaded by vLLM's own loader from the model's checkpoint, alone:
+    under a copy of the config with a forward-context registry of its own (the serving copy's attention
+    layers are registered under the same names: "Duplicate layer name"), and its own rotary embeddings
+    (vLLM caches them process-wide; a shadow sharing the serving copy's, once reloaded, broke the serving
+    copy). It never runs a forward: its tensors are exchanged into the serving copy's modules."""
+    import copy
+
+    import vllm.model_executor.layers.rotary_embedding as rope
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader import get_model
+
+    config = copy.copy(vllm_config)
+    config.compilation_config = copy.copy(vllm_config.compilation_config)
+    config.compilation_config.static_forward_context = {}
+    cached = dict(rope._ROPE_DICT)
+    rope._ROPE_DICT.clear()
+    try:
+        with set_current_vllm_config(config):
+            model: torch.nn.Module = get_model(vllm_config=config)
+            return model
+    finally:
+        rope._ROPE_DICT.clear()
+        rope._ROPE_DICT.update(cached)
+
+
+KERNEL_HANDLES = ("cpu_linear",)
+"""Attributes (outside ``_parameters`` and ``_buffers``) where vLLM keeps a layer's processed weights: on
+CPU the packed GEMM handle of an unquantized linear layer."""
+
+
+def exchange(serving: torch.nn.Module, shadow: torch.nn.Module) -> None:
+    """Exchange the two copies' tensors, module by module: parameters, buffers and kernel handles. The
+    serving copy's modules stay the objects vLLM registered (attention layers, experts found by name,
+    captured graphs); only what they hold changes."""
+    for a, b in zip(serving.modules(), shadow.modules(), strict=True):
+        a._parameters, b._parameters = b._parameters, a._parameters
+        a._buffers, b._buffers = b._buffers, a._buffers
+        for name in KERNEL_HANDLES:
+            ha, hb = a.__dict__.pop(name, None), b.__dict__.pop(name, None)
+            if hb is not None:
+                a.__dict__[name] = hb
+            if ha is not None:
+                b.__dict__[name] = ha
+
+
+def same_layout(serving: torch.nn.Module, shadow: torch.nn.Module) -> str | None:
+    """Why the two copies cannot be exchanged module by module, or None."""
+    a, b = list(serving.named_modules()), list(shadow.named_modules())
+    if len(a) != len(b):
+        return (
+            f"the serving model has {len(a)} modules, the shadow {len(b)} (LoRA layers wrap the serving one?)"
+        )
+    for (na, ma), (nb, mb) in zip(a, b, strict=True):
+        if na != nb or type(ma) is not type(mb):
+            return f"module {na} ({type(ma).__name__}) is {nb} ({type(mb).__name__}) in the shadow"
+        if set(ma._parameters) != set(mb._parameters) or set(ma._buffers) != set(mb._buffers):
+            return f"module {na} holds other tensors in the shadow"
+    return None

@@ -25,6 +25,7 @@ Lifecycle (vLLM calls these from the worker's own thread, between model steps):
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,7 @@ from vllm.distributed.weight_transfer.base import (
 from ..engine import BridgeInfo, WorkerSession
 from ..weights.manifest import Manifest
 from ..weights.shard import Box
+from ._compat import build_shadow, exchange, same_layout
 from ._dryrun import check_loadable
 from ._lora import AdapterSpec, check_adapter, install, serve_from_registry, withdraw_newer
 
@@ -101,6 +103,54 @@ class VllmLoader:
         self._reads: dict[str, Box | None] = {}
         self.adapter: tuple[AdapterSpec, int] | None = None
         """The update in flight is this adapter's version (set at each receive): the base is untouched."""
+        self.shadow: torch.nn.Module | None = None
+        """The second copy of the serving model (see :meth:`keep_shadow`), or None."""
+        self._serving: torch.nn.Module | None = None
+
+    def keep_shadow(self) -> None:
+        """Build the shadow (once per worker; it is kept across bridges). One that cannot be exchanged with
+        the serving model module by module (LoRA wraps the serving model's layers) is not kept: updates then
+        reload the serving copy, and the log says why. Runs in the join (the engine's RPC), once."""
+        if self.shadow is not None:
+            return
+        t0 = time.perf_counter()
+        shadow = build_shadow(self.engine.vllm_config)
+        problem = same_layout(self.engine.model, shadow)
+        if problem is not None:
+            logger.warning("groupbridge: updates reload the serving model (no shadow swap): %s", problem)
+            return
+        self.shadow, self._serving = shadow, self.engine.model
+        took = time.perf_counter() - t0
+        logger.info("groupbridge: a shadow of the model was built in %.2f s: updates load into it while "
+                    "the engine serves; the commit exchanges the copies", took)  # fmt: skip
+
+    def swapping(self) -> bool:
+        """The update in flight goes through the shadow: the serving model's weights (not an adapter's, nor
+        a draft model's)."""
+        return self.shadow is not None and self.adapter is None and self.engine.model is self._serving
+
+    def prepare(self, weights: Any) -> None:
+        """Load and process the update into the shadow, as the commit would into the serving model (vLLM's
+        layerwise reload, then the CPU kernels it misses), while the engine serves."""
+        from vllm.model_executor.model_loader.reload import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+
+        assert self.shadow is not None
+        handles = cpu_kernel_handles(self.shadow)
+        initialize_layerwise_reload(self.shadow)
+        try:
+            self.shadow.load_weights(weights)  # type: ignore[operator]
+        finally:  # the shadow never stays on the meta device, loaded or not
+            finalize_layerwise_reload(self.shadow, self.engine.model_config)
+        refresh_cpu_kernels(self.shadow, handles)
+
+    def swap(self) -> None:
+        """The commit: the shadow's tensors into the serving model's modules, and the serving model's into
+        the shadow's (which then holds the version served before)."""
+        assert self.shadow is not None and self._serving is not None
+        exchange(self._serving, self.shadow)
 
     def check(self, manifest: Manifest) -> str | None:
         self._reads = {}
@@ -147,7 +197,7 @@ class WorkerEngine(WeightTransferEngine[WorkerInitInfo, UpdateInfo]):
         super().__init__(*args, **kwargs)
         self.loader = VllmLoader(self)
         self._rolled_back: int | None = None
-        self.session = WorkerSession(self.loader, device=self.device, log=logger)
+        self.session = WorkerSession(self.loader, device=self.device, log=logger, swaps=self.loader)
         if getattr(self.vllm_config, "lora_config", None) is not None:
             serve_from_registry()  # adapters received over the bridge load from memory
 
@@ -162,6 +212,8 @@ class WorkerEngine(WeightTransferEngine[WorkerInitInfo, UpdateInfo]):
 
     def init_transfer_engine(self, init_info: WorkerInitInfo) -> None:
         self.session.close()
+        if init_info.swap == "shadow":
+            self.loader.keep_shadow()
         self.session.join(
             init_info, worker_rank(self.parallel_config, init_info.sources, init_info.rank_offset)
         )

@@ -150,6 +150,22 @@ class RxStreams:
         self._transports.clear()
 
 
+def prepared(group: StatelessGroup, version: int, ready: Callable[[], None] | None) -> None:
+    """``ready()``: what the receiver's consumer does with ``version`` (landed, verified, held) before the
+    sources are acknowledged (an engine processing it into a second copy of its model, so that its commit
+    is only a swap). A failure is told to the peers as any other: no source's send returns, so no commit
+    follows anywhere."""
+    if ready is None:
+        return
+    try:
+        ready()
+    except BaseException as e:
+        give_up(group, e, f"preparing version {version}", WeightSyncError(
+            f"rank {group.rank} holds version {version}, but preparing it failed: {type(e).__name__}: {e}; "
+            "the sender fails this sync"
+        ))  # fmt: skip
+
+
 def acknowledge(group: StatelessGroup, src: int, version: int) -> None:
     """Tell the source this receiver holds ``version``; a receive whose acknowledgement cannot be sent
     fails (the source could not know it succeeded and fails the sync)."""

@@ -19,7 +19,7 @@ from . import _bytes, _delta
 from ._appliers import refused, torn
 from ._copier import Copier
 from ._delta_sync import Description, delta_digest, wire_plan
-from ._rx_stream import RxStreams, acknowledge, allocated, give_up, tell_failure
+from ._rx_stream import RxStreams, acknowledge, allocated, give_up, prepared, tell_failure
 from ._session import vote
 from ._shard_plan import Bucket, Piece, ShardPlan, element_size
 from ._sharded import (
@@ -284,6 +284,8 @@ class Taker:
     committed: Callable[[int], None]
     """Called once the vote passed and the version is applied, before the sources are acknowledged."""
     device: torch.device
+    ready: Callable[[], None] | None = None
+    """What the consumer does with the version before the sources are acknowledged (``receive(ready=)``)."""
 
 
 def _land_shards(
@@ -334,6 +336,7 @@ def _staging(
 
 def _commit(taker: Taker, session: ShardedSession) -> None:
     taker.committed(session.header.version)
+    prepared(taker.group, session.header.version, taker.ready)
     for src in session.sources:
         acknowledge(taker.group, src, session.header.version)
 

@@ -34,7 +34,16 @@ from ._appliers import (
 from ._copier import Copier
 from ._memory import DeltaMemory
 from ._rx_checks import Reads, refusal
-from ._rx_stream import RxStreams, VerifyFailed, acknowledge, allocated, give_up, settle, tell_failure
+from ._rx_stream import (
+    RxStreams,
+    VerifyFailed,
+    acknowledge,
+    allocated,
+    give_up,
+    prepared,
+    settle,
+    tell_failure,
+)
 from ._session import (
     Header,
     Session,
@@ -177,6 +186,7 @@ class WeightReceiver(Closing):
         only_changed: bool = True,
         keep: bool = False,
         reads: Callable[[Manifest], Mapping[str, Box | None]] | None = None,
+        ready: Callable[[], None] | None = None,
     ) -> WeightUpdate:
         """Start receiving the next version; the returned update yields (name, tensor) as buckets arrive.
 
@@ -201,6 +211,10 @@ class WeightReceiver(Closing):
         broadcast, relay or CUDA IPC, where every tensor stays whole); each tensor is still yielded
         whole-shaped, its bytes outside the box left as they were. A dry run that then reads outside the
         boxes brought refuses the sync on every member (the next one brings what it reads now).
+        ``ready``: called once the sync committed here (the version held, every tensor yielded), before the
+        sources are acknowledged: what the consumer must finish before the sources' ``send`` returns (an
+        engine processing the tensors into a second copy of its model). One that raises fails the sync for
+        every member, as a receiver that stops early does.
 
         Raises:
             ManifestMismatchError: the manifest differs from ``expected``; nothing moved.
@@ -229,24 +243,24 @@ class WeightReceiver(Closing):
             self._memory.held = None
             only = set(posted[1]) if posted and learning is not None and learning.used else None
             pairs = shards_named(
-                self._taker(), session, deadline, keep, only, not (session.delta and only_changed)
+                self._taker(ready), session, deadline, keep, only, not (session.delta and only_changed)
             )
             return WeightUpdate(session, _scoped(self.group, pairs), kept=keep, abandon=abandon)
         every = not (session.delta and only_changed)
-        pairs = _scoped(self.group, self._named(session, deadline, every, keep))
+        pairs = _scoped(self.group, self._named(session, deadline, every, keep, ready))
         return WeightUpdate(session, pairs, kept=keep, abandon=abandon)
 
-    def _taker(self) -> Taker:
+    def _taker(self, ready: Callable[[], None] | None = None) -> Taker:
         """What a many-source receive borrows from this receiver."""
 
         def committed(version: int) -> None:
             self.version = version
 
         return Taker(self.group, self._streams, self._copier, self._buffers, self._pair_bases, self._rename,
-                     self.version, committed, self.device)  # fmt: skip
+                     self.version, committed, self.device, ready)  # fmt: skip
 
     def _named(
-        self, session: Session, deadline: Deadline, every: bool, keep: bool
+        self, session: Session, deadline: Deadline, every: bool, keep: bool, ready: Callable[[], None] | None
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """The update's (name, tensor) pairs (tied names right after their tensor; empty tensors last, on a
         full sync); on success take the version, on any failure tell the peers."""
@@ -299,6 +313,7 @@ class WeightReceiver(Closing):
         self.version = header.version
         if header.keeps_base:
             self._memory.held = (("receive",), header.version, manifest.digest)
+        prepared(self.group, header.version, ready)
         acknowledge(self.group, session.src, header.version)
 
     # ------------------------------------------------------------------ receive_into()
