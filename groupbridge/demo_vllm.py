@@ -7,22 +7,26 @@ gradients averaged over gloo); each rank sends only its own rows of every tensor
 engines' workers assemble whole tensors. The two engines are offline ``vllm.LLM`` s behind one
 ``FleetClient``: one bridge, one commit on both or neither.
 
-Every step shows what a user of such a loop needs to see: the version each engine reports, the sync time,
-the swap (vLLM's load of the staged update: the only part of an atomic update that holds an engine; the
-bytes land while it is free to serve), and a check that each engine serves the trainer's model: its greedy
+Every step shows what a user of such a loop needs to see: the version each engine reports, the versions
+that made the batch the trainer learns from (vLLM's per-token ``weight_versions`` spans: one step off-policy,
+as data), the sync time, the swap (the exchange of each engine's two copies of the model: the only part of
+an atomic update that holds an engine; the bytes land, and load into the second copy, while it is free to
+serve), and a check that each engine serves the trainer's model: its greedy
 tokens equal ``transformers``' on trainer rank 0, and its log-probabilities of a probe are within 1e-3 of
 theirs (one step's change moves them about 1e-2, so a version behind fails it). A failed check makes the
 demo exit non-zero.
 
 The task is a toy one so that learning shows in a few steps: the reward is the share of even token ids in
-a completion, learnt by REINFORCE. The model is a small random Qwen2 built from a ``transformers`` config
-(no download).
+a completion, learnt by REINFORCE with each token rewarded on its own. The model is a small random Qwen2
+built from a ``transformers`` config (no download).
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -59,7 +63,7 @@ class VllmDemoConfig:
     host: str = "127.0.0.1"
     """Where trainer rank 0 hosts the bridge (IPv4, IPv6 or a name)."""
     json: bool = False
-    lr: float = 2e-3
+    lr: float = 1e-2
 
 
 def reward(tokens: list[int]) -> float:
@@ -92,13 +96,14 @@ class RowSource:
 
 
 def _train_step(model: Any, opt: Any, batch: list[tuple[list[int], list[int]]], world: int) -> float:
-    """REINFORCE on this rank's half of the batch; gradients averaged over the trainer world."""
-    rewards = torch.tensor([reward(c) for _, c in batch])
+    """REINFORCE on this rank's half of the batch, each token rewarded on its own (even: 1) against the
+    batch's mean; gradients averaged over the trainer world."""
+    rewards = torch.tensor([[float(t % 2 == 0) for t in c] for _, c in batch])
     advantage = rewards - rewards.mean()
     ids = torch.tensor([p + c for p, c in batch])
     logits = model(ids).logits[:, PROMPT_LEN - 1 : -1]
     logp = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, PROMPT_LEN:, None]).squeeze(-1)
-    loss = -(advantage[:, None] * logp).mean()
+    loss = -(advantage * logp).mean()
     opt.zero_grad()
     loss.backward()  # type: ignore[no-untyped-call]
     for p in model.parameters():
@@ -143,12 +148,15 @@ def _second_rank(path: str, world_port: int, host: str, steps: int, lr: float) -
         destroy_global_group()
 
 
-def _generate(llm: Any, prompts: list[list[int]], seed: int) -> list[list[int]]:
+def _generate(llm: Any, prompts: list[list[int]], seed: int) -> tuple[list[list[int]], set[str]]:
+    """The completions, and the weight versions that sampled their tokens (vLLM's ``weight_versions``
+    spans, exact across an update: see docs/vllm.md)."""
     import vllm
 
     sp = vllm.SamplingParams(max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, temperature=1.0, seed=seed)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
+    made_by = {s.version for o in outs for s in o.outputs[0].weight_versions or ()}
+    return [list(o.outputs[0].token_ids) for o in outs], made_by
 
 
 def _greedy(llm: Any) -> list[list[int]]:
@@ -187,9 +195,43 @@ def run_vllm_demo(cfg: VllmDemoConfig) -> dict[str, Any]:
     """Run the demo; return one row per step and whether every engine served every version it was sent.
 
     A demo, not a library call: it sets this process's torch threads to 1 and, unless set, vLLM's log level
-    to errors (the table is what it shows)."""
+    to errors, and sends what is written to this process's standard error (and so its children's: the
+    engines', trainer rank 1's) to a log file for the run: the table is what it shows. A run that fails
+    shows the end of that log."""
     if cfg.steps < 1:
         raise ValueError(f"steps={cfg.steps} must be >= 1")
+    fd, log = tempfile.mkstemp(prefix="groupbridge-demo-", suffix=".log")
+    _print(cfg, f"[demo] vLLM's, torch's and the engines' own messages: {log}")
+    ok = False
+    try:
+        with _stderr_to(fd):
+            result = _run(cfg)
+        ok = bool(result["verified"])
+        return result
+    finally:
+        os.close(fd)
+        if not ok:
+            with open(log, errors="replace") as f:
+                tail = f.read()[-4000:]
+            print(f"[demo] the end of {log}:\n{tail}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def _stderr_to(fd: int) -> Iterator[None]:
+    """File descriptor 2 (Python's ``sys.stderr``, C++ warnings, child processes started meanwhile) goes to
+    ``fd`` inside the block."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    os.dup2(fd, 2)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _run(cfg: VllmDemoConfig) -> dict[str, Any]:
     from .global_group import destroy_global_group, init_global_group
     from .net import listen
     from .vllm import shutdown
@@ -276,26 +318,30 @@ def _lead(cfg: VllmDemoConfig, model: Any, engines: list[Any], t_start: float) -
     _print(cfg, f"trainer world: 2 ranks, each sending its rows | fleet: 2 vLLM engines "
                 f"({fleet.total_workers} workers) | bridge on {cfg.host} | {cfg.steps} steps, one step "
                 "off-policy")  # fmt: skip
-    _print(cfg, f"{'step':>4} {'versions':>9} {'reward':>6} {'loss':>8} {'sync s':>7} {'swap s':>7} "
-                f"{'logprob diff':>12} {'(v-1: diff)':>11} {'served = trainer':>16}")  # fmt: skip
+    _print(cfg, f"{'step':>4} {'versions':>9} {'batch v':>7} {'reward':>6} {'loss':>8} {'sync s':>7} "
+                f"{'swap s':>7} {'logprob diff':>12} {'(v-1: diff)':>11} "
+                f"{'served = trainer':>16}")  # fmt: skip
 
-    def batch(step: int) -> list[tuple[list[int], list[int]]]:
+    def batch(step: int) -> tuple[list[tuple[list[int], list[int]]], str]:
+        """Batch ``step`` from both engines, and the versions that made it."""
         g = torch.Generator().manual_seed(step)
         prompts = [torch.randint(0, 512, (PROMPT_LEN,), generator=g).tolist() for _ in range(BATCH)]
         halves = [prompts[i::2] for i in range(2)]  # each engine generates half
         outs = [each.submit(_generate, engines[i], halves[i], step * 2 + i) for i in range(2)]
         done = [_within(f, f"engine {i} generating batch {step}") for i, f in enumerate(outs)]
-        return [(p, c) for h, d in zip(halves, done, strict=True) for p, c in zip(h, d, strict=True)]
+        made_by = "+".join(sorted({v for _, vs in done for v in vs}, key=lambda v: (len(v), v)))
+        pairs = [(p, c) for h, (d, _) in zip(halves, done, strict=True) for p, c in zip(h, d, strict=True)]
+        return pairs, made_by.replace("default", "0")  # vLLM labels the weights it started with "default"
 
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     previous = causal_logprobs(model, PROBE)
     try:
-        current = batch(0)
+        current, made_by = batch(0)
         for step in range(1, cfg.steps + 1):
             nxt = ahead.submit(batch, step)  # batch t+1 with weights t, while learning from batch t
             dist.broadcast_object_list([current], src=0)
             loss = _train_step(model, opt, current[0::2], 2)
-            nxt_batch = _within(nxt, f"the engines generating batch {step}")
+            nxt_batch, nxt_made_by = _within(nxt, f"the engines generating batch {step}")
             t0 = time.perf_counter()
             engine.send_weights()  # a failure here or above: the bridge closes below, rank 1's sync fails
             sync = time.perf_counter() - t0
@@ -307,7 +353,8 @@ def _lead(cfg: VllmDemoConfig, model: Any, engines: list[Any], t_start: float) -
             previous = logprobs
             served_ok = all(v == str(engine.version) for v in versions) and all(ok for ok, _ in checks)
             row = {
-                "step": step, "versions": versions, "reward": round(sum(reward(c) for _, c in current)
+                "step": step, "versions": versions, "batch_made_by": made_by,
+                "reward": round(sum(reward(c) for _, c in current)
                 / len(current), 3), "loss": round(loss, 4), "sync_seconds": round(sync, 3),
                 "swap_seconds": round(engine.session.last_seconds["commit"], 3),
                 "logprob_diff": max(d for _, d in checks), "previous_version_diff": behind,
@@ -315,10 +362,10 @@ def _lead(cfg: VllmDemoConfig, model: Any, engines: list[Any], t_start: float) -
             }  # fmt: skip
             rows.append(row)
             mark = "yes" if served_ok else "NO"
-            _print(cfg, f"{step:>4} {'/'.join(versions):>9} {row['reward']:6.3f} {row['loss']:8.4f} "
-                        f"{sync:7.3f} {row['swap_seconds']:7.3f} {row['logprob_diff']:12.1e} {behind:11.1e} "
-                        f"{mark:>16}")  # fmt: skip
-            current = nxt_batch
+            _print(cfg, f"{step:>4} {'/'.join(versions):>9} {made_by:>7} {row['reward']:6.3f} "
+                        f"{row['loss']:8.4f} {sync:7.3f} {row['swap_seconds']:7.3f} "
+                        f"{row['logprob_diff']:12.1e} {behind:11.1e} {mark:>16}")  # fmt: skip
+            current, made_by = nxt_batch, nxt_made_by
     finally:
         ahead.shutdown(wait=False, cancel_futures=True)
         each.shutdown(wait=False, cancel_futures=True)

@@ -130,6 +130,7 @@ def test_bench_plot_measures_and_draws_every_figure(tmp_path: Path) -> None:
     assert [r["sources"] for r in done["figures"]["sources"]] == [1, 2]
     assert {r["mode"] for r in done["figures"]["stall"]} == {
         "groupbridge/atomic",
+        "groupbridge/atomic,swap=reload",
         "groupbridge/streaming",
         "safetensors+reload",
     }

@@ -29,8 +29,10 @@ pytestmark = pytest.mark.timeout(90)
 SHAPES = {f"layer{i}.weight": (64, 64) for i in range(8)}
 
 
-def _engine(rank: int, calls: Any, replies: Any) -> dict[str, Any]:
-    """The worker: a model, a loop that 'serves' (ticks) between RPCs, a WorkerSession driven by calls."""
+def _engine(rank: int, calls: Any, replies: Any, shadow: bool = False) -> dict[str, Any]:
+    """The worker: a model, a loop that 'serves' (ticks) between RPCs, a WorkerSession driven by calls.
+    ``shadow``: its loader keeps a second copy, each update prepared into it in 0.5 s (a slow processing)
+    and committed by exchanging the copies."""
     from groupbridge.engine import BridgeInfo, WorkerSession
     from groupbridge.weights.manifest import Manifest
 
@@ -53,7 +55,28 @@ def _engine(rank: int, calls: Any, replies: Any) -> dict[str, Any]:
 
         def finish(self) -> None: ...
 
-    session = WorkerSession(Loader())
+    class Shadowed(Loader):
+        def __init__(self) -> None:
+            self.spare = {n: torch.zeros(s) for n, s in SHAPES.items()}
+            self.swapped: list[float] = []
+            self.broken = False
+
+        def swapping(self) -> bool:
+            return True
+
+        def prepare(self, weights: Any) -> None:
+            for i, (name, t) in enumerate(weights):
+                self.spare[name].copy_(t + (0.5 if self.broken and i == 2 else 0.0))
+            self.broken = False
+            time.sleep(0.5)
+
+        def swap(self) -> None:
+            nonlocal model
+            model, self.spare = self.spare, model
+            self.swapped.append(time.monotonic())
+
+    loader_of = Shadowed() if shadow else Loader()
+    session = WorkerSession(loader_of, swaps=loader_of if shadow else None)  # type: ignore[arg-type]
     ticks: list[float] = []
     fail_commit = False
     loader = session.loader
@@ -95,6 +118,10 @@ def _engine(rank: int, calls: Any, replies: Any) -> dict[str, Any]:
                 session.begin()
                 session.stage_rollback(arg)
                 session.commit()
+            elif call == "break_next_prepare":  # a processing bug: one tensor of the shadow written wrong
+                loader_of.broken = True  # type: ignore[attr-defined]
+            elif call == "ticks":
+                result = list(ticks)
             elif call == "probe":  # what the engine serves, read through the installed weights
                 result = [float(model[n].mean()) for n in SHAPES]
             elif call == "leave":
@@ -104,6 +131,7 @@ def _engine(rank: int, calls: Any, replies: Any) -> dict[str, Any]:
                 replies.put(("ok", None))
                 return {"ticks": ticks, "sum": float(sum(t.sum() for t in model.values())),
                         "version": session.version, "timings": session.timings,
+                        "swapped": getattr(loader_of, "swapped", []),
                         "storages": [[m.data_ptr() for m in load] for load in storages]}  # fmt: skip
             replies.put(("ok", result if result is not None else dict(session.timings)))
         except Exception as e:
@@ -150,11 +178,11 @@ class Control(EngineControl):
 
 
 @contextlib.contextmanager
-def rig(**config: Any) -> Iterator[tuple[TrainerSession, Control, dict[str, Any]]]:
+def rig(shadow: bool = False, **config: Any) -> Iterator[tuple[TrainerSession, Control, dict[str, Any]]]:
     """A trainer session driving one worker process; the dict is filled, once the block ends, with what
     the worker reports at its stop (its model's sum, version, timings, the storages its loads got)."""
     calls, replies = CTX.Queue(), CTX.Queue()
-    worker = Ranks(_engine, 1, (calls, replies))
+    worker = Ranks(_engine, 1, (calls, replies, shadow))
     control = Control(calls, replies)
     config = {"timeout_s": 30, "liveness_s": 10, "bucket_bytes": 32 << 10, **config}
     session = TrainerSession(TrainerConfig(**config), control)
@@ -528,3 +556,32 @@ def test_what_an_engine_cannot_do_is_refused_before_anything_joins() -> None:
 
     with pytest.raises(TypeError, match=r"control must be a groupbridge\.engine\.EngineControl"):
         TrainerSession(TrainerConfig(), Duck())  # type: ignore[arg-type]
+
+
+def test_a_worker_with_a_shadow_prepares_before_the_ack_and_commits_by_a_swap() -> None:
+    """A loader that keeps a shadow: each update is loaded and processed into it (0.5 s here) while the
+    engine serves, before the trainer's send returns; the commit is the swap alone; a probe that disagrees
+    rolls back by swapping again (no bytes kept aside); the next update lands; with swap="reload" the same
+    loader is loaded in the commit instead."""
+    values = {1: 1.0, 2: 2.0, 3: 3.0, 4: 4.0}
+    probe = Probe(list(range(len(SHAPES) + 1)), lambda v: _means(values[v]), atol=1e-3)
+    with rig(shadow=True, verify=probe) as (session, control, out):
+        for v in (1, 2):
+            t0 = time.monotonic()
+            assert session.send(slow(values[v], 0), specs=SPECS) == v
+            assert session.last_seconds["transfer"] >= 0.5  # the send waited for the shadow's processing
+            assert session.last_seconds["commit"] < 0.3, session.last_seconds
+            prepared = control.rpc("probe")  # the model serves v
+            assert prepared == _means(values[v])
+        ticks_during = [t for t in control.rpc("ticks") if t0 < t < t0 + session.last_seconds["transfer"]]
+        assert len(ticks_during) > 10, "the engine did not serve while the update was prepared"
+        control.rpc("break_next_prepare")
+        with pytest.raises(VerificationError, match=r"rolled back to version 2") as e:
+            session.send(slow(values[3], 0), specs=SPECS)
+        assert e.value.served == 2 and control.probe([])[0] == _means(2.0)
+        assert session.send(slow(values[4], 0), specs=SPECS) == 4
+    assert out["version"] == 4 and out["sum"] == 4.0 * WHOLE
+    assert len(out["swapped"]) == 5  # versions 1, 2, 3, the rollback, 4
+    with rig(shadow=True, swap="reload") as (session, control, out):
+        assert session.send(slow(5.0, 0), specs=SPECS) == 1
+    assert out["sum"] == 5.0 * WHOLE and out["swapped"] == []

@@ -151,6 +151,9 @@ def test_the_demo_runs_through_two_vllm_engines_and_stops_on_a_bad_check_or_a_fa
     rows = [line.split() for line in out.splitlines() if re.match(r"^\s+[1-5] +\d+/\d+ ", line)]
     got = [(r[0], r[1], r[-1]) for r in rows]
     assert got == [("1", "1/1", "yes"), ("2", "2/2", "yes"), ("3", "3/3", "NO")], out[-3000:]
+    # one step off-policy, as data: step t updates version t-1 from the batch vLLM's spans say version t-2
+    # made (generated while step t-1 learned; 0: the weights the engines started with)
+    assert [r[2] for r in rows] == ["0", "0", "1"], out[-3000:]
     # the served log-probabilities agree with the trainer's all along, and a version behind would not
     assert all(float(r[-3]) < 1e-3 < float(r[-2]) for r in rows), out[-3000:]
     assert "injected: the engine failed generating batch 4" in out, out[-3000:]

@@ -3,8 +3,11 @@
 A client generates without pause from a real ``vllm serve`` (one streamed request after another) while the
 trainer updates the weights, round by round, interleaved:
 
-- ``groupbridge/atomic``: the bytes land on the worker's thread while vLLM serves; only the commit (vLLM's
-  load of the staged update, ``finish_weight_update``) stops it;
+- ``groupbridge/atomic``: the bytes land on the worker's thread while vLLM serves, and are loaded into the
+  worker's shadow copy of the model there; only the commit (``finish_weight_update``: the exchange of the
+  two copies) stops it;
+- ``groupbridge/atomic,swap=reload``: the same bytes, but the commit is vLLM's load of them into the
+  serving model (no shadow): it stops serving for the load;
 - ``groupbridge/streaming``: buckets go into vLLM's loader as they arrive: serving stops for the transfer;
 - ``safetensors+reload``: ``save_pretrained`` then ``reload_weights`` (through the server's
   ``/collective_rpc``): serving stops for the reload.
@@ -25,7 +28,12 @@ import torch
 
 __all__ = ["run_serving"]
 
-MODES = ("groupbridge/atomic", "groupbridge/streaming", "safetensors+reload")
+MODES = (
+    "groupbridge/atomic",
+    "groupbridge/atomic,swap=reload",
+    "groupbridge/streaming",
+    "safetensors+reload",
+)
 
 
 def _stall(times: list[float], start: float, end: float, deadline_s: float = 30.0) -> tuple[float, float]:
@@ -77,8 +85,9 @@ def run_serving(size: str = "bench", rounds: int = 3, dtype: str = "bfloat16") -
                          "kwargs": {"weights_path": f"{tmp.name}/step"}})  # fmt: skip
                     t1 = time.monotonic()
                 else:
-                    config = TrainerConfig(timeout_s=600, atomic=mode.endswith("atomic"), name="bench",
-                                           first_version=100 * (r + 1))  # fmt: skip
+                    config = TrainerConfig(timeout_s=600, atomic="atomic" in mode, name="bench",
+                                           swap="reload" if "swap=reload" in mode else "shadow",
+                                           first_version=100 * (r + 1) + MODES.index(mode))  # fmt: skip
                     with TrainerSession(config, VllmControl(client)) as session:
                         session.connect()
                         t0 = time.monotonic()
