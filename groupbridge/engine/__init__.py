@@ -13,10 +13,11 @@ from ._config import TrainerConfig
 from ._control import Capabilities, EngineControl
 from ._fleet import Fleet
 from ._info import BridgeInfo, check_seconds
+from ._loader import Loader, ReadsBoxes, Swaps
 from ._probe import Probe, causal_logprobs
 from ._state import Described, SessionState
 from ._trainer import TrainerSession
-from ._worker import Loader, WorkerSession
+from ._worker import WorkerSession
 
 __all__ = [
     "BridgeInfo",
@@ -26,7 +27,9 @@ __all__ = [
     "Fleet",
     "Loader",
     "Probe",
+    "ReadsBoxes",
     "SessionState",
+    "Swaps",
     "TrainerConfig",
     "TrainerSession",
     "WorkerSession",

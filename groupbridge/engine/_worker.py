@@ -14,6 +14,9 @@ An update, as the engine's RPCs drive it::
                                      #   engine keeps serving; streaming: loaded here as buckets arrive)
     session.commit()                 # atomic: wait for the bytes, then the loader's load (the only stop)
 
+With a loader that keeps a shadow (:class:`Swaps`, ``BridgeInfo.swap="shadow"``) the update is loaded into
+the shadow as it lands, before the sender is acknowledged, and the commit only exchanges the two copies.
+
 and a rollback (``BridgeInfo.rollback``: the worker keeps the bytes of the version it served before the
 update, see :mod:`._rollback`)::
 
@@ -24,9 +27,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from datetime import timedelta
-from typing import Protocol
 
 import torch
 
@@ -37,58 +39,14 @@ from ..weights import DeltaMemory
 from ..weights._bytes import BufferCache
 from ..weights.manifest import Manifest
 from ..weights.receiver import WeightReceiver
-from ..weights.shard import Box
 from ._info import BridgeInfo
 from ._landing import Landing, keep_then
+from ._loader import Loader, ReadsBoxes, Swaps
 from ._rollback import KeptCopy
 
-__all__ = ["Loader", "ReadsBoxes", "Swaps", "WorkerSession"]
+__all__ = ["WorkerSession"]
 
 Pairs = Iterator[tuple[str, torch.Tensor]]
-
-
-class Loader(Protocol):
-    """What an engine tells a :class:`WorkerSession` about its model.
-
-    ``check`` runs during the handshake, before any bytes move: None takes the manifest, a message refuses
-    it (every member then raises the same ``ManifestMismatchError`` and the bridge stays usable). ``load``
-    consumes the pairs (views of the kept buffer, valid until the next update: it may hold them until the
-    update is whole, never write to them). ``finish`` is called after every ``load``, returned or raised: it
-    leaves the model able to serve (a reload finalized, kernels repacked).
-    """
-
-    def check(self, manifest: Manifest) -> str | None: ...
-
-    def load(self, weights: Pairs) -> None: ...
-
-    def finish(self) -> None: ...
-
-
-class Swaps(Protocol):
-    """A :class:`Loader` that keeps a second copy of its model, the shadow: an update is loaded and
-    processed into the shadow off the serving path (an atomic update's on the landing thread, before the
-    sender is acknowledged), and the commit exchanges the two copies, a pause that does not grow with the
-    model. The copy that served is then the shadow, holding the previous version: a rollback exchanges
-    them back.
-
-    ``swapping()``: whether the update being received goes through the shadow (one that does not, an
-    adapter's, is loaded as by any loader). ``prepare(pairs)``: load and process them into the shadow, all
-    of it, the serving copy untouched (views of the kept buffer, as ``load`` gets). ``swap()``: exchange
-    the copies; it runs where ``load`` would (the engine's commit)."""
-
-    def swapping(self) -> bool: ...
-
-    def prepare(self, weights: Pairs) -> None: ...
-
-    def swap(self) -> None: ...
-
-
-class ReadsBoxes(Protocol):
-    """A :class:`Loader` that also says, after ``check``, which box of each tensor its model reads (a
-    tensor-parallel worker keeps its slice; None: none of it): every later update from the same trainer
-    manifests brings this worker only those boxes (see ``WeightReceiver.receive(reads=...)``)."""
-
-    def reads(self, manifest: Manifest) -> Mapping[str, Box | None]: ...
 
 
 class WorkerSession(Closing):
@@ -102,6 +60,8 @@ class WorkerSession(Closing):
         log: where the session's lines go (an engine's own logger keeps its format).
         swaps: the loader again, where it keeps a shadow (:class:`Swaps`), used when the trainer's bridge
             asks for swaps (``BridgeInfo.swap``).
+        reads: the loader again, where it says which box of each tensor its model reads (:class:`ReadsBoxes`:
+            a tensor-parallel worker's), so that later updates bring only those.
     """
 
     def __init__(
@@ -112,9 +72,11 @@ class WorkerSession(Closing):
         background: bool = True,
         log: logging.Logger | None = None,
         swaps: Swaps | None = None,
+        reads: ReadsBoxes | None = None,
     ) -> None:
         self.loader = loader
         self.swaps = swaps
+        self.reads = reads
         self.device = torch.device(device)
         self.background = background
         self.log = log if log is not None else logging.getLogger(__name__)
@@ -211,7 +173,7 @@ class WorkerSession(Closing):
         # Every update lands in the receiver's kept copy of the weights and yields whole tensors as views of
         # it, valid until the next update. A delta update still yields every tensor (a loader may need whole
         # layers); only the changes travel.
-        reads: ReadsBoxes | None = self.loader if hasattr(self.loader, "reads") else None  # type: ignore[assignment]
+        reads = self.reads
         swaps = self.swaps if self.swaps is not None and self.info.swap == "shadow" else None
         shadow = swaps is not None and swaps.swapping()
         landed: list[tuple[str, torch.Tensor]] = []  # an atomic update: into the shadow before the ack

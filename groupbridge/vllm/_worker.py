@@ -197,7 +197,9 @@ class WorkerEngine(WeightTransferEngine[WorkerInitInfo, UpdateInfo]):
         super().__init__(*args, **kwargs)
         self.loader = VllmLoader(self)
         self._rolled_back: int | None = None
-        self.session = WorkerSession(self.loader, device=self.device, log=logger, swaps=self.loader)
+        self.session = WorkerSession(
+            self.loader, device=self.device, log=logger, swaps=self.loader, reads=self.loader
+        )
         if getattr(self.vllm_config, "lora_config", None) is not None:
             serve_from_registry()  # adapters received over the bridge load from memory
 

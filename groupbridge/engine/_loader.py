@@ -1,0 +1,59 @@
+"""What an engine tells a worker session about its model: the :class:`Loader`, and what more it may do."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Protocol
+
+import torch
+
+from ..weights.manifest import Manifest
+from ..weights.shard import Box
+
+__all__ = ["Loader", "ReadsBoxes", "Swaps"]
+
+Pairs = Iterator[tuple[str, torch.Tensor]]
+
+
+class Loader(Protocol):
+    """What an engine tells a :class:`WorkerSession` about its model.
+
+    ``check`` runs during the handshake, before any bytes move: None takes the manifest, a message refuses
+    it (every member then raises the same ``ManifestMismatchError`` and the bridge stays usable). ``load``
+    consumes the pairs (views of the kept buffer, valid until the next update: it may hold them until the
+    update is whole, never write to them). ``finish`` is called after every ``load``, returned or raised: it
+    leaves the model able to serve (a reload finalized, kernels repacked).
+    """
+
+    def check(self, manifest: Manifest) -> str | None: ...
+
+    def load(self, weights: Pairs) -> None: ...
+
+    def finish(self) -> None: ...
+
+
+class Swaps(Protocol):
+    """A :class:`Loader` that keeps a second copy of its model, the shadow: an update is loaded and
+    processed into the shadow off the serving path (an atomic update's on the landing thread, before the
+    sender is acknowledged), and the commit exchanges the two copies, a pause that does not grow with the
+    model. The copy that served is then the shadow, holding the previous version: a rollback exchanges
+    them back.
+
+    ``swapping()``: whether the update being received goes through the shadow (one that does not, an
+    adapter's, is loaded as by any loader). ``prepare(pairs)``: load and process them into the shadow, all
+    of it, the serving copy untouched (views of the kept buffer, as ``load`` gets). ``swap()``: exchange
+    the copies; it runs where ``load`` would (the engine's commit)."""
+
+    def swapping(self) -> bool: ...
+
+    def prepare(self, weights: Pairs) -> None: ...
+
+    def swap(self) -> None: ...
+
+
+class ReadsBoxes(Protocol):
+    """A :class:`Loader` that also says, after ``check``, which box of each tensor its model reads (a
+    tensor-parallel worker keeps its slice; None: none of it): every later update from the same trainer
+    manifests brings this worker only those boxes (see ``WeightReceiver.receive(reads=...)``)."""
+
+    def reads(self, manifest: Manifest) -> Mapping[str, Box | None]: ...
