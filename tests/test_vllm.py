@@ -1437,3 +1437,64 @@ def test_vllm_serve_reports_each_tokens_version_exactly(tmp_path_factory: pytest
                 t.join(120)
         assert not errors, errors
         _check_spans(old, model, prompts, got, (old_version, new_version))
+
+
+def test_a_finish_for_another_version_than_the_staged_one_loads_nothing(dense: tuple[Any, Any]) -> None:
+    """A finish that arrives late (a fleet call that outlived its bound, reaching the engine after the next
+    update began) names the version it was for: the worker, holding the next version staged, refuses it and
+    loads nothing, vLLM's label stays; the next update's own finish then commits it, labelled right."""
+    from groupbridge._vllm_client import VllmControl
+    from groupbridge.engine import TrainerSession
+
+    llm, model = dense
+    late: list[BaseException] = []
+    client = OfflineClient(llm)
+
+    with TrainerSession(TrainerConfig(timeout_s=60, liveness_s=10), VllmControl(client)) as session:
+        first = session.send(iter(ModuleSource(model)))
+        tokens = served(llm)
+        perturb(model, 81)
+
+        def finish_of_the_last_update() -> None:  # version `first`'s finish, arriving now
+            try:
+                client.finish_weight_update(weight_version=str(first))
+            except Exception as e:
+                late.append(e)
+            assert llm.get_weight_version() == str(first) and served(llm) == tokens  # nothing loaded
+
+        session.control.before_commit = finish_of_the_last_update  # type: ignore[union-attr]
+        second = session.send(iter(ModuleSource(model)))
+    assert len(late) == 1, late
+    assert f"asked to commit version {first}, but version {second} is staged" in str(late[0]), late[0]
+    assert llm.get_weight_version() == str(second) and served(llm) == reference(model)
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_the_shadow_exchange_swaps_what_each_module_holds(in_place: bool) -> None:
+    """The commit's exchange on two copies of a model: each module ends holding the other's tensors (and
+    kernel handle); in place (off the CPU: a captured graph reads weights at their addresses) every serving
+    tensor keeps its address. Copies laid out differently are refused, named."""
+    from groupbridge.vllm._compat import exchange, same_layout
+
+    def copy(value: float) -> torch.nn.Module:
+        m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+        with torch.no_grad():
+            for p in m.parameters():
+                p.fill_(value)
+        m[0].register_buffer("scale", torch.full((2,), value))
+        m[0].__dict__["cpu_linear"] = f"packed {value}"
+        return m
+
+    serving, shadow = copy(1.0), copy(2.0)
+    assert same_layout(serving, shadow) is None
+    addresses = [t.data_ptr() for t in [*serving.parameters(), *serving.buffers()]]
+    exchange(serving, shadow, in_place=in_place)
+    assert all(bool((t == 2.0).all()) for t in [*serving.parameters(), *serving.buffers()])
+    assert all(bool((t == 1.0).all()) for t in [*shadow.parameters(), *shadow.buffers()])
+    kept = [t.data_ptr() for t in [*serving.parameters(), *serving.buffers()]] == addresses
+    assert kept == in_place
+    if not in_place:
+        assert serving[0].__dict__["cpu_linear"] == "packed 2.0"
+    other = copy(3.0)
+    other[0].weight = torch.nn.Parameter(torch.zeros(3, 4))
+    assert "0.weight differs in shape or dtype" in str(same_layout(serving, other))

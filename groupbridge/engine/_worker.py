@@ -223,6 +223,11 @@ class WorkerSession(Closing):
         self._received = update.version
         self.timings["receive"] = time.perf_counter() - t1
 
+    @property
+    def staged(self) -> int | None:
+        """The version the next :meth:`commit` would serve: received, or a rollback staged (None: none)."""
+        return self._rollback_to if self._rollback_to is not None else self._received
+
     def commit(self) -> int:
         """Make the received update the model's: wait for its bytes (bounded), load them (atomic), and
         return its version.

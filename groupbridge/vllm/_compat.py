@@ -35,10 +35,15 @@ COMMIT = "groupbridge_commit"
 
 
 def _commit(core: Any, weight_version: str) -> None:
-    """On the engine core (its ``EngineCore``), between two model steps: every worker loads what it staged,
-    then the outputs of every later step carry ``weight_version``. A load that fails raises before the
-    label moves: the engine keeps reporting the version it served."""
-    core.model_executor.collective_rpc("finish_weight_update")
+    """On the engine core (its ``EngineCore``), between two model steps: every worker commits version
+    ``weight_version`` (told first, so that a worker holding another version staged, a finish that arrived
+    late, refuses and loads nothing), then the outputs of every later step carry ``weight_version``. A
+    commit that fails raises before the label moves: the engine keeps reporting the version it served."""
+    executor = core.model_executor
+    if weight_version.isdigit() and len(weight_version) < 19:
+        told = {"version": int(weight_version), "commit": True}
+        executor.collective_rpc("update_weights", kwargs={"update_info": told})
+    executor.collective_rpc("finish_weight_update")
     core._weight_version = weight_version
 
 
@@ -110,10 +115,26 @@ KERNEL_HANDLES = ("cpu_linear",)
 CPU the packed GEMM handle of an unquantized linear layer."""
 
 
-def exchange(serving: torch.nn.Module, shadow: torch.nn.Module) -> None:
+def exchange(serving: torch.nn.Module, shadow: torch.nn.Module, *, in_place: bool = False) -> None:
     """Exchange the two copies' tensors, module by module: parameters, buffers and kernel handles. The
-    serving copy's modules stay the objects vLLM registered (attention layers, experts found by name,
-    captured graphs); only what they hold changes."""
+    serving copy's modules stay the objects vLLM registered (attention layers, experts found by name);
+    only what they hold changes.
+
+    ``in_place`` (off the CPU): the tensors' contents are exchanged instead (through one temporary tensor
+    at a time), so that every serving tensor keeps its address: a captured CUDA graph reads its weights
+    where they were. Three device copies of the model instead of a pointer exchange; not run on a GPU in
+    this project yet."""
+    if in_place:
+        for a, b in zip(serving.modules(), shadow.modules(), strict=True):
+            for mine, theirs in ((a._parameters, b._parameters), (a._buffers, b._buffers)):
+                for name, t in mine.items():
+                    other = theirs.get(name)
+                    if t is None or other is None or t is other:
+                        continue
+                    spare = t.detach().clone()
+                    t.detach().copy_(other.detach())
+                    other.detach().copy_(spare)
+        return
     for a, b in zip(serving.modules(), shadow.modules(), strict=True):
         a._parameters, b._parameters = b._parameters, a._parameters
         a._buffers, b._buffers = b._buffers, a._buffers
@@ -137,4 +158,10 @@ def same_layout(serving: torch.nn.Module, shadow: torch.nn.Module) -> str | None
             return f"module {na} ({type(ma).__name__}) is {nb} ({type(mb).__name__}) in the shadow"
         if set(ma._parameters) != set(mb._parameters) or set(ma._buffers) != set(mb._buffers):
             return f"module {na} holds other tensors in the shadow"
+        for key, t in [*ma._parameters.items(), *ma._buffers.items()]:
+            other = mb._parameters.get(key, mb._buffers.get(key))
+            if (t is None) != (other is None) or (
+                t is not None and other is not None and (t.shape, t.dtype) != (other.shape, other.dtype)
+            ):
+                return f"{na}.{key} differs in shape or dtype in the shadow"
     return None

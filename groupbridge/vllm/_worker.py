@@ -69,6 +69,9 @@ class UpdateInfo(WeightTransferUpdateInfo):
     version: int
     abandon: bool = False
     rollback: bool = False
+    commit: bool = False
+    """Nothing travels: the next ``finish_weight_update`` commits ``version`` only, and refuses (loading
+    nothing) when another version is staged (a finish that arrives late, after a later update began)."""
     adapter: dict[str, Any] | None = None
     """A LoRA adapter's update: ``{"name", "config", "max_live"}`` (see :mod:`._lora`)."""
 
@@ -79,6 +82,8 @@ class UpdateInfo(WeightTransferUpdateInfo):
             raise ValueError(f"abandon must be a bool, got {self.abandon!r}")
         if not isinstance(self.rollback, bool) or (self.rollback and self.abandon):
             raise ValueError(f"rollback must be a bool, and not with abandon: got {self.rollback!r}")
+        if not isinstance(self.commit, bool) or (self.commit and (self.rollback or self.abandon)):
+            raise ValueError(f"commit must be a bool, and alone: got {self.commit!r}")
         if self.adapter is not None:
             AdapterSpec.parse(self.adapter)
 
@@ -149,8 +154,10 @@ class VllmLoader:
     def swap(self) -> None:
         """The commit: the shadow's tensors into the serving model's modules, and the serving model's into
         the shadow's (which then holds the version served before)."""
+        from vllm.platforms import current_platform
+
         assert self.shadow is not None and self._serving is not None
-        exchange(self._serving, self.shadow)
+        exchange(self._serving, self.shadow, in_place=not current_platform.is_cpu())
 
     def check(self, manifest: Manifest) -> str | None:
         self._reads = {}
@@ -197,6 +204,8 @@ class WorkerEngine(WeightTransferEngine[WorkerInitInfo, UpdateInfo]):
         super().__init__(*args, **kwargs)
         self.loader = VllmLoader(self)
         self._rolled_back: int | None = None
+        self._commits: int | None = None
+        """The version the next finish must commit (``UpdateInfo.commit``), when the trainer said."""
         self.session = WorkerSession(
             self.loader, device=self.device, log=logger, swaps=self.loader, reads=self.loader
         )
@@ -225,9 +234,13 @@ class WorkerEngine(WeightTransferEngine[WorkerInitInfo, UpdateInfo]):
 
     def start_weight_update(self) -> None:
         self._rolled_back = None
+        self._commits = None
         self.session.begin()
 
     def receive_weights(self, update_info: UpdateInfo) -> None:
+        if update_info.commit:
+            self._commits = update_info.version
+            return
         if update_info.abandon:
             self.session.abandon()
             raise RuntimeError(f"{ABANDONED}: nothing loaded, version {self.version} still served")
@@ -247,7 +260,16 @@ class WorkerEngine(WeightTransferEngine[WorkerInitInfo, UpdateInfo]):
 
     def finish_weight_update(self) -> None:
         """Load the staged update. Raises (vLLM then keeps the version it reports) when there is nothing to
-        load: see :meth:`groupbridge.engine.WorkerSession.commit`."""
+        load (see :meth:`groupbridge.engine.WorkerSession.commit`), or when the finish was for another
+        version than the one staged (``UpdateInfo.commit``): nothing is loaded, and that update stays
+        staged for its own finish."""
+        commits, self._commits = self._commits, None
+        staged = self._rolled_back if self._rolled_back is not None else self.session.staged
+        if commits is not None and commits != staged:
+            raise RuntimeError(
+                f"groupbridge: asked to commit version {commits}, but version {staged} is staged (a finish "
+                f"that arrived after a later update began): nothing loaded, version {self.version} served"
+            )
         if self._rolled_back is not None:
             self.session.version, self._rolled_back = self._rolled_back, None
             return
