@@ -585,3 +585,51 @@ def test_a_worker_with_a_shadow_prepares_before_the_ack_and_commits_by_a_swap() 
     with rig(shadow=True, swap="reload") as (session, control, out):
         assert session.send(slow(5.0, 0), specs=SPECS) == 1
     assert out["sum"] == 5.0 * WHOLE and out["swapped"] == []
+
+
+class _Slow(EngineControl):
+    """An engine whose calls take ``delay[call]`` seconds, recording when each ran."""
+
+    def __init__(self, **delay: float) -> None:
+        self.delay = delay
+        self.log: list[tuple[str, float, float]] = []
+
+    def _call(self, what: str) -> None:
+        t0 = time.monotonic()
+        time.sleep(self.delay.get(what, 0.0))
+        self.log.append((what, t0, time.monotonic()))
+
+    def join(self, info: dict[str, Any]) -> None:
+        self._call("join")
+
+    def begin(self, version: int) -> None:
+        self._call("begin")
+
+    def commit(self, version: int) -> None:
+        self._call("commit")
+
+    def leave(self) -> None:
+        self._call("leave")
+
+
+def test_a_fleet_orders_an_engines_calls_after_one_that_outlived_its_bound() -> None:
+    """An engine's join outlives the fleet's bound (a slow proxy): the join raises, naming it; the next call
+    reaches that engine only once the late join returned, so a late call never lands after a later one.
+    A late call that outlives the next call's bound too keeps that call from the engine, and says so."""
+    info = {"sources": 1, "world_size": 3}
+    engines = [_Slow(), _Slow(join=1.6)]
+    fleet = Fleet(engines, timeout_s=1)
+    with pytest.raises(WeightSyncError, match=r"engine 1: did not return within 1 s"):
+        fleet.join(info)
+    fleet.begin(5)  # at once: engine 1's begin waits for its late join (0.6 s more)
+    (join, begin) = engines[1].log
+    assert join[0] == "join" and begin[0] == "begin" and begin[1] >= join[2], engines[1].log
+    engines[1].delay["join"] = 2.5
+    with pytest.raises(WeightSyncError, match=r"engine 1"):
+        fleet.join(info)
+    with pytest.raises(WeightSyncError, match=r"engine 1: .*(join .*still running.*not sent|did not return)"):
+        fleet.commit(5)
+    time.sleep(2.0)  # the late join lands
+    assert [c[0] for c in engines[1].log] == ["join", "begin", "join"], engines[1].log  # no commit reached it
+    fleet.commit(6)  # the engine is in order again
+    assert [c[0] for c in engines[1].log][-1] == "commit"

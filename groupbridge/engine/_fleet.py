@@ -59,6 +59,8 @@ class Fleet(EngineControl):
         self.workers = counts
         self.timeout_s = float(timeout_s)
         self.capabilities = Capabilities.common(c.capabilities for c in self.controls)
+        self._late: dict[int, tuple[str, threading.Thread]] = {}
+        """Per engine, its last call when that call outlived its bound (what it was, its thread)."""
 
     @property
     def total_workers(self) -> int:
@@ -122,12 +124,25 @@ class Fleet(EngineControl):
 
     def _each(self, what: str, call: Callable[[int, EngineControl], Any]) -> list[Any]:
         """``call`` on every engine at once, their results in engine order; raises, within ``timeout_s`` of
-        the start, naming every engine that failed or did not return."""
+        the start, naming every engine that failed or did not return.
+
+        An engine's calls are ordered: one whose earlier call outlived its bound (and may still land, a
+        late finish among them) gets this call only once that one returned, waiting within this call's
+        bound; if it has not returned by then, this call is not made on that engine, and the error says so."""
         errors: dict[int, BaseException] = {}
         results: dict[int, Any] = {}
+        end = time.monotonic() + self.timeout_s
 
         def run(k: int) -> None:
             try:
+                late = self._late.get(k)
+                if late is not None:
+                    late[1].join(max(0.0, end - time.monotonic()))
+                    if late[1].is_alive():
+                        raise WeightSyncError(
+                            f"its {late[0]} of an earlier call is still running: this {what} was not sent "
+                            "(an engine's calls land in the order they were made)"
+                        )
                 results[k] = call(k, self.controls[k])
             except BaseException as e:
                 errors[k] = e
@@ -138,10 +153,14 @@ class Fleet(EngineControl):
         ]
         for t in threads:
             t.start()
-        end = time.monotonic() + self.timeout_s
         for t in threads:  # one deadline for all: the call is bounded by timeout_s, not engines x timeout_s
             t.join(max(0.0, end - time.monotonic()))
         hung = [k for k, t in enumerate(threads) if t.is_alive()]
+        for k, t in enumerate(threads):
+            if k in hung:
+                self._late[k] = (f"{what} (still running after {self.timeout_s:g} s)", t)
+            else:
+                self._late.pop(k, None)
         if not errors and not hung:
             return [results[k] for k in range(len(self.controls))]
         lines = [f"engine {k}: {type(e).__name__}: {str(e)[:500]}" for k, e in sorted(errors.items())]
