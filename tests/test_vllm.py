@@ -1017,8 +1017,10 @@ def test_a_verified_adapter_that_disagrees_is_withdrawn_and_the_previous_served(
 
 @pytest.mark.slow  # a LoRA engine of its own (about 35 s to start and stop)
 def test_an_adapter_the_engine_cannot_serve_is_refused_before_bytes_move(lora: tuple[Any, Any]) -> None:
-    """Rank 32 against max_lora_rank 16: refused in the handshake on both sides (the same
-    ManifestMismatchError), nothing filed; the engine goes on."""
+    """Rank 32 against max_lora_rank 16, and an adapter of the same names and rank made for a model of half
+    the hidden size: refused in the handshake on both sides (the same ManifestMismatchError), nothing
+    filed; the engine goes on. (The narrow adapter used to be served as garbage.)"""
+    import transformers
     from peft import LoraConfig, get_peft_model
 
     llm, _ = lora
@@ -1026,12 +1028,22 @@ def test_an_adapter_the_engine_cannot_serve_is_refused_before_bytes_move(lora: t
         make_model(Path(tempfile.mkdtemp()), "qwen2", seed=5),
         LoraConfig(r=32, target_modules=["q_proj"], init_lora_weights=False),
     )
-    eng = trainer(llm, wide, adapter="wide")
-    try:
-        with pytest.raises(gb.ManifestMismatchError, match="greater than max_lora_rank 16"):
-            eng.send_weights()
-    finally:
-        eng.shutdown()
+    half = transformers.Qwen2Config(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                    vocab_size=512, num_attention_heads=2, num_key_value_heads=1,
+                                    head_dim=64)  # fmt: skip
+    narrow = get_peft_model(
+        transformers.Qwen2ForCausalLM(half), LoraConfig(r=8, target_modules=TARGETS, init_lora_weights=False)
+    )
+    before = served_with(llm, None)
+    for peft_model, name, why in ((wide, "wide", "greater than max_lora_rank 16"),
+                                  (narrow, "narrow", "has input size 128 where this model's")):  # fmt: skip
+        eng = trainer(llm, peft_model, adapter=name)
+        try:
+            with pytest.raises(gb.ManifestMismatchError, match=why):
+                eng.send_weights()
+        finally:
+            eng.shutdown()
+    assert served_with(llm, None) == before
 
 
 def test_an_adapter_for_an_engine_without_lora_is_refused_by_trainer_init(dense: tuple[Any, Any]) -> None:

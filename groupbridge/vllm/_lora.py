@@ -129,11 +129,13 @@ def _expected_modules(manager: Any) -> set[str]:
 
 
 def check_adapter(
-    model: torch.nn.Module, vllm_config: Any, spec: AdapterSpec, names: Iterable[str]
+    model: torch.nn.Module, vllm_config: Any, spec: AdapterSpec, shapes: Iterable[tuple[str, tuple[int, ...]]]
 ) -> str | None:
-    """Why this engine cannot serve ``spec`` with tensors ``names``, or None: LoRA enabled, the rank within
-    ``max_lora_rank``, ``max_live`` within ``max_cpu_loras``, every tensor a lora_A/lora_B of a module the
-    model has. Runs in the handshake, before any byte moves."""
+    """Why this engine cannot serve ``spec`` with tensors of these (name, shape), or None: LoRA enabled, the
+    rank within ``max_lora_rank``, ``max_live`` within ``max_cpu_loras``, every tensor a lora_A/lora_B of a
+    module the model has, shaped for it (lora_A ``(r, in)``, lora_B ``(out, r)``, the layer's whole sizes:
+    an adapter made for another model's sizes would be served as garbage). Runs in the handshake, before any
+    byte moves."""
     from vllm.lora.peft_helper import PEFTHelper
     from vllm.lora.utils import parse_fine_tuned_lora_name
 
@@ -153,19 +155,46 @@ def check_adapter(
     expected = _expected_modules(manager)
     mapper = getattr(model, "hf_to_vllm_mapper", None)
     mapper = mapper.get_rename_mapper() if mapper is not None else None
-    for name in names:
+    for name, shape in shapes:
         try:
-            module, _ = parse_fine_tuned_lora_name(name, mapper)
+            module, is_a = parse_fine_tuned_lora_name(name, mapper)[:2]
         except Exception:
             return f"{name!r} is not a LoRA tensor (lora_A / lora_B of a module)"
         parent, _, leaf = module.rpartition(".")
         if leaf not in expected:
             return f"{name!r} targets {leaf!r}; this model's adapters may target {sorted(expected)}"
         try:
-            model.get_submodule(parent)
+            owner = model.get_submodule(parent)
         except AttributeError:
             return f"{name!r}: this model has no {parent!r}"
+        sizes = _layer_sizes(owner, leaf, manager.packed_modules_mapping)
+        if sizes is None or len(shape) != 2:
+            continue  # a layer whose sizes this check cannot read: vLLM's own load checks what it can
+        want = sizes[0] if is_a else sizes[1]
+        got = shape[1] if is_a else shape[0]
+        if got != want:
+            side = "input" if is_a else "output"
+            return (
+                f"{name!r} has {side} size {got} where this model's {parent}.{leaf} has {want}: an adapter "
+                "made for another model's sizes"
+            )
     return None
+
+
+def _layer_sizes(owner: torch.nn.Module, leaf: str, packed: dict[str, list[str]]) -> tuple[int, int] | None:
+    """(input, output) sizes, whole (not one tensor-parallel rank's), of the layer ``leaf`` names under
+    ``owner``: its own, or its part of a fused layer (``q_proj`` of ``qkv_proj``); None when not read."""
+    layer, part = getattr(owner, leaf, None), None
+    if layer is None:
+        for fused, parts in packed.items():
+            if leaf in parts and isinstance(getattr(owner, fused, None), torch.nn.Module):
+                layer, part = getattr(owner, fused), parts.index(leaf)
+                break
+    layer = getattr(layer, "base_layer", layer)  # LoRA wraps the layer it serves
+    n_in, n_out, outs = (getattr(layer, k, None) for k in ("input_size", "output_size", "output_sizes"))
+    if part is not None:
+        n_out = outs[part] if isinstance(outs, (list, tuple)) and part < len(outs) else None
+    return (n_in, n_out) if isinstance(n_in, int) and isinstance(n_out, int) else None
 
 
 def install(model: torch.nn.Module, spec: AdapterSpec, version: int, pairs: Iterable[tuple[str, Any]]) -> str:

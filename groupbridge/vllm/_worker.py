@@ -162,8 +162,8 @@ class VllmLoader:
     def check(self, manifest: Manifest) -> str | None:
         self._reads = {}
         if self.adapter is not None:
-            names = [e.name for e in manifest.entries]
-            return check_adapter(self.engine.model, self.engine.vllm_config, self.adapter[0], names)
+            shapes = [(e.name, tuple(e.shape)) for e in manifest.entries]
+            return check_adapter(self.engine.model, self.engine.vllm_config, self.adapter[0], shapes)
         return check_loadable(self.engine.model, manifest, reads=self._reads)
 
     def reads(self, manifest: Manifest) -> dict[str, Box | None]:
