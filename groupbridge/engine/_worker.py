@@ -175,7 +175,9 @@ class WorkerSession(Closing):
         # layers); only the changes travel.
         reads = self.reads
         swaps = self.swaps if self.swaps is not None and self.info.swap == "shadow" else None
-        shadow = swaps is not None and swaps.swapping()
+        # a serving copy left torn by a load into it (swap="reload") is mended by a load into it first: a
+        # torn copy exchanged into the shadow and loaded there once still served a wrong token (vLLM 0.32)
+        shadow = swaps is not None and swaps.swapping() and self._live_clean
         landed: list[tuple[str, torch.Tensor]] = []  # an atomic update: into the shadow before the ack
         ready = None
         if shadow and self.info.atomic:
