@@ -1301,20 +1301,23 @@ def test_a_peft_model_with_two_active_adapters_is_refused() -> None:
         peft_adapter(model)
 
 
-def _greedy_across(old: Any, new: Any, prompt: list[int], tokens: list[int], b: int) -> list[int]:
-    """What an engine whose weights moved from ``old`` to ``new`` after sampling ``tokens[:b]`` generates
-    (greedy, ``len(tokens)`` in all): ``b`` tokens by ``old``, then ``new`` continuing over the keys and
-    values ``old`` computed (the last old token is the first the new weights forward)."""
+def _predicted_across(
+    old: Any, new: Any, prompt: list[int], tokens: list[int], b: int, window: int = 24
+) -> dict[int, int]:
+    """Teacher-forced on the engine's own tokens: what an engine whose weights moved from ``old`` to ``new``
+    after sampling ``tokens[:b]`` predicts at each position of a window around ``b`` (greedy): ``old`` before
+    it, then ``new`` over the keys and values ``old`` computed (the last old token is the first the new
+    weights forward). Forced on the engine's prefix, a near-tie far from the boundary cannot shift the
+    comparison, so long generations check the boundary alone."""
+    n = len(prompt)
     with torch.no_grad():
-        out = old(torch.tensor([prompt + tokens[: b - 1]]), use_cache=True)
-        want = [int(t) for t in old.generate(torch.tensor([prompt]), max_new_tokens=b, min_new_tokens=b,
-                                             do_sample=False)[0, len(prompt):]]  # fmt: skip
-        past, last = out.past_key_values, torch.tensor([[tokens[b - 1]]])
-        while len(want) < len(tokens):
-            step = new(last, past_key_values=past, use_cache=True)
-            past, nxt = step.past_key_values, int(step.logits[0, -1].argmax())
-            want.append(nxt)
-            last = torch.tensor([[nxt]])
+        logits = old(torch.tensor([prompt + tokens[:b]])).logits[0]
+        want = {j: int(logits[n - 1 + j].argmax()) for j in range(max(0, b - window), b)}
+        if b < len(tokens):
+            past = old(torch.tensor([prompt + tokens[: b - 1]]), use_cache=True).past_key_values
+            ahead = tokens[b - 1 : min(len(tokens), b + window) - 1]
+            step = new(torch.tensor([ahead]), past_key_values=past, use_cache=True).logits[0]
+            want.update({b + i: int(step[i].argmax()) for i in range(len(ahead))})
     return want
 
 
@@ -1382,7 +1385,8 @@ def _check_spans(
         (s0, b, v0), (b1, end, v1) = spans
         assert (s0, b1, end, v0, v1) == (0, b, len(tokens), *map(str, versions)), spans
         assert 0 < b < len(tokens)
-        assert tokens == _greedy_across(old, new, p, tokens, b), (k, b)
+        want = _predicted_across(old, new, p, tokens, b)
+        assert {j: tokens[j] for j in want} == want, (k, b)
 
 
 @pytest.mark.slow
@@ -1399,56 +1403,70 @@ def test_vllm_serve_reports_each_tokens_version_exactly(tmp_path_factory: pytest
     path = tmp_path_factory.mktemp("qwen2-serve-spans")
     model = make_model(path, "qwen2", seed=8)
     prompts = [[1, 2, 3, 4], [7, 100, 5]]
-    got: dict[int, Any] = {}
-    counts = [0, 0]
-    errors: list[BaseException] = []
 
-    def stream(k: int, base: str) -> None:
-        body = {"token_ids": prompts[k], "stream": True, "output_mode": "tokens",
-                "sampling_params": {"max_tokens": 300, "min_tokens": 300, "temperature": 0}}  # fmt: skip
-        req = urllib.request.Request(f"{base}/inference/v1/generate", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})  # fmt: skip
-        tokens: list[int] = []
-        spans: list[Any] = []
-        try:
-            with urllib.request.urlopen(req, timeout=120) as r:
-                for line in r:
-                    if not line.startswith(b"data: {"):
-                        continue
-                    choice = json.loads(line[6:])["choices"][0]
-                    tokens += choice.get("token_ids") or []
-                    counts[k] = len(tokens)
-                    spans = choice.get("weight_versions") or spans
-        except BaseException as e:
-            errors.append(e)
-        got[k] = (tokens, [(s["start"], s["end"], s["version"]) for s in spans])
+    def across_an_update(session: Any, control: Any, base: str) -> tuple[dict[int, Any], int]:
+        """Two streamed requests begun just before the next update's commit: their tokens and spans."""
+        got: dict[int, Any] = {}
+        counts = [0, 0]
+        errors: list[BaseException] = []
 
-    threads: list[threading.Thread] = []
+        def stream(k: int) -> None:
+            body = {"token_ids": prompts[k], "stream": True, "output_mode": "tokens",
+                    "sampling_params": {"max_tokens": 300, "min_tokens": 300, "temperature": 0}}  # fmt: skip
+            req = urllib.request.Request(f"{base}/inference/v1/generate", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})  # fmt: skip
+            tokens: list[int] = []
+            spans: list[Any] = []
+            try:
+                with urllib.request.urlopen(req, timeout=120) as r:
+                    for line in r:
+                        if not line.startswith(b"data: {"):
+                            continue
+                        choice = json.loads(line[6:])["choices"][0]
+                        tokens += choice.get("token_ids") or []
+                        counts[k] = len(tokens)
+                        spans = choice.get("weight_versions") or spans
+            except BaseException as e:
+                errors.append(e)
+            got[k] = (tokens, [(s["start"], s["end"], s["version"]) for s in spans])
 
-    def gate() -> None:  # just before the commit (the bytes landed): two requests, well under way
-        threads.extend(threading.Thread(target=stream, args=(k, srv.base), daemon=True) for k in range(2))
+        threads = [threading.Thread(target=stream, args=(k,), daemon=True) for k in range(2)]
+
+        def gate() -> None:  # just before the commit (the bytes landed): two requests, well under way
+            for t in threads:
+                t.start()
+            deadline = time.monotonic() + 60
+            while min(counts) < 10 and not errors and time.monotonic() < deadline:
+                time.sleep(0.002)
+            assert min(counts) >= 10, (counts, errors)
+
+        control.before_commit = gate
+        version = session.send(iter(ModuleSource(model)))
         for t in threads:
-            t.start()
-        deadline = time.monotonic() + 60
-        while min(counts) < 10 and not errors and time.monotonic() < deadline:
-            time.sleep(0.002)
-        assert min(counts) >= 10, (counts, errors)
+            t.join(120)
+        assert not errors, errors
+        return got, version
 
-    # a long generation (a request of 100 tokens on this model can end between the client seeing its tenth
-    # token and the commit reaching the engine)
     with Server(path, log=path / "serve.log", max_model_len=320, extra=("--enable-scale-out",)) as srv:
         control = VllmControl(HttpClient(srv.base, timeout=60))
         with TrainerSession(TrainerConfig(timeout_s=60, liveness_s=10), control) as session:
-            old_version = session.send(iter(ModuleSource(model)))
-            old = copy.deepcopy(model)
-            perturb(model, 71)
-            perturb(model, 72)
-            control.before_commit = gate
-            new_version = session.send(iter(ModuleSource(model)))
-            for t in threads:
-                t.join(120)
-        assert not errors, errors
-        _check_spans(old, model, prompts, got, (old_version, new_version))
+            version = session.send(iter(ModuleSource(model)))
+            for attempt in range(3):
+                old, old_version = copy.deepcopy(model), version
+                perturb(model, 71 + 2 * attempt)
+                perturb(model, 72 + 2 * attempt)
+                got, version = across_an_update(session, control, srv.base)
+                if all(len(spans) == 2 for _, spans in got.values()):
+                    _check_spans(old, model, prompts, got, (old_version, version))
+                    return
+                # the commit reached the engine once a request had ended (the timing of a busy host): that
+                # request must then be the old version's alone, labelled so; the update is tried again
+                for k, (tokens, spans) in got.items():
+                    if len(spans) == 1:
+                        assert spans == [(0, len(tokens), str(old_version))], spans
+                        want = _predicted_across(old, model, prompts[k], tokens, len(tokens))
+                        assert {j: tokens[j] for j in want} == want, k
+    pytest.fail("in 3 updates the commit never reached the engine while both requests ran")
 
 
 def test_a_finish_for_another_version_than_the_staged_one_loads_nothing(dense: tuple[Any, Any]) -> None:
