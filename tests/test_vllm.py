@@ -43,16 +43,15 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def engine(path: Path, **kw: Any) -> Any:
+    defaults = {"max_model_len": 128, "max_num_seqs": 4}
     return vllm.LLM(
         str(path),
         dtype="float32",
         skip_tokenizer_init=True,
-        max_model_len=128,
-        max_num_seqs=4,
         enforce_eager=True,
         kv_cache_memory_bytes=1 << 30,  # vLLM's CPU default sizes it from free memory (slow to set up)
         weight_transfer_config={"backend": "groupbridge"},
-        **kw,
+        **{**defaults, **kw},
     )
 
 
@@ -879,14 +878,16 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 @pytest.fixture(scope="module")
 def lora(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Any]]:
     """An engine serving adapters (rank up to 16, two at once) and a PEFT model (rank 8 on every projection,
-    B not zero: the adapter changes the tokens) over the same base weights."""
+    B not zero: the adapter changes the tokens) over the same base weights. One request runs at a time:
+    a second one waits (a request queued on an adapter version)."""
     from peft import LoraConfig, get_peft_model
 
     path = tmp_path_factory.mktemp("qwen2-lora")
     base = make_model(path, "qwen2", seed=5)
     torch.manual_seed(5)
     config = LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS, init_lora_weights=False)
-    with running(path, enable_lora=True, max_lora_rank=16, max_loras=2, max_cpu_loras=2) as llm:
+    with running(path, enable_lora=True, max_lora_rank=16, max_loras=2, max_cpu_loras=2, max_num_seqs=1,
+                 max_model_len=512) as llm:  # fmt: skip
         yield llm, get_peft_model(base, config)
 
 
@@ -972,6 +973,68 @@ def test_a_request_begun_on_an_adapter_version_finishes_on_it(lora: tuple[Any, A
         assert not run.is_alive() and time.monotonic() > committed
         assert list(got[0][0].outputs[0].token_ids) == want[0, len(prompt) :].tolist()
         assert adapter_request(llm, "steady").lora_name == "steady@v2"
+    finally:
+        eng.shutdown()
+
+
+@pytest.mark.slow  # a LoRA engine of its own (about 35 s to start and stop)
+def test_a_queued_request_keeps_its_adapter_version_and_a_retired_one_fails_alone(
+    lora: tuple[Any, Any],
+) -> None:
+    """A request on version 1 of an adapter waits (one request at a time) behind a long base-model request
+    while version 2 is committed with max_live_adapters=1: it is served version 1's tokens and the engine
+    lives (the commit used to drop version 1, whose load then failed inside a model step and ended the
+    engine). Once no request names it, version 1 leaves at the next commit; a request naming it then fails
+    alone, and the engine serves on."""
+    from vllm.sampling_params import RequestOutputKind
+
+    from groupbridge.vllm import adapter_request
+
+    llm, model = lora
+    engine = llm.llm_engine
+    eng = trainer(llm, model, adapter="queued", max_live_adapters=1, first_version=1)
+    prompt, n = [3, 14, 15], 12
+    try:
+        perturb_adapter(model, 110)
+        eng.send_weights()
+        first = adapter_request(llm, "queued")
+        with torch.no_grad():
+            want = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+
+        def params(tokens: int) -> Any:
+            return vllm.SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True,
+                                       output_kind=RequestOutputKind.CUMULATIVE)  # fmt: skip
+
+        engine.add_request("long", {"prompt_token_ids": [1, 2, 3]}, params(400))
+        engine.add_request("queued", {"prompt_token_ids": prompt}, params(n), lora_request=first)
+        seen: dict[str, Any] = {}
+        started = threading.Event()
+
+        def drain() -> None:  # steps only (vLLM's client socket is the trainer's meanwhile)
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    seen[out.request_id] = out
+                if "long" in seen and len(seen["long"].outputs[0].token_ids) >= 10:
+                    started.set()
+
+        runner = threading.Thread(target=drain, daemon=True)
+        runner.start()
+        assert started.wait(60), "the long request did not start"
+        perturb_adapter(model, 111)
+        eng.send_weights()
+        runner.join(120)
+        assert not runner.is_alive() and set(seen) == {"long", "queued"}, seen.keys()
+        spans = [(s.version) for s in seen["long"].outputs[0].weight_versions]
+        assert spans == ["1", "2"], f"the long request did not run across the commit of version 2: {spans}"
+        assert list(seen["queued"].outputs[0].token_ids) == want[0, len(prompt) :].tolist()
+        newest = adapter_request(llm, "queued")
+        assert newest.lora_name == "queued@v2" and served_with(llm, newest) == reference(model)
+        perturb_adapter(model, 112)
+        eng.send_weights()  # version 1: no request names it now, so it leaves the registry
+        sp = vllm.SamplingParams(max_tokens=4, temperature=0)
+        out = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False, lora_request=first)[0]
+        assert out.outputs[0].finish_reason == "error" and not out.outputs[0].token_ids, out
+        assert served_with(llm, adapter_request(llm, "queued")) == reference(model)
     finally:
         eng.shutdown()
 

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from . import _lora
 from ._plugin import BACKEND
 
 __all__ = ["COMMIT", "VLLM_READ", "build_shadow", "commit_offline", "exchange", "install", "same_layout"]
@@ -40,11 +41,37 @@ def _commit(core: Any, weight_version: str) -> None:
     late, refuses and loads nothing), then the outputs of every later step carry ``weight_version``. A
     commit that fails raises before the label moves: the engine keeps reporting the version it served."""
     executor = core.model_executor
+    lora = getattr(core.vllm_config, "lora_config", None) is not None
     if weight_version.isdigit() and len(weight_version) < 19:
-        told = {"version": int(weight_version), "commit": True}
+        told: dict[str, Any] = {"version": int(weight_version), "commit": True}
+        if lora:  # what no adapter commit may drop: every unfinished request's, not the running batch's alone
+            told["in_use"] = _lora.requested(core.scheduler.requests.values())
         executor.collective_rpc("update_weights", kwargs={"update_info": told})
     executor.collective_rpc("finish_weight_update")
     core._weight_version = weight_version
+    if lora:  # what a request may name until the next commit: what every worker can load
+        names = [set(n) for n in executor.collective_rpc(_lora.registered)]
+        setattr(core, _ADMITS, frozenset(set.intersection(*names)) if names else frozenset())
+
+
+_ADMITS = "_groupbridge_adapters"
+"""The engine core's set of adapter versions every worker can load (after the last commit)."""
+
+
+def _admit(core: Any, request: Any) -> str | None:
+    """Why ``request`` must not reach a model step, or None: it names an adapter version of the registry
+    that no longer is (or never was) loadable. Its load would fail inside the step, where an error ends
+    the engine; refused here, one request fails."""
+    lora = getattr(request, "lora_request", None)
+    path = str(getattr(lora, "lora_path", "") or "")
+    if lora is None or not path.startswith(_lora.SCHEME) or not _ours(core):
+        return None
+    if lora.lora_name in getattr(core, _ADMITS, frozenset()):
+        return None
+    return (
+        f"adapter {lora.lora_name!r} is not served by this engine: it was never received, or is older than "
+        "the newest max_live_adapters and no request used it at the last commit"
+    )
 
 
 def commit_offline(llm: Any, weight_version: str) -> None:
@@ -69,6 +96,22 @@ def install() -> None:
 
     if not hasattr(EngineCore, COMMIT):
         setattr(EngineCore, COMMIT, _commit)
+        add = EngineCore.add_request
+
+        @functools.wraps(add)
+        def add_request(self: Any, request: Any, request_wave: int = 0) -> None:
+            problem = _admit(self, request)
+            if problem is None:
+                add(self, request, request_wave)
+                return None
+            _lora.logger.warning("groupbridge: request %s refused: %s", request.request_id, problem)
+            send = getattr(self, "_send_error_outputs_to_client", None)
+            if send is None:  # the engine core in the caller's process: the caller's add raises
+                raise ValueError(problem)
+            send([request.request_id], request.client_index)  # that request alone ends, as an error
+            return None
+
+        EngineCore.add_request = add_request
     original = AsyncLLM.finish_weight_update
     if getattr(original, "_groupbridge", False):
         return

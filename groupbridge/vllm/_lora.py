@@ -12,7 +12,10 @@ nothing goes through disk, and a request begun on version 2 goes on with version
 3 is committed (its name, and the tensors behind it, are never reused). Any other path loads as before.
 
 The newest ``max_live`` versions of a name stay in the registry; an older one leaves it at a later commit
-once no request of the running batch uses it.
+once no unfinished request names it (running, waiting or preempted: the engine core tells the workers at
+each commit, see ``_compat``). The engine core then admits a request naming a ``groupbridge:`` adapter
+only when every worker can load it until the next commit: a load that failed inside a model step would
+end the engine, a refused request fails alone.
 
 Any API client of ``vllm serve`` (with runtime LoRA updating on) can ask vLLM to load an adapter; the
 loader refuses, at that call and before anything is listed, a ``groupbridge:`` path under any name but its
@@ -197,17 +200,24 @@ def _layer_sizes(owner: torch.nn.Module, leaf: str, packed: dict[str, list[str]]
     return (n_in, n_out) if isinstance(n_in, int) and isinstance(n_out, int) else None
 
 
-def install(model: torch.nn.Module, spec: AdapterSpec, version: int, pairs: Iterable[tuple[str, Any]]) -> str:
+def install(
+    model: torch.nn.Module, spec: AdapterSpec, version: int, pairs: Iterable[tuple[str, Any]],
+    requested: Iterable[str] | None = None,
+) -> str:  # fmt: skip
     """File an adapter's tensors (copied: the pairs are views of the kept buffer, reused next update) under
-    its fresh name; drop the versions beyond ``max_live`` that the running batch does not use. Returns the
-    name."""
+    its fresh name; drop the versions beyond ``max_live`` that no request uses: the engine core's list of
+    what its unfinished requests name (``requested``), or else (a commit it did not list them for) every
+    adapter vLLM holds loaded. Returns the name."""
     full = adapter_name(spec.name, version)
     tensors = {n: t.clone() for n, t in pairs}
     with _lock:
         _adapters[full] = (tensors, dict(spec.config))
         names = [n for n in _live.get(spec.name, []) if n != full] + [full]
         manager = getattr(model, "lora_manager", None)
-        in_use = set(getattr(manager, "_active_adapters", {}) or {})
+        if requested is None:
+            in_use = set(getattr(manager, "_active_adapters", {}) or {})
+        else:
+            in_use = {adapter_id(n) for n in requested}
         keep = names[-spec.max_live :]
         for old in names[: -spec.max_live]:
             if adapter_id(old) in in_use:  # a request of the running batch still generates with it
@@ -235,6 +245,23 @@ def withdraw_newer(name: str, version: int) -> list[str]:
         _live[name] = [n for n in live if n not in newer]
     logger.warning("groupbridge: adapter %s served again; withdrawn: %s", keep, ", ".join(newer) or "none")
     return newer
+
+
+def requested(requests: Iterable[Any]) -> list[str]:
+    """The registry's adapter versions that these requests (the engine core's unfinished ones) name."""
+    names = set()
+    for request in requests:
+        lora = getattr(request, "lora_request", None)
+        if lora is not None and str(getattr(lora, "lora_path", "") or "").startswith(SCHEME):
+            names.add(str(lora.lora_name))
+    return sorted(names)
+
+
+def registered(worker: Any = None) -> list[str]:
+    """The adapter versions this worker process can load (run on each worker by the engine core's
+    ``collective_rpc``, which passes the worker)."""
+    with _lock:
+        return sorted(_adapters)
 
 
 def live(name: str) -> list[str]:

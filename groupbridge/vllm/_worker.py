@@ -74,6 +74,8 @@ class UpdateInfo(WeightTransferUpdateInfo):
     nothing) when another version is staged (a finish that arrives late, after a later update began)."""
     adapter: dict[str, Any] | None = None
     """A LoRA adapter's update: ``{"name", "config", "max_live"}`` (see :mod:`._lora`)."""
+    in_use: list[str] | None = None
+    """With ``commit``: the adapter versions the engine core's unfinished requests name (kept loadable)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.version, bool) or not isinstance(self.version, int):
@@ -86,6 +88,11 @@ class UpdateInfo(WeightTransferUpdateInfo):
             raise ValueError(f"commit must be a bool, and alone: got {self.commit!r}")
         if self.adapter is not None:
             AdapterSpec.parse(self.adapter)
+        if self.in_use is not None and (
+            not isinstance(self.in_use, list) or len(self.in_use) > 1 << 16
+            or not all(isinstance(n, str) and len(n) < 1024 for n in self.in_use)
+        ):  # fmt: skip
+            raise ValueError("in_use must be a list of adapter names")
 
 
 def worker_rank(parallel_config: Any, sources: int = 1, rank_offset: int = 0) -> int:
@@ -108,6 +115,8 @@ class VllmLoader:
         self._reads: dict[str, Box | None] = {}
         self.adapter: tuple[AdapterSpec, int] | None = None
         """The update in flight is this adapter's version (set at each receive): the base is untouched."""
+        self.requested: tuple[str, ...] | None = None
+        """The adapter versions unfinished requests name, as the engine core said with the commit."""
         self.shadow: torch.nn.Module | None = None
         """The second copy of the serving model (see :meth:`keep_shadow`), or None."""
         self._serving: torch.nn.Module | None = None
@@ -175,7 +184,7 @@ class VllmLoader:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         if self.adapter is not None:
-            install(self.engine.model, *self.adapter, weights)
+            install(self.engine.model, *self.adapter, weights, self.requested)
             return
 
         self._handles = cpu_kernel_handles(self.engine.model)
@@ -235,11 +244,13 @@ class WorkerEngine(WeightTransferEngine[WorkerInitInfo, UpdateInfo]):
     def start_weight_update(self) -> None:
         self._rolled_back = None
         self._commits = None
+        self.loader.requested = None
         self.session.begin()
 
     def receive_weights(self, update_info: UpdateInfo) -> None:
         if update_info.commit:
             self._commits = update_info.version
+            self.loader.requested = tuple(update_info.in_use) if update_info.in_use is not None else None
             return
         if update_info.abandon:
             self.session.abandon()
