@@ -24,6 +24,7 @@ __all__ = [
     "as_version",
     "out_of_vocabulary",
     "prompt_logprobs",
+    "reported_version",
     "served_version",
 ]
 
@@ -65,7 +66,7 @@ class VllmControl(EngineControl):
             probe=_scores(client),
             rollback=True,
             adapters=_serves_adapters(client),
-            versions=callable(getattr(client, "served_version", None)) or _server(client) is not None,
+            versions=callable(getattr(client, "reported_version", None)) or _server(client) is not None,
         )
 
     def join(self, info: dict[str, Any]) -> None:
@@ -111,6 +112,21 @@ class VllmControl(EngineControl):
             leave()
         except Exception:
             raise first from None  # not an open update: the leave failed for its own reason
+
+    def holding(self) -> list[str]:
+        """The version vLLM reports, in words: a number, its initial weights, or torn (a worker's load
+        failed midway, see ``groupbridge.vllm._compat.TORN``)."""
+        try:
+            label = reported_version(self.client)
+        except Exception as e:
+            return [f"cannot say what it serves ({type(e).__name__}: {str(e)[:200]})"]
+        if label is None or label == "":
+            return ["its initial weights"]
+        if as_version(label) is not None:
+            return [f"version {as_version(label)}"]
+        if label == "torn":
+            return ["a torn mix of two versions (a load into its model failed midway)"]
+        return [f"a version labelled {label[:60]!r}"]
 
     def describe(self) -> str:
         server = _server(self.client)
@@ -264,19 +280,26 @@ def announce_adapter(client: Any, name: str, version: int, max_live: int, rolled
 
 
 def served_version(client: Any) -> int | None:
-    """What :meth:`VllmControl.served` says: the client's own ``served_version`` (an offline engine's),
-    else the server's ``/weight_info`` at its ``base_url``."""
-    own = getattr(client, "served_version", None)
+    """What :meth:`VllmControl.served` says: the version the engine reports (:func:`reported_version`),
+    when it is a number."""
+    return as_version(reported_version(client))
+
+
+def reported_version(client: Any) -> str | None:
+    """The weight version vLLM reports, as it reports it: the client's own ``reported_version`` (an offline
+    engine's), else the server's ``/weight_info`` at its ``base_url``; None where it cannot say."""
+    own = getattr(client, "reported_version", None)
     if callable(own):
         got = own()
-        return got if isinstance(got, int) and not isinstance(got, bool) else None
+        return str(got) if got is not None else None
     base = getattr(client, "base_url", None)
     if not isinstance(base, str):
         logger.warning("groupbridge: %s cannot say which version its engine serves: a new trainer's first "
                        "update is 1 unless first_version is given", type(client).__name__)  # fmt: skip
         return None
     version = HttpClient(base, timeout=float(getattr(client, "timeout", 300.0))).get("weight_info")
-    return as_version(version.get("weight_version") if isinstance(version, dict) else None)
+    label = version.get("weight_version") if isinstance(version, dict) else None
+    return str(label) if label is not None else None
 
 
 def as_version(reported: Any) -> int | None:

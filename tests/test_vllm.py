@@ -765,6 +765,94 @@ def test_a_worker_that_refuses_an_update_leaves_every_worker_on_the_version_it_s
             eng.shutdown()
 
 
+def _arm_loader(worker: Any, plan: list[bool]) -> str:
+    """Runs inside a vLLM worker (``collective_rpc``): each of the worker's next loads fails midway (after
+    three tensors, the model then torn) where ``plan`` says True, in order; [] disarms."""
+    loader = worker.weight_transfer_engine.loader
+    if not hasattr(loader, "groupbridge_plan"):
+        original = loader.load
+
+        def load(weights: Any) -> None:
+            if loader.groupbridge_plan and loader.groupbridge_plan.pop(0):
+                first = [next(weights) for _ in range(3)]
+
+                def midway() -> Iterator[tuple[str, Any]]:
+                    yield from first
+                    raise RuntimeError("injected: the loader failed midway")
+
+                weights = midway()
+            original(weights)
+
+        loader.load = load
+    loader.groupbridge_plan = list(plan)
+    return f"armed {len(plan)}"
+
+
+@pytest.mark.slow
+def test_a_failed_rollback_says_what_each_engine_serves_and_a_torn_one_never_reports_a_version(
+    dense: tuple[Any, Any], tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fleet of two engines that load at the commit (swap="reload"). Engine 1's loader fails midway in
+    its commit and again in the rollback: engine 0 serves the version before and reports it, engine 1
+    reports "torn" (it used to report a version while serving a mix), and the error says so engine by
+    engine. The next update mends it. Then the probe disagrees and engine 1's rollback alone fails: the
+    same, and VerificationError.served is None."""
+    from groupbridge.engine import Probe, causal_logprobs
+    from groupbridge.vllm import FleetClient
+
+    llm, model = dense
+    path = tmp_path_factory.mktemp("qwen2-torn")
+    make_model(path, "qwen2", seed=7)
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # this engine runs the test's function
+
+    def ref(v: int) -> list[float]:
+        lp = causal_logprobs(model, PROBE)
+        return [x + 1.0 for x in lp] if v == 603 else lp
+
+    with running(path) as second:
+        assert second.collective_rpc(_arm_loader, args=([],)) == ["armed 0"]
+        fleet = FleetClient([OfflineClient(llm), OfflineClient(second)])
+        probe = Probe(PROBE, ref, atol=1e-3)
+        info = TrainerInitInfo(
+            rank=0, workers=2, timeout_s=60, liveness_s=10, swap="reload", first_version=600, verify=probe
+        )
+        eng = WeightTransferTrainerFactory.trainer_init(info, client=fleet, source=ModuleSource(model))
+        try:
+            perturb(model, 84)
+            eng.send_weights()
+            want = reference(model)
+            assert [e.get_weight_version() for e in (llm, second)] == ["600"] * 2
+            assert second.collective_rpc(_arm_loader, args=([True, True],)) == ["armed 2"]
+            perturb(model, 85)
+            torn = r"engine 0: version 600; engine 1: a torn mix of two versions"
+            with pytest.raises(gb.WeightSyncError, match=rf"(?s)commit of version 601 failed.*rollback to "
+                               rf"version 600 failed too.*{torn}"):  # fmt: skip
+                eng.send_weights()
+            assert (llm.get_weight_version(), second.get_weight_version()) == ("600", "torn")
+            assert served(llm) == want
+            perturb(model, 86)
+            eng.send_weights()  # every tensor loads on every worker: the torn one is mended
+            want = reference(model)
+            for e in (llm, second):
+                assert e.get_weight_version() == "602" and served(e) == want
+            assert second.collective_rpc(_arm_loader, args=([False, True],)) == ["armed 2"]
+            perturb(model, 87)
+            torn = r"engine 0: version 602; engine 1: a torn mix of two versions"
+            with pytest.raises(
+                gb.VerificationError, match=rf"(?s)rollback to version 602 failed too.*{torn}"
+            ) as e:
+                eng.send_weights()
+            assert e.value.served is None
+            assert (llm.get_weight_version(), second.get_weight_version()) == ("602", "torn")
+            assert served(llm) == want
+            perturb(model, 88)
+            eng.send_weights()
+            for e in (llm, second):
+                assert e.get_weight_version() == "604" and served(e) == reference(model)
+        finally:
+            eng.shutdown()
+
+
 @pytest.mark.slow
 def test_moe_updates_serve_the_trainers_weights(tmp_path_factory: pytest.TempPathFactory) -> None:
     path = tmp_path_factory.mktemp("qwen3moe")

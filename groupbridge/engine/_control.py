@@ -87,6 +87,17 @@ class EngineControl(abc.ABC):
         """The version the engine reports serving, when it is a number (None: its initial weights)."""
         return None
 
+    def holding(self) -> list[str]:
+        """What each engine behind this control reports it serves, in words, one line per engine: asked
+        after a commit or a rollback failed, so that the error says what is served, engine by engine."""
+        if not self.capabilities.versions:
+            return [f"{self.describe()} cannot say what it serves (it declares no versions capability)"]
+        try:
+            v = self.served()
+        except Exception as e:
+            return [f"cannot say what it serves ({type(e).__name__}: {str(e)[:200]})"]
+        return [f"version {v}" if v is not None else "no numbered version (its initial weights)"]
+
     def describe_rank(self, worker: int) -> str | None:
         """The ``worker``-th worker on the bridge, in words (which engine, which of its workers), or None."""
         return None

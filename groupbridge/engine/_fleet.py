@@ -108,6 +108,11 @@ class Fleet(EngineControl):
         versions = [v for v in self._each("served", each) if v is not None]
         return max(versions) if versions else None
 
+    def holding(self) -> list[str]:
+        """Each engine's line, in engine order, named by its index in the fleet."""
+        each = self._each("holding", lambda k, c: c.holding())
+        return [f"engine {k}: {line}" for k, lines in enumerate(each) for line in lines]
+
     def describe_rank(self, worker: int) -> str | None:
         """The ``worker``-th worker of the fleet's bridge, as engine index and its worker index."""
         for k, count in enumerate(self.workers):

@@ -340,10 +340,7 @@ class TrainerSession(Closing):
         workers keep it. Returns what the engines serve now, in words, and the version every replica
         serves (None when that is not known: no rollback, or one that failed)."""
         if not self.config.keeps_previous:
-            return (
-                "rollback is off (TrainerConfig(rollback=True) turns it on): an engine whose commit returned "
-                f"serves {v}, the others what they served before"
-            ), None
+            return f"rollback is off (TrainerConfig(rollback=True) turns it on); {self._holding()}", None
         if self.version is None:
             return (
                 f"no earlier version of this trainer to roll back to (its first update): the replicas serve "
@@ -354,11 +351,26 @@ class TrainerSession(Closing):
         except Exception as e:
             logger.error("groupbridge: the rollback to version %d failed: %s", self.version, e)
             return (
-                f"the rollback to version {self.version} failed too ({type(e).__name__}: {str(e)[:500]}): "
-                f"replicas may serve {v} or {self.version}; send a full update"
+                f"the rollback to version {self.version} failed too ({type(e).__name__}: {str(e)[:500]}); "
+                f"{self._holding()}"
             ), None
         logger.warning("groupbridge: version %d was rolled back; every replica serves %d", v, self.version)
         return f"every replica was rolled back to version {self.version} and serves it", self.version
+
+    def _holding(self) -> str:
+        """What the engines report serving now, engine by engine (asked after a commit or rollback failed),
+        and what mends one left torn."""
+        assert self.control is not None
+        try:
+            lines = self.control.holding()
+        except Exception as e:
+            return f"what each engine serves could not be asked ({type(e).__name__}: {str(e)[:300]})"
+        return (
+            "the engines report: "
+            + "; ".join(lines)
+            + " (a groupbridge worker loads every tensor of the next "
+            "update, which mends one left torn)"
+        )
 
     def _send_shards(self, named: Iterable[tuple[str, Any]] | Mapping[str, Any], version: int | None) -> int:
         """A sending rank other than 0: its part of the sync rank 0 drives (the versions advance alike)."""

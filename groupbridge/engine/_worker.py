@@ -226,6 +226,12 @@ class WorkerSession(Closing):
         self.timings["receive"] = time.perf_counter() - t1
 
     @property
+    def torn(self) -> bool:
+        """The serving model holds a mix of versions: a load into it failed midway (a commit or a rollback
+        that loads, not a swap). The next update loads every tensor (a delta's too), which mends it."""
+        return not self._live_clean and self._landing is None
+
+    @property
     def staged(self) -> int | None:
         """The version the next :meth:`commit` would serve: received, or a rollback staged (None: none)."""
         return self._rollback_to if self._rollback_to is not None else self._received
@@ -411,8 +417,8 @@ class WorkerSession(Closing):
             held = self.version if self.version is not None else "the initial one"
             raise TornUpdateError(
                 f"loading version {version} failed after {len(loaded)} tensors: {type(e).__name__}: {e}; the "
-                f"model now holds a mix of two versions (its version stays {held}): send a full update "
-                "before trusting its output",
+                f"model now holds a mix of two versions ({held} and {version}), torn until an update loads "
+                "(the next one loads every tensor)",
                 written=loaded,
             ) from e
         except BaseException:

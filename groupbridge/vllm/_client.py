@@ -48,11 +48,10 @@ class OfflineClient:
         """Whether the engine was started to serve LoRA adapters (``enable_lora=True``)."""
         return self.llm.llm_engine.vllm_config.lora_config is not None
 
-    def served_version(self) -> int | None:
-        """The version the engine reports serving, when it is a number."""
-        from .._vllm_client import as_version
-
-        return as_version(self.llm.get_weight_version())
+    def reported_version(self) -> str | None:
+        """The weight version the engine reports, as it reports it (a number, ``torn``, None)."""
+        label = self.llm.get_weight_version()
+        return str(label) if label is not None else None
 
     def adapter_committed(self, name: str, version: int) -> None:
         """Adapter ``name`` is served at ``version`` on every worker: what

@@ -26,7 +26,16 @@ import torch
 from . import _lora
 from ._plugin import BACKEND
 
-__all__ = ["COMMIT", "VLLM_READ", "build_shadow", "commit_offline", "exchange", "install", "same_layout"]
+__all__ = [
+    "COMMIT",
+    "TORN",
+    "VLLM_READ",
+    "build_shadow",
+    "commit_offline",
+    "exchange",
+    "install",
+    "same_layout",
+]
 
 VLLM_READ = "0.32"
 """The vLLM release the private names below were read from."""
@@ -47,11 +56,39 @@ def _commit(core: Any, weight_version: str) -> None:
         if lora:  # what no adapter commit may drop: every unfinished request's, not the running batch's alone
             told["in_use"] = _lora.requested(core.scheduler.requests.values())
         executor.collective_rpc("update_weights", kwargs={"update_info": told})
-    executor.collective_rpc("finish_weight_update")
+    try:
+        executor.collective_rpc("finish_weight_update")
+    except BaseException:
+        if any(h == TORN for h in _holding(executor)):  # never the label of a version it does not serve
+            core._weight_version = TORN
+        raise
     core._weight_version = weight_version
     if lora:  # what a request may name until the next commit: what every worker can load
         names = [set(n) for n in executor.collective_rpc(_lora.registered)]
         setattr(core, _ADMITS, frozenset(set.intersection(*names)) if names else frozenset())
+
+
+TORN = "torn"
+"""The version an engine reports while a worker's model holds a mix of versions (a load into it failed
+midway): until a commit succeeds, which loads every tensor."""
+
+
+def _holds(worker: Any) -> str:
+    """On a worker (``collective_rpc``): what its model holds, the version or :data:`TORN`."""
+    engine = getattr(worker, "weight_transfer_engine", None)
+    session = getattr(engine, "session", None)
+    if session is None:
+        return "unknown"
+    return TORN if session.torn else str(session.version)
+
+
+def _holding(executor: Any) -> list[str]:
+    """What each worker's model holds, asked after a commit failed (``unknown`` where it cannot say)."""
+    try:
+        return [str(h) for h in executor.collective_rpc(_holds, timeout=30)]
+    except Exception as e:
+        _lora.logger.warning("groupbridge: could not ask the workers what they hold: %s", e)
+        return ["unknown"]
 
 
 _ADMITS = "_groupbridge_adapters"
