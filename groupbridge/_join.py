@@ -42,13 +42,14 @@ from .store import ROOT_PREFIX, StoreClient
 
 __all__ = ["PROTOCOL", "JoinSpec", "Joined", "host_join", "member_join"]
 
-PROTOCOL = 5
+PROTOCOL = 6
 """2 -> 3: a receiver's wants may be conditional (``wants_if``), which a member of protocol 2 would take as
 unconditional and plan otherwise. 3 -> 4: a queue's reader waits on the queue itself, and a member of
 protocol 3 would wait on a bell that nobody rings any more; control messages are sealed with keyed
 BLAKE2b. 4 -> 5: a sync's header says how big a bucket of a source's many-source stream may be
 (``bucket_cap``) and whether its pairs may be deltas (``pair_deltas``): a member of protocol 4 would plan
-other buckets and refuse the header."""
+other buckets and refuse the header. 5 -> 6: a rank's claim is a counter and a sealed record (see
+:func:`_claim`); a member of protocol 5 writes no record, and a later claim would not see it."""
 # The description and refusals live outside the group's namespace: a member of another name or generation
 # must find them to be told why it is refused.
 _META = f"{ROOT_PREFIX}/meta"
@@ -327,12 +328,10 @@ def member_join(spec: JoinSpec, client: StoreClient) -> Joined:
         sealer.mac(meta_key, outer["body"].encode()).hex(), outer["mac"]
     ):
         raise _reject(spec, store, "the token differs from rank 0's")
-    claim = _call(spec, "claiming a rank", lambda: store.add(f"{ns}/claim/{spec.rank}", 1))
-    if claim > 1:
-        raise _reject(spec, store, f"rank {spec.rank} is already taken by another member")
+    mine_record = _member_record(spec)
+    _claim(spec, store, sealer, mine_record["nonce"])
     st = f"{ns}/{status_key(spec.rank)}"
     member_key = f"{ns}/member/{spec.rank}"
-    mine_record = _member_record(spec)
     record = json.dumps(mine_record).encode()
 
     def publish() -> None:
@@ -349,6 +348,46 @@ def member_join(spec: JoinSpec, client: StoreClient) -> Joined:
             "rank to join; rank 0 did not confirm"
         )
     return joined
+
+
+_CLAIM_RECORD_S = 1.0
+"""How long a member waits for the record of an earlier claim of its rank (written right after the claim)."""
+
+
+def _claim(spec: JoinSpec, store: Any, sealer: Sealer, nonce: str) -> None:
+    """Claim this member's rank: the n-th claim bumps a counter, then writes its record (sealed, with the
+    member's nonce). A later claim than the first is refused only when an earlier one has a record sealed
+    with the group's token, i.e. another member holds the rank: a process without the token that bumps the
+    counter (it cannot seal a record) cannot refuse the rank's member, which then claims it anyway, saying
+    so in the log."""
+    key = f"{spec.namespace}/claim/{spec.rank}"
+    n = _call(spec, "claiming a rank", lambda: store.add(key, 1))
+    _call(
+        spec, "claiming a rank", lambda: _set(store, f"{key}/{n}", sealer.seal(f"{key}/{n}", nonce.encode()))
+    )
+    if n <= 1:
+        return
+    bound = Deadline(timedelta(seconds=_CLAIM_RECORD_S))
+
+    def written(earlier: str) -> bool:
+        return bool(bound.poll(lambda: True if store.check([earlier]) else None, 0.01))
+
+    for k in range(1, n):
+        earlier = f"{key}/{k}"
+        if not written(earlier):
+            continue  # a count with no record: no member's claim
+        try:
+            sealer.open(
+                earlier, bytes(_call(spec, "claiming a rank", lambda earlier=earlier: store.get(earlier)))
+            )
+        except ForgedMessageError:
+            continue
+        raise _reject(spec, store, f"rank {spec.rank} is already taken by another member")
+    spec.log.warning(
+        "%s: rank %d's claim was counted %d time(s) before this member's with no record sealed with the "
+        "group's token (a process without the token wrote to the store); claiming it", spec.where,
+        spec.rank, n - 1,
+    )  # fmt: skip
 
 
 def _verdict(

@@ -263,18 +263,21 @@ def source_address_for(peer: Address) -> str:
     return str(local)
 
 
-def wait_connectable(peer: Address, timeout: timedelta) -> None:
+def wait_connectable(peer: Address, timeout: timedelta, *, refused_for: timedelta | None = None) -> None:
     """Retry a TCP connect to ``peer`` until it is accepted or ``timeout`` passes.
 
     torch's TCPStore client retries on its own but may overrun its timeout by a factor of two; probing first
-    keeps the bound the caller asked for.
+    keeps the bound the caller asked for. ``refused_for``: a peer known to be listening already (its address
+    was published after it bound the socket) that refuses every connection for this long is gone.
 
     Raises:
         TimeoutError: nothing accepted within ``timeout``; the message names the address and the wait.
+        ConnectionRefusedError: with ``refused_for``, every connection was refused for that long.
     """
     deadline = time.monotonic() + timeout.total_seconds()
     delay = 0.01
     last: OSError | None = None
+    refused_since: float | None = None
     while True:
         try:
             family, sockaddr = peer.resolve()
@@ -282,8 +285,17 @@ def wait_connectable(peer: Address, timeout: timedelta) -> None:
                 s.settimeout(max(0.05, min(2.0, deadline - time.monotonic())))
                 s.connect(sockaddr)
                 return
-        except OSError as e:
+        except ConnectionRefusedError as e:
             last = e
+            now = time.monotonic()
+            refused_since = now if refused_since is None else refused_since
+            if refused_for is not None and now - refused_since >= refused_for.total_seconds():
+                raise ConnectionRefusedError(
+                    f"{peer} refused every connection for {now - refused_since:.1f}s: the address was "
+                    "published, so its host has closed it (it exited, or its join failed and it gave up)"
+                ) from None
+        except OSError as e:
+            last, refused_since = e, None
         if time.monotonic() >= deadline:
             raise TimeoutError(
                 f"nothing accepted a connection at {peer} within {timeout.total_seconds():g}s "

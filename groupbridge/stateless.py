@@ -94,6 +94,7 @@ class StatelessGroup:
         allow_pickle: bool = False,
         liveness_timeout: timedelta = timedelta(seconds=10),
         give_up: Callable[[], str | None] | None = None,
+        published: bool = False,
     ) -> StatelessGroup:
         """Join (rank > 0) or host (rank 0) a group; returns once all ``world_size`` ranks have joined.
 
@@ -119,6 +120,10 @@ class StatelessGroup:
                 it returns (or an exception it raises) ends the join with that reason within a second, and
                 the members that came raise it too, as ``GroupMismatchError`` (whoever launched the members
                 often learns first that one of them cannot come).
+            published: a member only: rank 0 published this address after it bound it (an engine worker told
+                by its trainer), so a store that refuses connections is gone: the join raises
+                :class:`StoreUnreachableError` within ``liveness_timeout`` instead of retrying until
+                ``timeout`` (the default retries: a member started before its host may dial early).
 
         Raises:
             ValueError, TypeError: bad arguments.
@@ -135,6 +140,8 @@ class StatelessGroup:
             )
         if give_up is not None and rank != 0:
             raise ValueError("give_up= is for rank 0 (the host waits for the members)")
+        if published and rank == 0:
+            raise ValueError("published= is for a member (rank 0 binds the address it publishes)")
         address = _store_address(address_or_host, port, rank, listener)
 
         self = object.__new__(cls)
@@ -145,7 +152,7 @@ class StatelessGroup:
         )  # fmt: skip
         self._init(state, allow_pickle, token)
         try:
-            self._join(listener, give_up)
+            self._join(listener, give_up, published)
         except BaseException:
             self._teardown()
             raise
@@ -168,7 +175,9 @@ class StatelessGroup:
         self._watch_client = None
         self._owned_listener = None
 
-    def _join(self, listener: Listener | None, give_up: Callable[[], str | None] | None) -> None:
+    def _join(
+        self, listener: Listener | None, give_up: Callable[[], str | None] | None, published: bool = False
+    ) -> None:
         s = self._state
         address = s.address
         if self.rank == 0:
@@ -182,7 +191,8 @@ class StatelessGroup:
                     "its control messages; pass token= or bind to a private network", address,
                 )  # fmt: skip
         self.address = s.address = address
-        s.client = open_client(address, self.timeout, s.io_timeout())
+        refused_for = self.liveness_timeout if published else None
+        s.client = open_client(address, self.timeout, s.io_timeout(), refused_for=refused_for)
         s.pg_client = open_client(address, self.timeout, s.io_timeout())
         t0 = time.monotonic()
         spec = JoinSpec(

@@ -110,14 +110,16 @@ class StoreClient:
 
 
 def open_client(
-    address: Address, timeout: timedelta, io_timeout: timedelta, *, use_libuv: bool = True
-) -> StoreClient:
-    """Connect to the store at ``address`` (within ``timeout``), every later I/O bounded by ``io_timeout``."""
+    address: Address, timeout: timedelta, io_timeout: timedelta, *, use_libuv: bool = True,
+    refused_for: timedelta | None = None,
+) -> StoreClient:  # fmt: skip
+    """Connect to the store at ``address`` (within ``timeout``; a host known to listen that refuses for
+    ``refused_for`` is gone), every later I/O bounded by ``io_timeout``."""
     if address.port is None:
         raise ValueError(f"store address {address} has no port")
     port = address.port
     try:
-        wait_connectable(address, timeout)
+        wait_connectable(address, timeout, refused_for=refused_for)
         store, fd = _torch_private.client_socket(
             lambda: TCPStore(
                 address.host, port, None, False, timeout, wait_for_workers=False, use_libuv=use_libuv

@@ -346,6 +346,51 @@ def test_duplicate_rank_refused() -> None:
     assert res[0].startswith("GroupMismatchError")
 
 
+@pytest.mark.timeout(30)
+def test_a_member_told_a_published_address_that_refuses_raises_within_the_liveness_bound() -> None:
+    """Rank 0 published the address after it bound it, then went (its join failed): a member dialing it
+    gets refused connections, which it takes as a host gone, within the liveness bound, not the timeout."""
+    lis = gb.listen("127.0.0.1:0")
+    address = lis.address
+    lis.close()  # the host is gone: its port refuses
+    t0 = time.monotonic()
+    with pytest.raises(gb.StoreUnreachableError, match=r"refused every connection .* published"):
+        gb.StatelessGroup.create(address, rank=1, world_size=2, timeout=timedelta(seconds=60),
+                                 liveness_timeout=timedelta(seconds=1), published=True)  # fmt: skip
+    assert time.monotonic() - t0 < 10
+    with pytest.raises(ValueError, match="published= is for a member"):
+        gb.StatelessGroup.create(address, rank=0, world_size=2, published=True)
+
+
+def _claimed_ahead(rank: int, host: str, ports: Any, token: str | None) -> str:
+    """Rank 1 first bumps its own rank's claim counter as a process without the token could (a raw store
+    client), then joins."""
+    lis, port = share_port(rank, 2, ports, host)
+    if rank == 1:
+        from torch.distributed import TCPStore
+
+        raw = TCPStore(host, port, None, False, timedelta(seconds=10), wait_for_workers=False)
+        deadline = time.monotonic() + 10
+        while not raw.check(["groupbridge/meta"]) and time.monotonic() < deadline:
+            time.sleep(0.01)  # rank 0 described the group: its counters are live
+        raw.add("groupbridge/bridge/0/claim/1", 1)
+        del raw
+    try:
+        with gb.StatelessGroup.create(host, port, rank=rank, world_size=2, listener=lis, token=token,
+                                      timeout=timedelta(seconds=10)):  # fmt: skip
+            return "joined"
+    except gb.GroupBridgeError as e:
+        return f"{type(e).__name__}: {e}"
+
+
+@pytest.mark.timeout(60)
+def test_a_claim_counted_without_the_token_does_not_refuse_the_ranks_member() -> None:
+    """With a token, a claim counted by a process without it (no sealed record) does not take the rank:
+    its member joins (it used to be refused: "rank 1 is already taken by another member")."""
+    res = run_ranks(_claimed_ahead, 2, "127.0.0.1", CTX.Queue(), "a-secret", timeout=40)
+    assert res == ["joined", "joined"], res
+
+
 def _dies(rank: int, host: str, ports: Any, victim: int, when: str) -> str:
     g = make_group(rank, 3, host, ports, liveness_timeout=timedelta(seconds=2))
     big = torch.ones(1 << 22)  # 16 MiB per broadcast: long enough to be killed during one

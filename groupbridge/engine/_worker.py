@@ -122,7 +122,7 @@ class WorkerSession(Closing):
         self.group = StatelessGroup.create(
             info.host, info.port, rank=rank, world_size=info.world_size, name=info.name,
             generation=info.generation, timeout=timedelta(seconds=info.timeout_s),
-            liveness_timeout=timedelta(seconds=info.liveness_s), token=info.token,
+            liveness_timeout=timedelta(seconds=info.liveness_s), token=info.token, published=True,
         )  # fmt: skip
         # no src: the handshake finds the senders (rank 0, or every trainer rank sending its shards)
         self.receiver = WeightReceiver(
