@@ -607,6 +607,34 @@ def test_receive_keep_yields_views_of_one_kept_buffer(transport: str) -> None:
     assert res[1] == [(True, 1, True), (True, 1, True)], res
 
 
+def _written(rank: int, ports: Any, transport: str) -> Any:
+    """receive() without keep; the consumer writes into every tensor it is given (its own to use)."""
+    with make_group(rank, 2, "127.0.0.1", ports) as g:
+        shapes = [("big", (40000,)), ("w", (64, 64)), ("b", (64,))]
+        if rank == 0:
+            with gb.WeightSender(g, transport=transport, bucket_bytes=32 << 10) as snd:
+                snd.send(make_model(shapes, seed=1), version=1)
+                return snd.send(make_model(shapes, seed=2), version=2).transport
+        rcv = gb.WeightReceiver(g)
+        out = []
+        for v in (1, 2):
+            want, ok = make_model(shapes, seed=v), []
+            for name, t in rcv.receive():
+                ok.append(torch.equal(t, want[name]))
+                t.mul_(2)  # a view of a mapping of the sender's memory would be read-only: SIGSEGV
+            out.append(all(ok))
+        return out
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", ["shm", "broadcast"])
+def test_receive_yields_tensors_of_the_receivers_own_memory(transport: str) -> None:
+    """receive() never yields a view of the sender's shared slot (over shm a read-only mapping: a consumer
+    that wrote into a yielded tensor was killed by SIGSEGV); both versions arrive whole."""
+    res = run_ranks(_written, 2, CTX.Queue(), transport, timeout=50)
+    assert res == [transport, [True, True]], res
+
+
 def _two_sends(rank: int, host: str, ports: Any) -> Any:
     import threading
 

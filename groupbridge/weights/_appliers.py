@@ -1,7 +1,7 @@
 """Where a sync's bytes go on a receiver, and what "done" means: one applier per receive mode, chosen once.
 
-- :class:`Scratch` (``receive()``): buckets land in a small ring of scratch buffers (or a transport's
-  shared slot) and tensors are yielded as views of them.
+- :class:`Scratch` (``receive()``): buckets land in a small ring of scratch buffers of its own and
+  tensors are yielded as views of them.
 - :class:`Staged` (atomic ``receive_into``, and ``receive()`` when the source keeps a base): buckets land in
   one model-size buffer; a delta is applied to it (it holds the version last received); on commit an atomic
   receive copies it into the target (only the tensors that changed, for a delta), while ``receive()`` yields
@@ -142,11 +142,17 @@ class Applier:
 
 class Scratch(Applier):
     """``receive()`` of a source that keeps no base: tensors are views of the scratch bucket they arrived
-    in, valid until the next bucket; a tensor spanning buckets is assembled into its own memory."""
+    in, valid until the next bucket; a tensor spanning buckets is assembled into its own memory. The
+    buckets land in this receiver's own ring, never in a transport's shared slot: a slot is a mapping of
+    the sender's memory (read-only over ``shm``, where a consumer's write would kill the process; the
+    sender's, over CUDA IPC), and the tensors are the consumer's to use."""
 
     def __init__(self, plan: Plan, manifest: Manifest, ring: Ring, copier: Copier, names: Names) -> None:
         super().__init__(plan, manifest, ring, copier, names)
         self._assembling: dict[int, torch.Tensor] = {}
+
+    def land(self, k: int) -> Landed:
+        return Landed(self.ring.land(self.plan)(k).view, Landing.STAGING)
 
     def landed(self, k: int, view: torch.Tensor, in_place: bool, changed: list[int]) -> Iterable[Pair]:
         ready: list[Pair] = []

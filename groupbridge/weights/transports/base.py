@@ -40,9 +40,11 @@ class Landing(enum.Enum):
     TARGET = "target"
     """The caller's own tensors, in place: nothing to copy afterwards."""
     STAGING = "staging"
-    """An atomic update's staging buffer."""
+    """A buffer the caller keeps or hands on (an atomic update's staging, ``receive()``'s ring): the
+    transport copies into it."""
     SCRATCH = "scratch"
-    """A reusable buffer the caller only reads; a transport with a shared buffer may hand that out instead."""
+    """A reusable buffer the caller only reads and never hands on; a transport with a shared buffer may hand
+    that out instead."""
 
 
 @dataclass(frozen=True, slots=True)
