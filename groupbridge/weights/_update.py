@@ -19,8 +19,9 @@ class WeightUpdate:
     """One incoming version; iterate it for (name, tensor) pairs as buckets arrive.
 
     A yielded tensor is a view into one of the receiver's own buffers (never a mapping of the sender's
-    memory, whatever the transport) and stays valid only until the tensors of the next bucket are yielded: consume or copy it before asking for more
-    (``load_weights`` copies each tensor at once). A tensor that spans buckets is yielded as its own copy.
+    memory, whatever the transport) and stays valid only until the tensors of the next bucket are yielded:
+    consume or copy it before asking for more (``load_weights`` copies each tensor at once). A tensor that
+    spans buckets is yielded as its own copy.
     Tied names are yielded right after the tensor they share. The receiver's ``version`` becomes this
     update's version only once iteration has finished and the digests (when on) matched: a consumer that
     applies tensors as they come must treat a failure as a torn update. Stopping early (``break``, an
