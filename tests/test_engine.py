@@ -391,7 +391,23 @@ def test_a_probe_that_disagrees_rolls_back_and_the_next_update_lands() -> None:
         assert session.version == 2 and session.sent == 3
         assert session.last_seconds["unverified"] >= session.last_seconds["verify"] > 0
         assert session.send(slow(4.0, 0), specs=SPECS) == 4
+        calls = [c for c, _, _ in control.log]  # the probe's scoring path warmed before the first update
+        assert calls.index("probe") < calls.index("begin") and session.warm_seconds is not None
     assert out["version"] == 4 and out["sum"] == 4.0 * WHOLE
+
+
+def test_a_probe_the_engine_cannot_score_is_found_before_any_update() -> None:
+    """The probe is scored once when the first bridge is up: an engine that fails it refuses the trainer's
+    first send before anything is sent or committed (it used to be found after the first commit)."""
+    probe = Probe(list(range(len(SHAPES) + 1)), lambda v: _means(1.0), atol=1e-3)
+    with rig(verify=probe) as (session, control, out):
+        control.probe = lambda tokens: (_ for _ in ()).throw(RuntimeError("cannot score"))  # type: ignore[method-assign]
+        with pytest.raises(
+            WeightSyncError, match=r"could not score the probe before any update.*cannot score"
+        ):
+            session.send(slow(1.0, 0), specs=SPECS)
+        assert session.group is None and "begin" not in [c for c, _, _ in control.log]
+    assert out["version"] is None
 
 
 def test_a_torn_commit_is_rolled_back_to_the_whole_previous_version() -> None:

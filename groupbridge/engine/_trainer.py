@@ -102,6 +102,8 @@ class TrainerSession(Closing):
         )
         """The socket the first bridge is served on (the config's); later bridges bind anew."""
         self._sending = threading.Lock()
+        self.warm_seconds: float | None = None
+        """How long the probe's first scoring took, on the first bridge (``verify``: see :meth:`_warm`)."""
         self.last_seconds: dict[str, float] = {}
         """Wall time of the last send (rank 0), split: ``transfer`` (to every worker's acknowledgement),
         ``commit`` (the engine's load of a staged update), ``total``."""
@@ -178,6 +180,26 @@ class TrainerSession(Closing):
             self.group, transport=c.transport, checksum=c.checksum, bucket_bytes=c.bucket_bytes,
             delta=c.delta, memory=self.memory,
         )  # fmt: skip
+        if c.verify is not None and self.warm_seconds is None:
+            self._warm(c.verify)
+
+    def _warm(self, probe: Probe) -> None:
+        """Score the probe once on every replica before any update: an engine's first scoring request
+        pays its warm-up (seconds on vLLM's CPU build), which would otherwise fall in the first verified
+        update, while its replicas serve the unverified version; and an engine that cannot score these
+        tokens is found now, before any version is committed."""
+        assert self.control is not None
+        t0 = time.perf_counter()
+        try:
+            self.control.probe(list(probe.tokens))
+        except Exception as e:
+            self.close()
+            raise WeightSyncError(
+                f"the engines could not score the probe before any update ({type(e).__name__}: {e}): a "
+                "verified update would commit and then fail its probe; nothing was sent"
+            ) from e
+        self.warm_seconds = time.perf_counter() - t0
+        logger.info("groupbridge: the probe's scoring path warmed in %.3f s", self.warm_seconds)
 
     def close(self) -> None:
         """Close the bridge; the workers are told to leave it first (rank 0), so that none is left holding
