@@ -648,6 +648,20 @@ def test_a_trainer_joining_between_a_send_and_its_finish_leaves_that_finish_rais
 PROBE = [1, 17, 300, 5, 42, 7, 99, 2]
 
 
+def test_a_prompt_token_outside_the_vocabulary_fails_its_request_alone(dense: tuple[Any, Any]) -> None:
+    """An engine without a tokenizer (``skip_tokenizer_init``) checks no prompt token: one outside the
+    vocabulary used to end the engine in its embedding, whoever sent it (a probe, any API client). The
+    engine core refuses that request alone; the engine serves on."""
+    llm, _ = dense
+    before = served(llm)
+    vocab = OfflineClient(llm).vocab_size()
+    sp = vllm.SamplingParams(max_tokens=2, temperature=0)
+    for bad in ([1, vocab, 3], [-1, 2]):
+        out = llm.generate([{"prompt_token_ids": bad}], sp, use_tqdm=False)[0]
+        assert out.outputs[0].finish_reason == "error" and not out.outputs[0].token_ids, (bad, out)
+    assert served(llm) == before
+
+
 def test_a_probe_that_disagrees_rolls_vllm_back_to_the_version_it_served(dense: tuple[Any, Any]) -> None:
     """verify=Probe: vLLM's log-probabilities of the probe, through its own generate, match transformers'
     at versions 1 and 2; at version 3 the reference disagrees: the worker loads version 2 again from its

@@ -96,12 +96,22 @@ _ADMITS = "_groupbridge_adapters"
 
 
 def _admit(core: Any, request: Any) -> str | None:
-    """Why ``request`` must not reach a model step, or None: it names an adapter version of the registry
-    that no longer is (or never was) loadable. Its load would fail inside the step, where an error ends
-    the engine; refused here, one request fails."""
+    """Why ``request`` must not reach a model step, or None: a prompt token outside the model's vocabulary
+    where vLLM checks none (an engine without a tokenizer: its embedding would fail), or an adapter version
+    of the registry that no longer is (or never was) loadable (its load would fail). Either fails inside
+    the step, where an error ends the engine; refused here, one request fails."""
+    if not _ours(core):
+        return None
+    model_config = core.vllm_config.model_config
+    tokens = getattr(request, "prompt_token_ids", None)
+    if tokens and getattr(model_config, "skip_tokenizer_init", False):
+        vocab = int(model_config.get_vocab_size())
+        bad = next((t for t in (min(tokens), max(tokens)) if not 0 <= t < vocab), None)
+        if bad is not None:
+            return f"prompt token {bad} lies outside the model's vocabulary of {vocab}"
     lora = getattr(request, "lora_request", None)
     path = str(getattr(lora, "lora_path", "") or "")
-    if lora is None or not path.startswith(_lora.SCHEME) or not _ours(core):
+    if lora is None or not path.startswith(_lora.SCHEME):
         return None
     if lora.lora_name in getattr(core, _ADMITS, frozenset()):
         return None
