@@ -62,6 +62,8 @@ class VllmControl(EngineControl):
         self.update_info = update_info
         """What each update tells the workers beside its version (an adapter's name and config)."""
         self._committed: int | None = None
+        self._bridge: str | None = None
+        """The bridge the workers last joined (``BridgeInfo.bridge_id``), named by each update."""
         self.capabilities = Capabilities(
             probe=_scores(client),
             rollback=True,
@@ -71,6 +73,7 @@ class VllmControl(EngineControl):
 
     def join(self, info: dict[str, Any]) -> None:
         self.client.init_weight_transfer_engine(info)
+        self._bridge = info.get("bridge_id") or None
 
     def served(self) -> int | None:
         """The version the engine reports serving (a fleet: the highest of its engines'), when it is a
@@ -80,6 +83,8 @@ class VllmControl(EngineControl):
     def begin(self, version: int) -> None:
         start_update(self.client)
         extra = self.update_info() if self.update_info is not None else {}
+        if self._bridge is not None:
+            extra = {**extra, "bridge": self._bridge}
         self.client.update_weights({**extra, "version": version})
 
     def commit(self, version: int) -> None:

@@ -80,7 +80,14 @@ class WeightSyncError(GroupBridgeError):
 class SyncRefusedError(WeightSyncError):
     """A weight sync that every member ended the same way and knows it: refused before any byte moved (a
     receiver's verdict), or finished with some receiver refusing the bytes it got. The group stays usable:
-    nobody aborts it, and the next sync may follow at once."""
+    nobody aborts it, and the next sync may follow at once.
+
+    ``newest``: when some receiver refused the version as not newer than one it holds, the newest version
+    a receiver holds (a later sync must be newer than it); else None."""
+
+    def __init__(self, *args: object, newest: int | None = None) -> None:
+        super().__init__(*args)
+        self.newest = newest
 
 
 class ManifestMismatchError(SyncRefusedError):

@@ -107,3 +107,20 @@ def wait_until_blocked(pid: int, *, hold: float = 0.1, timeout: float = 10.0) ->
             return
         time.sleep(0.005)
     raise TimeoutError(f"process {pid} was not seen in one wait for {hold}s within {timeout}s")
+
+
+def refused_after_takeover(send: Callable[[], Any]) -> Any:
+    """A trainer's first send after another trainer took its engine over: refused in the handshake, naming
+    the version the engine holds, either at once (its bridge already seen left: it joins the engine again)
+    or after one send that finds the bridge left (its update names a bridge the worker is not on)."""
+    import groupbridge as gb
+
+    for attempt in range(2):
+        try:
+            send()
+        except gb.SyncRefusedError as e:
+            return e
+        except gb.WeightSyncError as e:
+            left = "another trainer's bridge" in str(e) or "closed the group" in str(e)
+            assert attempt == 0 and left, e
+    raise AssertionError("the send after a takeover was not refused")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import queue
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -21,8 +22,13 @@ import pytest
 import torch
 
 from groupbridge.engine import Capabilities, EngineControl, Fleet, Probe, TrainerConfig, TrainerSession
-from groupbridge.errors import ManifestMismatchError, PeerDiedError, VerificationError, WeightSyncError
-from tests.helpers import CTX, Ranks
+from groupbridge.errors import (
+    ManifestMismatchError,
+    PeerDiedError,
+    VerificationError,
+    WeightSyncError,
+)
+from tests.helpers import CTX, Ranks, refused_after_takeover
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -91,9 +97,9 @@ def _engine(rank: int, calls: Any, replies: Any, shadow: bool = False) -> dict[s
         try:
             if call == "join":
                 session.join(BridgeInfo(**arg), arg.get("sources", 1) + arg.get("rank_offset", 0))
-            elif call == "begin":
+            elif call == "begin":  # (version, the bridge the trainer sends on)
                 session.begin()
-                session.receive(arg)
+                session.receive(arg[0], bridge=arg[1])
             elif call == "begin_only":  # an engine's RPC that begins an update, alone
                 session.begin()
             elif call == "commit":
@@ -147,6 +153,7 @@ class Control(EngineControl):
         self.calls, self.replies = calls, replies
         self.lock = threading.Lock()
         self.log: list[tuple[str, float, float]] = []
+        self.bridge: str | None = None
 
     def rpc(self, call: str, arg: Any = None) -> Any:
         with self.lock:
@@ -160,9 +167,10 @@ class Control(EngineControl):
 
     def join(self, info: dict[str, Any]) -> None:
         self.rpc("join", info)
+        self.bridge = info["bridge_id"]
 
     def begin(self, version: int) -> None:
-        self.rpc("begin", version)
+        self.rpc("begin", (version, self.bridge))
 
     def commit(self, version: int) -> None:
         self.rpc("commit", version)
@@ -507,6 +515,36 @@ class _Hangs(EngineControl):
 
     def leave(self) -> None:
         self.called.append("leave")
+
+
+def test_a_second_trainer_on_the_engine_never_lets_the_first_reuse_a_version() -> None:
+    """Trainer 2 takes the engine over while trainer 1 lives on (a failover) and sends 3 and 4. Trainer 1's
+    next version (its default: 3) is refused, naming the version the engine holds (it used to land as a
+    second "3"), within the liveness bound; then 5 lands. The engine's versions only grow, whichever
+    trainer sends."""
+    with rig() as (first, control, out):
+        assert first.send(slow(1.0, 0), specs=SPECS) == 1
+        assert first.send(slow(2.0, 0), specs=SPECS) == 2
+        # its own control of the same engine (a second trainer process would make its own)
+        other = Control(control.calls, control.replies)
+        second = TrainerSession(TrainerConfig(timeout_s=30, liveness_s=10, bucket_bytes=32 << 10), other)
+        try:
+            assert second.send(slow(3.0, 0), specs=SPECS, version=3) == 3
+            assert second.send(slow(4.0, 0), specs=SPECS) == 4
+            t0 = time.monotonic()
+            e = refused_after_takeover(lambda: first.send(slow(9.0, 0), specs=SPECS))
+            assert re.search(
+                r"(?s)holds version 4; version 3 is not newer.*next default version is 5", str(e)
+            )
+            assert e.newest == 4 and time.monotonic() - t0 < 10  # well within the liveness bound
+            assert control.probe([])[0] == _means(4.0)  # trainer 2's version 4, whole
+            assert first.send(slow(5.0, 0), specs=SPECS) == 5
+            e = refused_after_takeover(lambda: second.send(slow(6.0, 0), specs=SPECS))
+            assert "holds version 5; version 5 is not newer" in str(e)  # its default was 5 too
+            assert second.send(slow(6.0, 0), specs=SPECS) == 6
+        finally:
+            second.close()
+    assert out["version"] == 6 and out["sum"] == 6.0 * WHOLE
 
 
 def test_a_fleet_of_two_engines_commits_as_one_and_probes_each() -> None:

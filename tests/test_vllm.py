@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import itertools
 import json
 import os
 import signal
@@ -38,6 +39,7 @@ from groupbridge.vllm._serve import Server
 from groupbridge.vllm._stop import remove_new, segments, shutdown
 from groupbridge.vllm.models import make_model
 from tests.engines import PROMPTS, TOKENS, perturb, reference
+from tests.helpers import refused_after_takeover
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -75,6 +77,15 @@ def served(llm: Any) -> list[list[int]]:
     sp = vllm.SamplingParams(max_tokens=TOKENS, temperature=0)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
+
+
+_BLOCKS = itertools.count(1)
+
+
+def fresh() -> int:
+    """A version above every one sent to this module's engines so far: a block of its own per call (an
+    engine refuses any version not newer than the newest it took, from any trainer)."""
+    return next(_BLOCKS) * 10_000
 
 
 def test_the_plugin_registers_both_engines_once_however_often_it_loads() -> None:
@@ -416,7 +427,8 @@ def test_two_trainer_ranks_each_send_their_rows_and_vllm_serves_the_whole(dense:
     """No rank gathers the model: each sends its rows, the worker assembles whole tensors; two versions."""
     llm, model = dense
     lis = gb.listen("127.0.0.1", 0)
-    common: dict[str, Any] = dict(timeout_s=60, liveness_s=10, sources=2)
+    base = fresh()  # several sending ranks agree on versions: given, not read from the engine
+    common: dict[str, Any] = dict(timeout_s=60, liveness_s=10, sources=2, first_version=base)
     infos = [TrainerInitInfo(rank=0, listener=lis, **common),
              TrainerInitInfo(rank=1, port=lis.port, **common)]  # fmt: skip
     engines: list[Any] = [None, None]
@@ -442,7 +454,7 @@ def test_two_trainer_ranks_each_send_their_rows_and_vllm_serves_the_whole(dense:
                 assert served(llm) == reference(model)
                 assert engines[1].version == engines[0].version
                 assert engines[0].last_stats.transport == "shm"  # pairs on one host: each maps the rings
-        assert engines[0].version == 2
+        assert engines[0].version == base + 1
     finally:
         for eng in engines:
             if eng is not None:
@@ -453,39 +465,41 @@ def test_a_manifest_vllm_cannot_load_is_refused_on_both_sides(dense: tuple[Any, 
     llm, model = dense
     version, tokens = llm.get_weight_version(), served(llm)
     eng = trainer(llm, model)
+    v = fresh()
     try:
         bad = dict(model.named_parameters())
         bad["model.layers.0.self_attn.q_proj.weight"] = torch.nn.Parameter(torch.zeros(3, 3))
         eng.source = ModuleSource(_Dict(bad))
         with pytest.raises(gb.ManifestMismatchError, match=r"q_proj\.weight.*\(3, 3\)"):
-            eng.send_weights(version=100)
+            eng.send_weights(version=v)
         assert llm.get_weight_version() == version and served(llm) == tokens
         extra = dict(model.named_parameters())
         extra["model.layers.0.self_attn.nope.weight"] = torch.nn.Parameter(torch.zeros(2))
         eng.source = ModuleSource(_Dict(extra))
         with pytest.raises(gb.ManifestMismatchError, match="nope"):
-            eng.send_weights(version=100)
+            eng.send_weights(version=v)
         missing = {n: p for n, p in model.named_parameters() if "mlp.down_proj" not in n}
         eng.source = ModuleSource(_Dict(missing))
         with pytest.raises(gb.ManifestMismatchError, match=r"not fully written.*down_proj"):
-            eng.send_weights(version=100)
+            eng.send_weights(version=v)
         assert llm.get_weight_version() == version and served(llm) == tokens
         eng.source = ModuleSource(model)  # the bridge is still usable
         perturb(model, 10)
-        eng.send_weights(version=100)
-        assert llm.get_weight_version() == "100" and served(llm) == reference(model)
+        eng.send_weights(version=v)
+        assert llm.get_weight_version() == str(v) and served(llm) == reference(model)
     finally:
         eng.shutdown()
 
 
 def test_streaming_updates(dense: tuple[Any, Any]) -> None:
     llm, model = dense
-    eng = trainer(llm, model, atomic=False, first_version=200, host="::1")  # IPv6 loopback
+    base = fresh()
+    eng = trainer(llm, model, atomic=False, first_version=base, host="::1")  # IPv6 loopback
     try:
         for step in range(2):
             perturb(model, 20 + step)
             eng.send_weights()
-            assert llm.get_weight_version() == str(200 + step) and served(llm) == reference(model)
+            assert llm.get_weight_version() == str(base + step) and served(llm) == reference(model)
     finally:
         eng.shutdown()
 
@@ -496,11 +510,12 @@ def test_a_new_trainer_recovers_an_engine_left_mid_update(dense: tuple[Any, Any]
     nothing, and goes on."""
     llm, model = dense
     llm.start_weight_update()  # the earlier trainer's start, then nothing: it died
-    eng = trainer(llm, model, first_version=300)
+    base = fresh()
+    eng = trainer(llm, model, first_version=base)
     try:
         perturb(model, 30)
         eng.send_weights()
-        assert llm.get_weight_version() == "300" and served(llm) == reference(model)
+        assert llm.get_weight_version() == str(base) and served(llm) == reference(model)
     finally:
         eng.shutdown()
 
@@ -533,7 +548,7 @@ def slow():
         time.sleep(0.05)
         yield n, t.add(1.0)
 specs = {n: (t.shape, t.dtype) for n, t in sd.items()}
-gb.WeightSender(grp, bucket_bytes=64 * 1024).send(slow(), version=999, specs=specs)
+gb.WeightSender(grp, bucket_bytes=64 * 1024).send(slow(), version=int(sys.argv[3]), specs=specs)
 """
 
 
@@ -551,8 +566,9 @@ def test_a_trainer_killed_midway_leaves_vllm_serving_the_old_weights(
     version, tokens = llm.get_weight_version(), served(llm)
     state = tmp_path / "state.pt"
     torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, state)
+    doomed, after = fresh(), fresh()
     proc = subprocess.Popen(
-        [sys.executable, "-c", KILLED_TRAINER, str(state), mode],
+        [sys.executable, "-c", KILLED_TRAINER, str(state), mode, str(doomed)],
         stdout=subprocess.PIPE,
         text=True,
         env=os.environ,
@@ -566,7 +582,7 @@ def test_a_trainer_killed_midway_leaves_vllm_serving_the_old_weights(
         def update() -> None:
             try:
                 llm.start_weight_update()
-                llm.update_weights({"update_info": {"version": 999}})
+                llm.update_weights({"update_info": {"version": doomed}})
             except BaseException as e:
                 failed.append(e)
 
@@ -583,8 +599,8 @@ def test_a_trainer_killed_midway_leaves_vllm_serving_the_old_weights(
         if mode == "atomic":
             assert not failed, failed  # it returned at the handshake, before the trainer died
             # waits (bounded) for the landing, which failed: nothing is loaded, and the finish says so
-            with pytest.raises(Exception, match="version 999 did not land"):
-                llm.finish_weight_update(weight_version="999")
+            with pytest.raises(Exception, match=f"version {doomed} did not land"):
+                llm.finish_weight_update(weight_version=str(doomed))
             assert time.monotonic() - t0 < 20
             assert llm.get_weight_version() == version and served(llm) == tokens
         elif mode == "streaming":
@@ -599,11 +615,11 @@ def test_a_trainer_killed_midway_leaves_vllm_serving_the_old_weights(
         proc.kill()
         proc.wait(10)
     # a new trainer (a new bridge generation) takes over
-    eng = trainer(llm, model, first_version=1000)
+    eng = trainer(llm, model, first_version=after)
     try:
         perturb(model, 30)
         eng.send_weights()
-        assert llm.get_weight_version() == "1000" and served(llm) == reference(model)
+        assert llm.get_weight_version() == str(after) and served(llm) == reference(model)
     finally:
         eng.shutdown()
 
@@ -615,6 +631,7 @@ def test_a_trainer_joining_between_a_send_and_its_finish_leaves_that_finish_rais
     A's finish then raises instead of reporting a version nothing loaded; B's first update lands."""
     llm, model = dense
     version, tokens = llm.get_weight_version(), served(llm)
+    staged_version, b_version = fresh(), fresh()
     lis = gb.listen("127.0.0.1", 0)
     info = {"host": "127.0.0.1", "port": lis.port, "world_size": 2, "name": "vllm", "generation": 41,
             "atomic": True, "timeout_s": 60, "liveness_s": 5}  # fmt: skip
@@ -626,23 +643,58 @@ def test_a_trainer_joining_between_a_send_and_its_finish_leaves_that_finish_rais
     joined.join(30)
     llm.start_weight_update()
     update = threading.Thread(
-        target=llm.update_weights, args=({"update_info": {"version": 77}},), daemon=True
+        target=llm.update_weights, args=({"update_info": {"version": staged_version}},), daemon=True
     )
     update.start()
     staged = {n: p.detach() + 1.0 for n, p in model.named_parameters()}
-    gb.WeightSender(group).send(staged, version=77)  # every worker acknowledged: staged, not loaded
+    gb.WeightSender(group).send(staged, version=staged_version)  # every worker acknowledged: staged
     update.join(30)
-    eng = trainer(llm, model, first_version=2000)  # B joins: A's staged update is dropped
+    eng = trainer(llm, model, first_version=b_version)  # B joins: A's staged update is dropped
     group.close()
     try:
         with pytest.raises(Exception, match="nothing to commit"):
-            llm.finish_weight_update(weight_version="77")
+            llm.finish_weight_update(weight_version=str(staged_version))
         assert llm.get_weight_version() == version and served(llm) == tokens
         perturb(model, 31)
         eng.send_weights()  # recovers the engine A left mid-update: abandons it, then lands
-        assert llm.get_weight_version() == "2000" and served(llm) == reference(model)
+        assert llm.get_weight_version() == str(b_version) and served(llm) == reference(model)
     finally:
         eng.shutdown()
+
+
+def test_a_second_trainer_never_lets_the_first_reuse_a_version(dense: tuple[Any, Any]) -> None:
+    """Trainer 1 sends a version; trainer 2 takes the engine over while trainer 1 lives on (a failover) and
+    sends the next two from a model of its own. Trainer 1's next version is refused, naming the one vLLM
+    holds, within its liveness bound (it used to land as a second number: the engine reported b + 2, then
+    b + 1); then it lands above. After every step vLLM reports the version whose weights it serves."""
+    import copy
+
+    llm, model = dense
+    other = copy.deepcopy(model)
+    b = fresh()
+    first = trainer(llm, model, first_version=b)
+    second = None
+    try:
+        perturb(model, 90)
+        first.send_weights()
+        assert llm.get_weight_version() == str(b) and served(llm) == reference(model)
+        second = trainer(llm, other)  # its first version follows the one the engine serves
+        for step in (1, 2):
+            perturb(other, 90 + step)
+            second.send_weights()
+            assert llm.get_weight_version() == str(b + step) and served(llm) == reference(other)
+        t0 = time.monotonic()
+        e = refused_after_takeover(first.send_weights)
+        assert f"holds version {b + 2}; version {b + 1} is not newer" in str(e) and e.newest == b + 2, e
+        assert time.monotonic() - t0 < 10  # the trainer's liveness bound
+        assert llm.get_weight_version() == str(b + 2) and served(llm) == reference(other)
+        perturb(model, 93)
+        first.send_weights()
+        assert llm.get_weight_version() == str(b + 3) and served(llm) == reference(model)
+    finally:
+        first.shutdown()
+        if second is not None:
+            second.shutdown()
 
 
 PROBE = [1, 17, 300, 5, 42, 7, 99, 2]
@@ -670,31 +722,33 @@ def test_a_probe_that_disagrees_rolls_vllm_back_to_the_version_it_served(dense: 
     from groupbridge.engine import Probe, causal_logprobs
 
     llm, model = dense
+    base = fresh()
 
     def ref(v: int) -> list[float]:
         lp = causal_logprobs(model, PROBE)
-        return [x + 1.0 for x in lp] if v == 402 else lp  # the trainer's model "disagrees" at version 3
+        return [x + 1.0 for x in lp] if v == base + 2 else lp  # the trainer's model "disagrees" at version 3
 
     vocab = OfflineClient(llm).vocab_size()
     with pytest.raises(ValueError, match=f"token {vocab} lies outside engine 0's vocabulary of {vocab}"):
         trainer(llm, model, verify=Probe([1, vocab, 3], ref))  # refused before it joins: the engine lives on
-    eng = trainer(llm, model, verify=Probe(PROBE, ref, atol=1e-3), first_version=400)
+    eng = trainer(llm, model, verify=Probe(PROBE, ref, atol=1e-3), first_version=base)
     try:
         for step in range(2):
             perturb(model, 70 + step)
             eng.send_weights()
-            assert llm.get_weight_version() == str(400 + step) and served(llm) == reference(model)
+            assert llm.get_weight_version() == str(base + step) and served(llm) == reference(model)
         kept = served(llm)
         perturb(model, 72)
         with pytest.raises(
-            gb.VerificationError, match=r"replica 0 serves version 402.*rolled back to version 401"
+            gb.VerificationError,
+            match=rf"replica 0 serves version {base + 2}.*rolled back to version {base + 1}",
         ) as e:
             eng.send_weights()
-        assert (e.value.replica, e.value.served) == (0, 401) and e.value.difference > 0.9
-        assert llm.get_weight_version() == "401" and served(llm) == kept and eng.version == 401
+        assert (e.value.replica, e.value.served) == (0, base + 1) and e.value.difference > 0.9
+        assert llm.get_weight_version() == str(base + 1) and served(llm) == kept and eng.version == base + 1
         perturb(model, 73)
         eng.send_weights()
-        assert llm.get_weight_version() == "403" and served(llm) == reference(model)
+        assert llm.get_weight_version() == str(base + 3) and served(llm) == reference(model)
         assert 0 < eng.last_seconds["verify"] < 10
     finally:
         eng.shutdown()
@@ -815,54 +869,55 @@ def test_a_failed_rollback_says_what_each_engine_serves_and_a_torn_one_never_rep
     from groupbridge.vllm import FleetClient
 
     llm, model = dense
+    b = fresh()
     path = tmp_path_factory.mktemp("qwen2-torn")
     make_model(path, "qwen2", seed=7)
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # this engine runs the test's function
 
     def ref(v: int) -> list[float]:
         lp = causal_logprobs(model, PROBE)
-        return [x + 1.0 for x in lp] if v == 603 else lp
+        return [x + 1.0 for x in lp] if v == b + 3 else lp
 
     with running(path) as second:
         assert second.collective_rpc(_arm_loader, args=([],)) == ["armed 0"]
         fleet = FleetClient([OfflineClient(llm), OfflineClient(second)])
         probe = Probe(PROBE, ref, atol=1e-3)
         info = TrainerInitInfo(
-            rank=0, workers=2, timeout_s=60, liveness_s=10, swap="reload", first_version=600, verify=probe
+            rank=0, workers=2, timeout_s=60, liveness_s=10, swap="reload", first_version=b, verify=probe
         )
         eng = WeightTransferTrainerFactory.trainer_init(info, client=fleet, source=ModuleSource(model))
         try:
             perturb(model, 84)
             eng.send_weights()
             want = reference(model)
-            assert [e.get_weight_version() for e in (llm, second)] == ["600"] * 2
+            assert [e.get_weight_version() for e in (llm, second)] == [str(b)] * 2
             assert second.collective_rpc(_arm_loader, args=([True, True],)) == ["armed 2"]
             perturb(model, 85)
-            torn = r"engine 0: version 600; engine 1: a torn mix of two versions"
-            with pytest.raises(gb.WeightSyncError, match=rf"(?s)commit of version 601 failed.*rollback to "
-                               rf"version 600 failed too.*{torn}"):  # fmt: skip
+            torn = rf"engine 0: version {b}; engine 1: a torn mix of two versions"
+            failed = rf"(?s)commit of version {b + 1} failed.*rollback to version {b} failed too.*{torn}"
+            with pytest.raises(gb.WeightSyncError, match=failed):
                 eng.send_weights()
-            assert (llm.get_weight_version(), second.get_weight_version()) == ("600", "torn")
+            assert (llm.get_weight_version(), second.get_weight_version()) == (str(b), "torn")
             assert served(llm) == want
             perturb(model, 86)
             eng.send_weights()  # every tensor loads on every worker: the torn one is mended
             want = reference(model)
             for e in (llm, second):
-                assert e.get_weight_version() == "602" and served(e) == want
+                assert e.get_weight_version() == str(b + 2) and served(e) == want
             assert second.collective_rpc(_arm_loader, args=([False, True],)) == ["armed 2"]
             perturb(model, 87)
-            torn = r"engine 0: version 602; engine 1: a torn mix of two versions"
+            torn = rf"engine 0: version {b + 2}; engine 1: a torn mix of two versions"
             with pytest.raises(
-                gb.VerificationError, match=rf"(?s)rollback to version 602 failed too.*{torn}"
+                gb.VerificationError, match=rf"(?s)rollback to version {b + 2} failed too.*{torn}"
             ) as e:
                 eng.send_weights()
             assert e.value.served is None
-            assert (llm.get_weight_version(), second.get_weight_version()) == ("602", "torn")
+            assert (llm.get_weight_version(), second.get_weight_version()) == (str(b + 2), "torn")
             assert served(llm) == want
             perturb(model, 88)
             eng.send_weights()
             for e in (llm, second):
-                assert e.get_weight_version() == "604" and served(e) == reference(model)
+                assert e.get_weight_version() == str(b + 4) and served(e) == reference(model)
         finally:
             eng.shutdown()
 
@@ -1369,7 +1424,8 @@ def test_a_replica_killed_during_the_transfer_leaves_the_others_serving(
     doomed = [p for p in psutil.Process().children(recursive=True) if p.pid not in children]
     try:
         fleet = FleetClient([OfflineClient(llm), OfflineClient(second)])
-        info = TrainerInitInfo(rank=0, workers=2, timeout_s=60, liveness_s=2, first_version=600)
+        first, later = fresh(), fresh()
+        info = TrainerInitInfo(rank=0, workers=2, timeout_s=60, liveness_s=2, first_version=first)
         source = _Slow(model, delay=0.05, after=6)
         eng = WeightTransferTrainerFactory.trainer_init(info, client=fleet, source=source)
         version, tokens = llm.get_weight_version(), served(llm)
@@ -1396,13 +1452,13 @@ def test_a_replica_killed_during_the_transfer_leaves_the_others_serving(
         assert llm.get_weight_version() == version and served(llm) == tokens
         # the survivor, over a new bridge: its engine was left mid-update, recovered by the new trainer
         survivor = WeightTransferTrainerFactory.trainer_init(
-            TrainerInitInfo(rank=0, workers=1, timeout_s=60, liveness_s=2, first_version=700),
+            TrainerInitInfo(rank=0, workers=1, timeout_s=60, liveness_s=2, first_version=later),
             client=FleetClient([OfflineClient(llm)]),
             source=ModuleSource(model),
         )
         try:
             survivor.send_weights()
-            assert llm.get_weight_version() == "700" and served(llm) == reference(model)
+            assert llm.get_weight_version() == str(later) and served(llm) == reference(model)
         finally:
             survivor.shutdown()
     finally:

@@ -48,6 +48,10 @@ class BridgeInfo:
     """Where this engine's workers start among the workers: with several engines on one bridge (a fleet),
     engine k's workers follow those of engines 0 .. k-1. A worker's rank is ``sources + rank_offset + its
     index in its engine``."""
+    bridge_id: str = ""
+    """Drawn by the trainer for each bridge it hosts; each update names it (``WorkerSession.receive(
+    bridge=)``), so that a worker another trainer has taken over refuses the first trainer's update at once
+    instead of waiting on the other's bridge."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 < self.port < 65536:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
+import secrets
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -96,6 +97,9 @@ class TrainerSession(Closing):
         self.last_stats: SyncStats | None = None
         self.engine_served: int | None = None
         """The version the engine reported serving when this trainer first joined it (one sending rank)."""
+        self.passed: int | None = None
+        """The newest version a worker said it holds when it refused one of this trainer's as not newer
+        (another trainer took the engine over meanwhile): the next default version follows it."""
         # a config's listener serves one session's first bridge: one handed over already binds anew
         self._listener = (
             config.listener if config.listener is not None and not config.listener.closed else None
@@ -143,7 +147,7 @@ class TrainerSession(Closing):
         info = BridgeInfo(
             host=lis.address.host, port=lis.port, world_size=world, sources=c.sources, name=c.name,
             generation=self.generation, token=c.token, atomic=c.atomic, timeout_s=c.timeout_s,
-            liveness_s=c.liveness_s, rollback=c.keeps_previous, swap=c.swap,
+            liveness_s=c.liveness_s, rollback=c.keeps_previous, swap=c.swap, bridge_id=secrets.token_hex(8),
         )  # fmt: skip
         control = self.control
         call = Call("join", lambda: control.join(dataclasses.asdict(info)))
@@ -223,7 +227,7 @@ class TrainerSession(Closing):
     def next_version(self, version: int | None) -> int:
         if version is not None:
             return version
-        held = [v for v in (self.version, self.sent) if v is not None]
+        held = [v for v in (self.version, self.sent, self.passed) if v is not None]
         if held:
             return max(held) + 1
         if self.config.first_version is not None:
@@ -284,6 +288,14 @@ class TrainerSession(Closing):
                 if isinstance(e, PeerDiedError):  # the type users catch stays the same
                     raise PeerDiedError(f"{e} ({who[1]})", rank=who[0]) from e
                 raise WeightSyncError(f"{e} ({who[1]})") from e
+            if isinstance(e, SyncRefusedError) and e.newest is not None:
+                self.passed = max(self.passed or e.newest, e.newest)
+                raise SyncRefusedError(
+                    f"{e}\nthe engine holds version {e.newest}, newer than this trainer's {v} (another "
+                    f"trainer updated it): nothing was sent; the next default version is "
+                    f"{self.next_version(None)}",
+                    newest=e.newest,
+                ) from e
             if isinstance(e, SyncRefusedError) or call.error is None:
                 raise
             raise WeightSyncError(f"the engine failed the update of version {v}: {call.error}") from e
@@ -404,6 +416,13 @@ class TrainerSession(Closing):
                 "on every rank"
             )
         v = self.next_version(version)
-        self.last_stats = self.sender.send(named, v, timeout=timedelta(seconds=self.config.timeout_s))
+        try:
+            self.last_stats = self.sender.send(named, v, timeout=timedelta(seconds=self.config.timeout_s))
+        except (
+            SyncRefusedError
+        ) as e:  # every rank learns the engine's newest alike: their next versions agree
+            if e.newest is not None:
+                self.passed = max(self.passed or e.newest, e.newest)
+            raise
         self.version = v
         return v

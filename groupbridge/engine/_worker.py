@@ -108,6 +108,12 @@ class WorkerSession(Closing):
         """The version the shadow holds, complete (the one served before the last swap); None: none."""
         self._live_clean = True
         """The serving copy holds ``version`` and nothing else (no load into it failed midway since)."""
+        self.newest: dict[str, int] = {}
+        """Per line of versions (the base weights: ``""``; an adapter: its name), the newest version whose
+        sync passed its vote here, from any trainer on any bridge: a later sync of that line must be newer
+        (refused in its handshake otherwise, on every member), so that no number names two sets of weights
+        even when a second trainer takes this engine over while the first lives on."""
+        self._line = ""
 
     # ------------------------------------------------------------------ bridge
 
@@ -131,8 +137,15 @@ class WorkerSession(Closing):
         self.info = info
         self.log.info("groupbridge: worker joined %s as rank %d of %d", info.host, rank, info.world_size)
 
+    def _noted(self) -> None:
+        """The receiver's version (its last sync that passed the vote) into :attr:`newest`."""
+        held = self.receiver.version if self.receiver is not None else None
+        if held is not None:
+            self.newest[self._line] = max(self.newest.get(self._line, held), held)
+
     def close(self) -> None:
         """Leave the bridge. A landing in flight is aborted (its group is), and waited for, bounded."""
+        self._noted()
         try:
             self._drop("the worker left the bridge during an update")
         except WeightSyncError as e:  # its receiver is not closed under it: dropped, never reused
@@ -162,12 +175,25 @@ class WorkerSession(Closing):
         self._rollback_to = None
         self._prepared = None
 
-    def receive(self, version: int | None = None) -> None:
+    def receive(self, version: int | None = None, *, line: str = "", bridge: str | None = None) -> None:
         """The handshake (the loader's dry run of the manifest); then the bytes: an atomic update's land on
-        a thread (with ``background``) or here, a streaming update's are loaded here as they arrive."""
+        a thread (with ``background``) or here, a streaming update's are loaded here as they arrive.
+        ``line``: which line of versions the update belongs to (see :attr:`newest`). ``bridge``: the
+        bridge the update's trainer sends on (its ``BridgeInfo.bridge_id``): another than this worker's
+        is refused at once (another trainer took the engine over since; the first one's next connect
+        joins it again)."""
         if self.receiver is None or self.info is None:
             raise RuntimeError("the worker has not joined a bridge: call join() first")
+        if bridge is not None and bridge != self.info.bridge_id:
+            held = self.version if self.version is not None else "its initial weights"
+            raise WeightSyncError(
+                f"update {version} was begun for bridge {bridge[:32]!r}, but this worker is on another "
+                f"trainer's bridge since ({self.info.bridge_id!r}; it serves {held}): nothing received"
+            )
         self._drop("a new update began before the last one landed", settle=True)
+        self._noted()
+        self._line = line
+        self.receiver.version = self.newest.get(line)  # the handshake refuses a version not newer
         t0 = time.perf_counter()
         check: list[float] = []
         # Every update lands in the receiver's kept copy of the weights and yields whole tensors as views of

@@ -74,6 +74,8 @@ class UpdateInfo(WeightTransferUpdateInfo):
     nothing) when another version is staged (a finish that arrives late, after a later update began)."""
     adapter: dict[str, Any] | None = None
     """A LoRA adapter's update: ``{"name", "config", "max_live"}`` (see :mod:`._lora`)."""
+    bridge: str | None = None
+    """The trainer's bridge (``BridgeInfo.bridge_id``): a worker on another refuses the update at once."""
     in_use: list[str] | None = None
     """With ``commit``: the adapter versions the engine core's unfinished requests name (kept loadable)."""
 
@@ -88,6 +90,8 @@ class UpdateInfo(WeightTransferUpdateInfo):
             raise ValueError(f"commit must be a bool, and alone: got {self.commit!r}")
         if self.adapter is not None:
             AdapterSpec.parse(self.adapter)
+        if self.bridge is not None and (not isinstance(self.bridge, str) or len(self.bridge) > 64):
+            raise ValueError("bridge must be a bridge id (a short string)")
         if self.in_use is not None and (
             not isinstance(self.in_use, list) or len(self.in_use) > 1 << 16
             or not all(isinstance(n, str) and len(n) < 1024 for n in self.in_use)
@@ -267,7 +271,8 @@ class WorkerEngine(WeightTransferEngine[WorkerInitInfo, UpdateInfo]):
         self.loader.adapter = (
             (AdapterSpec.parse(adapter), update_info.version) if adapter is not None else None
         )
-        self.session.receive(update_info.version)
+        line = self.loader.adapter[0].name if self.loader.adapter is not None else ""
+        self.session.receive(update_info.version, line=line, bridge=update_info.bridge)
 
     def finish_weight_update(self) -> None:
         """Load the staged update. Raises (vLLM then keeps the version it reports) when there is nothing to

@@ -124,6 +124,8 @@ class Verdict:
     """It holds the version the header offers a delta against."""
     held: tuple[tuple[int, int], ...] = ()
     """Many sources: (peer, version) of every pair base this member holds for the sync's cut."""
+    holds: int | None = None
+    """With a ``stale`` problem: the version this receiver holds."""
 
     KINDS = ("stale", "manifest", "transport", "size", "other")
 
@@ -132,6 +134,8 @@ class Verdict:
                                 "base": self.base}  # fmt: skip
         if self.held:
             wire["held"] = [list(h) for h in self.held]
+        if self.holds is not None:
+            wire["holds"] = self.holds
         return wire
 
     @classmethod
@@ -149,4 +153,8 @@ class Verdict:
             isinstance(h, list) and len(h) == 2 and all(type(x) is int for x in h) for h in held
         ):
             raise ProtocolError(f"rank {rank}'s verdict on the sync is malformed")
-        return cls(d["problem"], d["kind"], d["in_place"], d["base"], tuple((h[0], h[1]) for h in held))
+        holds = d.get("holds")
+        if holds is not None and (type(holds) is not int or not -(1 << 62) <= holds < 1 << 62):
+            raise ProtocolError(f"rank {rank}'s verdict on the sync is malformed")
+        held_pairs = tuple((h[0], h[1]) for h in held)
+        return cls(d["problem"], d["kind"], d["in_place"], d["base"], held_pairs, holds)

@@ -35,7 +35,7 @@ def refusal(
     where no target or ``expected=`` bounds them, other tensors than expected, its ``accept`` saying no),
     or None."""
     if not allow_stale and held is not None and header.version <= held:
-        return Verdict(f"holds version {held}; version {header.version} is not newer", "stale")
+        return Verdict(f"holds version {held}; version {header.version} is not newer", "stale", holds=held)
     if expected is None and manifest.nbytes > (cap := host_memory()):
         return Verdict(
             f"rank {rank}: version {header.version} announces {manifest.nbytes / 2**30:.1f} GiB of tensors, "

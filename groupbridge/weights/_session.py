@@ -265,7 +265,8 @@ def conclude(header: Header, source: int, verdicts: list[Verdict]) -> tuple[bool
             raise ManifestMismatchError(what)
         if "transport" in kinds:
             raise TransportRefusedError(what)
-        raise SyncRefusedError(what)
+        holds = [v.holds for _, v in problems if v.kind == "stale" and v.holds is not None]
+        raise SyncRefusedError(what, newest=max(holds) if holds else None)
     spec = TRANSPORTS.get(header.transport)
     merged = spec is not None and spec.cut_anywhere and all(v.in_place for v in verdicts)
     delta = header.base is not None and all(v.base for r, v in enumerate(verdicts) if r != source)
