@@ -583,9 +583,16 @@ def test_a_fleet_call_is_bounded_by_one_timeout_and_names_every_engine_that_hung
                        r"within 1 s\nengine 1: did not return within 1 s"):  # fmt: skip
         fleet.join({"sources": 1, "world_size": 3})
     took = time.monotonic() - t0
+    # what each engine serves, asked while its join still runs: one line per engine, within the bound
+    t0 = time.monotonic()
+    lines = fleet.holding()
+    assert [x.split(" (")[0] for x in lines] == [f"engine {k}: cannot say what it serves" for k in range(2)]
+    assert time.monotonic() - t0 < 1.6
     for e in engines:
         e.release.set()
     assert 1.0 <= took < 1.6, took
+    assert fleet.holding() == [f"engine {k}: _Hangs cannot say what it serves (it declares no versions "
+                               "capability)" for k in range(2)]  # fmt: skip
 
 
 def test_what_an_engine_cannot_do_is_refused_before_anything_joins() -> None:

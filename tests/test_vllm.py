@@ -922,6 +922,56 @@ def test_a_failed_rollback_says_what_each_engine_serves_and_a_torn_one_never_rep
             eng.shutdown()
 
 
+def _slow_next_load(worker: Any, seconds: float) -> str:
+    """Runs inside a vLLM worker (``collective_rpc``): its next load sleeps ``seconds`` first (a slow
+    engine, a busy host)."""
+    loader = worker.weight_transfer_engine.loader
+    original = type(loader).load
+
+    def load(weights: Any) -> None:
+        del loader.load  # once
+        time.sleep(seconds)
+        original(loader, weights)
+
+    loader.load = load
+    return "slow"
+
+
+@pytest.mark.slow
+def test_a_fleet_commit_that_outlives_its_bound_is_told_as_each_engine_holds_after_it(
+    dense: tuple[Any, Any], tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fleet of two engines bounded by 5 s; engine 1's commit takes 8 s. The send raises naming engine 1,
+    and says what each engine serves once that late commit returned (the new version on both: it used to
+    say engine 1 served the old one); vLLM reports what it serves; the next update lands on both."""
+    from groupbridge.vllm import FleetClient
+
+    llm, model = dense
+    b = fresh()
+    path = tmp_path_factory.mktemp("qwen2-late")
+    make_model(path, "qwen2", seed=8)
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # this engine runs the test's function
+    with running(path) as second:
+        fleet = FleetClient([OfflineClient(llm), OfflineClient(second)], timeout_s=5)
+        info = TrainerInitInfo(rank=0, workers=2, timeout_s=60, liveness_s=10, swap="reload", first_version=b)
+        eng = WeightTransferTrainerFactory.trainer_init(info, client=fleet, source=ModuleSource(model))
+        try:
+            assert second.collective_rpc(_slow_next_load, args=(8.0,)) == ["slow"]
+            perturb(model, 94)
+            both = rf"engine 0: version {b}; engine 1: version {b}"
+            with pytest.raises(gb.WeightSyncError, match=rf"(?s)engine 1: did not return within 5 s.*{both}"):
+                eng.send_weights()
+            want = reference(model)
+            for e in (llm, second):
+                assert e.get_weight_version() == str(b) and served(e) == want
+            perturb(model, 95)
+            eng.send_weights()
+            for e in (llm, second):
+                assert e.get_weight_version() == str(b + 1) and served(e) == reference(model)
+        finally:
+            eng.shutdown()
+
+
 @pytest.mark.slow
 def test_moe_updates_serve_the_trainers_weights(tmp_path_factory: pytest.TempPathFactory) -> None:
     path = tmp_path_factory.mktemp("qwen3moe")

@@ -109,9 +109,16 @@ class Fleet(EngineControl):
         return max(versions) if versions else None
 
     def holding(self) -> list[str]:
-        """Each engine's line, in engine order, named by its index in the fleet."""
-        each = self._each("holding", lambda k, c: c.holding())
-        return [f"engine {k}: {line}" for k, lines in enumerate(each) for line in lines]
+        """Each engine's line, in engine order, named by its index in the fleet. An engine whose earlier
+        call outlived its bound is asked once that call returned (within this call's bound: what it holds
+        after it, a late commit included), else its line says the call still runs."""
+        out = []
+        for k, got in enumerate(self._each("holding", lambda k, c: c.holding(), settle=True)):
+            if isinstance(got, BaseException):
+                out.append(f"engine {k}: cannot say what it serves ({type(got).__name__}: {str(got)[:300]})")
+            else:
+                out += [f"engine {k}: {line}" for line in got]
+        return out
 
     def describe_rank(self, worker: int) -> str | None:
         """The ``worker``-th worker of the fleet's bridge, as engine index and its worker index."""
@@ -127,9 +134,12 @@ class Fleet(EngineControl):
         needed = list(needed)
         return [f"engine {k} ({line})" for k, c in enumerate(self.controls) for line in c.lacking(needed)]
 
-    def _each(self, what: str, call: Callable[[int, EngineControl], Any]) -> list[Any]:
+    def _each(
+        self, what: str, call: Callable[[int, EngineControl], Any], *, settle: bool = False
+    ) -> list[Any]:
         """``call`` on every engine at once, their results in engine order; raises, within ``timeout_s`` of
-        the start, naming every engine that failed or did not return.
+        the start, naming every engine that failed or did not return (``settle``: returns what each raised,
+        or a TimeoutError for one that did not return, in its place instead).
 
         An engine's calls are ordered: one whose earlier call outlived its bound (and may still land, a
         late finish among them) gets this call only once that one returned, waiting within this call's
@@ -166,6 +176,9 @@ class Fleet(EngineControl):
                 self._late[k] = (f"{what} (still running after {self.timeout_s:g} s)", t)
             else:
                 self._late.pop(k, None)
+        if settle:
+            late = TimeoutError(f"its {what} did not return within {self.timeout_s:g} s")
+            return [results[k] if k in results else errors.get(k, late) for k in range(len(self.controls))]
         if not errors and not hung:
             return [results[k] for k in range(len(self.controls))]
         lines = [f"engine {k}: {type(e).__name__}: {str(e)[:500]}" for k, e in sorted(errors.items())]
