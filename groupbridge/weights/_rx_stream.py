@@ -10,7 +10,8 @@ bytes of the new version are in ``view`` and ``entries`` are the manifest entrie
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, NoReturn, TypeVar
 
@@ -23,13 +24,14 @@ from . import _bytes, _delta
 from ._appliers import Applier, Bucket
 from ._copier import Copier
 from ._delta_sync import Description, delta_digest, delta_groups, wire_plan, word_counts
+from ._memory import DeltaMemory
 from ._session import ACK_TAG, Header, Session, vote
-from .plan import Plan
+from .plan import Plan, PlanCache
 from .transports import RxTransport, Sync, pair_transport, spec
 
 T = TypeVar("T")
 
-__all__ = ["Bucket", "RxStreams", "VerifyFailed", "acknowledge", "give_up", "settle", "tell_failure"]
+__all__ = ["Bucket", "RxStreams", "Taker", "VerifyFailed", "acknowledge", "give_up", "settle", "tell_failure"]
 
 
 class VerifyFailed(WeightSyncError):
@@ -148,6 +150,37 @@ class RxStreams:
         for rx in self._transports.values():
             rx.close()
         self._transports.clear()
+
+
+@dataclass(frozen=True, slots=True)
+class Taker:
+    """What a receiver lends its part of a sync, one source's or many: its group, transports, copy thread,
+    buffers (kept across syncs), delta bases, names, the version it holds, and what it does once the sync
+    commits."""
+
+    group: StatelessGroup
+    streams: RxStreams
+    copier: Copier
+    buffers: _bytes.BufferCache
+    memory: DeltaMemory
+    """The bases deltas are applied to: the version held in full, and one base per cut of many sources."""
+    plans: PlanCache
+    rename: Callable[[str], str]
+    held: int | None
+    """The version held before this sync."""
+    committed: Callable[[int], None]
+    """Called once the vote passed and the version is applied, before the sources are acknowledged."""
+    device: torch.device
+    ready: Callable[[], None] | None = None
+    """What the consumer does with the version before the sources are acknowledged (``receive(ready=)``)."""
+
+    def commit(self, version: int, sources: Iterable[int]) -> None:
+        """The sync's commit on this receiver, once its vote passed and what it received is applied: the
+        version held moves, the consumer's ``ready`` runs, every source is acknowledged."""
+        self.committed(version)
+        prepared(self.group, version, self.ready)
+        for src in sources:
+            acknowledge(self.group, src, version)
 
 
 def prepared(group: StatelessGroup, version: int, ready: Callable[[], None] | None) -> None:

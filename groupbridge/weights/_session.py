@@ -136,6 +136,10 @@ class Session:
     delta: bool
     """This sync travels as a delta against the version every receiver holds."""
 
+    @property
+    def sources(self) -> tuple[int, ...]:
+        return (self.src,)
+
 
 Judge = Callable[[int, Header, Manifest], Verdict]
 """A receiver's check of a sync: (source, header, manifest) -> its verdict."""

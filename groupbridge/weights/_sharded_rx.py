@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -19,7 +19,7 @@ from . import _bytes, _delta
 from ._appliers import refused, torn
 from ._copier import Copier
 from ._delta_sync import Description, delta_digest, wire_plan
-from ._rx_stream import RxStreams, acknowledge, allocated, give_up, prepared, tell_failure
+from ._rx_stream import RxStreams, Taker, allocated, give_up, tell_failure
 from ._session import vote
 from ._shard_plan import Bucket, Piece, ShardPlan, element_size
 from ._sharded import (
@@ -31,12 +31,12 @@ from ._sharded import (
     piece_view,
     start_of,
 )
-from ._sharded_delta import PairBases, bucket_word
+from ._sharded_delta import bucket_word
 from .plan import Plan
 from .shard import Box, Shard, box_of
 from .transports import Landed, Landing, pair_transport, stream_device
 
-__all__ = ["Taker", "data_ptr", "receive_shards", "shards_into", "shards_named", "wants_of"]
+__all__ = ["data_ptr", "receive_shards", "shards_into", "shards_named", "wants_of"]
 
 
 class Arrivals:
@@ -268,26 +268,6 @@ def _slot(value: Any) -> Slot:
     return value, Box((0,) * value.dim(), tuple(value.shape))
 
 
-@dataclass(frozen=True, slots=True)
-class Taker:
-    """What a receiver lends its part of a many-source sync: its group, transports, copy thread, buffers
-    (kept across syncs), pair bases, names, the version it holds, and what it does once the sync commits."""
-
-    group: StatelessGroup
-    streams: RxStreams
-    copier: Copier
-    buffers: _bytes.BufferCache
-    bases: PairBases
-    rename: Callable[[str], str]
-    held: int | None
-    """The version held before this sync."""
-    committed: Callable[[int], None]
-    """Called once the vote passed and the version is applied, before the sources are acknowledged."""
-    device: torch.device
-    ready: Callable[[], None] | None = None
-    """What the consumer does with the version before the sources are acknowledged (``receive(ready=)``)."""
-
-
 def _land_shards(
     taker: Taker, session: ShardedSession, slots: dict[str, Slot], deadline: Deadline, written: list[str],
     device: torch.device, arrivals: Arrivals,
@@ -296,27 +276,27 @@ def _land_shards(
     then vote; raises (the peers told) on failure. Closed early, it tells nobody (its caller says why)."""
     what = f"receiving version {session.header.version}"
     # bases when any source keeps them (each source's header says whether its pairs may be deltas)
-    bases = taker.bases if any(h.keeps_base for h in session.headers.values()) else None
+    bases = taker.memory.pairs if any(h.keeps_base for h in session.headers.values()) else None
     if bases is None:
-        taker.bases.clear()  # the senders keep none: nothing to apply a delta to, memory back
+        taker.memory.pairs.clear()  # the senders keep none: nothing to apply a delta to, memory back
     x = Exchange(taker.group, session, slots, taker.copier, taker.buffers, deadline, device, bases)
     try:
         problem = yield from receive_shards(x, taker.streams, written, arrivals)
     except GeneratorExit:
-        taker.bases.abandon()
+        taker.memory.pairs.abandon()
         raise
     except BaseException as e:
-        taker.bases.abandon()
+        taker.memory.pairs.abandon()
         tell_failure(taker.group, e, what)
         raise
     try:
         vote(taker.group, session.header.version, problem, deadline)
     except BaseException as e:
-        taker.bases.abandon()
+        taker.memory.pairs.abandon()
         if not isinstance(e, SyncRefusedError):  # every member raised a refusal alike; else tell them
             tell_failure(taker.group, e, f"voting on version {session.header.version}")
         raise
-    taker.bases.commit(session.header.version)  # the bases hold it on every pair: the vote passed
+    taker.memory.pairs.commit(session.header.version)  # the bases hold it on every pair: the vote passed
 
 
 def _staging(
@@ -332,13 +312,6 @@ def _staging(
         wire: (_bytes.typed_view(buffer, offsets[wire], dtype_from_name(plan.dtypes[wire]), box.shape), box)
         for wire, box in boxes.items()
     }
-
-
-def _commit(taker: Taker, session: ShardedSession) -> None:
-    taker.committed(session.header.version)
-    prepared(taker.group, session.header.version, taker.ready)
-    for src in session.sources:
-        acknowledge(taker.group, src, session.header.version)
 
 
 def _device_of(tensors: list[torch.Tensor], default: torch.device) -> torch.device:
@@ -385,7 +358,7 @@ def shards_into(taker: Taker, session: ShardedSession, targets: dict[str, Any], 
             give_up(taker.group, e, f"applying version {version}", torn(
                 version, taker.held, e, [taker.rename(w) for w in dest], len(dest), "every byte arrived"
             ))  # fmt: skip
-    _commit(taker, session)
+    taker.commit(session.header.version, session.sources)
     return version
 
 
@@ -430,4 +403,4 @@ def shards_named(
             f"the consumer stopped after taking {yielded} tensors"), f"receiving version "
             f"{session.header.version}")  # fmt: skip
         raise
-    _commit(taker, session)
+    taker.commit(session.header.version, session.sources)

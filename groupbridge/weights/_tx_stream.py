@@ -9,20 +9,30 @@ back-pressure. Tensors are released as soon as their last bucket is posted.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..errors import SyncRefusedError
+from ..stateless import StatelessGroup
 from . import _bytes
 from ._copier import Copier
-from ._delta_sync import Policy
-from ._session import Stream
+from ._delta_sync import Policy, delta_digest
+from ._described import Pairs
+from ._session import Session, Stream, collect_acks, merged_plan, vote
 from ._source import Puller
-from .transports import TxTransport
+from ._stats import SyncStats
+from .plan import Plan
+from .transports import Sync, TxTransport
 
-__all__ = ["Progress", "SentFull", "send_full"]
+if TYPE_CHECKING:
+    from ._delta_tx import DeltaSender
+
+__all__ = ["Progress", "SentFull", "send_full", "send_stream"]
 
 Progress = Callable[[int, int], None]
 """``progress(bytes_sent, total_bytes)``, called after every bucket."""
@@ -82,3 +92,59 @@ def send_full(
     tx.finish()
     puller.pull_through(len(puller.entries) - 1)  # trailing aliases and empty tensors
     return SentFull(in_place, digests)
+
+
+def send_stream(
+    group: StatelessGroup, session: Session, plan: Plan, items: Pairs, device: torch.device, tx: TxTransport,
+    sync: Sync[Any], copier: Copier, progress: Progress | None, delta: DeltaSender | None,
+) -> SyncStats:  # fmt: skip
+    """A source's stream of the agreed one-source session (full, or a delta with ``delta``'s base), then the
+    commit: the vote, every receiver's acknowledgement. Returns the sync's stats (and ``delta``'s policy
+    learns from them)."""
+    header, manifest, me = session.header, session.manifest, group.rank
+    if session.merged:
+        plan = merged_plan(manifest)
+    t0 = time.perf_counter()
+    stream = Stream(me, plan, sync, device)
+    puller = Puller(manifest, iter(items))
+    base, sampler = None, None
+    if delta is not None:
+        base, sample = delta.prepare(session, plan, device)
+        sampler = partial(delta.sample, puller, plan) if sample else None
+    if session.delta:
+        assert delta is not None
+        sent = delta.send(tx, stream, puller, delta_digest(header), progress)
+        in_place, wire_bytes, changed = sent.in_place, sent.wire_bytes, sent.changed
+    else:
+        full = send_full(
+            tx, stream, puller, copier,
+            digest=(lambda v: _bytes.digest(v, header.verify, group)) if header.verify else None,
+            base=base, sample=sampler, progress=progress,
+        )  # fmt: skip
+        if header.verify:
+            group.broadcast_obj(full.digests, src=me, timeout=sync.deadline)
+        in_place, wire_bytes, changed = full.in_place, plan.total_bytes, 1.0
+    vote(group, header.version, None, sync.deadline)  # every receiver landed and verified its bytes
+    receivers = [r for r in range(group.world_size) if r != me]
+    failures = collect_acks(group, receivers, sync.deadline)
+    seconds = time.perf_counter() - t0
+    if failures:  # every member finished the sync and said how: the group itself is fine
+        raise SyncRefusedError(
+            f"version {header.version} was not applied everywhere:\n" + "\n".join(failures)
+        )
+    if delta is not None:
+        delta.record(session, seconds, plan.total_bytes, wire_bytes, changed)
+    stats = SyncStats(
+        version=header.version, bytes=plan.total_bytes, seconds=seconds,
+        gb_per_s=plan.total_bytes / seconds / 1e9 if seconds > 0 else float("inf"),
+        buckets=len(plan.buckets), in_place_buckets=in_place, transport=header.transport,
+        receivers=len(receivers), wire_bytes=wire_bytes, changed_fraction=changed, delta=session.delta,
+        base_bytes=delta.nbytes if delta is not None else 0,
+        by_receiver=dict.fromkeys(receivers, plan.total_bytes),
+    )  # fmt: skip
+    group.log.info(
+        "sent version %d%s: %.1f MB (%.1f MB on the wire) in %.3fs (%.2f GB/s, %d buckets, %d in place, %s)",
+        header.version, f" as a delta ({changed:.2%} changed)" if session.delta else "", stats.bytes / 1e6,
+        wire_bytes / 1e6, seconds, stats.gb_per_s, stats.buckets, in_place, header.transport,
+    )  # fmt: skip
+    return stats

@@ -1,8 +1,8 @@
-"""WeightReceiver: take weights from the sending member, streamed or all-or-nothing, verified on request.
+"""WeightReceiver: take weights from the sending members, streamed or all-or-nothing, verified on request.
 
-A receive is the receiver's part of a sync session (:mod:`._session`): the handshake with its verdict, then
-the stream's buckets (:mod:`._rx_stream`) fed to the applier of the receive mode (:mod:`._appliers`), then
-the commit (the version held moves, the source is told).
+A receive is the receiver's part of a sync session (:mod:`._session`): the handshake with its verdict here,
+then what it receives and commits, from one source sending whole tensors (:mod:`._rx_whole`) or from many
+(:mod:`._sharded_rx`), each borrowing this receiver's means as a :class:`._rx_stream.Taker`.
 """
 
 from __future__ import annotations
@@ -20,43 +20,23 @@ from ..control import Deadline
 from ..errors import WeightSyncError
 from ..stateless import StatelessGroup
 from . import _bytes
-from ._appliers import (
-    Applier,
-    Ring,
-    Scratch,
-    Staged,
-    Streaming,
-    refused,
-    run_through,
-    torn,
-    wire_typed,
-)
 from ._copier import Copier
 from ._memory import DeltaMemory
 from ._rx_checks import Reads, refusal
-from ._rx_stream import (
-    RxStreams,
-    VerifyFailed,
-    acknowledge,
-    allocated,
-    give_up,
-    prepared,
-    settle,
-    tell_failure,
-)
+from ._rx_stream import RxStreams, Taker
+from ._rx_whole import whole_into, whole_named
 from ._session import (
     Header,
     Session,
     Verdict,
     laid_out_in_place,
     make_renamer,
-    merged_plan,
 )
 from ._sharded import PlanMemo, ShardedSession, open_session
-from ._sharded_rx import Taker, data_ptr, shards_into, shards_named, wants_of
+from ._sharded_rx import data_ptr, shards_into, shards_named, wants_of
 from ._update import WeightUpdate, abandon_update
 from .manifest import Manifest, expected_specs, tensors_of
-from .plan import Plan, PlanCache
+from .plan import PlanCache
 from .shard import Box
 
 __all__ = ["WeightReceiver", "WeightUpdate"]
@@ -160,12 +140,6 @@ class WeightReceiver(Closing):
                             src=self.src, judge=judge, check=check, attach=self._streams.attach_pair,
                             bases=self._pair_bases, plans=self._shard_plans)  # fmt: skip
 
-    def _plan(self, session: Session) -> Plan:
-        if session.merged:
-            return merged_plan(session.manifest)
-        header = session.header
-        return self._plans.get(session.manifest, header.bucket_bytes, header.solo_bytes)
-
     def close(self) -> None:
         """Release transport mappings, buffers and the copy thread. The group stays open."""
         self._streams.close()
@@ -239,82 +213,23 @@ class WeightReceiver(Closing):
             if learning is not None:
                 self._reads = learning.learned
         abandon = partial(abandon_update, self.group)
+        every = not (session.delta and only_changed)
         if isinstance(session, ShardedSession):
             self._memory.held = None
             only = set(posted[1]) if posted and learning is not None and learning.used else None
-            pairs = shards_named(
-                self._taker(ready), session, deadline, keep, only, not (session.delta and only_changed)
-            )
-            return WeightUpdate(session, _scoped(self.group, pairs), kept=keep, abandon=abandon)
-        every = not (session.delta and only_changed)
-        pairs = _scoped(self.group, self._named(session, deadline, every, keep, ready))
-        return WeightUpdate(session, pairs, kept=keep, abandon=abandon)
+            pairs = shards_named(self._taker(ready), session, deadline, keep, only, every)
+        else:
+            pairs = whole_named(self._taker(ready), session, deadline, every, keep)
+        return WeightUpdate(session, _scoped(self.group, pairs), kept=keep, abandon=abandon)
 
     def _taker(self, ready: Callable[[], None] | None = None) -> Taker:
-        """What a many-source receive borrows from this receiver."""
+        """What a receive borrows from this receiver."""
 
         def committed(version: int) -> None:
             self.version = version
 
-        return Taker(self.group, self._streams, self._copier, self._buffers, self._pair_bases, self._rename,
-                     self.version, committed, self.device, ready)  # fmt: skip
-
-    def _named(
-        self, session: Session, deadline: Deadline, every: bool, keep: bool, ready: Callable[[], None] | None
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        """The update's (name, tensor) pairs (tied names right after their tensor; empty tensors last, on a
-        full sync); on success take the version, on any failure tell the peers."""
-        header, manifest = session.header, session.manifest
-        entries = manifest.entries
-        plan = self._plan(session)
-        ring = Ring(self._buffers, self.device)
-        names = _namer(manifest, self._rename)
-        applier: Applier
-        if header.keeps_base or keep:
-            self._buffers.drop("staging")  # a many-source receive's kept buffer: this one takes its place
-            buffer = self._buffers.get("base", plan.total_bytes, self.device)
-            applier = Staged(buffer, plan, manifest, ring, self._copier, names, every=every)
-        else:
-            applier = Scratch(plan, manifest, ring, self._copier, names)
-        aliases: dict[int, list[str]] = {}
-        for i, e in enumerate(entries):
-            if e.alias_of is not None:
-                aliases.setdefault(manifest.sources[i], []).append(names(i))
-        yielded: list[str] = []
-        self._memory.held = None
-        what = f"receiving version {header.version}"
-        problem: str | None = None
-        try:
-            for index, t in run_through(self._streams.buckets(session, plan, applier, deadline), applier):
-                for name in (names(index), *aliases.get(index, [])):
-                    yielded.append(name)
-                    yield name, t
-            for i, e in enumerate(entries):  # empty tensors have no bytes in any bucket
-                if e.alias_of is None and e.nbytes == 0 and every:
-                    t = torch.empty(e.shape, dtype=dtype_from_name(e.wire_dtype), device=self.device)
-                    for name in (names(i), *aliases.get(i, [])):
-                        yielded.append(name)
-                        yield name, t
-        except GeneratorExit:
-            stopped = RuntimeError(f"the consumer stopped after {len(yielded)} of {len(entries)} tensors")
-            tell_failure(self.group, stopped, what)
-            raise
-        except VerifyFailed as e:
-            problem = f"{e}"
-        except BaseException as e:
-            give_up(self.group, e, what, torn(header.version, self.version, e, yielded, len(entries),
-                    "some tensors were yielded", subject="whatever consumed them holds part of it",
-                    verb="yielded"))  # fmt: skip
-
-        def failed(e: BaseException) -> Exception:
-            return refused(header.version, self.version, e, yielded, len(entries), yielded=True)
-
-        settle(self.group, header.version, problem, deadline, failed)
-        self.version = header.version
-        if header.keeps_base:
-            self._memory.held = (("receive",), header.version, manifest.digest)
-        prepared(self.group, header.version, ready)
-        acknowledge(self.group, session.src, header.version)
+        return Taker(self.group, self._streams, self._copier, self._buffers, self._memory, self._plans,
+                     self._rename, self.version, committed, self.device, ready)  # fmt: skip
 
     # ------------------------------------------------------------------ receive_into()
 
@@ -359,53 +274,7 @@ class WeightReceiver(Closing):
         if isinstance(session, ShardedSession):
             self._memory.held = None
             return shards_into(self._taker(), session, targets, atomic, deadline)
-        header, manifest = session.header, session.manifest
-        version = header.version
-        what = f"receiving version {version}"
-        plan = self._plan(session)
-        entries = manifest.entries
-        found = [targets.get(self._rename(e.name)) for e in entries]
-        missing = [self._rename(e.name) for e, d in zip(entries, found, strict=True) if d is None]
-        if missing:  # only possible when expected= differs from the target
-            err = WeightSyncError(f"target has no tensor named {', '.join(missing[:20])}")
-            tell_failure(self.group, err, what)
-            raise err
-        dest: list[torch.Tensor] = [d for d in found if d is not None]
-        device = next((d.device for d in dest), self.device)
-        ring = Ring(self._buffers, device)
-        names = _namer(manifest, self._rename)
-        self._memory.held = None
-        applier: Applier = allocated(self.group, what, lambda: Staged(
-            self._buffers.get("base" if header.keeps_base else "staging", plan.total_bytes, device),
-            plan, manifest, ring, self._copier, names, dest=dest, delta=session.delta,
-        ) if atomic else Streaming(
-            plan, manifest, ring, self._copier, names, dest, self._buffers, delta=session.delta
-        ))  # fmt: skip
-        problem: str | None = None
-        try:
-            for _ in run_through(self._streams.buckets(session, plan, applier, deadline), applier):
-                pass
-        except VerifyFailed as e:
-            problem = f"{e}"
-        except BaseException as e:
-            give_up(self.group, e, what, applier.failed(e, version, self.version))
-
-        def failed(e: BaseException) -> Exception:
-            return refused(version, self.version, e, applier.written, len(entries))
-
-        settle(self.group, version, problem, deadline, failed)
-        try:
-            applier.commit()
-        except BaseException as e:
-            give_up(self.group, e, f"applying version {version}",
-                    applier.commit_failed(e, version, self.version))  # fmt: skip
-        self.version = version
-        if header.keeps_base and (
-            atomic or all(wire_typed(d, e) for d, e in zip(dest, entries, strict=True))
-        ):
-            self._memory.held = (keep, version, manifest.digest)
-        acknowledge(self.group, session.src, version)
-        return version
+        return whole_into(self._taker(), session, targets, atomic, deadline, keep)
 
 
 def _dest(
@@ -425,10 +294,3 @@ def _scoped(
     """An update's pairs, read with every wait depending on every member (see ``depending_on``)."""
     with group.depending_on(range(group.world_size)):
         yield from pairs
-
-
-Named = tuple[str, torch.Tensor]
-
-
-def _namer(manifest: Manifest, rename: Callable[[str], str]) -> Callable[[int], str]:
-    return lambda i: rename(manifest.entries[i].name)

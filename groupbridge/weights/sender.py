@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import secrets
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
-from functools import partial
 
 import torch
 
@@ -23,26 +21,19 @@ from ..errors import (
 from ..stateless import StatelessGroup
 from . import _bytes
 from ._copier import Copier
-from ._delta_sync import delta_digest
 from ._delta_tx import DeltaSender
 from ._described import Boxes, Described, NamedTensors, Pairs, Specs, in_place, named_tensors_of, peek_device
 from ._memory import DeltaMemory
 from ._session import (
     Header,
-    Session,
-    Stream,
-    collect_acks,
     make_renamer,
-    merged_plan,
     refuse,
-    vote,
 )
 from ._sharded import PlanMemo, ShardedSession, boxes_of, open_session
 from ._sharded_delta import PairBases
 from ._sharded_tx import SourceSlots, send_sharded
-from ._source import Puller
 from ._stats import SyncStats
-from ._tx_stream import Progress, send_full
+from ._tx_stream import Progress, send_stream
 from .manifest import Manifest
 from .plan import Plan, PlanCache
 from .transports import (
@@ -240,7 +231,10 @@ class WeightSender(Closing):
             )  # fmt: skip
             if isinstance(session, ShardedSession):
                 return self._send_pairs(session, manifest, items, shards, kind, device, deadline)
-            return self._stream(session, plan, items, device, tx, deadline, progress)
+            sync = Sync(header.sync_id, deadline, self.options[kind], self._copier.copy)
+            return send_stream(
+                self.group, session, plan, items, device, tx, sync, self._copier, progress, self._delta
+            )
         except BaseException as e:
             if isinstance(e, SyncRefusedError):  # every member ended the sync alike: the group is fine
                 raise
@@ -298,77 +292,6 @@ class WeightSender(Closing):
             self.group.log.warning("%s; using %s instead", e, fallback)
             return fallback, 0
         return kind, reserved.bucket_bytes if TRANSPORTS[kind].pairs else 0
-
-    def _stream(
-        self,
-        session: Session,
-        plan: Plan,
-        items: Pairs,
-        device: torch.device,
-        tx: TxTransport,
-        deadline: Deadline,
-        progress: Progress | None,
-    ) -> SyncStats:
-        """This source's stream of the agreed session, then the commit: every receiver's acknowledgement."""
-        header, manifest = session.header, session.manifest
-        if session.merged:
-            plan = merged_plan(manifest)
-        t0 = time.perf_counter()
-        sync = Sync(header.sync_id, deadline, self.options[header.transport], self._copier.copy)
-        stream = Stream(self.src, plan, sync, device)
-        puller = Puller(manifest, iter(items))
-        base, sampler = None, None
-        if self._delta is not None:
-            base, sample = self._delta.prepare(session, plan, device)
-            sampler = partial(self._delta.sample, puller, plan) if sample else None
-        if session.delta:
-            assert self._delta is not None
-            sent = self._delta.send(tx, stream, puller, delta_digest(header), progress)
-            in_place, wire_bytes, changed = sent.in_place, sent.wire_bytes, sent.changed
-        else:
-            full = send_full(
-                tx, stream, puller, self._copier,
-                digest=(lambda v: _bytes.digest(v, header.verify, self.group)) if header.verify else None,
-                base=base,
-                sample=sampler,
-                progress=progress,
-            )  # fmt: skip
-            if header.verify:
-                self.group.broadcast_obj(full.digests, src=self.src, timeout=deadline)
-            in_place, wire_bytes, changed = full.in_place, plan.total_bytes, 1.0
-        vote(self.group, header.version, None, deadline)  # every receiver landed and verified its bytes
-        receivers = [r for r in range(self.group.world_size) if r != self.src]
-        failures = collect_acks(self.group, receivers, deadline)
-        seconds = time.perf_counter() - t0
-        if failures:  # every member finished the sync and said how: the group itself is fine
-            raise SyncRefusedError(
-                f"version {header.version} was not applied everywhere:\n" + "\n".join(failures)
-            )
-        if self._delta is not None:
-            self._delta.record(session, seconds, plan.total_bytes, wire_bytes, changed)
-        stats = SyncStats(
-            version=header.version,
-            bytes=plan.total_bytes,
-            seconds=seconds,
-            gb_per_s=plan.total_bytes / seconds / 1e9 if seconds > 0 else float("inf"),
-            buckets=len(plan.buckets),
-            in_place_buckets=in_place,
-            transport=header.transport,
-            receivers=len(receivers),
-            wire_bytes=wire_bytes,
-            changed_fraction=changed,
-            delta=session.delta,
-            base_bytes=self._delta.nbytes if self._delta is not None else 0,
-            by_receiver=dict.fromkeys(receivers, plan.total_bytes),
-        )
-        self.group.log.info(
-            "sent version %d%s: %.1f MB (%.1f MB on the wire) in %.3fs (%.2f GB/s, %d buckets, %d in "
-            "place, %s)",
-            header.version, f" as a delta ({changed:.2%} changed)" if session.delta else "",
-            stats.bytes / 1e6, wire_bytes / 1e6, seconds, stats.gb_per_s, stats.buckets, in_place,
-            header.transport,
-        )  # fmt: skip
-        return stats
 
     def _plan(self, manifest: Manifest) -> Plan:
         """The bucket plan, reused while the manifest is unchanged (building it walks every tensor)."""
