@@ -1664,7 +1664,8 @@ def _check_spans(
 @pytest.mark.timeout(300)
 def test_vllm_serve_reports_each_tokens_version_exactly(tmp_path_factory: pytest.TempPathFactory) -> None:
     """The same through ``vllm serve`` (its scale-out generate route, which returns the spans): two
-    streamed requests across an unpaused update, each token's version exact."""
+    streamed requests across an unpaused update, each token's version exact. Then a finish that reaches the
+    server late, once the next update is staged: refused, nothing loaded, the label kept."""
     import copy
     import urllib.request
 
@@ -1729,7 +1730,7 @@ def test_vllm_serve_reports_each_tokens_version_exactly(tmp_path_factory: pytest
                 got, version = across_an_update(session, control, srv.base)
                 if all(len(spans) == 2 for _, spans in got.values()):
                     _check_spans(old, model, prompts, got, (old_version, version))
-                    return
+                    break
                 # the commit reached the engine once a request had ended (the timing of a busy host): that
                 # request must then be the old version's alone, labelled so; the update is tried again
                 for k, (tokens, spans) in got.items():
@@ -1737,7 +1738,28 @@ def test_vllm_serve_reports_each_tokens_version_exactly(tmp_path_factory: pytest
                         assert spans == [(0, len(tokens), str(old_version))], spans
                         want = _predicted_across(old, model, prompts[k], tokens, len(tokens))
                         assert {j: tokens[j] for j in want} == want, k
-    pytest.fail("in 3 updates the commit never reached the engine while both requests ran")
+            else:
+                pytest.fail("in 3 updates the commit never reached the engine while both requests ran")
+            # a late finish through the server (a slow proxy's): the last version's, arriving once the next
+            # update's bytes are staged; the workers refuse it and load nothing, the label stays
+            first, tokens, late = version, [srv.complete(p, TOKENS) for p in PROMPTS], []
+
+            def finish_of_the_last_update() -> None:
+                try:
+                    HttpClient(srv.base, timeout=60).finish_weight_update(weight_version=str(first))
+                except Exception as e:
+                    late.append(e)
+                assert (
+                    srv.weight_version() == str(first)
+                    and [srv.complete(p, TOKENS) for p in PROMPTS] == tokens
+                )
+
+            control.before_commit = finish_of_the_last_update
+            perturb(model, 90)
+            second = session.send(iter(ModuleSource(model)))
+            assert len(late) == 1, late  # refused (the server answers an error), nothing loaded
+            assert srv.weight_version() == str(second)
+            assert [srv.complete(p, TOKENS) for p in PROMPTS] == reference(model)
 
 
 def test_a_finish_for_another_version_than_the_staged_one_loads_nothing(dense: tuple[Any, Any]) -> None:
