@@ -19,6 +19,7 @@ each engine-core process when the plugin loads there, and the two clients route 
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any
 
 import torch
@@ -65,7 +66,7 @@ def _commit(core: Any, weight_version: str) -> None:
     core._weight_version = weight_version
     if lora:  # what a request may name until the next commit: what every worker can load
         names = [set(n) for n in executor.collective_rpc(_lora.registered)]
-        setattr(core, _ADMITS, frozenset(set.intersection(*names)) if names else frozenset())
+        _ADMITS[core] = frozenset(set.intersection(*names)) if names else frozenset()
 
 
 TORN = "torn"
@@ -91,8 +92,9 @@ def _holding(executor: Any) -> list[str]:
         return ["unknown"]
 
 
-_ADMITS = "_groupbridge_adapters"
-"""The engine core's set of adapter versions every worker can load (after the last commit)."""
+_ADMITS: weakref.WeakKeyDictionary[Any, frozenset[str]] = weakref.WeakKeyDictionary()
+"""Per engine core (of this process: one), the adapter versions every worker can load after its last
+commit; kept here, not written into vLLM's object."""
 
 
 def _admit(core: Any, request: Any) -> str | None:
@@ -113,7 +115,7 @@ def _admit(core: Any, request: Any) -> str | None:
     path = str(getattr(lora, "lora_path", "") or "")
     if lora is None or not path.startswith(_lora.SCHEME):
         return None
-    if lora.lora_name in getattr(core, _ADMITS, frozenset()):
+    if lora.lora_name in _ADMITS.get(core, frozenset()):
         return None
     return (
         f"adapter {lora.lora_name!r} is not served by this engine: it was never received, or is older than "
