@@ -289,7 +289,7 @@ class TrainerSession(Closing):
                     raise PeerDiedError(f"{e} ({who[1]})", rank=who[0]) from e
                 raise WeightSyncError(f"{e} ({who[1]})") from e
             if isinstance(e, SyncRefusedError) and e.newest is not None:
-                self.passed = max(self.passed or e.newest, e.newest)
+                self._passed_by(e.newest)
                 raise SyncRefusedError(
                     f"{e}\nthe engine holds version {e.newest}, newer than this trainer's {v} (another "
                     f"trainer updated it): nothing was sent; the next default version is "
@@ -391,6 +391,11 @@ class TrainerSession(Closing):
         logger.warning("groupbridge: version %d was rolled back; every replica serves %d", v, self.version)
         return f"every replica was rolled back to version {self.version} and serves it", self.version
 
+    def _passed_by(self, newest: int) -> None:
+        """A worker refused this trainer's version as not newer than ``newest``, which it holds: the next
+        default version follows it."""
+        self.passed = newest if self.passed is None else max(self.passed, newest)
+
     def _holding(self) -> str:
         """What the engines report serving now, engine by engine (asked after a commit or rollback failed),
         and what mends one left torn."""
@@ -422,7 +427,7 @@ class TrainerSession(Closing):
             SyncRefusedError
         ) as e:  # every rank learns the engine's newest alike: their next versions agree
             if e.newest is not None:
-                self.passed = max(self.passed or e.newest, e.newest)
+                self._passed_by(e.newest)
             raise
         self.version = v
         return v
