@@ -46,17 +46,15 @@ class RxStreams:
         self.copier = copier
         self._transports: dict[tuple[str, int], RxTransport] = {}
 
-    def attach(self, src: int, transport: str, offer: dict[str, Any]) -> str | None:
-        """In the handshake: attach to the transport the source names; why not, if this receiver cannot."""
-        rx = self._transports.get((transport, src))
+    def attach(self, src: int, session: Session) -> str | None:
+        """In the handshake: attach to what carries this source's stream (a fan-out stream: the transport it
+        names; pairs: see ``pair_transport``); why not, if this receiver cannot."""
+        header = session.headers[src]
+        kind = header.transport if session.plan is None else pair_transport(header.transport)
+        rx = self._transports.get((kind, src))
         if rx is None:
-            rx = self._transports[(transport, src)] = spec(transport).make_rx(self.group)
-        return rx.attach(dict(offer), src)
-
-    def attach_pair(self, src: int, header: Header) -> str | None:
-        """In a many-source handshake: attach to what carries this source's pairs (see ``pair_transport``)."""
-        kind = pair_transport(header.transport)
-        return self.attach(src, kind, header.offer if kind == header.transport else {})
+            rx = self._transports[(kind, src)] = spec(kind).make_rx(self.group)
+        return rx.attach(dict(header.offer) if kind == header.transport else {}, src)
 
     def pair(self, src: int, header: Header, deadline: Deadline) -> tuple[RxTransport, Sync[Any]]:
         """The transport this source's pairs come over (attached in the handshake) and what it is told."""

@@ -28,7 +28,7 @@ per (source, receiver) pair (:mod:`._sharded`). The vote and the commit are the 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -45,6 +45,9 @@ from ..errors import (
 from ..stateless import StatelessGroup
 from . import _bytes
 from ._header import MAX_BUCKET_BYTES, VERIFY, Header, Verdict
+from ._shard_plan import ShardPlan
+from ._sharded import PlanMemo, conditional, holding, pair_deltas, plan_pairs
+from ._sharded_delta import PairBases
 from .manifest import Manifest
 from .plan import Plan
 from .transports import TRANSPORTS, Sync
@@ -62,13 +65,14 @@ __all__ = [
     "collect_acks",
     "conclude",
     "gather_posts",
-    "handshake",
     "is_sharded",
     "laid_out_in_place",
     "make_renamer",
     "merged_plan",
+    "open_session",
     "refuse",
     "remember",
+    "settle",
     "sources_of",
     "vote",
 ]
@@ -125,24 +129,50 @@ class Stream:
 
 @dataclass(frozen=True, slots=True)
 class Session:
-    """The outcome of the handshake, the same on every member."""
+    """The outcome of the handshake, the same on every member: who sends, what, and the plan of the streams
+    that carry it. One source sending whole tensors to every receiver is one fan-out stream (``plan`` None:
+    its buckets are cut from the manifest by :class:`.plan.Plan`); any other sync is one stream per (source,
+    receiver) pair, cut by the :class:`._shard_plan.ShardPlan` in ``plan``."""
 
-    src: int
-    """The member that sends this sync (found from the gathered headers)."""
+    sources: tuple[int, ...]
     header: Header
+    """The lowest source's header (version, sync id, bucket size, verification: the same for all)."""
     manifest: Manifest
-    merged: bool
-    """Every member's tensors lie in the plan's layout and the transport cuts anywhere: the merged plan."""
-    delta: bool
-    """This sync travels as a delta against the version every receiver holds."""
+    """The global tensors some receiver wants: names, global shapes, wire dtypes."""
+    headers: Mapping[int, Header]
+    """Every source's own header: its stream's sync id, transport and offer."""
+    plan: ShardPlan | None = None
+    merged: bool = False
+    """The fan-out stream's members all lie in the plan's layout and its transport cuts anywhere: the merged
+    plan."""
+    deltas: frozenset[tuple[int, int]] = frozenset()
+    """The (source, receiver) pairs that travel as deltas (a fan-out stream's: all of them, or none)."""
+    keys: Mapping[tuple[int, int], str] = field(default_factory=dict)
+    """This member's pairs and the key of each one's cut."""
 
     @property
-    def sources(self) -> tuple[int, ...]:
-        return (self.src,)
+    def src(self) -> int:
+        return self.sources[0]
+
+    @property
+    def delta(self) -> bool:
+        return bool(self.deltas)
+
+    @property
+    def pairs(self) -> ShardPlan:
+        """The plan of a sync of pair streams."""
+        assert self.plan is not None, "a fan-out stream has no pairs"
+        return self.plan
+
+    def feeding(self, me: int) -> list[int]:
+        """The sources whose streams reach receiver ``me``."""
+        if self.plan is None:
+            return list(self.sources)
+        return sorted({s for s, d in self.plan.pairs if d == me})
 
 
-Judge = Callable[[int, Header, Manifest], Verdict]
-"""A receiver's check of a sync: (source, header, manifest) -> its verdict."""
+Judge = Callable[[Session], Verdict]
+"""A receiver's check of a sync, given the session as planned before the verdicts: its verdict."""
 
 
 KNOWN_MANIFESTS = 16
@@ -214,42 +244,100 @@ def knows(post: Any, digest: str) -> bool:
     return isinstance(post, dict) and isinstance(post.get("known"), list) and digest in post["known"]
 
 
-def handshake(
+def settle(
     group: StatelessGroup,
     deadline: Deadline,
     known: dict[str, Manifest],
     posts: list[Any],
-    source: int,
+    sources: list[int],
     *,
     manifest: Manifest | None = None,
     in_place: bool = False,
     judge: Judge | None = None,
+    bases: PairBases | None = None,
+    plans: PlanMemo | None = None,
 ) -> Session:
-    """Steps 1 and 2 above for a sync with one source sending whole tensors, after :func:`gather_posts`:
-    the source passes its ``manifest`` (and whether its tensors lie in the merged plan's layout), a
-    receiver its ``judge``. ``known`` caches the manifests seen, by digest.
+    """Steps 1 and 2 above, after :func:`gather_posts`: each source's manifest (broadcast from it when some
+    member does not know it), the plan (one fan-out stream, or pair streams when several sources send or
+    some member holds or wants boxes), every member's verdict. A source passes its ``manifest`` (and
+    whether its tensors lie in the merged plan's layout), a receiver its ``judge``; a member that keeps pair
+    bases (for deltas) says which it holds; ``known`` caches the manifests seen, by digest, and ``plans``
+    the last pair plan.
 
     Raises:
-        ManifestMismatchError: some receiver expects other tensors (the message lists every receiver's).
+        ManifestMismatchError: some receiver expects other tensors (the message lists every receiver's), or
+            the sources announce different versions or do not fit together.
         TransportRefusedError: some receiver cannot attach to the transport.
         SyncRefusedError: some receiver refused the version.
     """
-    header = Header.from_wire(posts[source]["header"])
-    if any(not knows(p, header.digest) for r, p in enumerate(posts) if r != source):
-        items = group.broadcast_obj(manifest.to_wire() if manifest is not None else None, src=source,
-                                    timeout=deadline)  # fmt: skip
-        if manifest is None:
-            manifest = Manifest.from_wire(items)
-            if manifest.digest != header.digest:
-                raise ProtocolError(f"manifest digest {manifest.digest[:12]} does not match the header's")
-    if manifest is None:
-        manifest = known[header.digest]
-    remember(known, manifest)
-    verdict = judge(source, header, manifest) if judge is not None else Verdict(in_place=in_place)
+    me = group.rank
+    headers = {s: Header.from_wire(posts[s]["header"]) for s in sources}
+    manifests: dict[int, Manifest] = {}
+    for s in sources:
+        mine = manifest if s == me else None
+        digest = headers[s].digest
+        if all(knows(p, digest) for r, p in enumerate(posts) if r != s):
+            manifests[s] = mine if mine is not None else known[digest]
+            continue
+        wire = group.broadcast_obj(mine.to_wire() if mine is not None else None, src=s, timeout=deadline)
+        manifests[s] = mine if mine is not None else Manifest.from_wire(wire)
+        if manifests[s].digest != digest:
+            raise ProtocolError(f"rank {s}'s manifest does not match its header's digest")
+    for m in manifests.values():
+        remember(known, m)
+    lead = headers[sources[0]]
+    versions = {s: h.version for s, h in headers.items()}
+    if len(set(versions.values())) > 1:
+        raise ManifestMismatchError(
+            "the senders announce different versions: "
+            + ", ".join(f"rank {s}: {v}" for s, v in sorted(versions.items()))
+        )
+    plan: ShardPlan | None = None
+    keys: Mapping[tuple[int, int], str] = {}
+    whole = manifests[sources[0]]
+    if is_sharded(posts, sources):
+        plan, whole, keys = plan_pairs(posts, sources, headers, manifests, me, plans)
+    draft = Session(tuple(sources), lead, whole, headers, plan, keys=keys)
+    verdict = judge(draft) if judge is not None else Verdict(in_place=in_place)
+    verdict = replace(verdict, held=holding(bases, keys, me))
     gathered = group.all_gather_obj(verdict.to_wire(), timeout=deadline)
     verdicts = [Verdict.from_wire(v, r) for r, v in enumerate(gathered)]
-    merged, delta = conclude(header, source, verdicts)
-    return Session(source, header, manifest, merged, delta)
+    merged, delta = conclude(lead, sources[0], verdicts)
+    if plan is not None:
+        return replace(draft, deltas=pair_deltas(plan, headers, verdicts))
+    receivers = [r for r in range(group.world_size) if r != sources[0]]
+    return replace(draft, merged=merged, deltas=frozenset((sources[0], r) for r in receivers if delta))
+
+
+def open_session(
+    group: StatelessGroup,
+    deadline: Deadline,
+    known: dict[str, Manifest],
+    *,
+    header: Header | None = None,
+    boxes: dict[str, Any] | None = None,
+    manifest: Manifest | None = None,
+    in_place: bool = False,
+    wants: dict[str, Any] | None = None,
+    wants_if: str | None = None,
+    seen: Callable[[str, bool], None] | None = None,
+    src: int | None = None,
+    judge: Judge | None = None,
+    bases: PairBases | None = None,
+    plans: PlanMemo | None = None,
+) -> Session:
+    """The whole handshake, for a source (``header``, ``manifest``, ``boxes``, ``in_place``) or a receiver
+    (``wants`` and ``wants_if``, ``src``, ``judge``). ``seen(key, used)`` is told, before any check, the
+    sources' key (:func:`._sharded.sources_key`) and whether the conditional wants (``wants_if``) hold for
+    this sync."""
+    posts = gather_posts(group, deadline, known, header=header, boxes=boxes, wants=wants, wants_if=wants_if)
+    sources = sources_of(group, posts, src)
+    posts, key = conditional(posts, sources, keyed=seen is not None)
+    if seen is not None and key is not None:  # a receiver learning its boxes: the key, before its check
+        mine = posts[group.rank]
+        seen(key, wants is not None and isinstance(mine, dict) and "wants" in mine)
+    return settle(group, deadline, known, posts, sources, manifest=manifest, in_place=in_place, judge=judge,
+                  bases=bases, plans=plans)  # fmt: skip
 
 
 def conclude(header: Header, source: int, verdicts: list[Verdict]) -> tuple[bool, bool]:

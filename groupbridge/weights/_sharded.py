@@ -24,49 +24,40 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..codec import dtype_from_name
 from ..control import Deadline
-from ..errors import ManifestMismatchError, ProtocolError
+from ..errors import ProtocolError
 from ..stateless import StatelessGroup
 from . import _bytes
 from ._copier import Copier
-from ._session import (
-    Header,
-    Judge,
-    Session,
-    Verdict,
-    conclude,
-    gather_posts,
-    handshake,
-    is_sharded,
-    knows,
-    remember,
-    sources_of,
-)
+from ._header import Header, Verdict
 from ._shard_plan import Bucket, Held, ShardPlan, plan_shards
 from ._sharded_delta import PairBases, pair_key
 from .manifest import Entry, Manifest
 from .shard import Box
 from .transports import pair_transport
 
+if TYPE_CHECKING:
+    from ._session import Session
+
 __all__ = [
     "DELTA_TAG",
     "DIGEST_TAG",
-    "Attach",
     "Exchange",
     "Pair",
     "PlanMemo",
-    "ShardedSession",
     "Slot",
-    "open_session",
+    "conditional",
+    "holding",
+    "pair_deltas",
     "piece_view",
-    "settle_shards",
+    "plan_pairs",
     "start_of",
     "total",
 ]
@@ -74,31 +65,8 @@ __all__ = [
 DIGEST_TAG = "weights-digests"
 DELTA_TAG = "weights-delta"
 
-Attach = Callable[[int, Header], str | None]
-"""A receiver's attachment to a source's transport in the handshake: (source, its header) -> why not."""
-
 Slot = tuple[torch.Tensor, Box]
 """Where a tensor's box lives on this member: (the tensor holding it, the box of the global tensor)."""
-
-
-@dataclass(frozen=True, slots=True)
-class ShardedSession:
-    sources: tuple[int, ...]
-    header: Header
-    """The lowest source's header (version, sync id, bucket size, verification: the same for all)."""
-    manifest: Manifest
-    """The global tensors some receiver wants: names, global shapes, wire dtypes."""
-    plan: ShardPlan
-    headers: Mapping[int, Header] = field(default_factory=dict)
-    """Every source's own header: its stream's sync id, transport and offer."""
-    deltas: frozenset[tuple[int, int]] = frozenset()
-    """The (source, receiver) pairs that travel as deltas (see :mod:`._sharded_delta`)."""
-    keys: Mapping[tuple[int, int], str] = field(default_factory=dict)
-    """This member's pairs and the key of each one's cut."""
-
-    @property
-    def delta(self) -> bool:
-        return bool(self.deltas)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +75,7 @@ class Exchange:
     sync's deadline, the device its buffers live on, and its pair bases when deltas are kept."""
 
     group: StatelessGroup
-    session: ShardedSession
+    session: Session
     slots: Mapping[str, Slot]
     copier: Copier
     buffers: _bytes.BufferCache
@@ -121,7 +89,7 @@ class Exchange:
         """This member's pairs, their bases begun for this sync when bases are kept."""
         me, session = self.group.rank, self.session
         out = []
-        for (src, dst), buckets in session.plan.pairs.items():
+        for (src, dst), buckets in session.pairs.pairs.items():
             if (src if sending else dst) != me:
                 continue
             peer = dst if sending else src
@@ -232,119 +200,48 @@ def _wanted(post: Any, every: list[Held], dst: int) -> list[Held]:
     return out
 
 
-def settle_shards(
-    group: StatelessGroup,
-    deadline: Deadline,
-    known: dict[str, Manifest],
-    posts: list[Any],
-    sources: list[int],
-    *,
-    manifest: Manifest | None = None,
-    check: Callable[[Header, Manifest], Verdict | None] | None = None,
-    attach: Attach | None = None,
-    bases: PairBases | None = None,
-    plans: PlanMemo | None = None,
-) -> ShardedSession:
-    """Steps 1 and 2 above; a source passes its ``manifest``, a receiver its ``check`` of the global
-    manifest (None: it takes it) and how it ``attach``-es to each of its sources' transports; a member that
-    keeps pair bases (for deltas) says which it holds; ``plans`` keeps the last plan for the next sync."""
-    headers = {s: Header.from_wire(posts[s]["header"]) for s in sources}
-    manifests: dict[int, Manifest] = {}
-    for s in sources:
-        digest = headers[s].digest
-        if all(knows(p, digest) for r, p in enumerate(posts) if r != s):
-            manifests[s] = manifest if s == group.rank and manifest is not None else known[digest]
-            continue
-        wire = group.broadcast_obj(manifest.to_wire() if s == group.rank and manifest else None, src=s,
-                                   timeout=deadline)  # fmt: skip
-        manifests[s] = manifest if s == group.rank and manifest is not None else Manifest.from_wire(wire)
-        if manifests[s].digest != digest:
-            raise ProtocolError(f"rank {s}'s manifest does not match its header's digest")
-    for m in manifests.values():
-        remember(known, m)
-    lead = headers[sources[0]]
-    versions = {s: h.version for s, h in headers.items()}
-    if len(set(versions.values())) > 1:
-        raise ManifestMismatchError(
-            "the senders announce different versions: "
-            + ", ".join(f"rank {s}: {v}" for s, v in sorted(versions.items()))
-        )
-    me = group.rank
+def plan_pairs(
+    posts: list[Any], sources: list[int], headers: Mapping[int, Header], manifests: Mapping[int, Manifest],
+    me: int, plans: PlanMemo | None,
+) -> Planned:  # fmt: skip
+    """Step 2's plan of a sync of pair streams (see :mod:`._shard_plan`), the global manifest it assembles
+    and this member's pairs' cut keys; ``plans`` keeps the last plan for the next sync."""
 
     def planned() -> Planned:
         held = {s: _held(manifests[s], posts[s].get("boxes"), s) for s in sources}
         every = _union(held)
         wanted = {r: _wanted(p, every, r) for r, p in enumerate(posts) if r not in sources}
         caps = {s: headers[s].bucket_cap for s in sources}
-        plan = plan_shards(held, wanted, lead.bucket_bytes, caps)
+        plan = plan_shards(held, wanted, headers[sources[0]].bucket_bytes, caps)
         whole = Manifest(tuple(Entry(n, plan.global_shapes[n], plan.dtypes[n], plan.dtypes[n], None)
                                for n in plan.order))  # fmt: skip
         return plan, whole, {pair: pair_key(b) for pair, b in plan.pairs.items() if me in pair}
 
-    plan, whole, keys = plans.get(_layout_key(posts, sources, headers, me), planned) if plans else planned()
-    holding = []
-    if bases is not None:
-        for (src, dst), key in keys.items():
-            version = bases.held(dst if src == me else src, key)
-            if version is not None:
-                holding.append((dst if src == me else src, version))
-    verdict = (check(lead, whole) if check is not None else None) or Verdict()
-    if attach is not None and verdict.problem is None:
-        for src in sorted({s for s, d in plan.pairs if d == me}):
-            problem = attach(src, headers[src])
-            if problem is not None:
-                verdict = Verdict(f"rank {me}: {problem}", "transport")
-                break
-    verdict = replace(verdict, held=tuple(holding))
-    gathered = group.all_gather_obj(verdict.to_wire(), timeout=deadline)
-    verdicts = [Verdict.from_wire(v, r) for r, v in enumerate(gathered)]
-    conclude(lead, sources[0], verdicts)
+    return plans.get(_layout_key(posts, sources, headers, me), planned) if plans else planned()
+
+
+def holding(
+    bases: PairBases | None, keys: Mapping[tuple[int, int], str], me: int
+) -> tuple[tuple[int, int], ...]:
+    """(peer, version) of every pair base this member holds for its pairs' cuts."""
+    out = []
+    for (src, dst), key in keys.items() if bases is not None else ():
+        assert bases is not None
+        version = bases.held(dst if src == me else src, key)
+        if version is not None:
+            out.append((dst if src == me else src, version))
+    return tuple(out)
+
+
+def pair_deltas(
+    plan: ShardPlan, headers: Mapping[int, Header], verdicts: Sequence[Verdict]
+) -> frozenset[tuple[int, int]]:
+    """The pairs that travel as deltas: the source's policy allows it and both ends hold the same base."""
     holds = [dict(v.held) for v in verdicts]
-    deltas = frozenset(
+    return frozenset(
         (s, r) for (s, r) in plan.pairs
         if headers[s].pair_deltas and holds[s].get(r) is not None and holds[s].get(r) == holds[r].get(s)
     )  # fmt: skip
-    return ShardedSession(tuple(sources), lead, whole, plan, headers, deltas, keys)
-
-
-def open_session(
-    group: StatelessGroup,
-    deadline: Deadline,
-    known: dict[str, Manifest],
-    *,
-    header: Header | None = None,
-    boxes: dict[str, Any] | None = None,
-    manifest: Manifest | None = None,
-    in_place: bool = False,
-    wants: dict[str, Any] | None = None,
-    wants_if: str | None = None,
-    seen: Callable[[str, bool], None] | None = None,
-    src: int | None = None,
-    judge: Judge | None = None,
-    check: Callable[[Header, Manifest], Verdict | None] | None = None,
-    attach: Attach | None = None,
-    bases: PairBases | None = None,
-    plans: PlanMemo | None = None,
-) -> Session | ShardedSession:
-    """The whole handshake, for a source (``header``, ``manifest``, ``boxes``, ``in_place``) or a receiver
-    (``wants`` and ``wants_if``, ``src``, ``judge`` for one source, ``check`` for many): one sync with one
-    source sending whole tensors is a :class:`Session` (:func:`._session.handshake`), any other a
-    :class:`ShardedSession`. ``seen(key, used)`` is told, before any check, the sources' key
-    (:func:`sources_key`) and whether the conditional wants (``wants_if``) hold for this sync."""
-    posts = gather_posts(group, deadline, known, header=header, boxes=boxes, wants=wants, wants_if=wants_if)
-    sources = sources_of(group, posts, src)
-    posts, key = conditional(posts, sources, keyed=seen is not None)
-    if seen is not None and key is not None:  # a receiver learning its boxes: the key, before its check
-        mine = posts[group.rank]
-        seen(key, wants is not None and isinstance(mine, dict) and "wants" in mine)
-    if is_sharded(posts, sources):
-        return settle_shards(
-            group, deadline, known, posts, sources,
-            manifest=manifest, check=check, attach=attach, bases=bases, plans=plans,
-        )  # fmt: skip
-    return handshake(
-        group, deadline, known, posts, sources[0], manifest=manifest, in_place=in_place, judge=judge
-    )
 
 
 Planned = tuple[ShardPlan, Manifest, dict[tuple[int, int], str]]

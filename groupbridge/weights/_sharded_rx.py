@@ -20,13 +20,12 @@ from ._appliers import refused, torn
 from ._copier import Copier
 from ._delta_sync import Description, delta_digest, wire_plan
 from ._rx_stream import RxStreams, Taker, allocated, give_up, tell_failure
-from ._session import vote
+from ._session import Session, vote
 from ._shard_plan import Bucket, Piece, ShardPlan, element_size
 from ._sharded import (
     DELTA_TAG,
     DIGEST_TAG,
     Exchange,
-    ShardedSession,
     Slot,
     piece_view,
     start_of,
@@ -43,9 +42,9 @@ class Arrivals:
     """Which of a receiver's tensors have every piece landed (from every source), and which changed: a
     tensor is handed on as soon as it is whole, whatever order the sources' streams deliver it in."""
 
-    def __init__(self, session: ShardedSession, me: int) -> None:
+    def __init__(self, session: Session, me: int) -> None:
         self.left: Counter[str] = Counter(
-            p.name for (_, dst), buckets in session.plan.pairs.items() if dst == me for b in buckets
+            p.name for (_, dst), buckets in session.pairs.pairs.items() if dst == me for b in buckets
             for p in b.pieces
         )  # fmt: skip
         self.changed: set[str] = set()
@@ -97,7 +96,7 @@ def receive_shards(
         # A bucket read where it lies (a shared slot) keeps the slot until this receiver comes back to that
         # source's stream; the source may wait for that only when no other receiver's bucket lies between
         # (it has no more receivers than slots), else it could wait on a later bucket: then copy out first.
-        receivers = sum(1 for s, _ in session.plan.pairs if s == src)
+        receivers = sum(1 for s, _ in session.pairs.pairs if s == src)
         slots = getattr(sync.options, "slots", 0)
         kind = Landing.SCRATCH if receivers <= slots else Landing.STAGING
         land = partial(_land, x.buffers, f"recv{src}", rx.scratch_buffers, plan, kind, device)
@@ -138,7 +137,7 @@ class _Lander:
     def __init__(
         self,
         group: StatelessGroup,
-        session: ShardedSession,
+        session: Session,
         src: int,
         buckets: tuple[Bucket, ...],
         slots: Mapping[str, Slot],
@@ -160,7 +159,7 @@ class _Lander:
         for p in pieces:
             if p.name not in self.written:
                 self.written.append(p.name)
-        self.copier.run(partial(_unpack, self.buckets[k], view, self.slots, self.session.plan))
+        self.copier.run(partial(_unpack, self.buckets[k], view, self.slots, self.session.pairs))
         self.arrivals.landed(pieces, changed if changed is not None else [True] * len(pieces))
 
     def full(self, k: int, buf: torch.Tensor) -> None:
@@ -183,7 +182,7 @@ class _Lander:
     def delta(self, wire: Any) -> list[tuple[int, Callable[[torch.Tensor], None]]]:
         """The pair's changed buckets to receive, each applied to the base then unpacked; the unchanged
         ones are checked and unpacked from the base at once."""
-        plan = self.session.plan
+        plan = self.session.pairs
         sizes = [bucket_word(b, plan.dtypes) for b in self.buckets]
         words = [b.nbytes // w for b, w in zip(self.buckets, sizes, strict=True)]
         desc = Description.from_wire(wire, words)
@@ -216,7 +215,7 @@ class _Lander:
         if _bytes.digest(payload, kind, self.group) != desc.wire_digests[j]:
             self.problems.append(f"the delta of bucket {k} from rank {self.src} arrived corrupted")
             return
-        w = bucket_word(self.buckets[k], self.session.plan.dtypes)
+        w = bucket_word(self.buckets[k], self.session.pairs.dtypes)
         moved = self.copier.run(
             partial(_delta.apply, self._view(k), payload, desc.codes[k], desc.counts[k], w)
         )
@@ -269,7 +268,7 @@ def _slot(value: Any) -> Slot:
 
 
 def _land_shards(
-    taker: Taker, session: ShardedSession, slots: dict[str, Slot], deadline: Deadline, written: list[str],
+    taker: Taker, session: Session, slots: dict[str, Slot], deadline: Deadline, written: list[str],
     device: torch.device, arrivals: Arrivals,
 ) -> Generator[str, None, None]:  # fmt: skip
     """Receive every source's pieces into ``slots``, yielding each tensor's wire name as it becomes whole,
@@ -320,17 +319,17 @@ def _device_of(tensors: list[torch.Tensor], default: torch.device) -> torch.devi
     return tensors[0].device if tensors else default
 
 
-def shards_into(taker: Taker, session: ShardedSession, targets: dict[str, Any], atomic: bool,
+def shards_into(taker: Taker, session: Session, targets: dict[str, Any], atomic: bool,
                 deadline: Deadline) -> int:  # fmt: skip
     """``receive_into`` of a many-source sync: staged in a kept buffer (atomic) or straight into the
     targets' boxes."""
     version = session.header.version
-    dest = {wire: _slot(targets[taker.rename(wire)]) for wire in session.plan.order}
+    dest = {wire: _slot(targets[taker.rename(wire)]) for wire in session.pairs.order}
     boxes = {w: box for w, (_, box) in dest.items()}
     what = f"receiving version {version}"
     device = _device_of([t for t, _ in dest.values()], taker.device)
     slots = (
-        allocated(taker.group, what, lambda: _staging(taker, session.plan, boxes, device))
+        allocated(taker.group, what, lambda: _staging(taker, session.pairs, boxes, device))
         if atomic
         else dict(dest)
     )
@@ -363,7 +362,7 @@ def shards_into(taker: Taker, session: ShardedSession, targets: dict[str, Any], 
 
 
 def shards_named(
-    taker: Taker, session: ShardedSession, deadline: Deadline, keep: bool, only: set[str] | None = None,
+    taker: Taker, session: Session, deadline: Deadline, keep: bool, only: set[str] | None = None,
     every: bool = True,
 ) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
     """``receive()`` of a many-source sync: whole tensors, each yielded as soon as every piece of it landed
@@ -373,7 +372,7 @@ def shards_named(
     ``only``: the tensors this receiver asked boxes of (``receive(reads=...)``), each whole-shaped: the plan
     brings its box, the rest of it keeps what the kept buffer held. ``every=False`` (``only_changed``):
     tensors of a delta that did not change are not yielded."""
-    plan = session.plan
+    plan = session.pairs
     whole = {w: Box((0,) * len(plan.global_shapes[w]), plan.global_shapes[w])
              for w in plan.order if only is None or w in only}  # fmt: skip
 

@@ -21,9 +21,9 @@ from . import _bytes, _delta, _sharded
 from ._copier import Copier
 from ._delta_sync import Description, delta_digest
 from ._described import Boxes, Pairs
-from ._session import collect_acks, vote
+from ._session import Session, collect_acks, vote
 from ._shard_plan import Bucket, ShardPlan
-from ._sharded import ShardedSession, Slot, piece_view, start_of
+from ._sharded import Slot, piece_view, start_of
 from ._sharded_delta import PairBases, bucket_word
 from ._source import Puller
 from ._stats import SyncStats
@@ -41,7 +41,7 @@ def send_shards(x: _sharded.Exchange, tx: TxTransport, sync: Sync[Any]) -> Sent:
     then its changed buckets' encodings take the place of its buckets."""
     group, session, slots = x.group, x.session, x.slots
     assert isinstance(slots, SourceSlots)
-    plan, verify, device = session.plan, session.header.verify, x.device
+    plan, verify, device = session.pairs, session.header.verify, x.device
     stream: list[tuple[int, int, int, Callable[[Callable[[], torch.Tensor]], torch.Tensor]]] = []
     """(round, receiver, bytes, fill): ``fill(buffer)`` packs the bucket (into ``buffer()``), returns it."""
     digests: dict[int, list[int | bytes]] = {}
@@ -114,13 +114,13 @@ def _full_bucket(
 
 
 def _describe_delta(
-    group: StatelessGroup, session: ShardedSession, buckets: tuple[Bucket, ...],
+    group: StatelessGroup, session: Session, buckets: tuple[Bucket, ...],
     slots: SourceSlots, base: torch.Tensor, copier: Copier, buffers: _bytes.BufferCache, sent: Sent,
     device: torch.device,
 ) -> tuple[Any, list[torch.Tensor]]:  # fmt: skip
     """A delta pair: diff every bucket against the base (bringing it up to the new version); the pair's
     description (as it goes on the wire) and the changed buckets' encodings, in order."""
-    plan, kind = session.plan, delta_digest(session.header)
+    plan, kind = session.pairs, delta_digest(session.header)
     encs, digests, wire, pos = [], [], [], 0
     biggest = max((b.nbytes for b in buckets), default=1)
     mask = buffers.get("delta-mask", biggest, device).view(torch.bool)
@@ -256,7 +256,7 @@ def _cell_digest(cell: torch.Tensor) -> str:
 
 def send_sharded(
     group: StatelessGroup,
-    session: ShardedSession,
+    session: Session,
     slots: SourceSlots,
     copier: Copier,
     buffers: _bytes.BufferCache,
@@ -287,7 +287,7 @@ def send_sharded(
     if bases is not None:
         bases.commit(version)
     seconds = time.perf_counter() - t0
-    mine = {pair: b for pair, b in session.plan.pairs.items() if pair[0] == me}
+    mine = {pair: b for pair, b in session.pairs.pairs.items() if pair[0] == me}
     total = sum(b.nbytes for buckets in mine.values() for b in buckets)
     group.log.info(
         "sent my shards of version %d: %.1f MB (%.1f MB on the wire%s) in %.3fs", version, total / 1e6,

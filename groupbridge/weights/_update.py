@@ -10,7 +10,6 @@ import torch
 
 from ..stateless import StatelessGroup
 from ._session import Session
-from ._sharded import ShardedSession
 
 __all__ = ["WeightUpdate", "abandon_update"]
 
@@ -36,7 +35,7 @@ class WeightUpdate:
 
     def __init__(
         self,
-        session: Session | ShardedSession,
+        session: Session,
         pairs: Iterator[tuple[str, torch.Tensor]],
         kept: bool = False,
         *,

@@ -25,14 +25,8 @@ from ._memory import DeltaMemory
 from ._rx_checks import Reads, refusal
 from ._rx_stream import RxStreams, Taker
 from ._rx_whole import whole_into, whole_named
-from ._session import (
-    Header,
-    Session,
-    Verdict,
-    laid_out_in_place,
-    make_renamer,
-)
-from ._sharded import PlanMemo, ShardedSession, open_session
+from ._session import Session, Verdict, laid_out_in_place, make_renamer, open_session
+from ._sharded import PlanMemo
 from ._sharded_rx import data_ptr, shards_into, shards_named, wants_of
 from ._update import WeightUpdate, abandon_update
 from .manifest import Manifest, expected_specs, tensors_of
@@ -115,21 +109,25 @@ class WeightReceiver(Closing):
         wants: dict[str, Any] | None = None,
         wants_if: str | None = None,
         seen: Callable[[str, bool], None] | None = None,
-    ) -> Session | ShardedSession:
+    ) -> Session:
         """This receiver's part of the handshake: its verdict on the sources' headers and manifest."""
         check = partial(refusal, self.version, rename=self._rename, expected=expected, accept=accept,
                         allow_stale=allow_stale, rank=self.group.rank)  # fmt: skip
 
-        def judge(src: int, header: Header, manifest: Manifest) -> Verdict:
-            refused = check(header, manifest)
+        def judge(draft: Session) -> Verdict:
+            refused = check(draft.header, draft.manifest)
             if refused is not None:
                 return refused
-            try:
-                problem = self._streams.attach(src, header.transport, header.offer)
-            except (ValueError, OSError, RuntimeError, WeightSyncError) as e:
-                problem = f"{type(e).__name__}: {e}"
-            if problem is not None:
-                return Verdict(f"rank {self.group.rank}: {problem}", "transport")
+            for src in draft.feeding(self.group.rank):
+                try:
+                    problem = self._streams.attach(src, draft)
+                except (ValueError, OSError, RuntimeError, WeightSyncError) as e:
+                    problem = f"{type(e).__name__}: {e}"
+                if problem is not None:
+                    return Verdict(f"rank {self.group.rank}: {problem}", "transport")
+            if draft.plan is not None:
+                return Verdict()
+            header, manifest = draft.header, draft.manifest
             dest = _dest(manifest, targets, self._rename) if targets is not None else None
             in_place = dest is not None and laid_out_in_place(manifest, dest, receiving=True)
             # the held tag names the version (a receiver of a new bridge, given a memory, has no version yet)
@@ -137,8 +135,8 @@ class WeightReceiver(Closing):
             return Verdict(in_place=in_place, base=base)
 
         return open_session(self.group, deadline, self._known, wants=wants, wants_if=wants_if, seen=seen,
-                            src=self.src, judge=judge, check=check, attach=self._streams.attach_pair,
-                            bases=self._pair_bases, plans=self._shard_plans)  # fmt: skip
+                            src=self.src, judge=judge, bases=self._pair_bases,
+                            plans=self._shard_plans)  # fmt: skip
 
     def close(self) -> None:
         """Release transport mappings, buffers and the copy thread. The group stays open."""
@@ -214,7 +212,7 @@ class WeightReceiver(Closing):
                 self._reads = learning.learned
         abandon = partial(abandon_update, self.group)
         every = not (session.delta and only_changed)
-        if isinstance(session, ShardedSession):
+        if session.plan is not None:
             self._memory.held = None
             only = set(posted[1]) if posted and learning is not None and learning.used else None
             pairs = shards_named(self._taker(ready), session, deadline, keep, only, every)
@@ -271,7 +269,7 @@ class WeightReceiver(Closing):
             targets=None if atomic else targets,
             wants=wants_of(targets, self._renames),
         )
-        if isinstance(session, ShardedSession):
+        if session.plan is not None:
             self._memory.held = None
             return shards_into(self._taker(), session, targets, atomic, deadline)
         return whole_into(self._taker(), session, targets, atomic, deadline, keep)

@@ -24,12 +24,8 @@ from ._copier import Copier
 from ._delta_tx import DeltaSender
 from ._described import Boxes, Described, NamedTensors, Pairs, Specs, in_place, named_tensors_of, peek_device
 from ._memory import DeltaMemory
-from ._session import (
-    Header,
-    make_renamer,
-    refuse,
-)
-from ._sharded import PlanMemo, ShardedSession, boxes_of, open_session
+from ._session import Header, Session, make_renamer, open_session, refuse
+from ._sharded import PlanMemo, boxes_of
 from ._sharded_delta import PairBases
 from ._sharded_tx import SourceSlots, send_sharded
 from ._stats import SyncStats
@@ -229,7 +225,7 @@ class WeightSender(Closing):
                 in_place=in_place(items, manifest, self._delta is not None), bases=self._pair_bases,
                 plans=self._shard_plans,
             )  # fmt: skip
-            if isinstance(session, ShardedSession):
+            if session.plan is not None:
                 return self._send_pairs(session, manifest, items, shards, kind, device, deadline)
             sync = Sync(header.sync_id, deadline, self.options[kind], self._copier.copy)
             return send_stream(
@@ -248,7 +244,7 @@ class WeightSender(Closing):
                 del err
 
     def _send_pairs(
-        self, session: ShardedSession, manifest: Manifest, items: Pairs, shards: Boxes, kind: str,
+        self, session: Session, manifest: Manifest, items: Pairs, shards: Boxes, kind: str,
         device: torch.device, deadline: Deadline,
     ) -> SyncStats:  # fmt: skip
         """A many-source sync: this source's pairs over the transport that carries them (see
@@ -259,7 +255,7 @@ class WeightSender(Closing):
                                 self.transport, pairs)  # fmt: skip
         options = self.options[kind] if pairs == kind else TRANSPORTS[pairs].options()
         sync = Sync(session.headers[self.src].sync_id, deadline, options, self._copier.copy)
-        slots = SourceSlots(manifest, items, shards, session.plan, self.src)
+        slots = SourceSlots(manifest, items, shards, session.pairs, self.src)
         stats = send_sharded(self.group, session, slots, self._copier, self._scratch, self._tx(pairs), sync,
                              self._pair_bases, stream_device(pairs, device))  # fmt: skip
         if self._delta is not None:  # the policy learns from pairs as from one source's stream
