@@ -26,7 +26,7 @@ from ._copier import Copier
 from ._delta_sync import Description, delta_digest, delta_groups, wire_plan, word_counts
 from ._memory import DeltaMemory
 from ._session import ACK_TAG, Header, Session, vote
-from .plan import Plan, PlanCache
+from .plan import Plan, Plans
 from .transports import RxTransport, Sync, pair_transport, spec
 
 T = TypeVar("T")
@@ -162,7 +162,7 @@ class Taker:
     buffers: _bytes.BufferCache
     memory: DeltaMemory
     """The bases deltas are applied to: the version held in full, and one base per cut of many sources."""
-    plans: PlanCache
+    plans: Plans
     rename: Callable[[str], str]
     held: int | None
     """The version held before this sync."""

@@ -28,7 +28,7 @@ def plan_of(session: Session, taker: Taker) -> Plan:
     if session.merged:
         return merged_plan(session.manifest)
     header = session.header
-    return taker.plans.get(session.manifest, header.bucket_bytes, header.solo_bytes)
+    return taker.plans.whole(session.manifest, header.bucket_bytes, header.solo_bytes)
 
 
 def _namer(manifest: Manifest, rename: Callable[[str], str]) -> Callable[[int], str]:

@@ -46,10 +46,10 @@ from ..stateless import StatelessGroup
 from . import _bytes
 from ._header import MAX_BUCKET_BYTES, VERIFY, Header, Verdict
 from ._shard_plan import ShardPlan
-from ._sharded import PlanMemo, conditional, holding, pair_deltas, plan_pairs
+from ._sharded import conditional, holding, pair_deltas, plan_pairs
 from ._sharded_delta import PairBases
 from .manifest import Manifest
-from .plan import Plan
+from .plan import Plan, Plans
 from .transports import TRANSPORTS, Sync
 
 __all__ = [
@@ -255,7 +255,7 @@ def settle(
     in_place: bool = False,
     judge: Judge | None = None,
     bases: PairBases | None = None,
-    plans: PlanMemo | None = None,
+    plans: Plans | None = None,
 ) -> Session:
     """Steps 1 and 2 above, after :func:`gather_posts`: each source's manifest (broadcast from it when some
     member does not know it), the plan (one fan-out stream, or pair streams when several sources send or
@@ -324,7 +324,7 @@ def open_session(
     src: int | None = None,
     judge: Judge | None = None,
     bases: PairBases | None = None,
-    plans: PlanMemo | None = None,
+    plans: Plans | None = None,
 ) -> Session:
     """The whole handshake, for a source (``header``, ``manifest``, ``boxes``, ``in_place``) or a receiver
     (``wants`` and ``wants_if``, ``src``, ``judge``). ``seen(key, used)`` is told, before any check, the

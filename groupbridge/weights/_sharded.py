@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +40,7 @@ from ._header import Header, Verdict
 from ._shard_plan import Bucket, Held, ShardPlan, plan_shards
 from ._sharded_delta import PairBases, pair_key
 from .manifest import Entry, Manifest
+from .plan import Plans
 from .shard import Box
 from .transports import pair_transport
 
@@ -51,7 +52,6 @@ __all__ = [
     "DIGEST_TAG",
     "Exchange",
     "Pair",
-    "PlanMemo",
     "Slot",
     "conditional",
     "holding",
@@ -202,7 +202,7 @@ def _wanted(post: Any, every: list[Held], dst: int) -> list[Held]:
 
 def plan_pairs(
     posts: list[Any], sources: list[int], headers: Mapping[int, Header], manifests: Mapping[int, Manifest],
-    me: int, plans: PlanMemo | None,
+    me: int, plans: Plans | None,
 ) -> Planned:  # fmt: skip
     """Step 2's plan of a sync of pair streams (see :mod:`._shard_plan`), the global manifest it assembles
     and this member's pairs' cut keys; ``plans`` keeps the last plan for the next sync."""
@@ -246,24 +246,6 @@ def pair_deltas(
 
 Planned = tuple[ShardPlan, Manifest, dict[tuple[int, int], str]]
 """A many-source plan, the global manifest it assembles, and this member's pairs' cut keys."""
-
-
-class PlanMemo:
-    """One member's last many-source plan, reused while every source holds and every receiver wants the same
-    boxes of the same manifests. Planning walks every cell of every tensor in Python: measured about 0.2 s
-    per sync on every member (290 tensors, 4 sources, 4 receivers, 2 cores), as long as the dense sync it
-    plans on one host."""
-
-    def __init__(self) -> None:
-        self._key: bytes | None = None
-        self._planned: Planned | None = None
-
-    def get(self, key: bytes, make: Callable[[], Planned]) -> Planned:
-        if self._planned is None or self._key != key:
-            self._key, self._planned = None, None
-            self._planned = make()  # a plan that raised is not kept
-            self._key = key
-        return self._planned
 
 
 def _layout_key(posts: list[Any], sources: list[int], headers: Mapping[int, Header], me: int) -> bytes:

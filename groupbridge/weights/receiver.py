@@ -26,11 +26,10 @@ from ._rx_checks import Reads, refusal
 from ._rx_stream import RxStreams, Taker
 from ._rx_whole import whole_into, whole_named
 from ._session import Session, Verdict, laid_out_in_place, make_renamer, open_session
-from ._sharded import PlanMemo
 from ._sharded_rx import data_ptr, shards_into, shards_named, wants_of
 from ._update import WeightUpdate, abandon_update
 from .manifest import Manifest, expected_specs, tensors_of
-from .plan import PlanCache
+from .plan import Plans
 from .shard import Box
 
 __all__ = ["WeightReceiver", "WeightUpdate"]
@@ -90,10 +89,9 @@ class WeightReceiver(Closing):
         """The bases deltas are applied to: the version held in full (``held``: how the base is kept,
         version, manifest digest) and, with many sources, one base per cut; the caller's, when given, so
         that they outlive this receiver's group."""
-        self._plans = PlanCache()
+        self._plans = Plans()
         self._pair_bases = self._memory.pairs
         """With many sources whose senders keep bases: what this receiver last took, one base per cut."""
-        self._shard_plans = PlanMemo()
         self._reads: tuple[str, dict[str, Any]] | None = None
         """``receive(reads=...)``: (the sources' key, the wants to post) learned in the last handshake."""
 
@@ -136,7 +134,7 @@ class WeightReceiver(Closing):
 
         return open_session(self.group, deadline, self._known, wants=wants, wants_if=wants_if, seen=seen,
                             src=self.src, judge=judge, bases=self._pair_bases,
-                            plans=self._shard_plans)  # fmt: skip
+                            plans=self._plans)  # fmt: skip
 
     def close(self) -> None:
         """Release transport mappings, buffers and the copy thread. The group stays open."""

@@ -25,13 +25,13 @@ from ._delta_tx import DeltaSender
 from ._described import Boxes, Described, NamedTensors, Pairs, Specs, in_place, named_tensors_of, peek_device
 from ._memory import DeltaMemory
 from ._session import Header, Session, make_renamer, open_session, refuse
-from ._sharded import PlanMemo, boxes_of
+from ._sharded import boxes_of
 from ._sharded_delta import PairBases
 from ._sharded_tx import SourceSlots, send_sharded
 from ._stats import SyncStats
 from ._tx_stream import Progress, send_stream
 from .manifest import Manifest
-from .plan import Plan, PlanCache
+from .plan import Plan, Plans
 from .transports import (
     TRANSPORTS,
     Sync,
@@ -123,7 +123,7 @@ class WeightSender(Closing):
         self._scratch = _bytes.BufferCache()
         self._known: dict[str, Manifest] = {}
         self._described = Described(group, make_renamer(rename), wire_dtype)
-        self._plans = PlanCache()
+        self._plans = Plans()
         self._delta = DeltaSender(group, self._copier, self._scratch, delta == "always") if delta else None
         """Present when asked for deltas: the base, the policy and the diff."""
         self._memory = memory if delta else None
@@ -132,7 +132,6 @@ class WeightSender(Closing):
             memory.sent = None  # this sender's now: written back when it closes
         self._pair_bases = (memory.pairs if memory is not None else PairBases()) if delta else None
         """With many sources and ``delta``: the bytes this member last sent, one base per cut."""
-        self._shard_plans = PlanMemo()
         self._sending = threading.Lock()
         self._closed = False
 
@@ -223,7 +222,7 @@ class WeightSender(Closing):
             session = open_session(
                 self.group, deadline, self._known, header=header, boxes=boxes_of(shards), manifest=manifest,
                 in_place=in_place(items, manifest, self._delta is not None), bases=self._pair_bases,
-                plans=self._shard_plans,
+                plans=self._plans,
             )  # fmt: skip
             if session.plan is not None:
                 return self._send_pairs(session, manifest, items, shards, kind, device, deadline)
@@ -291,7 +290,7 @@ class WeightSender(Closing):
 
     def _plan(self, manifest: Manifest) -> Plan:
         """The bucket plan, reused while the manifest is unchanged (building it walks every tensor)."""
-        return self._plans.get(manifest, self.bucket_bytes, self.solo_bytes)
+        return self._plans.whole(manifest, self.bucket_bytes, self.solo_bytes)
 
     def close(self) -> None:
         """Release transport resources (shared slots, buffers) and the copy thread. The group stays open.
