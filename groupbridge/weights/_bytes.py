@@ -151,10 +151,6 @@ class BufferCache:
             self._buffers[key] = buf
         return buf[:nbytes]
 
-    def drop(self, slot: str) -> None:
-        """Let ``slot``'s buffer go (another receive path took over: two model-size buffers would be kept)."""
-        self._buffers.pop((slot, 0), None)
-
     def clear(self) -> None:
         self._buffers.clear()
 

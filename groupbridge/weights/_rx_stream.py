@@ -31,7 +31,24 @@ from .transports import RxTransport, Sync, pair_transport, spec
 
 T = TypeVar("T")
 
-__all__ = ["Bucket", "RxStreams", "Taker", "VerifyFailed", "acknowledge", "give_up", "settle", "tell_failure"]
+__all__ = [
+    "KEPT",
+    "Bucket",
+    "RxStreams",
+    "Taker",
+    "VerifyFailed",
+    "acknowledge",
+    "give_up",
+    "settle",
+    "tell_failure",
+]
+
+
+KEPT = "kept"
+"""The receiver's one kept buffer (in its ``BufferCache``), whatever the plan: where an atomic receive stages,
+where a delta is applied (the version held, when the receiver's tag says so) and what ``receive(keep=True)``
+yields views of. Each sync lays it out as its plan does; a delta is applied to it only after a sync of the
+same plan that left it holding the base (``DeltaMemory.held``)."""
 
 
 class VerifyFailed(WeightSyncError):

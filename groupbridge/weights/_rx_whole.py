@@ -14,7 +14,7 @@ from ..codec import dtype_from_name
 from ..control import Deadline
 from ..errors import WeightSyncError
 from ._appliers import Applier, Ring, Scratch, Staged, Streaming, refused, run_through, torn, wire_typed
-from ._rx_stream import Taker, VerifyFailed, allocated, give_up, settle, tell_failure
+from ._rx_stream import KEPT, Taker, VerifyFailed, allocated, give_up, settle, tell_failure
 from ._session import Session, merged_plan
 from .manifest import Manifest
 from .plan import Plan
@@ -49,8 +49,7 @@ def whole_named(
     names = _namer(manifest, taker.rename)
     applier: Applier
     if header.keeps_base or keep:
-        taker.buffers.drop("staging")  # a many-source receive's kept buffer: this one takes its place
-        buffer = taker.buffers.get("base", plan.total_bytes, taker.device)
+        buffer = taker.buffers.get(KEPT, plan.total_bytes, taker.device)
         applier = Staged(buffer, plan, manifest, ring, taker.copier, names, every=every)
     else:
         applier = Scratch(plan, manifest, ring, taker.copier, names)
@@ -116,7 +115,7 @@ def whole_into(
     names = _namer(manifest, taker.rename)
     taker.memory.held = None
     applier: Applier = allocated(taker.group, what, lambda: Staged(
-        taker.buffers.get("base" if header.keeps_base else "staging", plan.total_bytes, device),
+        taker.buffers.get(KEPT, plan.total_bytes, device),
         plan, manifest, ring, taker.copier, names, dest=dest, delta=session.delta,
     ) if atomic else Streaming(
         plan, manifest, ring, taker.copier, names, dest, taker.buffers, delta=session.delta

@@ -19,7 +19,7 @@ from . import _bytes, _delta
 from ._appliers import refused, torn
 from ._copier import Copier
 from ._delta_sync import Description, delta_digest, wire_plan
-from ._rx_stream import RxStreams, Taker, allocated, give_up, tell_failure
+from ._rx_stream import KEPT, RxStreams, Taker, allocated, give_up, tell_failure
 from ._session import Session, vote
 from ._shard_plan import Bucket, Piece, ShardPlan, element_size
 from ._sharded import (
@@ -306,7 +306,7 @@ def _staging(
     for wire in (w for w in plan.order if w in boxes):
         offsets[wire] = pos
         pos += -(-boxes[wire].numel * element_size(plan.dtypes[wire]) // 16) * 16
-    buffer = taker.buffers.get("staging", pos, device)
+    buffer = taker.buffers.get(KEPT, pos, device)
     return {
         wire: (_bytes.typed_view(buffer, offsets[wire], dtype_from_name(plan.dtypes[wire]), box.shape), box)
         for wire, box in boxes.items()
@@ -378,7 +378,6 @@ def shards_named(
 
     def make() -> dict[str, Slot]:
         if keep:
-            taker.buffers.drop("base")  # a one-source receive's kept buffer: this one takes its place
             return _staging(taker, plan, whole, taker.device)
         return {w: (torch.empty(box.shape, dtype=dtype_from_name(plan.dtypes[w]), device=taker.device), box)
                 for w, box in whole.items()}  # fmt: skip
