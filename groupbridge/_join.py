@@ -42,14 +42,16 @@ from .store import ROOT_PREFIX, StoreClient
 
 __all__ = ["PROTOCOL", "JoinSpec", "Joined", "host_join", "member_join"]
 
-PROTOCOL = 6
+PROTOCOL = 7
 """2 -> 3: a receiver's wants may be conditional (``wants_if``), which a member of protocol 2 would take as
 unconditional and plan otherwise. 3 -> 4: a queue's reader waits on the queue itself, and a member of
 protocol 3 would wait on a bell that nobody rings any more; control messages are sealed with keyed
 BLAKE2b. 4 -> 5: a sync's header says how big a bucket of a source's many-source stream may be
 (``bucket_cap``) and whether its pairs may be deltas (``pair_deltas``): a member of protocol 4 would plan
 other buckets and refuse the header. 5 -> 6: a rank's claim is a counter and a sealed record (see
-:func:`_claim`); a member of protocol 5 writes no record, and a later claim would not see it."""
+:func:`_claim`); a member of protocol 5 writes no record, and a later claim would not see it. 6 -> 7: a
+fan-out stream's bucket digests go to each receiver on their own tag, as a pair's do (``_bytes.Digests``);
+a member of protocol 6 would wait for them in a broadcast."""
 # The description and refusals live outside the group's namespace: a member of another name or generation
 # must find them to be told why it is refused.
 _META = f"{ROOT_PREFIX}/meta"

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 import xxhash
@@ -11,10 +11,13 @@ import xxhash
 from .plan import Plan, Segment
 
 if TYPE_CHECKING:
+    from ..control import Deadline
     from ..stateless import StatelessGroup
 
 __all__ = [
+    "DIGEST_TAG",
     "BufferCache",
+    "Digests",
     "byte_view",
     "digest",
     "in_place_bucket",
@@ -166,3 +169,44 @@ def digest(buf: torch.Tensor, kind: str, group: StatelessGroup) -> int | bytes:
     h = group.control.sealer.digest()
     h.update(buf.numpy().data)
     return bytes(h.digest())
+
+
+DIGEST_TAG = "weights-digests"
+
+
+class Digests:
+    """One member's digests of a sync's buckets (``kind``: see :func:`digest`; empty: none), one list per
+    stream: a source takes one per bucket it posts and, after its last, sends each receiver the list of the
+    stream that reached it; a receiver takes one per bucket that lands and compares. A fan-out stream's
+    buckets reach every receiver (``to`` None), a pair's one."""
+
+    def __init__(self, kind: str, group: StatelessGroup) -> None:
+        self.kind = kind
+        self.group = group
+        self.taken: dict[int | None, list[int | bytes]] = {}
+
+    def take(self, view: torch.Tensor, stream: int | None = None) -> None:
+        if self.kind:
+            self.taken.setdefault(stream, []).append(digest(view, self.kind, self.group))
+
+    def send(self, receivers: Iterable[int], fan_out: bool) -> None:
+        """To each of ``receivers``, the digests of its stream's buckets (a fan-out stream's: all of them)."""
+        if self.kind:
+            for r in receivers:
+                self.group.send_obj(self.taken.get(None if fan_out else r, []), r, tag=DIGEST_TAG)
+
+    def check(self, src: int, deadline: Deadline) -> str | None:
+        """Compare what landed from ``src`` with the digests it sent; why the bytes are refused, or None."""
+        if not self.kind:
+            return None
+        sent: Any = self.group.recv_obj(src, timeout=deadline, tag=DIGEST_TAG)
+        mine = self.taken.get(src, [])
+        if not isinstance(sent, list) or len(sent) != len(mine):
+            return f"rank {src}'s digests are malformed ({type(sent).__name__}, not {len(mine)} digests)"
+        bad = [k for k, (a, b) in enumerate(zip(sent, mine, strict=True)) if a != b]
+        if not bad:
+            return None
+        return (
+            f"{self.kind} mismatch in bucket(s) {', '.join(map(str, bad[:20]))} of {len(mine)} from rank "
+            f"{src}: the bytes that arrived are corrupted, short or were not sent by that member"
+        )

@@ -99,22 +99,13 @@ class RxStreams:
         header = session.header
         rx = self._open(session, plan, applier.device, sync)
         applier.ring.size = rx.scratch_buffers
-        mine: list[int | bytes] = []
-        n = len(plan.buckets)
+        digests = _bytes.Digests(header.verify, self.group)
         for k, view, in_place in rx.buckets(plan, applier.land, sync.deadline):
-            if header.verify:
-                mine.append(_bytes.digest(view, header.verify, self.group))
+            digests.take(view, session.src)
             yield k, view, in_place, [seg.index for seg in plan.buckets[k]]
-        if header.verify:
-            sent = self.group.broadcast_obj(None, src=session.src, timeout=sync.deadline)
-            if not isinstance(sent, list) or len(sent) != n:
-                raise VerifyFailed(f"the sender's digests are malformed ({type(sent).__name__})")
-            bad = [k for k, (a, b) in enumerate(zip(sent, mine, strict=True)) if a != b]
-            if bad:
-                raise VerifyFailed(
-                    f"{header.verify} mismatch in bucket(s) {', '.join(map(str, bad[:20]))} of {n}: the "
-                    "bytes that arrived are corrupted, short or were not sent by the group's sender"
-                )
+        problem = digests.check(session.src, sync.deadline)
+        if problem is not None:
+            raise VerifyFailed(problem)
 
     def delta(self, session: Session, plan: Plan, applier: Applier, sync: Sync[Any]) -> Iterator[Bucket]:
         """Receive a delta (see :mod:`._delta_sync`) and apply it to the applier's held version; yields

@@ -49,7 +49,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DELTA_TAG",
-    "DIGEST_TAG",
     "Exchange",
     "Pair",
     "Slot",
@@ -62,7 +61,6 @@ __all__ = [
     "total",
 ]
 
-DIGEST_TAG = "weights-digests"
 DELTA_TAG = "weights-delta"
 
 Slot = tuple[torch.Tensor, Box]

@@ -24,7 +24,6 @@ from ._session import Session, vote
 from ._shard_plan import Bucket, Piece, ShardPlan, element_size
 from ._sharded import (
     DELTA_TAG,
-    DIGEST_TAG,
     Exchange,
     Slot,
     piece_view,
@@ -73,22 +72,21 @@ def receive_shards(
     wire name as it becomes whole (every piece of it landed). Returns why the bytes are refused (a digest
     mismatch), or None."""
     group, session = x.group, x.session
-    verify = session.header.verify
-    after: list[Callable[[], str | None]] = []
+    digests = _bytes.Digests(session.header.verify, group)
+    checked: list[int] = []
     problems: list[str] = []
     walks: dict[int, tuple[Iterator[tuple[int, torch.Tensor, bool]], list[Feed]]] = {}
     for pair in x.pairs(sending=False):
         src, buckets = pair.peer, pair.buckets
         lander = _Lander(
-            group, session, src, buckets, x.slots, x.copier, pair.base, written, problems, arrivals
+            group, session, src, buckets, x.slots, x.copier, pair.base, written, problems, arrivals, digests
         )
         if pair.delta:
             feed = lander.delta(group.recv_obj(src, timeout=x.deadline, tag=DELTA_TAG))
             yield from arrivals.take()  # its unchanged buckets were unpacked from the base
         else:
             feed = [(b.nbytes, partial(lander.full, k)) for k, b in enumerate(buckets)]
-            if verify:
-                after.append(partial(lander.check_digests, x.deadline))
+            checked.append(src)
         rx, sync = streams.pair(src, session.headers[src], x.deadline)
         plan = Plan.of_sizes([n for n, _ in feed])
         device = stream_device(pair_transport(session.headers[src].transport), x.device)
@@ -111,8 +109,8 @@ def receive_shards(
                 if k == len(feed) - 1:  # the pair's last: let its transport free what it holds now
                     for _ in buckets_in:
                         raise ProtocolError(f"rank {src}'s stream has more buckets than its plan")
-    for check in after:
-        problem = check()
+    for src in checked:
+        problem = digests.check(src, x.deadline)
         if problem is not None:
             problems.append(problem)
     return problems[0] if problems else None
@@ -146,12 +144,12 @@ class _Lander:
         written: list[str],
         problems: list[str],
         arrivals: Arrivals,
+        digests: _bytes.Digests,
     ) -> None:
         self.group, self.session, self.src, self.buckets = group, session, src, buckets
         self.slots, self.copier, self.base = slots, copier, base
-        self.written, self.problems, self.arrivals = written, problems, arrivals
+        self.written, self.problems, self.arrivals, self.digests = written, problems, arrivals, digests
         self.starts = [start_of(buckets, k) for k in range(len(buckets))]
-        self.mine: list[int | bytes] = []
 
     def _unpack(self, k: int, view: torch.Tensor, changed: Sequence[bool] | None = None) -> None:
         """Bucket k's pieces into the slots; ``changed`` (per piece; None: all) says which of them moved."""
@@ -163,21 +161,10 @@ class _Lander:
         self.arrivals.landed(pieces, changed if changed is not None else [True] * len(pieces))
 
     def full(self, k: int, buf: torch.Tensor) -> None:
-        verify = self.session.header.verify
-        if verify:
-            self.mine.append(_bytes.digest(buf, verify, self.group))
+        self.digests.take(buf, self.src)
         if self.base is not None:
             self.copier.copy(self.base[self.starts[k] : self.starts[k] + buf.numel()], buf)
         self._unpack(k, buf)
-
-    def check_digests(self, deadline: Deadline) -> str | None:
-        sent = self.group.recv_obj(self.src, timeout=deadline, tag=DIGEST_TAG)
-        if not isinstance(sent, list) or sent != self.mine:
-            verify = self.session.header.verify
-            return (
-                f"the bytes from rank {self.src} do not match its {verify} digests: corrupted or not its own"
-            )
-        return None
 
     def delta(self, wire: Any) -> list[tuple[int, Callable[[torch.Tensor], None]]]:
         """The pair's changed buckets to receive, each applied to the base then unpacked; the unchanged

@@ -44,7 +44,7 @@ def send_shards(x: _sharded.Exchange, tx: TxTransport, sync: Sync[Any]) -> Sent:
     plan, verify, device = session.pairs, session.header.verify, x.device
     stream: list[tuple[int, int, int, Callable[[Callable[[], torch.Tensor]], torch.Tensor]]] = []
     """(round, receiver, bytes, fill): ``fill(buffer)`` packs the bucket (into ``buffer()``), returns it."""
-    digests: dict[int, list[int | bytes]] = {}
+    digests = _bytes.Digests(verify, group)
     sent = Sent()
     pairs = x.pairs(sending=True)
     # pairs of one cut share a base: a delta brings it up to date once (described before any full pair's
@@ -65,13 +65,12 @@ def send_shards(x: _sharded.Exchange, tx: TxTransport, sync: Sync[Any]) -> Sent:
             continue
         keep = base if pair.key not in written else None
         written.add(pair.key)
-        mine = digests[dst] = []
         stream += [
             (
                 k,
                 dst,
                 b.nbytes,
-                partial(_full_bucket, k, b, dst, slots, plan, x.copier, keep, verify, mine, group),
+                partial(_full_bucket, k, b, dst, slots, plan, x.copier, keep, digests, group),
             )
             for k, b in enumerate(buckets)
         ]
@@ -82,9 +81,7 @@ def send_shards(x: _sharded.Exchange, tx: TxTransport, sync: Sync[Any]) -> Sent:
         tx.post(k, view)
         sent.wire_bytes += nbytes
     tx.finish()
-    if verify:
-        for dst, ds in digests.items():
-            group.send_obj(ds, dst, tag=_sharded.DIGEST_TAG)
+    digests.send((p.peer for p in pairs if not p.delta), fan_out=False)
     return sent
 
 
@@ -97,7 +94,7 @@ class Sent:
 
 def _full_bucket(
     k: int, bucket: Bucket, dst: int, slots: SourceSlots, plan: ShardPlan, copier: Copier,
-    base: torch.Tensor | None, verify: str, digests: list[int | bytes], group: StatelessGroup,
+    base: torch.Tensor | None, digests: _bytes.Digests, group: StatelessGroup,
     buffer: Callable[[], torch.Tensor],
 ) -> torch.Tensor:  # fmt: skip
     """Pack bucket k of a whole pair into the transport's ``buffer()`` (and into its base, when kept)."""
@@ -108,8 +105,7 @@ def _full_bucket(
     if base is not None:
         start = start_of(plan.buckets(group.rank, dst), k)
         copier.copy(base[start : start + bucket.nbytes], buf)
-    if verify:
-        digests.append(_bytes.digest(buf, verify, group))
+    digests.take(buf, dst)
     return buf
 
 

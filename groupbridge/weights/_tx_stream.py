@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -32,18 +31,10 @@ from .transports import Sync, TxTransport
 if TYPE_CHECKING:
     from ._delta_tx import DeltaSender
 
-__all__ = ["Progress", "SentFull", "send_full", "send_stream"]
+__all__ = ["Progress", "send_full", "send_stream"]
 
 Progress = Callable[[int, int], None]
 """``progress(bytes_sent, total_bytes)``, called after every bucket."""
-
-
-@dataclass(frozen=True, slots=True)
-class SentFull:
-    in_place: int
-    """Buckets posted straight from the tensors' own storage."""
-    digests: list[int | bytes]
-    """Every bucket's digest, when the header asks for them."""
 
 
 def send_full(
@@ -51,13 +42,14 @@ def send_full(
     stream: Stream,
     puller: Puller,
     copier: Copier,
+    digests: _bytes.Digests,
     *,
-    digest: Callable[[torch.Tensor], int | bytes] | None,
     base: torch.Tensor | None = None,
     sample: Callable[[torch.Tensor, int], None] | None = None,
     progress: Progress | None = None,
-) -> SentFull:
-    """Send every bucket of ``stream.plan``. With ``base`` (the source keeps one for deltas) each bucket is
+) -> int:
+    """Send every bucket of ``stream.plan``, digested into ``digests``; returns how many were posted straight
+    from the tensors' own storage. With ``base`` (the source keeps one for deltas) each bucket is
     also written there, packed there rather than into the transport's buffer (one copy, not two); with
     ``sample``, one bucket of at least half the sample size is brought up to date by ``sample(view, k)``
     instead (which times a diff on the way)."""
@@ -65,7 +57,6 @@ def send_full(
     device = stream.device
     tx.open(plan, device, stream.sync)
     live = puller.live
-    digests: list[int | bytes] = []
     in_place = 0
     for k, segs in enumerate(plan.buckets):
         puller.pull_through(max(seg.index for seg in segs))
@@ -83,15 +74,14 @@ def send_full(
             # a kept base is where the bucket is packed (one copy, not two); else the transport's buffer
             view = base[start:end] if base is not None else tx.buffer(k, end - start, device)
             copier.run(partial(_bytes.pack, view, segs, live, puller.wire))
-        if digest is not None:
-            digests.append(digest(view))
+        digests.take(view)
         tx.post(k, view)
         if progress is not None:
             progress(end, plan.total_bytes)
         puller.release(plan, k)
     tx.finish()
     puller.pull_through(len(puller.entries) - 1)  # trailing aliases and empty tensors
-    return SentFull(in_place, digests)
+    return in_place
 
 
 def send_stream(
@@ -116,14 +106,12 @@ def send_stream(
         sent = delta.send(tx, stream, puller, delta_digest(header), progress)
         in_place, wire_bytes, changed = sent.in_place, sent.wire_bytes, sent.changed
     else:
-        full = send_full(
-            tx, stream, puller, copier,
-            digest=(lambda v: _bytes.digest(v, header.verify, group)) if header.verify else None,
-            base=base, sample=sampler, progress=progress,
-        )  # fmt: skip
-        if header.verify:
-            group.broadcast_obj(full.digests, src=me, timeout=sync.deadline)
-        in_place, wire_bytes, changed = full.in_place, plan.total_bytes, 1.0
+        digests = _bytes.Digests(header.verify, group)
+        in_place = send_full(
+            tx, stream, puller, copier, digests, base=base, sample=sampler, progress=progress
+        )
+        digests.send((r for r in range(group.world_size) if r != me), fan_out=True)
+        wire_bytes, changed = plan.total_bytes, 1.0
     vote(group, header.version, None, sync.deadline)  # every receiver landed and verified its bytes
     receivers = [r for r in range(group.world_size) if r != me]
     failures = collect_acks(group, receivers, sync.deadline)
