@@ -62,7 +62,7 @@ __all__ = [
     "Session",
     "Stream",
     "Verdict",
-    "collect_acks",
+    "committed",
     "conclude",
     "gather_posts",
     "is_sharded",
@@ -371,15 +371,24 @@ def refuse(group: StatelessGroup, reason: str, deadline: Deadline, kind: str = "
     group.all_gather_obj({"error": reason, "kind": kind}, timeout=deadline)
 
 
-def collect_acks(group: StatelessGroup, receivers: list[int], deadline: Deadline) -> list[str]:
-    """On the source: every receiver's acknowledgement of the sync; returns the refusals ("rank r: why")."""
+def committed(
+    group: StatelessGroup, session: Session, deadline: Deadline, replicas: Mapping[str, str] | None = None
+) -> list[int]:
+    """A source's end of a sync it sent its part of: its vote (see :func:`vote`), then every receiver's
+    acknowledgement; returns the receivers. Raises :class:`SyncRefusedError` when some receiver refused
+    (every member finished the sync and said how: the group itself is fine)."""
+    version = session.header.version
+    vote(group, version, None, deadline, replicas)
+    receivers = [r for r in range(group.world_size) if r not in session.sources]
     failures = []
     for r in receivers:
         ack = group.recv_obj(r, timeout=deadline, tag=ACK_TAG)
         if not isinstance(ack, dict) or ack.get("ok") is not True:
             error = ack.get("error") if isinstance(ack, dict) else repr(ack)[:200]
             failures.append(f"rank {r}: {error}")
-    return failures
+    if failures:
+        raise SyncRefusedError(f"version {version} was not applied everywhere:\n" + "\n".join(failures))
+    return receivers
 
 
 def vote(

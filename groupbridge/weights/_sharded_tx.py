@@ -15,18 +15,18 @@ import torch
 import xxhash
 
 from ..control import Deadline
-from ..errors import CopyTimeoutError, SyncRefusedError
+from ..errors import CopyTimeoutError
 from ..stateless import StatelessGroup
 from . import _bytes, _delta, _sharded
 from ._copier import Copier
 from ._delta_sync import Description, delta_digest
 from ._described import Boxes, Pairs
-from ._session import Session, collect_acks, vote
+from ._session import Session, committed
 from ._shard_plan import Bucket, ShardPlan
 from ._sharded import Slot, piece_view, start_of
 from ._sharded_delta import PairBases, bucket_word
 from ._source import Puller
-from ._stats import SyncStats
+from ._stats import SyncStats, finished
 from .manifest import Manifest
 from .plan import Plan
 from .shard import Box
@@ -270,11 +270,7 @@ def send_sharded(
         sent = send_shards(exchange, tx, sync)
         slots.finish()
         version = session.header.version
-        vote(group, version, None, deadline, replicas=slots.replicas(deadline))
-        receivers = [r for r in range(group.world_size) if r not in session.sources]
-        failures = collect_acks(group, receivers, deadline)
-        if failures:
-            raise SyncRefusedError(f"version {version} was not applied everywhere:\n" + "\n".join(failures))
+        receivers = committed(group, session, deadline, slots.replicas(deadline))
     except BaseException:
         slots.close()
         if bases is not None:
@@ -285,15 +281,8 @@ def send_sharded(
     seconds = time.perf_counter() - t0
     mine = {pair: b for pair, b in session.pairs.pairs.items() if pair[0] == me}
     total = sum(b.nbytes for buckets in mine.values() for b in buckets)
-    group.log.info(
-        "sent my shards of version %d: %.1f MB (%.1f MB on the wire%s) in %.3fs", version, total / 1e6,
-        sent.wire_bytes / 1e6, ", deltas" if session.deltas else "", seconds,
-    )  # fmt: skip
-    return SyncStats(
-        version=version,
-        bytes=total,
-        seconds=seconds,
-        gb_per_s=total / seconds / 1e9 if seconds > 0 else float("inf"),
+    return finished(
+        group, version, total, seconds,
         buckets=sum(len(b) for b in mine.values()),
         in_place_buckets=0,
         transport=pair_transport(session.headers[me].transport),
@@ -303,4 +292,4 @@ def send_sharded(
         delta=any(pair[0] == me for pair in session.deltas),
         base_bytes=bases.nbytes if bases is not None else 0,
         by_receiver={dst: sum(b.nbytes for b in buckets) for (_, dst), buckets in sorted(mine.items())},
-    )
+    )  # fmt: skip

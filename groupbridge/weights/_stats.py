@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["SyncStats"]
+if TYPE_CHECKING:
+    from ..stateless import StatelessGroup
+
+__all__ = ["SyncStats", "finished"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,3 +41,17 @@ class SyncStats:
     def gbps(self) -> float:
         """Deprecated name of :attr:`gb_per_s` (gigabytes per second, not gigabits)."""
         return self.gb_per_s
+
+
+def finished(group: StatelessGroup, version: int, total: int, seconds: float, **fields: Any) -> SyncStats:
+    """What a source's sync (any plan) reports: its stats, logged once."""
+    stats = SyncStats(version=version, bytes=total, seconds=seconds,
+                      gb_per_s=total / seconds / 1e9 if seconds > 0 else float("inf"), **fields)  # fmt: skip
+    group.log.info(
+        "sent version %d%s: %.1f MB (%.1f MB on the wire) in %.3fs (%.2f GB/s, %d buckets, %d in place, "
+        "%s, %d receivers)", version,
+        f" as a delta ({stats.changed_fraction:.2%} changed)" if stats.delta else "",
+        total / 1e6, stats.wire_bytes / 1e6, seconds, stats.gb_per_s, stats.buckets, stats.in_place_buckets,
+        stats.transport, len(stats.by_receiver),
+    )  # fmt: skip
+    return stats

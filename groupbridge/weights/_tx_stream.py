@@ -16,15 +16,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..errors import SyncRefusedError
 from ..stateless import StatelessGroup
 from . import _bytes
 from ._copier import Copier
 from ._delta_sync import Policy, delta_digest
 from ._described import Pairs
-from ._session import Session, Stream, collect_acks, merged_plan, vote
+from ._session import Session, Stream, committed, merged_plan
 from ._source import Puller
-from ._stats import SyncStats
+from ._stats import SyncStats, finished
 from .plan import Plan
 from .transports import Sync, TxTransport
 
@@ -112,27 +111,14 @@ def send_stream(
         )
         digests.send((r for r in range(group.world_size) if r != me), fan_out=True)
         wire_bytes, changed = plan.total_bytes, 1.0
-    vote(group, header.version, None, sync.deadline)  # every receiver landed and verified its bytes
-    receivers = [r for r in range(group.world_size) if r != me]
-    failures = collect_acks(group, receivers, sync.deadline)
+    receivers = committed(group, session, sync.deadline)
     seconds = time.perf_counter() - t0
-    if failures:  # every member finished the sync and said how: the group itself is fine
-        raise SyncRefusedError(
-            f"version {header.version} was not applied everywhere:\n" + "\n".join(failures)
-        )
     if delta is not None:
         delta.record(session, seconds, plan.total_bytes, wire_bytes, changed)
-    stats = SyncStats(
-        version=header.version, bytes=plan.total_bytes, seconds=seconds,
-        gb_per_s=plan.total_bytes / seconds / 1e9 if seconds > 0 else float("inf"),
+    return finished(
+        group, header.version, plan.total_bytes, seconds,
         buckets=len(plan.buckets), in_place_buckets=in_place, transport=header.transport,
         receivers=len(receivers), wire_bytes=wire_bytes, changed_fraction=changed, delta=session.delta,
         base_bytes=delta.nbytes if delta is not None else 0,
         by_receiver=dict.fromkeys(receivers, plan.total_bytes),
     )  # fmt: skip
-    group.log.info(
-        "sent version %d%s: %.1f MB (%.1f MB on the wire) in %.3fs (%.2f GB/s, %d buckets, %d in place, %s)",
-        header.version, f" as a delta ({changed:.2%} changed)" if session.delta else "", stats.bytes / 1e6,
-        wire_bytes / 1e6, seconds, stats.gb_per_s, stats.buckets, in_place, header.transport,
-    )  # fmt: skip
-    return stats
