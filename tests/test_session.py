@@ -68,3 +68,24 @@ def test_delta_only_when_every_receiver_holds_the_base() -> None:
     assert conclude(_header(), 0, [new, held, held]) == (False, True)  # the source's own verdict is not asked
     assert conclude(_header(), 0, [new, held, new]) == (False, False)  # one new receiver: full for all
     assert conclude(_header(base=None), 0, [new, held, held]) == (False, False)  # no base offered
+
+
+@pytest.mark.parametrize(("sources", "receivers"), [(2, 2), (4, 4), (2, 4), (4, 8), (3, 2)])
+def test_every_turn_of_a_walk_of_pairs_keeps_every_link_busy(sources: int, receivers: int) -> None:
+    """In every turn of a round each source sends to another receiver (as many receivers busy as there can
+    be), every pair has one turn, and the turns are what every member computes alike from the session."""
+    from groupbridge.weights._session import Session
+    from groupbridge.weights._shard_plan import Bucket, ShardPlan
+
+    rx = range(sources, sources + receivers)
+    pairs = {(s, r): (Bucket(16, ()),) for s in range(sources) for r in rx}
+    plan = ShardPlan(("w",), {"w": "float32"}, {"w": (4,)}, pairs, dict.fromkeys(range(sources), 0))
+    session = Session(tuple(range(sources)), _header(), gb.weights.manifest.Manifest(()), {}, plan)
+    turns = session.turns()
+    assert set(turns) == set(pairs)
+    for turn in range(receivers):
+        taking = [r for (s, r), t in turns.items() if t == turn]
+        assert len(taking) == sources and len(set(taking)) == min(sources, receivers)
+    for r in rx:  # each receiver's sources spread over the turns as evenly as they can be
+        per_turn = [sum(1 for (s, d), t in turns.items() if d == r and t == u) for u in range(receivers)]
+        assert max(per_turn) <= -(-sources // receivers)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 __all__ = ["Host", "SimulatedHosts", "enter", "unavailable_reason"]
 
 CLONE_NEWNET = 0x40000000
+CLONE_NEWUTS = 0x04000000
 
 
 def unavailable_reason() -> str | None:
@@ -33,8 +34,10 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def enter(namespace: str) -> None:
-    """Move the calling process (before it opens sockets) into a named network namespace."""
+def enter(namespace: str, *, own_name: bool = False) -> None:
+    """Move the calling process (before it opens sockets) into a named network namespace; ``own_name``:
+    also into a UTS namespace of its own, named after it, so that it is a host of its own to the library too
+    (no shared memory with the others: what ``transport="auto"`` picks is what it picks across hosts)."""
     libc = ctypes.CDLL(None, use_errno=True)
     fd = os.open(f"/var/run/netns/{namespace}", os.O_RDONLY)
     try:
@@ -43,6 +46,11 @@ def enter(namespace: str) -> None:
             raise OSError(err, f"setns into {namespace} failed: {os.strerror(err)}")
     finally:
         os.close(fd)
+    if own_name:
+        name = namespace.encode()
+        if libc.unshare(CLONE_NEWUTS) != 0 or libc.sethostname(name, len(name)) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"naming simulated host {namespace} failed: {os.strerror(err)}")
 
 
 @dataclass(frozen=True)

@@ -164,6 +164,17 @@ class Session:
         assert self.plan is not None, "a fan-out stream has no pairs"
         return self.plan
 
+    def turns(self) -> dict[tuple[int, int], int]:
+        """Each pair's turn within a round of a walk of pair streams: the receivers rotated by source (turn
+        ``(receiver's index - source's index) mod receivers``), so that in every turn each source sends to
+        another receiver and every link is busy, where walking every source to the same receiver first
+        would leave the others idle. Every member walks its pairs by (round, turn, source): one total order,
+        so no stream waits on another in a cycle."""
+        pairs = self.pairs.pairs
+        receivers = sorted({d for _, d in pairs})
+        at = {r: i for i, r in enumerate(receivers)}
+        return {(s, d): (at[d] - self.sources.index(s)) % len(receivers) for s, d in pairs}
+
     def feeding(self, me: int) -> list[int]:
         """The sources whose streams reach receiver ``me``."""
         if self.plan is None:

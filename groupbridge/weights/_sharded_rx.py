@@ -68,7 +68,8 @@ def receive_shards(
 ) -> Generator[str, None, str | None]:
     """This receiver's part of step 3: land every source's pieces in its slots (keyed by wire name);
     ``written`` collects the names written. Each source's buckets come over its pair transport (attached in
-    the handshake), read in the order every member walks them: round, then source. Yields each tensor's
+    the handshake), read in the order every member walks them: round, turn (see ``Session.turns``), source.
+    Yields each tensor's
     wire name as it becomes whole (every piece of it landed). Returns why the bytes are refused (a digest
     mismatch), or None."""
     group, session = x.group, x.session
@@ -99,8 +100,10 @@ def receive_shards(
         kind = Landing.SCRATCH if receivers <= slots else Landing.STAGING
         land = partial(_land, x.buffers, f"recv{src}", rx.scratch_buffers, plan, kind, device)
         walks[src] = (rx.buckets(plan, land, x.deadline), feed)
+    turns = session.turns()
+    order = sorted(walks, key=lambda src: (turns[(src, group.rank)], src))
     for t in range(max((len(feed) for _, feed in walks.values()), default=0)):
-        for src in sorted(walks):
+        for src in order:
             buckets_in, feed = walks[src]
             if t < len(feed):
                 k, view, _ = next(buckets_in)

@@ -37,8 +37,8 @@ __all__ = ["SourceSlots", "send_sharded", "send_shards"]
 
 def send_shards(x: _sharded.Exchange, tx: TxTransport, sync: Sync[Any]) -> Sent:
     """This source's part of step 3: every receiver's buckets as one stream over ``tx``, in the order every
-    member walks them (round, then receiver); a delta pair's description goes first on the control plane,
-    then its changed buckets' encodings take the place of its buckets."""
+    member walks them (round, then turn: see ``Session.turns``); a delta pair's description goes first on
+    the control plane, then its changed buckets' encodings take the place of its buckets."""
     group, session, slots = x.group, x.session, x.slots
     assert isinstance(slots, SourceSlots)
     plan, verify, device = session.pairs, session.header.verify, x.device
@@ -74,7 +74,8 @@ def send_shards(x: _sharded.Exchange, tx: TxTransport, sync: Sync[Any]) -> Sent:
             )
             for k, b in enumerate(buckets)
         ]
-    stream.sort(key=lambda e: (e[0], e[1]))
+    turns = session.turns()
+    stream.sort(key=lambda e: (e[0], turns[(group.rank, e[1])]))
     tx.open(Plan.of_sizes([e[2] for e in stream]), device, replace(sync, to=tuple(e[1] for e in stream)))
     for k, (_, _, nbytes, fill) in enumerate(stream):
         view = fill(partial(tx.buffer, k, nbytes, device))

@@ -7,10 +7,10 @@ and ``relay`` beat; it is there for completeness. A few buckets are in
 flight per source (sends posted asynchronously, receives posted ahead), so packing the next bucket overlaps
 the wire. gloo matches a pair's sends and receives in order, so no bucket needs a name on the wire.
 
-Every member walks the buckets of a sync in one global order (round, source, receiver), and every wait is
-for an earlier bucket in that order (a source reusing a buffer waits for a send it posted before; a receiver
-waits for the bucket it needs next): the streams of many sources to many receivers cannot wait on each
-other in a cycle.
+Every member walks the buckets of a sync in one global order (round, turn, source: see ``Session.turns``),
+and every wait is for an earlier bucket in that order (a source reusing a buffer waits for a send it posted
+before; a receiver waits for the bucket it needs next): the streams of many sources to many receivers
+cannot wait on each other in a cycle.
 """
 
 from __future__ import annotations
