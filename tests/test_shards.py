@@ -662,3 +662,134 @@ def test_pairs_follow_the_senders_delta_policy(delta: Any, deltas: list[bool]) -
     assert res[2] == [True] * 3, res
     for sent in res[:2]:
         assert sent[: len(deltas)] == deltas, res
+
+
+FWD_SHAPE = (512, 1024)  # 2 MiB of float32: each source's rows, 1 MiB, are one forwarded bucket per tensor
+
+
+def _forwarded_version(i: int, v: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * v + i)
+    t = torch.randn(FWD_SHAPE, generator=g)
+    if v > 1:  # a delta has something to leave out: every third value as it was in version 1
+        t.view(-1)[::3] = _forwarded_version(i, 1).view(-1)[::3]
+    return t
+
+
+def _forwarding(rank: int, ports: Any) -> Any:
+    """Two sources, four receivers wanting every tensor whole, over p2p with checksums and deltas: each
+    source's rows go to one receiver, which passes them on along a chain (see ShardPlan.upstream)."""
+    with make_group(rank, 6, "127.0.0.1", ports) as g:
+        if rank < 2:
+            snd = gb.WeightSender(g, transport="p2p", checksum=True, delta="always")
+            out = []
+            for v in (1, 2, 3):
+                held = {f"w{i}": _chunk(_forwarded_version(i, v), 2, rank, 0) for i in range(4)}
+                st = snd.send(held, version=v)
+                out.append((st.delta, st.wire_bytes, st.bytes, sorted(st.by_receiver)))
+            return out
+        rcv = gb.WeightReceiver(g)
+        target = {f"w{i}": torch.zeros(FWD_SHAPE) for i in range(4)}
+        exact = []
+        for v in (1, 2, 3):
+            rcv.receive_into(target, atomic=v != 2)
+            exact.append(all(torch.equal(target[f"w{i}"], _forwarded_version(i, v)) for i in range(4)))
+        return exact
+
+
+@pytest.mark.timeout(90)
+def test_more_replicas_than_sources_take_the_rows_once_and_forward_them_along_a_chain() -> None:
+    res = run_ranks(_forwarding, 6, CTX.Queue(), timeout=80)
+    for r in range(2, 6):
+        assert res[r] == [True] * 3, res
+    shard = 4 * FWD_SHAPE[0] // 2 * FWD_SHAPE[1] * 4
+    for sent in res[:2]:
+        full, *deltas = sent
+        # the first sync: the source's rows left it once, not once per receiver; all four took them
+        assert full == (False, shard, 4 * shard, [2, 3, 4, 5]), sent
+        assert all(d[0] and 0 < d[1] < shard for d in deltas), sent  # deltas along the chain too
+
+
+def _chain_cut(rank: int, ports: Any) -> Any:
+    """Receiver 3 forwards source 0's rows to receiver 4; it dies midway through the second sync."""
+    g = make_group(rank, 6, "127.0.0.1", ports, liveness_timeout=timedelta(seconds=2))
+    try:
+        held = {f"w{i}": _chunk(_forwarded_version(i, 1), 2, rank, 0) for i in range(4)} if rank < 2 else {}
+        if rank < 2:
+            snd = gb.WeightSender(g, transport="p2p")
+            snd.send(held, version=1)
+            t0 = time.monotonic()
+            try:
+                snd.send(held, version=2)
+                return "sent"
+            except gb.GroupBridgeError as e:
+                return "failed", str(e), time.monotonic() - t0, True, None
+        with inject_faults() as faults:
+            rcv = gb.WeightReceiver(g)
+            target = {f"w{i}": torch.zeros(FWD_SHAPE) for i in range(4)}
+            rcv.receive_into(target)
+            before = {k: v.clone() for k, v in target.items()}
+            if rank == 3:
+                landed = itertools.count()
+                faults.land = lambda k, view: os._exit(3) if next(landed) == 3 else None
+            t0 = time.monotonic()
+            try:
+                rcv.receive_into(target)
+                return "received"
+            except gb.GroupBridgeError as e:
+                same = all(torch.equal(before[k], target[k]) for k in target)
+                return "failed", str(e), time.monotonic() - t0, same, rcv.version
+    finally:
+        g.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_receiver_that_dies_mid_chain_leaves_every_target_untouched_and_is_named() -> None:
+    survivors = [r for r in range(6) if r != 3]
+    res = Ranks(_chain_cut, 6, (CTX.Queue(),)).results(50, expect=survivors)
+    for r in survivors:
+        ok, out = res[r]
+        assert ok, out
+        assert out[0] == "failed" and "rank 3" in out[1], res
+        assert out[2] < 2 + 6, f"rank {r} raised after {out[2]:.1f}s"  # the liveness bound, not the timeout
+        if r >= 2:
+            assert out[3] is True and out[4] == 1, res  # its target untouched, version 1 still held
+
+
+def _corrupt_hop(rank: int, ports: Any) -> Any:
+    """Receiver 3 passes source 0's rows on to receiver 4 with one byte flipped: receiver 4 checks what it
+    took against the source's own digests, so the sync is refused on every member, the group usable."""
+    with make_group(rank, 6, "127.0.0.1", ports) as g:
+        held = {f"w{i}": _chunk(_forwarded_version(i, 1), 2, rank, 0) for i in range(4)} if rank < 2 else {}
+        with inject_faults() as faults:
+            if rank == 3:
+                faults.post = lambda k, view: view[:1].bitwise_xor_(1) if k == 1 else None
+            end: Any
+            if rank < 2:
+                snd = gb.WeightSender(g, transport="p2p", checksum=True)
+                try:
+                    snd.send(held, version=1)
+                    end = "sent"
+                except gb.SyncRefusedError as e:
+                    end = str(e)
+                snd.send(held, version=2)  # the group goes on: the next sync lands everywhere
+                return end
+            rcv = gb.WeightReceiver(g)
+            target = {f"w{i}": torch.zeros(FWD_SHAPE) for i in range(4)}
+            try:
+                rcv.receive_into(target)
+                end = "received"
+            except gb.SyncRefusedError as e:
+                end = (str(e), all(not t.any() for t in target.values()))
+            faults.post = None
+            rcv.receive_into(target)
+            return end, all(torch.equal(target[f"w{i}"], _forwarded_version(i, 1)) for i in range(4))
+
+
+@pytest.mark.timeout(60)
+def test_a_forwarder_that_corrupts_the_rows_is_caught_by_the_next_hop() -> None:
+    res = run_ranks(_corrupt_hop, 6, CTX.Queue(), timeout=50)
+    for r in range(2):
+        assert "rank 4: " in res[r] and "xxh3 mismatch" in res[r], res
+    for r in range(2, 6):
+        (text, untouched), exact = res[r]
+        assert "xxh3 mismatch" in text and untouched and exact, res

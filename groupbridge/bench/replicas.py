@@ -124,11 +124,10 @@ def run_replicas(cfg: ReplicasConfig) -> list[dict[str, Any]]:
 if __name__ == "__main__":
     import sys
 
-    cases = [
-        tuple(int(x) for x in c.split("x"))
-        for c in (sys.argv[1:] or ["1x1", "2x1", "2x2", "4x4", "2x4", "4x8"])
-    ]
-    for rec in run_replicas(ReplicasConfig(cases=[(c[0], c[1]) for c in cases])):
+    rate = next((a.split("=")[1] for a in sys.argv[1:] if a.startswith("--rate=")), "200mbit")
+    rows = [a for a in sys.argv[1:] if not a.startswith("--")] or ["1x1", "2x1", "2x2", "4x4", "2x4", "4x8"]
+    cases = [(int(c.split("x")[0]), int(c.split("x")[1])) for c in rows]
+    for rec in run_replicas(ReplicasConfig(cases=cases, rate=rate)):
         print(
             f"S={rec['sources']} R={rec['replicas']}: {rec['seconds']:.2f} s (worst {rec['worst_s']:.2f}), "
             f"bound {rec['lower_bound_s']:.2f} s, {rec['x_bound']:.2f}x, exact={rec['exact']}, "

@@ -189,11 +189,12 @@ class Digests:
         if self.kind:
             self.taken.setdefault(stream, []).append(digest(view, self.kind, self.group))
 
-    def send(self, receivers: Iterable[int], fan_out: bool) -> None:
-        """To each of ``receivers``, the digests of its stream's buckets (a fan-out stream's: all of them)."""
+    def send(self, routes: Iterable[tuple[int, int | None]]) -> None:
+        """To each receiver, the digests of the stream that reached it: (receiver, the stream's key: None
+        for a fan-out stream, else the receiver the source sent it to, which forwarded it on)."""
         if self.kind:
-            for r in receivers:
-                self.group.send_obj(self.taken.get(None if fan_out else r, []), r, tag=DIGEST_TAG)
+            for r, stream in routes:
+                self.group.send_obj(self.taken.get(stream, []), r, tag=DIGEST_TAG)
 
     def check(self, src: int, deadline: Deadline) -> str | None:
         """Compare what landed from ``src`` with the digests it sent; why the bytes are refused, or None."""

@@ -65,13 +65,24 @@ class RxStreams:
 
     def attach(self, src: int, session: Session) -> str | None:
         """In the handshake: attach to what carries this source's stream (a fan-out stream: the transport it
-        names; pairs: see ``pair_transport``); why not, if this receiver cannot."""
-        header = session.headers[src]
-        kind = header.transport if session.plan is None else pair_transport(header.transport)
+        names; pairs: see ``pair_transport``; a receiver forwarding pairs: ``p2p``); why not, if this
+        receiver cannot."""
+        header = session.headers.get(src)
+        if header is None:
+            kind, offer = "p2p", {}
+        else:
+            kind = header.transport if session.plan is None else pair_transport(header.transport)
+            offer = dict(header.offer) if kind == header.transport else {}
         rx = self._transports.get((kind, src))
         if rx is None:
             rx = self._transports[(kind, src)] = spec(kind).make_rx(self.group)
-        return rx.attach(dict(header.offer) if kind == header.transport else {}, src)
+        return rx.attach(offer, src)
+
+    def forwarded(self, feeder: int, sync_id: str, deadline: Deadline) -> tuple[RxTransport, Sync[Any]]:
+        """The transport a receiver forwarding pairs to this one sends them over (attached in the
+        handshake): ``p2p``, with its default options (what the forwarder's sends use)."""
+        rx = self._transports[("p2p", feeder)]
+        return rx, Sync(sync_id, deadline, spec("p2p").options(), self.copier.copy)
 
     def pair(self, src: int, header: Header, deadline: Deadline) -> tuple[RxTransport, Sync[Any]]:
         """The transport this source's pairs come over (attached in the handshake) and what it is told."""

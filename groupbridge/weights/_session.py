@@ -176,10 +176,10 @@ class Session:
         return {(s, d): (at[d] - self.sources.index(s)) % len(receivers) for s, d in pairs}
 
     def feeding(self, me: int) -> list[int]:
-        """The sources whose streams reach receiver ``me``."""
+        """The members whose streams reach receiver ``me``: sources, and receivers that forward to it."""
         if self.plan is None:
             return list(self.sources)
-        return sorted({s for s, d in self.plan.pairs if d == me})
+        return sorted({self.plan.feeder(s, d) for s, d in self.plan.pairs if d == me})
 
 
 Judge = Callable[[Session], Verdict]

@@ -210,7 +210,8 @@ def plan_pairs(
         every = _union(held)
         wanted = {r: _wanted(p, every, r) for r, p in enumerate(posts) if r not in sources}
         caps = {s: headers[s].bucket_cap for s in sources}
-        plan = plan_shards(held, wanted, headers[sources[0]].bucket_bytes, caps)
+        forward = frozenset(s for s in sources if _forwards(headers[s]))
+        plan = plan_shards(held, wanted, headers[sources[0]].bucket_bytes, caps, forward)
         whole = Manifest(tuple(Entry(n, plan.global_shapes[n], plan.dtypes[n], plan.dtypes[n], None)
                                for n in plan.order))  # fmt: skip
         return plan, whole, {pair: pair_key(b) for pair, b in plan.pairs.items() if me in pair}
@@ -234,12 +235,22 @@ def holding(
 def pair_deltas(
     plan: ShardPlan, headers: Mapping[int, Header], verdicts: Sequence[Verdict]
 ) -> frozenset[tuple[int, int]]:
-    """The pairs that travel as deltas: the source's policy allows it and both ends hold the same base."""
+    """The pairs that travel as deltas: the source's policy allows it and both ends hold the same base; a
+    forwarded cut only when every receiver along it does (each passes on what it took)."""
     holds = [dict(v.held) for v in verdicts]
-    return frozenset(
+    deltas = {
         (s, r) for (s, r) in plan.pairs
         if headers[s].pair_deltas and holds[s].get(r) is not None and holds[s].get(r) == holds[r].get(s)
-    )  # fmt: skip
+    }  # fmt: skip
+    forwarders = {(s, u) for (s, _), u in plan.upstream.items()}
+    chains: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for s, r in plan.pairs:
+        if (s, r) in plan.upstream or (s, r) in forwarders:
+            chains.setdefault((s, plan.head(s, r)), []).append((s, r))
+    for members in chains.values():
+        if not all(pair in deltas for pair in members):
+            deltas.difference_update(members)
+    return frozenset(deltas)
 
 
 Planned = tuple[ShardPlan, Manifest, dict[tuple[int, int], str]]
@@ -251,7 +262,10 @@ def _layout_key(posts: list[Any], sources: list[int], headers: Mapping[int, Head
     layout = [
         me,
         headers[sources[0]].bucket_bytes,
-        [(s, headers[s].digest, headers[s].bucket_cap, posts[s].get("boxes")) for s in sources],
+        [
+            (s, headers[s].digest, headers[s].bucket_cap, _forwards(headers[s]), posts[s].get("boxes"))
+            for s in sources
+        ],
         [
             (r, [p.get("wants"), p.get("wants_if")] if isinstance(p, dict) else p)
             for r, p in enumerate(posts)
@@ -259,6 +273,14 @@ def _layout_key(posts: list[Any], sources: list[int], headers: Mapping[int, Head
         ],
     ]
     return hashlib.sha256(json.dumps(layout, sort_keys=True, default=repr).encode()).digest()
+
+
+def _forwards(header: Header) -> bool:
+    """Whether this source's pairs may be forwarded by receivers: they cross hosts point to point."""
+    try:
+        return pair_transport(header.transport) == "p2p"
+    except Exception:  # a transport this member does not know: the handshake refuses it later
+        return False
 
 
 def _union(held: Mapping[int, list[Held]]) -> list[Held]:

@@ -32,7 +32,7 @@ from ._sharded import (
 from ._sharded_delta import bucket_word
 from .plan import Plan
 from .shard import Box, Shard, box_of
-from .transports import Landed, Landing, pair_transport, stream_device
+from .transports import Landed, Landing, Sync, TxTransport, pair_transport, spec, stream_device
 
 __all__ = ["data_ptr", "receive_shards", "shards_into", "shards_named", "wants_of"]
 
@@ -76,42 +76,52 @@ def receive_shards(
     digests = _bytes.Digests(session.header.verify, group)
     checked: list[int] = []
     problems: list[str] = []
-    walks: dict[int, tuple[Iterator[tuple[int, torch.Tensor, bool]], list[Feed]]] = {}
+    plan, me = session.pairs, group.rank
+    feeds: dict[int, list[Feed]] = {}
     for pair in x.pairs(sending=False):
         src, buckets = pair.peer, pair.buckets
         lander = _Lander(
             group, session, src, buckets, x.slots, x.copier, pair.base, written, problems, arrivals, digests
         )
         if pair.delta:
-            feed = lander.delta(group.recv_obj(src, timeout=x.deadline, tag=DELTA_TAG))
+            feeds[src] = lander.delta(group.recv_obj(src, timeout=x.deadline, tag=DELTA_TAG))
             yield from arrivals.take()  # its unchanged buckets were unpacked from the base
         else:
-            feed = [(b.nbytes, partial(lander.full, k)) for k, b in enumerate(buckets)]
+            feeds[src] = [(b.nbytes, partial(lander.full, k)) for k, b in enumerate(buckets)]
             checked.append(src)
-        rx, sync = streams.pair(src, session.headers[src], x.deadline)
-        plan = Plan.of_sizes([n for n, _ in feed])
-        device = stream_device(pair_transport(session.headers[src].transport), x.device)
-        rx.open(plan, device, replace(sync, to=(group.rank,) * len(feed)))
+    walk = walk_of(session, me, {s: len(f) for s, f in feeds.items()})
+    walks: dict[int, Iterator[tuple[int, torch.Tensor, bool]]] = {}
+    for feeder in sorted({plan.feeder(s, me) for s in feeds}):
+        mine = [(s, k) for s, k in walk if plan.feeder(s, me) == feeder]
+        if feeder in session.sources:
+            rx, sync = streams.pair(feeder, session.headers[feeder], x.deadline)
+            device = stream_device(pair_transport(session.headers[feeder].transport), x.device)
+        else:
+            rx, sync = streams.forwarded(feeder, session.header.sync_id, x.deadline)
+            device = x.device
+        wire = Plan.of_sizes([feeds[s][k][0] for s, k in mine])
+        rx.open(wire, device, replace(sync, to=(me,) * len(mine)))
         # A bucket read where it lies (a shared slot) keeps the slot until this receiver comes back to that
         # source's stream; the source may wait for that only when no other receiver's bucket lies between
         # (it has no more receivers than slots), else it could wait on a later bucket: then copy out first.
-        receivers = sum(1 for s, _ in session.pairs.pairs if s == src)
+        receivers = sum(1 for s, _ in plan.pairs if s == feeder)
         slots = getattr(sync.options, "slots", 0)
         kind = Landing.SCRATCH if receivers <= slots else Landing.STAGING
-        land = partial(_land, x.buffers, f"recv{src}", rx.scratch_buffers, plan, kind, device)
-        walks[src] = (rx.buckets(plan, land, x.deadline), feed)
-    turns = session.turns()
-    order = sorted(walks, key=lambda src: (turns[(src, group.rank)], src))
-    for t in range(max((len(feed) for _, feed in walks.values()), default=0)):
-        for src in order:
-            buckets_in, feed = walks[src]
-            if t < len(feed):
-                k, view, _ = next(buckets_in)
-                feed[k][1](view)
-                yield from arrivals.take()
-                if k == len(feed) - 1:  # the pair's last: let its transport free what it holds now
-                    for _ in buckets_in:
-                        raise ProtocolError(f"rank {src}'s stream has more buckets than its plan")
+        land = partial(_land, x.buffers, f"recv{feeder}", rx.scratch_buffers, wire, kind, device)
+        walks[feeder] = rx.buckets(wire, land, x.deadline)
+    onward = Onward(group, plan, walk, feeds, x.deadline, x.device)
+    left = Counter(plan.feeder(s, me) for s, _ in walk)
+    for src, k in walk:
+        feeder = plan.feeder(src, me)
+        _, view, _ = next(walks[feeder])
+        onward.post(src, view)
+        feeds[src][k][1](view)
+        yield from arrivals.take()
+        left[feeder] -= 1
+        if not left[feeder]:  # the feeder's last: let its transport free what it holds now
+            for _ in walks[feeder]:
+                raise ProtocolError(f"rank {feeder}'s stream has more buckets than its plan")
+    onward.finish()
     for src in checked:
         problem = digests.check(src, x.deadline)
         if problem is not None:
@@ -121,6 +131,56 @@ def receive_shards(
 
 Feed = tuple[int, Callable[[torch.Tensor], None]]
 """A pair's bucket as its receiver takes it: (bytes, what lands it)."""
+
+
+def walk_of(session: Session, me: int, lengths: Mapping[int, int]) -> list[tuple[int, int]]:
+    """The (source, bucket) this receiver takes, in the one order every member walks a sync's pairs: by
+    step (the bucket's round plus its hop: a forwarded pair's bucket k is taken a step after its forwarder
+    took it, a wavefront down every chain at once, where walking rounds in lockstep would make each round
+    wait for its longest chain), then hop, the turn of the cut's first receiver (see ``Session.turns``) and
+    source. Along a chain every receiver walks the cut alike, so what a forwarder passes on to a receiver
+    arrives in the order that receiver takes it (``p2p`` matches a pair's sends and receives in order)."""
+    plan, turns = session.pairs, session.turns()
+    hops = {s: plan.hop(s, me) for s in lengths}
+    key = {s: (hops[s], turns[(s, plan.head(s, me))], s) for s in lengths}
+    events = ((s, k) for s, n in lengths.items() for k in range(n))
+    return sorted(events, key=lambda e: (e[1] + hops[e[0]], key[e[0]]))
+
+
+class Onward:
+    """What this receiver forwards (see ``ShardPlan.upstream``): each bucket of a pair it takes whose cut
+    another receiver takes from it, passed on as it lands (copied out first: the landing buffer is reused
+    while the send may still be on the wire), in the order this receiver takes them, over ``p2p``."""
+
+    def __init__(
+        self, group: StatelessGroup, plan: ShardPlan, walk: list[tuple[int, int]],
+        feeds: Mapping[int, list[Feed]], deadline: Deadline, device: torch.device,
+    ) -> None:  # fmt: skip
+        me = group.rank
+        self.to = {s: d for (s, d), u in plan.upstream.items() if u == me}
+        self.tx: TxTransport | None = None
+        self.device = device
+        self.posted = 0
+        if not self.to:
+            return
+        passed = [(s, k) for s, k in walk if s in self.to]
+        self.tx = spec("p2p").make_tx(group, spec("p2p").options())
+        sizes = [feeds[s][k][0] for s, k in passed]
+        self.tx.open(Plan.of_sizes(sizes), device, Sync("", deadline, spec("p2p").options(),
+                                                        to=tuple(self.to[s] for s, _ in passed)))  # fmt: skip
+
+    def post(self, src: int, view: torch.Tensor) -> None:
+        if self.tx is None or src not in self.to:
+            return
+        buf = self.tx.buffer(self.posted, view.numel(), self.device)
+        buf.copy_(view)
+        self.tx.post(self.posted, buf)
+        self.posted += 1
+
+    def finish(self) -> None:
+        if self.tx is not None:
+            self.tx.finish()
+            self.tx.close()
 
 
 def _land(

@@ -40,6 +40,7 @@ def send_shards(x: _sharded.Exchange, tx: TxTransport, sync: Sync[Any]) -> Sent:
     member walks them (round, then turn: see ``Session.turns``); a delta pair's description goes first on
     the control plane, then its changed buckets' encodings take the place of its buckets."""
     group, session, slots = x.group, x.session, x.slots
+    me = group.rank
     assert isinstance(slots, SourceSlots)
     plan, verify, device = session.pairs, session.header.verify, x.device
     stream: list[tuple[int, int, int, Callable[[Callable[[], torch.Tensor]], torch.Tensor]]] = []
@@ -61,7 +62,10 @@ def send_shards(x: _sharded.Exchange, tx: TxTransport, sync: Sync[Any]) -> Sent:
                 )
             desc, payloads = described[pair.key]
             group.send_obj(desc, dst, tag=_sharded.DELTA_TAG)
-            stream += [(j, dst, p.numel(), partial(_same, p)) for j, p in enumerate(payloads)]
+            if plan.feeder(me, dst) == me:  # else a receiver forwards the payloads to it
+                stream += [(j, dst, p.numel(), partial(_same, p)) for j, p in enumerate(payloads)]
+            continue
+        if plan.feeder(me, dst) != me:  # its bytes are forwarded by a receiver
             continue
         keep = base if pair.key not in written else None
         written.add(pair.key)
@@ -74,15 +78,15 @@ def send_shards(x: _sharded.Exchange, tx: TxTransport, sync: Sync[Any]) -> Sent:
             )
             for k, b in enumerate(buckets)
         ]
-    turns = session.turns()
-    stream.sort(key=lambda e: (e[0], turns[(group.rank, e[1])]))
+    turns = session.turns()  # a source's pairs are each the first of its cut: walk_of's order, hop 0
+    stream.sort(key=lambda e: (e[0], turns[(me, e[1])]))
     tx.open(Plan.of_sizes([e[2] for e in stream]), device, replace(sync, to=tuple(e[1] for e in stream)))
     for k, (_, _, nbytes, fill) in enumerate(stream):
         view = fill(partial(tx.buffer, k, nbytes, device))
         tx.post(k, view)
         sent.wire_bytes += nbytes
     tx.finish()
-    digests.send((p.peer for p in pairs if not p.delta), fan_out=False)
+    digests.send((p.peer, plan.head(me, p.peer)) for p in pairs if not p.delta)
     return sent
 
 

@@ -109,7 +109,7 @@ def send_stream(
         in_place = send_full(
             tx, stream, puller, copier, digests, base=base, sample=sampler, progress=progress
         )
-        digests.send((r for r in range(group.world_size) if r != me), fan_out=True)
+        digests.send((r, None) for r in range(group.world_size) if r != me)
         wire_bytes, changed = plan.total_bytes, 1.0
     receivers = committed(group, session, sync.deadline)
     seconds = time.perf_counter() - t0
