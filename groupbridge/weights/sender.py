@@ -60,8 +60,9 @@ class WeightSender(Closing):
         solo_bytes: tensors at least this big travel in buckets of their own, straight from their storage
             (default ``bucket_bytes // 8``); smaller ones are packed together.
         transport: ``"auto"`` (same host: ``shm`` for CPU tensors, ``cuda_ipc`` for CUDA tensors; across
-            hosts ``broadcast`` up to two receivers, ``relay`` beyond), or one of them by name. An explicit
-            transport that cannot work between these members raises, never falls back.
+            hosts ``broadcast`` to one receiver, ``relay`` to more: see ``transports.across_hosts``), or one
+            of them by name. An explicit transport that cannot work between these members raises, never
+            falls back.
         transport_options: options of one transport or several (``RelayOptions(chain=..., chunk_bytes=...)``,
             ``BroadcastOptions(in_flight=...)``, ``SharedOptions(slots=...)``); each transport not named
             here takes its defaults. Checked against the group now.
@@ -283,7 +284,7 @@ class WeightSender(Closing):
         except TransportUnavailableError as e:
             if self.transport != "auto":
                 raise
-            fallback = across_hosts(self.group)
+            fallback = across_hosts(self.group, device)
             self.group.log.warning("%s; using %s instead", e, fallback)
             return fallback, 0
         return kind, reserved.bucket_bytes if TRANSPORTS[kind].pairs else 0
