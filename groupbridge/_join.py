@@ -51,7 +51,8 @@ BLAKE2b. 4 -> 5: a sync's header says how big a bucket of a source's many-source
 other buckets and refuse the header. 5 -> 6: a rank's claim is a counter and a sealed record (see
 :func:`_claim`); a member of protocol 5 writes no record, and a later claim would not see it. 6 -> 7: a
 fan-out stream's bucket digests go to each receiver on their own tag, as a pair's do (``_bytes.Digests``);
-a member of protocol 6 would wait for them in a broadcast."""
+a member of protocol 6 would wait for them in a broadcast; a header says whether receivers may forward its
+source's pairs (``forward``), which a member of protocol 6 would refuse."""
 # The description and refusals live outside the group's namespace: a member of another name or generation
 # must find them to be told why it is refused.
 _META = f"{ROOT_PREFIX}/meta"

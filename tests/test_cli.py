@@ -122,12 +122,15 @@ def test_bench_plot_measures_and_draws_every_figure(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     done = json.loads((tmp_path / "bench.json").read_text())
     assert done["left_out"] == {}, done["left_out"]  # root here: the simulated hosts run too
-    assert set(done["figures"]) == {"throughput", "delta", "sources", "stall"}
-    for name in ("throughput", "buckets", "delta", "sources", "stall"):
+    assert set(done["figures"]) == {"throughput", "delta", "sources", "replicas", "stall"}
+    for name in ("throughput", "buckets", "delta", "sources", "replicas", "stall"):
         png = tmp_path / f"{name}.png"
         assert png.read_bytes()[:4] == b"\x89PNG" and png.stat().st_size > 10_000, name
     assert {r["mode"] for r in done["figures"]["throughput"]} >= {"ours", "flat", "per_tensor", "memcpy"}
     assert [r["sources"] for r in done["figures"]["sources"]] == [1, 2]
+    replicas = done["figures"]["replicas"]
+    assert [(r["sources"], r["replicas"]) for r in replicas] == [(4, 1), (4, 4)], replicas
+    assert all(r["exact"] and r["forwarded_s"] >= r["lower_bound_s"] for r in replicas), replicas
     assert {r["mode"] for r in done["figures"]["stall"]} == {
         "groupbridge/atomic",
         "groupbridge/atomic,swap=reload",

@@ -675,12 +675,12 @@ def _forwarded_version(i: int, v: int) -> torch.Tensor:
     return t
 
 
-def _forwarding(rank: int, ports: Any) -> Any:
+def _forwarding(rank: int, ports: Any, forward: bool) -> Any:
     """Two sources, four receivers wanting every tensor whole, over p2p with checksums and deltas: each
     source's rows go to one receiver, which passes them on along a chain (see ShardPlan.upstream)."""
     with make_group(rank, 6, "127.0.0.1", ports) as g:
         if rank < 2:
-            snd = gb.WeightSender(g, transport="p2p", checksum=True, delta="always")
+            snd = gb.WeightSender(g, transport="p2p", checksum=True, delta="always", forward=forward)
             out = []
             for v in (1, 2, 3):
                 held = {f"w{i}": _chunk(_forwarded_version(i, v), 2, rank, 0) for i in range(4)}
@@ -697,16 +697,17 @@ def _forwarding(rank: int, ports: Any) -> Any:
 
 
 @pytest.mark.timeout(90)
-def test_more_replicas_than_sources_take_the_rows_once_and_forward_them_along_a_chain() -> None:
-    res = run_ranks(_forwarding, 6, CTX.Queue(), timeout=80)
+@pytest.mark.parametrize("forward", [True, False], ids=["forwarded", "direct"])
+def test_more_replicas_than_sources_take_the_rows_once_and_forward_them_along_a_chain(forward: bool) -> None:
+    res = run_ranks(_forwarding, 6, CTX.Queue(), forward, timeout=80)
     for r in range(2, 6):
         assert res[r] == [True] * 3, res
     shard = 4 * FWD_SHAPE[0] // 2 * FWD_SHAPE[1] * 4
     for sent in res[:2]:
         full, *deltas = sent
-        # the first sync: the source's rows left it once, not once per receiver; all four took them
-        assert full == (False, shard, 4 * shard, [2, 3, 4, 5]), sent
-        assert all(d[0] and 0 < d[1] < shard for d in deltas), sent  # deltas along the chain too
+        # the first sync: the source's rows left it once (forward=False: once per receiver); all took them
+        assert full == (False, shard if forward else 4 * shard, 4 * shard, [2, 3, 4, 5]), sent
+        assert all(d[0] and 0 < d[1] < (1 if forward else 4) * shard for d in deltas), sent  # deltas too
 
 
 def _chain_cut(rank: int, ports: Any) -> Any:

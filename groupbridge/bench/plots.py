@@ -30,7 +30,7 @@ from typing import Any
 
 from .. import _console
 
-__all__ = ["FIGURES", "delta", "run_all", "sources", "stall", "throughput"]
+__all__ = ["FIGURES", "delta", "replicas", "run_all", "sources", "stall", "throughput"]
 
 
 def _pyplot() -> Any:
@@ -151,6 +151,30 @@ def sources(records: Sequence[dict[str, Any]], path: str | Path, rate: str = "")
         ax.set_ylim(bottom=0)
 
 
+def replicas(records: Sequence[dict[str, Any]], path: str | Path) -> None:
+    """Seconds per sync against replicas for four trainer hosts: forwarding, direct pairs, gathering, the
+    lower bound."""
+    with _figure(path) as ax:
+        rs = sorted((r for r in records if r["sources"] == 4), key=lambda r: r["replicas"])
+        xs = [r["replicas"] for r in rs]
+        for key, label in (("forwarded", "receivers forward"), ("direct", "every receiver from the sources"),
+                           ("gather", "gather to rank 0, then send")):  # fmt: skip
+            med = [r[f"{key}_s"] for r in rs]
+            worst = [r[f"{key}_worst_s"] - r[f"{key}_s"] for r in rs]
+            ax.errorbar(
+                xs, med, yerr=[[0] * len(med), worst], marker="o", capsize=3, label=f"{label} (median, worst)"
+            )
+        ax.plot(xs, [r["lower_bound_s"] for r in rs], "k:", label="lower bound")
+        ax.set_xticks(xs)
+        ax.set_xlabel("replicas (each its own host)")
+        ax.set_ylabel("seconds per sync")
+        mib = rs[0]["model_bytes"] >> 20 if rs else 0
+        ax.set_title(
+            f"4 trainer hosts into R replicas: {mib} MiB, links at {rs[0]['link_rate'] if rs else ''}"
+        )
+        ax.set_ylim(bottom=0)
+
+
 def stall(records: Sequence[dict[str, Any]], path: str | Path) -> None:
     """The longest gap without a token a streaming client saw during an update, per update mode."""
     with _figure(path) as ax:
@@ -217,6 +241,13 @@ def _measure_sources(quick: bool, rounds: int) -> list[dict[str, Any]]:
     return run_sources(cfg)
 
 
+def _measure_replicas(quick: bool, rounds: int) -> list[dict[str, Any]]:
+    from .replicas import ReplicasConfig, run_replicas
+
+    cases = [(4, r) for r in ((1, 4) if quick else (1, 2, 4, 8))]
+    return run_replicas(ReplicasConfig(cases=cases, rounds=rounds, model_bytes=(16 if quick else 64) << 20))
+
+
 def _measure_stall(quick: bool, rounds: int) -> list[dict[str, Any]]:
     from .vllm_serving import run_serving
 
@@ -249,6 +280,8 @@ FIGURES: dict[str, tuple[_Measure, _Draw, str]] = {
     "delta": (_measure_delta, _draw(delta, "delta"), "delta sync against the share that changed"),
     "sources": (_measure_sources, _draw(sources, "sources", rate="800mbit"),
                 "many sources against the number of trainer hosts"),
+    "replicas": (_measure_replicas, _draw(replicas, "replicas"),
+                 "four trainer hosts into 1-8 replicas, each its own host"),
     "stall": (_measure_stall, _draw(stall, "stall"), "serving stall of vllm serve per update mode"),
 }  # fmt: skip
 """name -> (measure(quick, rounds), draw(records, into), what it shows)."""
@@ -268,7 +301,7 @@ def run_all(
         raise ValueError(f"no figure named {', '.join(unknown)}: the figures are {', '.join(FIGURES)}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    skip = {"sources": _sources_reason(), "stall": _stall_reason()}
+    skip = {"sources": _sources_reason(), "replicas": _sources_reason(), "stall": _stall_reason()}
     done: dict[str, Any] = {"quick": quick, "rounds": rounds, "figures": {}, "left_out": {}}
     if only and (out / "bench.json").exists():
         done = json.loads((out / "bench.json").read_text())

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from .._procs import publish_listener, run_roles
+from ..net import listen
 from ..stateless import StatelessGroup
 from ..weights import WeightReceiver, WeightSender
 from ..weights.shard import Shard
@@ -31,19 +32,22 @@ __all__ = ["ReplicasConfig", "lower_bound", "run_replicas"]
 TENSORS = 16
 
 
+MODES = ("forwarded", "direct", "gather")
+
+
 @dataclass(kw_only=True)
 class ReplicasConfig:
     cases: list[tuple[int, int]]
     """(S sources, R replicas) per row."""
     rate: str = "200mbit"
     model_bytes: int = 64 << 20
-    rounds: int = 1
-    """Timed syncs per row, after the untimed first."""
+    rounds: int = 2
+    """Timed syncs of each mode per row, interleaved, after an untimed first of each."""
+    modes: tuple[str, ...] = MODES
 
 
 def _shape(cfg: ReplicasConfig) -> tuple[int, int]:
-    rows = cfg.model_bytes // TENSORS // 4 // 1024
-    return rows, 1024
+    return cfg.model_bytes // TENSORS // 4 // 1024, 1024
 
 
 def _tensor(i: int, shape: tuple[int, int], version: int) -> torch.Tensor:
@@ -59,41 +63,81 @@ def lower_bound(model_bytes: int, sources: int, rate_bytes: float) -> float:
 def _role(rank: int, cfg: ReplicasConfig, s: int, r: int, hosts: list[tuple[str, str]], ports: Any) -> Any:
     netns.enter(hosts[rank][0], own_name=True)
     n = s + r
-    lis, port = publish_listener(rank, n, ports, hosts[0][1])
     timeout = timedelta(seconds=600)
+    lis, port = publish_listener(rank, n, ports, hosts[0][1])
     g = StatelessGroup.create(hosts[0][1], port, rank=rank, world_size=n, listener=lis, timeout=timeout)
+    # gather-then-send: rank 0 and the receivers on a bridge of their own (every member takes part in every
+    # sync of a bridge); its port told over the first one
+    gathers = "gather" in cfg.modes
+    lis2 = listen(hosts[0][1], 0) if rank == 0 and gathers else None
+    port2 = g.broadcast_obj(lis2.address.port if lis2 is not None else None, src=0)
+    ga = None
+    if gathers and (rank == 0 or rank >= s):
+        ra = 0 if rank == 0 else rank - s + 1
+        ga = StatelessGroup.create(hosts[0][1], port2, rank=ra, world_size=1 + r, listener=lis2,
+                                   name="gathered", timeout=timeout)  # fmt: skip
     shape = _shape(cfg)
-    times, exact, transport = [], True, ""
-    with g:
-        if rank < s:
-            snd = WeightSender(g)
-        else:
-            rcv = WeightReceiver(g)
-            target = {f"t{i}": torch.zeros(shape) for i in range(TENSORS)}
-        for version in range(1, cfg.rounds + 2):
-            if rank < s:
-                held = {}
-                for i in range(TENSORS):
-                    rows = torch.chunk(_tensor(i, shape, version), s)
-                    if rank < len(rows):
-                        lo = sum(p.shape[0] for p in rows[:rank])
-                        held[f"t{i}"] = Shard(rows[rank].clone(), shape, (lo, 0))
+    times: dict[str, list[float]] = {m: [] for m in cfg.modes}
+    exact = True
+    if rank < s:
+        senders = {m: WeightSender(g, forward=m == "forwarded") for m in cfg.modes if m != "gather"}
+        whole = WeightSender(ga) if ga is not None else None
+    else:
+        rcv = WeightReceiver(g)
+        rcv_a = WeightReceiver(ga) if ga is not None else None
+        target = {f"t{i}": torch.zeros(shape) for i in range(TENSORS)}
+    version = 0
+    for rnd in range(cfg.rounds + 1):
+        for mode in cfg.modes if rnd % 2 == 0 else cfg.modes[::-1]:
+            version += 1
+            if rank < s:  # made before the clock starts: a trainer holds its rows when it syncs
+                rows = {f"t{i}": torch.chunk(_tensor(i, shape, version), s) for i in range(TENSORS)}
+                held = {
+                    name: Shard(parts[rank].clone(), shape, (sum(p.shape[0] for p in parts[:rank]), 0))
+                    for name, parts in rows.items()
+                    if rank < len(parts)
+                }
             g.barrier()
             t0 = time.perf_counter()
             if rank < s:
-                transport = snd.send(held, version=version).transport
+                if mode == "gather":
+                    model = _gather(g, rank, s, rows)
+                    if whole is not None:
+                        whole.send(model, version=version)
+                else:
+                    senders[mode].send(held, version=version)
             else:
-                rcv.receive_into(target, atomic=True)
-            times.append(time.perf_counter() - t0)
-            if rank >= s:
+                (rcv_a if mode == "gather" else rcv).receive_into(target, atomic=True)  # type: ignore[union-attr]
+            elapsed = time.perf_counter() - t0
+            if rank >= s:  # checked off the clock
                 exact = exact and all(
                     torch.equal(target[f"t{i}"], _tensor(i, shape, version)) for i in range(TENSORS)
                 )
-        if rank < s:
-            snd.close()
-        else:
-            rcv.close()
-    return {"times": times[1:], "exact": exact, "transport": transport}
+            if rnd:
+                times[mode].append(elapsed)
+    if ga is not None:
+        ga.close()
+    g.close()
+    return {"times": times, "exact": exact}
+
+
+def _gather(
+    g: StatelessGroup, rank: int, s: int, rows: dict[str, tuple[torch.Tensor, ...]]
+) -> dict[str, torch.Tensor]:
+    """The trainers' gather onto rank 0 (each sends its rows over its link), which then holds the model."""
+    if rank != 0:
+        for parts in rows.values():
+            g.send(parts[rank].contiguous(), 0)
+        return {}
+    model = {}
+    for name, parts in rows.items():
+        pieces = [parts[0]]
+        for src in range(1, s):
+            piece = torch.empty_like(parts[src])
+            g.recv(piece, src)
+            pieces.append(piece)
+        model[name] = torch.cat(pieces)
+    return model
 
 
 def run_replicas(cfg: ReplicasConfig) -> list[dict[str, Any]]:
@@ -109,15 +153,16 @@ def run_replicas(cfg: ReplicasConfig) -> list[dict[str, Any]]:
     for s, r in cfg.cases:
         with netns.SimulatedHosts(s + r, rate=cfg.rate) as sim:
             hosts = [(h.namespace, h.address) for h in sim.hosts]
-            res = run_roles(_role, s + r, (cfg, s, r, hosts, mp.get_context("spawn").Queue()), timeout=1800)
-        per_round = [max(m["times"][k] for m in res) for k in range(cfg.rounds)]
+            res = run_roles(_role, s + r, (cfg, s, r, hosts, mp.get_context("spawn").Queue()), timeout=3600)
         bound = lower_bound(model, s, rate)
-        records.append({
-            "sources": s, "replicas": r, "model_bytes": model, "link_rate": cfg.rate,
-            "seconds": statistics.median(per_round), "worst_s": max(per_round),
-            "lower_bound_s": bound, "x_bound": statistics.median(per_round) / bound,
-            "exact": all(m["exact"] for m in res[s:]), "transport": res[0]["transport"],
-        })  # fmt: skip
+        rec: dict[str, Any] = {"sources": s, "replicas": r, "model_bytes": model, "link_rate": cfg.rate,
+                               "lower_bound_s": bound, "exact": all(m["exact"] for m in res[s:])}  # fmt: skip
+        for mode in cfg.modes:  # a sync takes as long as its slowest member
+            per_round = [max(m["times"][mode][k] for m in res) for k in range(cfg.rounds)]
+            rec[f"{mode}_s"] = statistics.median(per_round)
+            rec[f"{mode}_worst_s"] = max(per_round)
+            rec[f"{mode}_x_bound"] = statistics.median(per_round) / bound
+        records.append(rec)
     return records
 
 
@@ -129,8 +174,11 @@ if __name__ == "__main__":
     cases = [(int(c.split("x")[0]), int(c.split("x")[1])) for c in rows]
     for rec in run_replicas(ReplicasConfig(cases=cases, rate=rate)):
         print(
-            f"S={rec['sources']} R={rec['replicas']}: {rec['seconds']:.2f} s (worst {rec['worst_s']:.2f}), "
-            f"bound {rec['lower_bound_s']:.2f} s, {rec['x_bound']:.2f}x, exact={rec['exact']}, "
-            f"{rec['transport']}",
+            f"S={rec['sources']} R={rec['replicas']}: bound {rec['lower_bound_s']:.2f} s, "
+            + ", ".join(
+                f"{m} {rec[m + '_s']:.2f} s ({rec[m + '_x_bound']:.2f}x, worst {rec[m + '_worst_s']:.2f})"
+                for m in MODES
+            )
+            + f", exact={rec['exact']}",
             flush=True,
         )

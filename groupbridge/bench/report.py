@@ -94,6 +94,25 @@ def sources_table(records: Sequence[dict[str, Any]], rate: str) -> None:
     )  # fmt: skip
 
 
+def replicas_table(records: Sequence[dict[str, Any]]) -> None:
+    """``bench --replicas``: S trainer hosts into R whole replicas against the least any schedule could do."""
+    modes = [m for m in ("forwarded", "direct", "gather") if records and f"{m}_s" in records[0]]
+    rows = [
+        [r["sources"], r["replicas"], f"{r['lower_bound_s']:.2f}",
+         *(f"{r[f'{m}_s']:.2f} / {r[f'{m}_worst_s']:.2f} ({r[f'{m}_x_bound']:.2f}x)" for m in modes),
+         "yes" if r["exact"] else "NO"]
+        for r in records
+    ]  # fmt: skip
+    what = {"forwarded": "receivers forward", "direct": "direct pairs", "gather": "gather, then send"}
+    mib = records[0]["model_bytes"] >> 20 if records else 0
+    _console.table(
+        f"many trainer hosts into many replicas: {mib} MiB, each member its own host, links at "
+        f"{records[0]['link_rate'] if records else ''}, s per sync (median / worst, x lower bound)",
+        ["S trainers", "R replicas", "lower bound", *(what[m] for m in modes), "bit-exact"],
+        rows,
+    )
+
+
 def local_sources_table(r: dict[str, Any]) -> None:
     """``bench --local-sources``: pairs over shm against p2p on one host, and a lazy source's memory."""
     rows = [

@@ -49,6 +49,9 @@ class Header:
     """The most bytes one bucket of this source's many-source stream may hold (what its transport reserved
     before the sync was announced: shared slots are sized then); 0: no limit beyond ``bucket_bytes``. Every
     member plans this source's pairs within it."""
+    forward: bool = True
+    """Many sources: receivers may pass this source's cut on to each other (``WeightSender(forward=...)``,
+    see ``plan_shards``'s ``forward``)."""
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -66,6 +69,7 @@ class Header:
             "base": self.base,
             "bucket_cap": self.bucket_cap,
             "pair_deltas": self.pair_deltas,
+            "forward": self.forward,
         }
 
     @classmethod
@@ -105,6 +109,7 @@ class Header:
             base,
             field("pair_deltas", bool),
             field("bucket_cap", int, 0, MAX_BUCKET_BYTES),
+            field("forward", bool),
         )
 
 

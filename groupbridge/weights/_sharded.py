@@ -276,9 +276,10 @@ def _layout_key(posts: list[Any], sources: list[int], headers: Mapping[int, Head
 
 
 def _forwards(header: Header) -> bool:
-    """Whether this source's pairs may be forwarded by receivers: they cross hosts point to point."""
+    """Whether this source's pairs may be forwarded by receivers: its sender allows it and they cross hosts
+    point to point."""
     try:
-        return pair_transport(header.transport) == "p2p"
+        return header.forward and pair_transport(header.transport) == "p2p"
     except Exception:  # a transport this member does not know: the handshake refuses it later
         return False
 

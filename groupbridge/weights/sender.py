@@ -82,6 +82,9 @@ class WeightSender(Closing):
         memory: with ``delta``, a :class:`~groupbridge.weights.DeltaMemory` this rank keeps across bridges
             (a framework that makes a new group per update): this sender starts from the bases the last
             sender given it committed, and leaves its own there when closed.
+        forward: with many sources across hosts, let receivers pass this rank's cut on to each other where
+            more receivers want it than there are sources (each of its bytes leaves this host once; the
+            receivers' links carry the rest, every hop checked); False: each receiver takes it from here.
     """
 
     def __init__(
@@ -97,6 +100,7 @@ class WeightSender(Closing):
         transport_options: TransportOptions | Sequence[TransportOptions] | None = None,
         delta: bool | str = False,
         memory: DeltaMemory | None = None,
+        forward: bool = True,
     ) -> None:
         if transport != "auto" and transport not in TRANSPORTS:
             raise ValueError(f"transport={transport!r} is not one of auto, {', '.join(TRANSPORTS)}")
@@ -133,6 +137,7 @@ class WeightSender(Closing):
             memory.sent = None  # this sender's now: written back when it closes
         self._pair_bases = (memory.pairs if memory is not None else PairBases()) if delta else None
         """With many sources and ``delta``: the bytes this member last sent, one base per cut."""
+        self.forward = forward
         self._sending = threading.Lock()
         self._closed = False
 
@@ -217,7 +222,7 @@ class WeightSender(Closing):
             keeps_base=self._delta is not None,
             base=self._delta.offer(manifest) if self._delta is not None else None,
             pair_deltas=self._delta is not None and self._delta.policy.chose_delta,
-            bucket_cap=cap,
+            bucket_cap=cap, forward=self.forward,
         )  # fmt: skip
         try:
             session = open_session(
