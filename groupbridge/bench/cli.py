@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from typing import Any
 
 from .. import _console
@@ -96,6 +97,18 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _shown(args: argparse.Namespace, intro: str, run: Callable[[], Any], show: Callable[[Any], None]) -> int:
+    """A measurement: what it is (unless ``--json``), then its records, as JSON or as ``show`` draws them."""
+    if not args.json:
+        _console.echo(intro)
+    records = run()
+    if args.json:
+        print(json.dumps(records, indent=1))
+    else:
+        show(records)
+    return 0
+
+
 def _bench_vllm(args: argparse.Namespace) -> int:
     from .vllm_engine import run_vllm
     from .vllm_serving import run_serving
@@ -144,38 +157,25 @@ def _bench_adapter(args: argparse.Namespace) -> int:
     from .vllm_adapter import run_adapter
 
     size = "tiny" if args.quick else "bench"
-    if not args.json:
-        _console.echo(
-            f"[bench] a rank-16 LoRA adapter update into vLLM against a full update ({size} Qwen2, bf16), "
-            f"{args.rounds} interleaved rounds ..."
-        )
-    records = run_adapter(size=size, rounds=args.rounds)
-    if args.json:
-        print(json.dumps(records, indent=1))
-        return 0
-    _console.table(
+    intro = (f"[bench] a rank-16 LoRA adapter update into vLLM against a full update ({size} Qwen2, bf16), "
+             f"{args.rounds} interleaved rounds ...")  # fmt: skip
+    return _shown(args, intro, lambda: run_adapter(size=size, rounds=args.rounds), lambda rs: _console.table(
         "adapter-only update into vLLM against a full update (seconds, median of rounds)",
         ["mode", "bytes", "seconds", "min-max", "bytes vs full", "seconds vs full", "first request"],
         [
             [r["mode"], f"{r['bytes'] / 2**20:.1f} MiB", f"{r['seconds']:.3f}",
              f"{r['min']:.3f}-{r['max']:.3f}", f"{r['bytes_vs_full']:.3f}x", f"{r['seconds_vs_full']:.3f}x",
              "-" if r["first_request"] is None else f"{r['first_request']:.3f}"]
-            for r in records
+            for r in rs
         ],
-    )  # fmt: skip
-    return 0
+    ))  # fmt: skip
 
 
 def _bench_control(args: argparse.Namespace) -> int:
     from .control import run_control
 
-    if not args.json:
-        _console.echo("[bench] broadcast_obj of a small dict, rank 0 -> 2 receivers, interleaved rounds ...")
-    records = run_control(rounds=args.rounds + 2)
-    if args.json:
-        print(json.dumps(records, indent=1))
-        return 0
-    _console.table(
+    intro = "[bench] broadcast_obj of a small dict, rank 0 -> 2 receivers, interleaved rounds ..."
+    return _shown(args, intro, lambda: run_control(rounds=args.rounds + 2), lambda records: _console.table(
         "control plane, microseconds per receive: back to back (median of rounds, worst round) and one at a "
         "time (median delay, longest one); ratio per round to the peer's",
         ["mode", "measure", "us per receive", "range over receivers", "worst us", "vs peer", "keys freed"],
@@ -184,8 +184,7 @@ def _bench_control(args: argparse.Namespace) -> int:
              f"{r['vs_peer']:.2f}x", r["keys_freed"]]
             for r in records
         ],
-    )  # fmt: skip
-    return 0
+    ))  # fmt: skip
 
 
 def _bench_delta(args: argparse.Namespace) -> int:
@@ -239,33 +238,19 @@ def _bench_delta(args: argparse.Namespace) -> int:
 def _bench_hosts(args: argparse.Namespace) -> int:
     from .hosts import HostsConfig, run_hosts
 
-    receivers = sorted({1, args.simulate_hosts - 1})
-    cfg = HostsConfig(
-        receivers=receivers,
-        rate=args.link_rate,
-        payload_bytes=_parse_bytes(args.payload_bytes),
-        rounds=args.rounds,
-        transports=("broadcast", "relay"),
-    )
-    if not args.json:
-        _console.echo(
-            f"[bench] {args.simulate_hosts} simulated hosts at {cfg.rate}, {cfg.payload_bytes >> 20} MiB ..."
-        )
-    records = run_hosts(cfg)
-    if args.json:
-        print(json.dumps(records, indent=1))
-        return 0
-    rows = [
-        [r["transport"], r["receivers"], f"{r['seconds']:.2f}", f"{r['link_limit_s']:.2f}",
-         f"{r['ratio_vs_link']:.2f}x", f"{r['ratio_vs_one_receiver']:.2f}x"]
-        for r in records
-    ]  # fmt: skip
-    _console.table(
+    cfg = HostsConfig(receivers=sorted({1, args.simulate_hosts - 1}), rate=args.link_rate,
+                      payload_bytes=_parse_bytes(args.payload_bytes), rounds=args.rounds,
+                      transports=("broadcast", "relay"))  # fmt: skip
+    intro = f"[bench] {args.simulate_hosts} simulated hosts at {cfg.rate}, {cfg.payload_bytes >> 20} MiB ..."
+    return _shown(args, intro, lambda: run_hosts(cfg), lambda records: _console.table(
         f"simulated hosts, links at {cfg.rate} (time per sync, median)",
         ["transport", "receivers", "seconds", "link limit s", "vs link limit", "vs 1 receiver"],
-        rows,
-    )
-    return 0
+        [
+            [r["transport"], r["receivers"], f"{r['seconds']:.2f}", f"{r['link_limit_s']:.2f}",
+             f"{r['ratio_vs_link']:.2f}x", f"{r['ratio_vs_one_receiver']:.2f}x"]
+            for r in records
+        ],
+    ))  # fmt: skip
 
 
 def _replica_cases(sources: str, replicas: str) -> list[tuple[int, int]]:
@@ -288,39 +273,23 @@ def _bench_replicas(args: argparse.Namespace) -> int:
 
     rate = args.link_rate if args.link_rate != "800mbit" else "200mbit"
     cfg = ReplicasConfig(cases=_replica_cases(args.sources, args.replicas), rate=rate, rounds=args.rounds)
-    if not args.json:
-        _console.echo(
-            f"[bench] many trainer hosts into many replicas (S x R: "
-            f"{', '.join(f'{s}x{r}' for s, r in cfg.cases)}), each member its own host at {cfg.rate}, "
-            f"{cfg.model_bytes >> 20} MiB; {cfg.rounds} interleaved rounds of forwarding, direct pairs and "
-            "gather-then-send ..."
-        )
-    records = run_replicas(cfg)
-    if args.json:
-        print(json.dumps(records, indent=1))
-        return 0
-    report.replicas_table(records)
-    return 0
+    cases = ", ".join(f"{s}x{r}" for s, r in cfg.cases)
+    intro = (f"[bench] many trainer hosts into many replicas (S x R: {cases}), each member its own host "
+             f"at {cfg.rate}, {cfg.model_bytes >> 20} MiB; {cfg.rounds} interleaved rounds of forwarding, "
+             "direct pairs and gather-then-send ...")  # fmt: skip
+    return _shown(args, intro, lambda: run_replicas(cfg), report.replicas_table)
 
 
 def _bench_sources(args: argparse.Namespace) -> int:
     from . import report
     from .sources import SourcesConfig, run_sources
 
-    cfg = SourcesConfig(
-        sources=[int(t) for t in args.sources.split(",")], rate=args.link_rate, rounds=args.rounds,
-        scale=args.scale,
-    )  # fmt: skip
-    if not args.json:
-        _console.echo(
-            f"[bench] many sources: {cfg.sources} trainer hosts + 4 inference hosts at {cfg.rate} ..."
-        )
-    records = run_sources(cfg)
-    if args.json:
-        print(json.dumps(records, indent=1))
-        return 0
-    report.sources_table(records, cfg.rate)
-    return 0
+    cfg = SourcesConfig(sources=[int(t) for t in args.sources.split(",")], rate=args.link_rate,
+                        rounds=args.rounds, scale=args.scale)  # fmt: skip
+    intro = f"[bench] many sources: {cfg.sources} trainer hosts + 4 inference hosts at {cfg.rate} ..."
+    return _shown(
+        args, intro, lambda: run_sources(cfg), lambda records: report.sources_table(records, cfg.rate)
+    )
 
 
 def _bench_local_sources(args: argparse.Namespace) -> int:
@@ -329,17 +298,9 @@ def _bench_local_sources(args: argparse.Namespace) -> int:
 
     cfg = LocalSourcesConfig(sources=args.local_sources, receivers=int(args.receivers.split(",")[0]),
                              rounds=args.rounds, scale=args.scale)  # fmt: skip
-    if not args.json:
-        _console.echo(
-            f"[bench] many sources on one host: {cfg.sources} sources -> {cfg.receivers} receivers (whole "
-            "tensors, atomic), shm against p2p, interleaved ..."
-        )
-    r = run_local_sources(cfg)
-    if args.json:
-        print(json.dumps(r, indent=1))
-        return 0
-    report.local_sources_table(r)
-    return 0
+    intro = (f"[bench] many sources on one host: {cfg.sources} sources -> {cfg.receivers} receivers (whole "
+             "tensors, atomic), shm against p2p, interleaved ...")  # fmt: skip
+    return _shown(args, intro, lambda: run_local_sources(cfg), report.local_sources_table)
 
 
 def add_bench_parser(sub: Any) -> None:

@@ -129,19 +129,24 @@ def delta(records: Sequence[dict[str, Any]], path: str | Path) -> None:
         ax.set_title(f"delta sync, {records[0]['shape']} sent as bf16" if records else "delta sync")
 
 
+def _medians(ax: Any, xs: list[int], rs: list[dict[str, Any]], series: Sequence[tuple[str, str]]) -> None:
+    """One line per (record key, label): the median seconds, the error bar up to the worst round."""
+    for key, label in series:
+        med = [r[f"{key}_s"] for r in rs]
+        worst = [r[f"{key}_worst_s"] - r[f"{key}_s"] for r in rs]
+        ax.errorbar(
+            xs, med, yerr=[[0] * len(med), worst], marker="o", capsize=3, label=f"{label} (median, worst)"
+        )
+
+
 def sources(records: Sequence[dict[str, Any]], path: str | Path, rate: str = "") -> None:
     """Seconds per sync against trainer hosts: gathering, every trainer sending, deltas, the link bound."""
     with _figure(path) as ax:
         rs = sorted(records, key=lambda r: r["sources"])
         xs = [r["sources"] for r in rs]
-        for key, label in (("gather_then_send", "(a) gather to rank 0, then send"),
-                           ("many_sources", "(b) every trainer sends its shards"),
-                           ("deltas", "(d) (b) with deltas")):  # fmt: skip
-            med = [r[f"{key}_s"] for r in rs]
-            worst = [r[f"{key}_worst_s"] - r[f"{key}_s"] for r in rs]
-            ax.errorbar(
-                xs, med, yerr=[[0] * len(med), worst], marker="o", capsize=3, label=f"{label} (median, worst)"
-            )
+        _medians(ax, xs, rs, (("gather_then_send", "(a) gather to rank 0, then send"),
+                              ("many_sources", "(b) every trainer sends its shards"),
+                              ("deltas", "(d) (b) with deltas")))  # fmt: skip
         ax.plot(xs, [r["link_bound_s"] for r in rs], "k:", label="(c) link bound")
         ax.set_xticks(xs)
         ax.set_xlabel("trainer hosts")
@@ -157,13 +162,9 @@ def replicas(records: Sequence[dict[str, Any]], path: str | Path) -> None:
     with _figure(path) as ax:
         rs = sorted((r for r in records if r["sources"] == 4), key=lambda r: r["replicas"])
         xs = [r["replicas"] for r in rs]
-        for key, label in (("forwarded", "receivers forward"), ("direct", "every receiver from the sources"),
-                           ("gather", "gather to rank 0, then send")):  # fmt: skip
-            med = [r[f"{key}_s"] for r in rs]
-            worst = [r[f"{key}_worst_s"] - r[f"{key}_s"] for r in rs]
-            ax.errorbar(
-                xs, med, yerr=[[0] * len(med), worst], marker="o", capsize=3, label=f"{label} (median, worst)"
-            )
+        _medians(ax, xs, rs, (("forwarded", "receivers forward"),
+                              ("direct", "every receiver from the sources"),
+                              ("gather", "gather to rank 0, then send")))  # fmt: skip
         ax.plot(xs, [r["lower_bound_s"] for r in rs], "k:", label="lower bound")
         ax.set_xticks(xs)
         ax.set_xlabel("replicas (each its own host)")
