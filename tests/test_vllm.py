@@ -39,7 +39,7 @@ from groupbridge.vllm._serve import Server
 from groupbridge.vllm._stop import remove_new, segments, shutdown
 from groupbridge.vllm.models import make_model
 from tests.engines import PROMPTS, TOKENS, perturb, reference
-from tests.helpers import refused_after_takeover
+from tests.helpers import CTX, Ranks, refused_after_takeover
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -1821,3 +1821,171 @@ def test_the_shadow_exchange_swaps_what_each_module_holds(in_place: bool) -> Non
     other = copy(3.0)
     other[0].weight = torch.nn.Parameter(torch.zeros(3, 4))
     assert "0.weight differs in shape or dtype" in str(same_layout(serving, other))
+
+
+# ------------------------------------------------------------------------------------- a fleet across hosts
+
+
+class _SlowRows:
+    """A trainer rank's rows (``RowSource``), one tensor every ``delay`` seconds once ``slow`` is set;
+    ``at`` is set when the ``after``-th is pulled of a slow send."""
+
+    def __init__(self, model: Any, rank: int, delay: float, after: int) -> None:
+        self.rows, self.delay, self.after = RowSource(model, rank, 2), delay, after
+        self.slow = False
+        self.at = threading.Event()
+
+    def metadata(self) -> list[ParamMeta]:
+        return self.rows.metadata()
+
+    def __iter__(self) -> Iterator[tuple[str, Any]]:
+        for i, item in enumerate(self.rows):
+            if self.slow:
+                if i == self.after:
+                    self.at.set()
+                time.sleep(self.delay)
+            yield item
+
+
+def _fleet_host(rank: int, hosts: list[tuple[str, str]], paths: list[Path], to: Any, back: Any) -> Any:
+    """Trainer rank ``rank`` on simulated host ``rank``; rank 0 also starts the replicas (`vllm serve` on
+    hosts 2 and 3, the second at tensor parallel 2), drives the fleet and checks what each serves; rank 1
+    does what rank 0 tells it, in step."""
+    import psutil
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+    from groupbridge.bench import netns
+    from groupbridge.engine import Probe, causal_logprobs
+    from groupbridge.vllm import FleetClient
+
+    netns.enter(hosts[rank][0], own_name=True)
+    model = make_model(paths[4 + rank], "qwen2", seed=20, tie=True)  # the trainers' model, alike on both
+    source = _SlowRows(model, rank, delay=0.2, after=6)
+    common: dict[str, Any] = dict(timeout_s=120, liveness_s=3, sources=2, workers=3, first_version=1)
+    if rank == 1:
+        told = to.get(timeout=900)
+        if told == "stop":  # rank 0 could not start the replicas
+            return "stopped"
+        addr, port = told
+        eng = None
+        while (what := to.get(timeout=600)) != "stop":
+            try:
+                if what == "init":
+                    info = TrainerInitInfo(rank=1, host=addr, port=port, **common)
+                    eng = WeightTransferTrainerFactory.trainer_init(info, client=None, source=source)
+                else:
+                    if what == "slow":
+                        source.slow = True
+                    perturb(model, 90 + int(eng.version or 0))  # type: ignore[union-attr]
+                    eng.send_weights()  # type: ignore[union-attr]
+                back.put(("ok", what))
+            except Exception as e:
+                back.put(("failed", f"{type(e).__name__}: {e}"))
+        if eng is not None:
+            eng.shutdown()
+        return "done"
+    servers: list[Server] = []
+    try:
+        for i in range(2):  # one at a time: two starting engines on two cores would outlast the bound
+            ns, addr = hosts[2 + i]
+            servers.append(Server(paths[i], tp=1 + i, netns=ns, host=addr, log=paths[i] / "serve.log",
+                                  start_s=400))  # fmt: skip
+        lis = gb.listen(hosts[0][1], 0)
+        to.put((hosts[0][1], lis.port))
+        fleet = FleetClient([HTTPVLLMWeightSyncClient(s.base, timeout=120) for s in servers], workers=[1, 2])
+        verify = Probe(PROBE, lambda v: causal_logprobs(model, PROBE), atol=1e-3)
+        info = TrainerInitInfo(rank=0, listener=lis, host=hosts[0][1], verify=verify, **common)
+
+        def both(what: str, call: Any) -> tuple[Any, Any]:
+            to.put(what)
+            try:
+                mine = ("ok", call())
+            except Exception as e:
+                mine = ("failed", f"{type(e).__name__}: {e}")
+            return mine, back.get(timeout=600)
+
+        def state() -> tuple[list[str], list[list[list[int]]]]:
+            return [s.weight_version() for s in servers], [
+                [s.complete(p, TOKENS) for p in PROMPTS] for s in servers
+            ]
+
+        out: dict[str, Any] = {"updates": []}
+        eng = None
+        (ok, eng), theirs = both("init", lambda: WeightTransferTrainerFactory.trainer_init(
+            info, client=fleet, source=source))  # fmt: skip
+        assert ok == "ok" and theirs == ("ok", "init"), (eng, theirs)
+        for _ in range(3):
+            perturb(model, 90 + int(eng.version or 0))
+            mine, theirs = both("send", eng.send_weights)
+            versions, tokens = state()
+            out["updates"].append((mine[0], theirs, versions, tokens == [reference(model)] * 2,
+                                   dict(eng.last_stats.by_receiver)))  # fmt: skip
+        served_before = state()
+        doomed = process_tree_of(servers[0])
+        source.slow = True
+
+        def kill() -> None:
+            if source.at.wait(120):
+                for p in doomed:
+                    with contextlib.suppress(psutil.NoSuchProcess):
+                        p.kill()
+                out["killed"] = time.monotonic()
+
+        killer = threading.Thread(target=kill, daemon=True)
+        killer.start()
+        perturb(model, 90 + int(eng.version or 0))
+        mine, theirs = both("slow", eng.send_weights)
+        out["raised"] = time.monotonic()
+        killer.join(30)
+        out["kill"] = (mine, theirs)
+        out["survivor"] = (servers[1].weight_version(), [servers[1].complete(p, TOKENS) for p in PROMPTS],
+                           served_before[0][1], served_before[1][1])  # fmt: skip
+        eng.shutdown()
+        return out
+    finally:
+        with contextlib.suppress(Exception):
+            to.put("stop")
+        for s in servers:
+            s.close()
+
+
+def process_tree_of(server: Server) -> list[Any]:
+    import psutil
+
+    root = psutil.Process(server.proc.pid)
+    return [root, *root.children(recursive=True)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_a_fleet_across_hosts_two_trainer_ranks_into_two_served_replicas_one_tp2(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Four simulated hosts (each its own network namespace and host name): two trainer ranks sending their
+    rows, two `vllm serve` replicas (the second at tensor parallel 2) behind one fleet client. Three updates,
+    each verified by the probe and served by both replicas; then one replica's processes are killed midway
+    through the fourth: both trainer ranks raise naming it within the liveness bound, and the other replica
+    still serves the third version's tokens and reports it."""
+    from groupbridge.bench import netns
+
+    reason = netns.unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    paths = [tmp_path_factory.mktemp(f"qwen2-across{i}") for i in range(6)]
+    for i in range(2):
+        make_model(paths[i], "qwen2", seed=30 + i, tie=True)  # the replicas start on weights of their own
+    with netns.SimulatedHosts(4, rate=None) as sim:
+        hosts = [(h.namespace, h.address) for h in sim.hosts]
+        res = Ranks(_fleet_host, 2, (hosts, paths, CTX.Queue(), CTX.Queue())).results(1400)
+    assert all(ok for ok, _ in res.values()), res
+    out = res[0][1]
+    for step, (mine, theirs, versions, same, taken) in enumerate(out["updates"]):
+        assert mine == "ok" and theirs == ("ok", "send"), out["updates"]
+        assert versions == [str(1 + step)] * 2 and same, out["updates"]  # a version each, served by both
+        assert sorted(taken) == [2, 3, 4], (
+            taken
+        )  # bridge ranks: 0-1 the trainers, 2 the TP-1 worker, 3-4 TP 2
+    (mine, theirs), (version, tokens, _, before) = out["kill"], out["survivor"]
+    assert mine[0] == "failed" and "engine 0" in mine[1] and theirs[0] == "failed", out["kill"]
+    assert out["raised"] - out["killed"] < 3 + 10, out
+    assert version == "3" and tokens == before, out["survivor"]

