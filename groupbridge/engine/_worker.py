@@ -13,14 +13,11 @@ An update, as the engine's RPCs drive it::
     session.receive(version)         # the handshake, here; then the bytes land (atomic: on a thread, the
                                      #   engine keeps serving; streaming: loaded here as buckets arrive)
     session.commit()                 # atomic: wait for the bytes, then the loader's load (the only stop)
-
-With a loader that keeps a shadow (:class:`Swaps`, ``BridgeInfo.swap="shadow"``) the update is loaded into
-the shadow as it lands, before the sender is acknowledged, and the commit only exchanges the two copies.
-
-and a rollback (``BridgeInfo.rollback``: the worker keeps the bytes of the version it served before the
-update, see :mod:`._rollback`)::
-
     session.begin(); session.stage_rollback(version); session.commit()   # that version is served again
+
+(a rollback: ``BridgeInfo.rollback``, the worker keeps the bytes of the version it served before the update,
+see :mod:`._rollback`). With a loader that keeps a shadow (:class:`Swaps`, ``BridgeInfo.swap="shadow"``) the
+update is loaded into the shadow as it lands, before the sender is acknowledged; the commit exchanges copies.
 """
 
 from __future__ import annotations
@@ -93,8 +90,7 @@ class WorkerSession(Closing):
         self._buffers = BufferCache()
         """The receive buffers (the kept copy of the weights among them), kept across bridge generations."""
         self._memory = DeltaMemory(buffers=self._buffers)
-        """What a delta is applied to, kept across bridges too (a trainer that makes a bridge per update, as
-        verl does, still sends deltas)."""
+        """What a delta is applied to, kept across bridges too (verl makes one per update)."""
         self._landing: Landing | None = None
         self._received: int | None = None
         self._staged: list[tuple[str, torch.Tensor]] | None = None
@@ -161,10 +157,8 @@ class WorkerSession(Closing):
     # ------------------------------------------------------------------ one update
 
     def begin(self) -> None:
-        """A new update: whatever an earlier one received and did not commit is dropped, at once. A landing
-        of it still running is left to end on its own; the next call that needs the bridge (:meth:`receive`,
-        :meth:`stage_rollback`, :meth:`abandon`) waits for it, bounded, so the engine's RPC that begins an
-        update never waits for one."""
+        """A new update: what an earlier one received and did not commit is dropped, at once; a landing of
+        it still running ends on its own, waited for (bounded) by the next call that needs the bridge."""
         self._forget()
 
     def _forget(self) -> None:
