@@ -6,7 +6,17 @@ vLLM ships HTTP and Ray clients; an offline ``LLM`` takes requests shaped as ``{
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
+
+_COMMITTED: weakref.WeakKeyDictionary[Any, dict[str, str]] = weakref.WeakKeyDictionary()
+"""Per offline ``vllm.LLM`` of this process: adapter name -> the full name (``policy@v3``) a trainer here last
+committed, kept beside the engine rather than written into vLLM's object (gone with it)."""
+
+
+def committed_adapter(llm: Any, name: str) -> str | None:
+    """The full name of adapter ``name`` a trainer of this process last committed to ``llm``, if any."""
+    return _COMMITTED.get(llm, {}).get(name)
 
 
 class OfflineClient:
@@ -58,7 +68,7 @@ class OfflineClient:
         :func:`groupbridge.vllm.adapter_request` hands out from now on."""
         from ._lora import adapter_name
 
-        self.llm.__dict__.setdefault("_groupbridge_adapters", {})[name] = adapter_name(name, version)
+        _COMMITTED.setdefault(self.llm, {})[name] = adapter_name(name, version)
 
     def prompt_logprobs(self, tokens: list[int], adapter: str | None = None) -> list[float]:
         """The engine's log-probabilities of ``tokens[1:]``, through ``generate`` (a probe's request), with

@@ -333,7 +333,9 @@ def adapter_request(llm: Any, name: str) -> Any:
     by another process) the version the engine reports. Raises LookupError when there is none."""
     from vllm.lora.request import LoRARequest
 
-    full = llm.__dict__.get("_groupbridge_adapters", {}).get(name)
+    from ._client import committed_adapter
+
+    full = committed_adapter(llm, name)
     if full is None:
         version = llm.get_weight_version()
         if version is None or not str(version).isdigit():
