@@ -26,6 +26,7 @@ from ..weights import WeightReceiver, WeightSender
 from ..weights.shard import Shard
 from . import netns
 from .hosts import rate_bits
+from .sources import _gather  # the trainers' gather onto rank 0, as the sources bench does it
 
 __all__ = ["ReplicasConfig", "lower_bound", "run_replicas"]
 
@@ -101,8 +102,8 @@ def _role(rank: int, cfg: ReplicasConfig, s: int, r: int, hosts: list[tuple[str,
             t0 = time.perf_counter()
             if rank < s:
                 if mode == "gather":
-                    model = _gather(g, rank, s, rows)
-                    if whole is not None:
+                    model = _gather(g, rank, s, held, list(rows))
+                    if model is not None and whole is not None:
                         whole.send(model, version=version)
                 else:
                     senders[mode].send(held, version=version)
@@ -119,25 +120,6 @@ def _role(rank: int, cfg: ReplicasConfig, s: int, r: int, hosts: list[tuple[str,
         ga.close()
     g.close()
     return {"times": times, "exact": exact}
-
-
-def _gather(
-    g: StatelessGroup, rank: int, s: int, rows: dict[str, tuple[torch.Tensor, ...]]
-) -> dict[str, torch.Tensor]:
-    """The trainers' gather onto rank 0 (each sends its rows over its link), which then holds the model."""
-    if rank != 0:
-        for parts in rows.values():
-            g.send(parts[rank].contiguous(), 0)
-        return {}
-    model = {}
-    for name, parts in rows.items():
-        pieces = [parts[0]]
-        for src in range(1, s):
-            piece = torch.empty_like(parts[src])
-            g.recv(piece, src)
-            pieces.append(piece)
-        model[name] = torch.cat(pieces)
-    return model
 
 
 def run_replicas(cfg: ReplicasConfig) -> list[dict[str, Any]]:

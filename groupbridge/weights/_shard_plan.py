@@ -171,9 +171,10 @@ def plan_shards(
         raise ManifestMismatchError(f"the senders' and receivers' tensors do not fit together:\n{shown}")
     caps = caps or {}
     upstream = _chains(pieces, forward, len(held))
+    chained = set(upstream) | {(src, up) for (src, _), up in upstream.items()}  # every pair of a chain
     pairs = {
         pair: _bucketed(boxes, dtypes, min(bucket_bytes, caps.get(pair[0]) or bucket_bytes,
-                                           FORWARD_BYTES if pair[0] in forward and _in_chain(pair, upstream)
+                                           FORWARD_BYTES if pair in chained
                                            else bucket_bytes))
         for pair, boxes in sorted(pieces.items())
         if boxes
@@ -198,10 +199,6 @@ def _chains(
         chain = takers[start:] + takers[:start]
         upstream.update({(src, b): a for a, b in itertools.pairwise(chain)})
     return upstream
-
-
-def _in_chain(pair: tuple[int, int], upstream: Mapping[tuple[int, int], int]) -> bool:
-    return pair in upstream or any(s == pair[0] and u == pair[1] for (s, _), u in upstream.items())
 
 
 def _assign(
