@@ -102,14 +102,17 @@ def set_backend_timeout(backend: Backend, timeout: timedelta) -> None:
 _connect_lock = threading.Lock()
 
 
-def _socket_fds() -> set[int]:
+def _sockets() -> set[tuple[int, str]]:
+    """(descriptor, socket inode) of every open socket: a descriptor number freed and taken again by another
+    thread meanwhile is a different socket, told apart by its inode."""
     out = set()
     for name in os.listdir("/proc/self/fd"):
         try:
-            if os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
-                out.add(int(name))
+            link = os.readlink(f"/proc/self/fd/{name}")
         except OSError:  # closed meanwhile
             continue
+        if link.startswith("socket:"):
+            out.add((int(name), link))
     return out
 
 
@@ -139,9 +142,9 @@ def client_socket(connect: Callable[[], TCPStore], host: str, port: int) -> tupl
     if not os.path.isdir("/proc/self/fd"):
         return connect(), None
     with _connect_lock:
-        before = _socket_fds()
+        before = _sockets()
         store = connect()
-        new = sorted(_socket_fds() - before)
+        new = sorted(fd for fd, _ in _sockets() - before)
     host = host.removeprefix("::ffff:").split("%")[0]
     matches = [fd for fd in new if (p := _peer_port(fd)) is not None and p[1] == port]
     exact = [fd for fd in matches if _peer_port(fd) == (host, port)]

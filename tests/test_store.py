@@ -119,3 +119,25 @@ def test_a_queue_reader_clears_what_torchs_server_keeps_of_its_waits() -> None:
     assert not reader.check(["q"])  # no key made, the queue is empty
     assert not wait_ended_by_a_push()
     assert int(reader.num_keys()) == 0
+
+
+def test_the_clients_connection_is_found_when_it_takes_a_descriptor_freed_meanwhile() -> None:
+    """The store host's own server thread closes sockets whenever peers hang up; a client connecting
+    meanwhile may get a descriptor number that was open a moment before. It is still found (by its socket,
+    not its number), so a wait on it can be woken when a peer dies."""
+    from groupbridge import _torch_private
+
+    lis = gb.listen("127.0.0.1", 0)
+    port = lis.address.port or 0
+    store = host_store(lis, timedelta(seconds=5))
+    spare = socket.socket()
+    freed = spare.fileno()
+
+    def connect_after_freeing_a_descriptor() -> TCPStore:
+        spare.close()  # its number is the lowest free one now: the client's socket takes it
+        return TCPStore("127.0.0.1", port, None, False, timedelta(seconds=5), wait_for_workers=False)
+
+    client, fd = _torch_private.client_socket(connect_after_freeing_a_descriptor, "127.0.0.1", port)
+    assert fd == freed, (fd, freed)
+    client.set("k", "v")
+    assert store.get("k") == b"v"
