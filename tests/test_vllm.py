@@ -1336,26 +1336,39 @@ def test_an_adapter_for_an_engine_without_lora_is_refused_by_trainer_init(dense:
 
 
 def test_the_newest_adapters_stay_filed_and_an_older_one_leaves() -> None:
-    """The worker's registry on its own (no engine): max_live 2 keeps versions 2 and 3; version 1 is refused
-    by name, the error listing what is live."""
+    """A worker's adapters on their own (no engine): max_live 2 keeps versions 2 and 3, or 1 too while a
+    request uses it; version 1 is refused by name, the error listing what is live. Two engines' workers
+    hold adapters of their own. A client may not load a filed version under another name, nor its own
+    adapter under a version name."""
     from groupbridge.vllm import _lora
 
     spec = _lora.AdapterSpec("reg-test", {"r": 8}, max_live=2)
-    model = torch.nn.Linear(2, 2)
-    for v in (1, 2, 3):
-        assert (
-            _lora.install(model, spec, v, [("x.lora_A.weight", torch.full((8, 2), float(v)))])
-            == f"reg-test@v{v}"
+    adapters, other = _lora.Adapters(), _lora.Adapters()
+
+    def install(v: int, *using: int) -> list[str]:
+        pairs = [("x.lora_A.weight", torch.full((8, 2), float(v)))]
+        assert adapters.install(spec, v, pairs, {_lora.adapter_id(f"reg-test@v{u}") for u in using}) == (
+            f"reg-test@v{v}"
         )
-    assert _lora.live("reg-test") == ["reg-test@v2", "reg-test@v3"]
-    assert _lora._adapters["reg-test@v2"][0]["x.lora_A.weight"][0, 0] == 2.0
+        return adapters.names()
 
-    class Manager:  # vLLM's worker LoRA manager as _load_from_registry reads it
-        max_position_embeddings = 128
-
-    request = type("Request", (), {"lora_path": _lora.SCHEME + "reg-test@v1", "lora_int_id": 1})()
-    with pytest.raises(ValueError, match=r"'reg-test@v1' is not served.*reg-test@v2"):
-        _lora._load_from_registry(Manager(), request)
+    install(1), install(2)
+    assert install(3, 1) == ["reg-test@v1", "reg-test@v2", "reg-test@v3"]  # a request still uses v1
+    assert install(4) == ["reg-test@v3", "reg-test@v4"] == adapters.live("reg-test")
+    assert adapters.filed("reg-test@v3")[0]["x.lora_A.weight"][0, 0] == 3.0
+    assert other.names() == []  # another engine's workers hold adapters of their own
+    with pytest.raises(ValueError, match=r"'reg-test@v2' is not served.*reg-test@v3"):
+        adapters.filed("reg-test@v2")
+    assert adapters.withdraw_newer("reg-test", 3) == ["reg-test@v4"]  # a rollback
+    assert adapters.live("reg-test") == ["reg-test@v3"]
+    assert install(5, 4) == ["reg-test@v3", "reg-test@v4", "reg-test@v5"]  # withdrawn, still in use
+    assert install(6) == ["reg-test@v5", "reg-test@v6"]
+    assert adapters.check_load(_lora.SCHEME + "reg-test@v6", "reg-test@v6") == "reg-test@v6"
+    assert adapters.check_load("/some/dir", "mine") is None
+    with pytest.raises(ValueError, match="only under its own name"):
+        adapters.check_load(_lora.SCHEME + "reg-test@v6", "mine")
+    with pytest.raises(ValueError, match="a name of the adapter versions"):
+        adapters.check_load("/some/dir", "reg-test@v7")
 
 
 @pytest.mark.slow

@@ -14,6 +14,9 @@ each engine-core process when the plugin loads there, and the two clients route 
 :func:`commit_offline` for an offline ``LLM`` (the trainer's :class:`~groupbridge.vllm.OfflineClient`) and
 ``AsyncLLM.finish_weight_update`` for ``vllm serve``, wrapped for engines whose weight-transfer backend is
 ``groupbridge`` only (others keep vLLM's behaviour).
+
+**Adapters from memory** (:func:`serve_adapters`): vLLM's worker LoRA loader asks an engine's
+:class:`~groupbridge.vllm._lora.Adapters` about each load, for that engine's workers alone.
 """
 
 from __future__ import annotations
@@ -35,7 +38,9 @@ __all__ = [
     "commit_offline",
     "exchange",
     "install",
+    "loaded_adapters",
     "same_layout",
+    "serve_adapters",
 ]
 
 VLLM_READ = "0.32"
@@ -174,6 +179,66 @@ def install() -> None:
 
     finish_weight_update._groupbridge = True  # type: ignore[attr-defined]
     AsyncLLM.finish_weight_update = finish_weight_update
+
+
+_SERVED: weakref.WeakKeyDictionary[Any, _lora.Adapters] = weakref.WeakKeyDictionary()
+"""Per LoRA model manager (one per worker of an engine that takes adapters over the bridge), the adapters
+its loader serves: kept here, not written into vLLM's objects."""
+
+
+def serve_adapters(model: torch.nn.Module, adapters: _lora.Adapters) -> None:
+    """Have the LoRA loader of ``model``'s worker ask ``adapters`` about every load (see
+    :meth:`~groupbridge.vllm._lora.Adapters.check_load`). vLLM's loader method is wrapped once per process;
+    a worker whose model is not registered here (another backend's engine) loads as vLLM does."""
+    from vllm.lora.worker_manager import WorkerLoRAManager
+
+    manager = getattr(model, "lora_manager", None)
+    if manager is None:  # no LoRA layers: the handshake refuses adapters (``_lora.check_adapter``)
+        return
+    _SERVED[manager] = adapters
+    original = WorkerLoRAManager._load_adapter
+    if getattr(original, "_groupbridge", False):
+        return
+
+    @functools.wraps(original)
+    def load(self: Any, lora_request: Any) -> Any:
+        served = _SERVED.get(self._adapter_manager)
+        if served is None:
+            return original(self, lora_request)
+        full = served.check_load(str(lora_request.lora_path), str(lora_request.lora_name))
+        if full is None:
+            return original(self, lora_request)
+        tensors, config = served.filed(full)
+        return _lora_model(self, lora_request, tensors, config)
+
+    load._groupbridge = True  # type: ignore[attr-defined]
+    WorkerLoRAManager._load_adapter = load
+
+
+def _lora_model(
+    manager: Any, lora_request: Any, tensors: dict[str, torch.Tensor], config: dict[str, Any]
+) -> Any:
+    """vLLM's LoRA model of an adapter's tensors, built as its loader builds one from a checkpoint."""
+    from vllm.lora.peft_helper import PEFTHelper
+
+    helper = PEFTHelper.from_dict(dict(config, vllm_max_position_embeddings=manager.max_position_embeddings))
+    helper.validate_legal(manager.lora_config)
+    model = manager._adapter_manager.model
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    # copies: vLLM's LoRA model may work on the tensors it is given in place (on CPU it keeps them, and
+    # folds the scaling into lora_B), and this adapter is loaded again after every weight update
+    return manager._lora_model_cls.from_lora_tensors(
+        lora_model_id=lora_request.lora_int_id, tensors={n: t.clone() for n, t in tensors.items()},
+        peft_helper=helper, device="cpu",
+        dtype=manager.lora_config.lora_dtype, model_vocab_size=manager.vocab_size,
+        weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
+        skip_prefixes=getattr(model, "lora_skip_prefixes", None),
+    )  # fmt: skip
+
+
+def loaded_adapters(model: torch.nn.Module) -> set[int]:
+    """The ids of the adapters ``model``'s LoRA manager holds loaded (those of the running batch)."""
+    return set(getattr(getattr(model, "lora_manager", None), "_active_adapters", {}) or {})
 
 
 def build_shadow(vllm_config: Any) -> torch.nn.Module:

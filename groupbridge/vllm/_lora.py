@@ -2,25 +2,26 @@
 
 An adapter update carries only the adapter's tensors (as PEFT names them) and its config (rank, alpha,
 target modules), through the same bridge, handshake, checks and commit as a full update. The worker's commit
-files them in this process's registry under ``<name>@v<version>`` and never touches the base weights.
+files them in its engine's :class:`Adapters` under ``<name>@v<version>`` and never touches the base weights.
 
 vLLM loads an adapter when a request first names it (``LoRARequest``), from a path; and after every weight
 update it drops every loaded adapter (``reset_lora_state``), reloading each on its next use. Both paths go
-through the worker's ``_load_adapter``, which this module extends for one path scheme, ``groupbridge:``:
-such an adapter is built from the registry's tensors (vLLM's own ``LoRAModel.from_lora_tensors``), so
-nothing goes through disk, and a request begun on version 2 goes on with version 2's adapter after version
-3 is committed (its name, and the tensors behind it, are never reused). Any other path loads as before.
+through the worker's LoRA loader, which ``_compat.serve_adapters`` has ask the engine's :class:`Adapters`
+about one path scheme, ``groupbridge:``: such an adapter is built from the filed tensors (vLLM's own
+``LoRAModel.from_lora_tensors``), so nothing goes through disk, and a request begun on version 2 goes on
+with version 2's adapter after version 3 is committed (its name, and the tensors behind it, are never
+reused). Any other path loads as before, and engines of another backend are not touched.
 
-The newest ``max_live`` versions of a name stay in the registry; an older one leaves it at a later commit
-once no unfinished request names it (running, waiting or preempted: the engine core tells the workers at
-each commit, see ``_compat``). The engine core then admits a request naming a ``groupbridge:`` adapter
-only when every worker can load it until the next commit: a load that failed inside a model step would
-end the engine, a refused request fails alone.
+The newest ``max_live`` versions of a name stay filed; an older one leaves at a later commit once no
+unfinished request names it (running, waiting or preempted: the engine core tells the workers at each
+commit, see ``_compat``). The engine core then admits a request naming a ``groupbridge:`` adapter only
+when every worker can load it until the next commit: a load that failed inside a model step would end the
+engine, a refused request fails alone.
 
 Any API client of ``vllm serve`` (with runtime LoRA updating on) can ask vLLM to load an adapter; the
 loader refuses, at that call and before anything is listed, a ``groupbridge:`` path under any name but its
-own (another name would outlive the registry's version behind it, and its next load would fail inside a
-model step, where it ends the engine) and an adapter from anywhere else under a version name,
+own (another name would outlive the version filed behind it, and its next load would fail inside a model
+step, where it ends the engine) and an adapter from anywhere else under a version name,
 ``<name>@v<version>`` (names are predictable: a client could take the next version's name ahead of the
 trainer, and every request for it would get that client's weights).
 """
@@ -41,12 +42,20 @@ import torch
 logger = logging.getLogger("vllm.groupbridge")
 
 SCHEME = "groupbridge:"
-"""The ``lora_path`` of an adapter served from the registry."""
+"""The ``lora_path`` of an adapter received over the bridge (see :class:`Adapters`)."""
 
 _VERSION_NAME = re.compile(r"[^@/]+@v[0-9]+")
 """The names adapters received over the bridge are served under (:func:`adapter_name`)."""
 
-__all__ = ["SCHEME", "AdapterSpec", "adapter_id", "adapter_name", "adapter_request", "peft_adapter"]
+__all__ = [
+    "SCHEME",
+    "AdapterSpec",
+    "Adapters",
+    "adapter_id",
+    "adapter_name",
+    "adapter_request",
+    "peft_adapter",
+]
 
 
 def adapter_name(name: str, version: int) -> str:
@@ -113,14 +122,99 @@ def peft_adapter(module: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict
 
 # ---------------------------------------------------------------------------------------------- worker side
 
-_lock = threading.Lock()
-_adapters: dict[str, tuple[dict[str, torch.Tensor], dict[str, Any]]] = {}
-"""In a worker process: full name -> (tensors, config) of every adapter it can serve."""
-_live: dict[str, list[str]] = {}
-"""Adapter name -> its full names in the registry, oldest first."""
-_retired: set[str] = set()
-"""Full names withdrawn by a rollback: no longer handed out, still loadable until no request uses them (a
-request that named one between the swap and the rollback would otherwise end vLLM's engine)."""
+
+class Adapters:
+    """One engine worker's adapters received over the bridge: full name -> (tensors, config), the live
+    versions of each name (oldest first), and the versions a rollback withdrew. Held by the worker's
+    transfer engine (one per engine, never shared by two engines of a process); vLLM's loader finds it
+    through ``_compat.serve_adapters``."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._filed: dict[str, tuple[dict[str, torch.Tensor], dict[str, Any]]] = {}
+        self._live: dict[str, list[str]] = {}
+        self._retired: set[str] = set()
+        """Withdrawn by a rollback: no longer handed out, still loadable until no request uses them (a
+        request that named one between the swap and the rollback would otherwise end vLLM's engine)."""
+
+    def install(
+        self, spec: AdapterSpec, version: int, pairs: Iterable[tuple[str, Any]], in_use: Iterable[int]
+    ) -> str:
+        """File an adapter's tensors (copied: the pairs are views of the kept buffer, reused next update)
+        under its fresh name; drop the versions beyond ``max_live`` whose id is not ``in_use`` (by a request
+        the engine still serves). Returns the name."""
+        full = adapter_name(spec.name, version)
+        tensors = {n: t.clone() for n, t in pairs}
+        used = set(in_use)
+        with self._lock:
+            self._filed[full] = (tensors, dict(spec.config))
+            names = [n for n in self._live.get(spec.name, []) if n != full] + [full]
+            keep = names[-spec.max_live :]
+            for old in names[: -spec.max_live]:
+                if adapter_id(old) in used:  # a request still generates with it
+                    keep.insert(0, old)
+                else:
+                    self._filed.pop(old, None)
+            self._live[spec.name] = keep
+            for old in [n for n in self._retired if adapter_id(n) not in used]:
+                self._retired.discard(old)
+                self._filed.pop(old, None)
+        logger.info(
+            "groupbridge: adapter %s filed (%d tensors); live: %s", full, len(tensors), ", ".join(keep)
+        )
+        return full
+
+    def withdraw_newer(self, name: str, version: int) -> list[str]:
+        """Drop the versions of adapter ``name`` newer than ``version`` (a rollback); returns their names.
+        Raises LookupError, dropping nothing, when ``version`` itself is not served."""
+        keep = adapter_name(name, version)
+        with self._lock:
+            live = self._live.get(name, [])
+            if keep not in live:
+                raise LookupError(f"cannot roll adapter {name!r} back to version {version}: it serves {live}")
+            newer = [n for n in live if int(n.rsplit("@v", 1)[1]) > version]
+            self._retired.update(newer)  # dropped at a later commit, once no request uses them
+            self._live[name] = [n for n in live if n not in newer]
+        logger.warning(
+            "groupbridge: adapter %s served again; withdrawn: %s", keep, ", ".join(newer) or "none"
+        )
+        return newer
+
+    def names(self) -> list[str]:
+        """Every adapter version this worker can load."""
+        with self._lock:
+            return sorted(self._filed)
+
+    def live(self, name: str) -> list[str]:
+        with self._lock:
+            return list(self._live.get(name, []))
+
+    def filed(self, full: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The tensors and config of version ``full``. Raises ValueError naming what is live."""
+        with self._lock:
+            entry = self._filed.get(full)
+            if entry is None:
+                raise ValueError(
+                    f"adapter {full!r} is not served by this worker (live: {sorted(self._filed)}): it was "
+                    "never received, or is older than the newest max_live_adapters"
+                )
+            return entry
+
+    def check_load(self, path: str, name: str) -> str | None:
+        """What vLLM's loader does with a request to load ``name`` from ``path``: the filed version it
+        loads (a ``groupbridge:`` path, under its own name alone), or None (any other path loads as vLLM
+        would, under any name but a version name). Raises ValueError for a load refused."""
+        if path.startswith(SCHEME):
+            own = path[len(SCHEME) :]
+            if name != own:
+                raise ValueError(f"adapter {path!r} is served only under its own name {own!r}, not {name!r}")
+            return own
+        if _VERSION_NAME.fullmatch(name):
+            raise ValueError(
+                f"{name!r} is a name of the adapter versions this engine receives over the bridge "
+                "(<name>@v<version>): load an adapter of your own under another name"
+            )
+        return None
 
 
 def _expected_modules(manager: Any) -> set[str]:
@@ -200,55 +294,8 @@ def _layer_sizes(owner: torch.nn.Module, leaf: str, packed: dict[str, list[str]]
     return (n_in, n_out) if isinstance(n_in, int) and isinstance(n_out, int) else None
 
 
-def install(
-    model: torch.nn.Module, spec: AdapterSpec, version: int, pairs: Iterable[tuple[str, Any]],
-    requested: Iterable[str] | None = None,
-) -> str:  # fmt: skip
-    """File an adapter's tensors (copied: the pairs are views of the kept buffer, reused next update) under
-    its fresh name; drop the versions beyond ``max_live`` that no request uses: the engine core's list of
-    what its unfinished requests name (``requested``), or else (a commit it did not list them for) every
-    adapter vLLM holds loaded. Returns the name."""
-    full = adapter_name(spec.name, version)
-    tensors = {n: t.clone() for n, t in pairs}
-    with _lock:
-        _adapters[full] = (tensors, dict(spec.config))
-        names = [n for n in _live.get(spec.name, []) if n != full] + [full]
-        manager = getattr(model, "lora_manager", None)
-        if requested is None:
-            in_use = set(getattr(manager, "_active_adapters", {}) or {})
-        else:
-            in_use = {adapter_id(n) for n in requested}
-        keep = names[-spec.max_live :]
-        for old in names[: -spec.max_live]:
-            if adapter_id(old) in in_use:  # a request of the running batch still generates with it
-                keep.insert(0, old)
-            else:
-                _adapters.pop(old, None)
-        _live[spec.name] = keep
-        for old in [n for n in _retired if adapter_id(n) not in in_use]:
-            _retired.discard(old)
-            _adapters.pop(old, None)
-    logger.info("groupbridge: adapter %s filed (%d tensors); live: %s", full, len(tensors), ", ".join(keep))
-    return full
-
-
-def withdraw_newer(name: str, version: int) -> list[str]:
-    """Drop the versions of adapter ``name`` newer than ``version`` (a rollback); returns their names.
-    Raises LookupError, dropping nothing, when ``version`` itself is not served."""
-    keep = adapter_name(name, version)
-    with _lock:
-        live = _live.get(name, [])
-        if keep not in live:
-            raise LookupError(f"cannot roll adapter {name!r} back to version {version}: it serves {live}")
-        newer = [n for n in live if int(n.rsplit("@v", 1)[1]) > version]
-        _retired.update(newer)  # dropped at a later commit, once no request uses them
-        _live[name] = [n for n in live if n not in newer]
-    logger.warning("groupbridge: adapter %s served again; withdrawn: %s", keep, ", ".join(newer) or "none")
-    return newer
-
-
 def requested(requests: Iterable[Any]) -> list[str]:
-    """The registry's adapter versions that these requests (the engine core's unfinished ones) name."""
+    """The bridge's adapter versions that these requests (the engine core's unfinished ones) name."""
     names = set()
     for request in requests:
         lora = getattr(request, "lora_request", None)
@@ -257,70 +304,11 @@ def requested(requests: Iterable[Any]) -> list[str]:
     return sorted(names)
 
 
-def registered(worker: Any = None) -> list[str]:
-    """The adapter versions this worker process can load (run on each worker by the engine core's
+def registered(worker: Any) -> list[str]:
+    """The adapter versions this worker can load (run on each worker by the engine core's
     ``collective_rpc``, which passes the worker)."""
-    with _lock:
-        return sorted(_adapters)
-
-
-def live(name: str) -> list[str]:
-    with _lock:
-        return list(_live.get(name, []))
-
-
-def _load_from_registry(self: Any, lora_request: Any) -> Any:
-    """``WorkerLoRAManager._load_adapter`` for ``groupbridge:<name>`` paths (see the module docstring)."""
-    from vllm.lora.peft_helper import PEFTHelper
-
-    full = lora_request.lora_path[len(SCHEME) :]
-    with _lock:
-        entry = _adapters.get(full)
-    if entry is None:
-        raise ValueError(
-            f"adapter {full!r} is not served by this worker (live: {sorted(_adapters)}): it was never "
-            "received, or is older than the newest max_live_adapters"
-        )
-    tensors, config = entry
-    helper = PEFTHelper.from_dict(dict(config, vllm_max_position_embeddings=self.max_position_embeddings))
-    helper.validate_legal(self.lora_config)
-    model = self._adapter_manager.model
-    mapper = getattr(model, "hf_to_vllm_mapper", None)
-    # copies: vLLM's LoRA model may work on the tensors it is given in place (on CPU it keeps them, and
-    # folds the scaling into lora_B), and this adapter is loaded again after every weight update
-    return self._lora_model_cls.from_lora_tensors(
-        lora_model_id=lora_request.lora_int_id, tensors={n: t.clone() for n, t in tensors.items()},
-        peft_helper=helper, device="cpu",
-        dtype=self.lora_config.lora_dtype, model_vocab_size=self.vocab_size,
-        weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
-        skip_prefixes=getattr(model, "lora_skip_prefixes", None),
-    )  # fmt: skip
-
-
-def serve_from_registry() -> None:
-    """Have this process's vLLM LoRA loader take ``groupbridge:`` paths from the registry (idempotent)."""
-    from vllm.lora.worker_manager import WorkerLoRAManager
-
-    original = WorkerLoRAManager._load_adapter
-    if getattr(original, "_groupbridge", False):
-        return
-
-    def load(self: Any, lora_request: Any) -> Any:
-        path, name = str(lora_request.lora_path), str(lora_request.lora_name)
-        if path.startswith(SCHEME):
-            own = path[len(SCHEME) :]
-            if name != own:
-                raise ValueError(f"adapter {path!r} is served only under its own name {own!r}, not {name!r}")
-            return _load_from_registry(self, lora_request)
-        if _VERSION_NAME.fullmatch(name):
-            raise ValueError(
-                f"{name!r} is a name of the adapter versions this engine receives over the bridge "
-                "(<name>@v<version>): load an adapter of your own under another name"
-            )
-        return original(self, lora_request)
-
-    load._groupbridge = True  # type: ignore[attr-defined]
-    WorkerLoRAManager._load_adapter = load
+    adapters = getattr(getattr(worker, "weight_transfer_engine", None), "adapters", None)
+    return adapters.names() if isinstance(adapters, Adapters) else []
 
 
 # ---------------------------------------------------------------------------------------------- user side

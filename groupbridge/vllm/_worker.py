@@ -39,9 +39,9 @@ from vllm.distributed.weight_transfer.base import (
 from ..engine import BridgeInfo, WorkerSession
 from ..weights.manifest import Manifest
 from ..weights.shard import Box
-from ._compat import build_shadow, exchange, same_layout
+from ._compat import build_shadow, exchange, loaded_adapters, same_layout, serve_adapters
 from ._dryrun import check_loadable
-from ._lora import AdapterSpec, check_adapter, install, serve_from_registry, withdraw_newer
+from ._lora import Adapters, AdapterSpec, adapter_id, check_adapter
 
 ABANDONED = "groupbridge: the update was abandoned as the trainer asked"
 """What a worker raises to end an update on purpose (see :class:`UpdateInfo`)."""
@@ -188,7 +188,11 @@ class VllmLoader:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         if self.adapter is not None:
-            install(self.engine.model, *self.adapter, weights, self.requested)
+            # what no commit may drop: the versions unfinished requests name (the engine core's list), or
+            # else (a commit it did not list them for) every adapter vLLM holds loaded
+            requested = self.requested
+            in_use = loaded_adapters(self.engine.model) if requested is None else map(adapter_id, requested)
+            self.engine.adapters.install(*self.adapter, weights, in_use)
             return
 
         self._handles = cpu_kernel_handles(self.engine.model)
@@ -215,6 +219,8 @@ class WorkerEngine(WeightTransferEngine[WorkerInitInfo, UpdateInfo]):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.adapters = Adapters()
+        """The adapter versions this worker received over the bridge (its engine's alone)."""
         self.loader = VllmLoader(self)
         self._rolled_back: int | None = None
         self._commits: int | None = None
@@ -223,7 +229,7 @@ class WorkerEngine(WeightTransferEngine[WorkerInitInfo, UpdateInfo]):
             self.loader, device=self.device, log=logger, swaps=self.loader, reads=self.loader
         )
         if getattr(self.vllm_config, "lora_config", None) is not None:
-            serve_from_registry()  # adapters received over the bridge load from memory
+            serve_adapters(self.model, self.adapters)  # adapters received over the bridge load from memory
 
     @property
     def version(self) -> int | None:
@@ -261,7 +267,7 @@ class WorkerEngine(WeightTransferEngine[WorkerInitInfo, UpdateInfo]):
             raise RuntimeError(f"{ABANDONED}: nothing loaded, version {self.version} still served")
         if update_info.rollback and update_info.adapter is not None:
             # an adapter's versions are served under names of their own: the newer is withdrawn, nothing loads
-            withdraw_newer(AdapterSpec.parse(update_info.adapter).name, update_info.version)
+            self.adapters.withdraw_newer(AdapterSpec.parse(update_info.adapter).name, update_info.version)
             self._rolled_back = update_info.version
             return
         if update_info.rollback:
