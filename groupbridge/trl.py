@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from ._vllm_client import HttpClient, VllmControl
 from .engine import Described, SessionState, TrainerConfig, TrainerSession
+from .vllm._control import HttpClient, VllmControl
 
 __all__ = ["WeightTransfer"]
 

@@ -694,3 +694,19 @@ def test_a_fleet_orders_an_engines_calls_after_one_that_outlived_its_bound() -> 
     assert [c[0] for c in engines[1].log] == ["join", "begin", "join"], engines[1].log  # no commit reached it
     fleet.commit(6)  # the engine is in order again
     assert [c[0] for c in engines[1].log][-1] == "commit"
+
+
+@pytest.mark.timeout(60)
+def test_the_engine_layer_and_the_http_client_import_nothing_of_vllm() -> None:
+    """A trainer that talks to ``vllm serve`` on another host (TRL's) runs where vLLM is not installed: the
+    engine layer, the vLLM package and its HTTP client import none of vLLM until a name of the package is
+    taken."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, groupbridge.engine, groupbridge.trl, groupbridge.vllm, groupbridge.vllm._control\n"
+        "print(sorted(m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", (out.stdout[-2000:], out.stderr[-2000:])

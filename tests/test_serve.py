@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import torch
 
-from groupbridge._vllm_client import HttpClient, VllmControl
 from groupbridge.engine import TrainerConfig, TrainerSession
+from groupbridge.vllm._control import HttpClient, VllmControl
 from groupbridge.vllm._serve import Server, Streamer, longest_gap
 from groupbridge.vllm._stop import segments
 from groupbridge.vllm.models import make_model

@@ -1538,8 +1538,8 @@ def test_a_replica_killed_during_the_transfer_leaves_the_others_serving(
 def test_a_fleet_refuses_an_engine_listed_twice_at_once() -> None:
     """Listed twice, one engine's workers would join one bridge twice: refused when the fleet is made, not
     after the join's whole timeout."""
-    from groupbridge._vllm_client import HttpClient
     from groupbridge.vllm import FleetClient
+    from groupbridge.vllm._control import HttpClient
 
     with pytest.raises(
         ValueError, match=r"engines 0 and 2 of the fleet are one engine \(http://127.0.0.1:9\)"
@@ -1614,8 +1614,8 @@ def test_each_tokens_version_is_exact_across_an_unpaused_update(dense: tuple[Any
 
     from vllm.sampling_params import RequestOutputKind
 
-    from groupbridge._vllm_client import VllmControl
     from groupbridge.engine import TrainerSession
+    from groupbridge.vllm._control import VllmControl
 
     llm, model = dense
     assert not llm.llm_engine.vllm_config.scheduler_config.async_scheduling  # see docs/vllm.md
@@ -1682,8 +1682,8 @@ def test_vllm_serve_reports_each_tokens_version_exactly(tmp_path_factory: pytest
     import copy
     import urllib.request
 
-    from groupbridge._vllm_client import HttpClient, VllmControl
     from groupbridge.engine import TrainerSession
+    from groupbridge.vllm._control import HttpClient, VllmControl
 
     path = tmp_path_factory.mktemp("qwen2-serve-spans")
     model = make_model(path, "qwen2", seed=8)
@@ -1779,8 +1779,8 @@ def test_a_finish_for_another_version_than_the_staged_one_loads_nothing(dense: t
     """A finish that arrives late (a fleet call that outlived its bound, reaching the engine after the next
     update began) names the version it was for: the worker, holding the next version staged, refuses it and
     loads nothing, vLLM's label stays; the next update's own finish then commits it, labelled right."""
-    from groupbridge._vllm_client import VllmControl
     from groupbridge.engine import TrainerSession
+    from groupbridge.vllm._control import VllmControl
 
     llm, model = dense
     late: list[BaseException] = []

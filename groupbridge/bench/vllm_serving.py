@@ -54,8 +54,8 @@ def _stall(times: list[float], start: float, end: float, deadline_s: float = 30.
 
 def run_serving(size: str = "bench", rounds: int = 3, dtype: str = "bfloat16") -> list[dict[str, Any]]:
     """Per mode: update seconds, the stall, and (groupbridge) the commit: vLLM's load with its RPC."""
-    from .._vllm_client import HttpClient, VllmControl
     from ..engine import TrainerConfig, TrainerSession
+    from ..vllm._control import HttpClient, VllmControl
     from ..vllm._serve import Server, Streamer
     from ..vllm.models import make_model
 

@@ -33,21 +33,48 @@ under a fresh name per version::
     TrainerInitInfo(rank=0, adapter="policy", max_live_adapters=2)
     llm.generate(prompts, params, lora_request=adapter_request(llm, "policy"))   # policy@v3
 
-Importing this module registers the backend too (a trainer talking to ``vllm serve`` over HTTP never loads
-vLLM's plugins itself).
+Importing this package imports nothing of vLLM: its HTTP client (``_control``, which TRL's trainer uses)
+runs where vLLM is not installed. The first name taken from it imports vLLM and registers the backend (a
+trainer talking to ``vllm serve`` over HTTP never loads vLLM's plugins itself).
 """
 
 from __future__ import annotations
 
-from ._client import OfflineClient
-from ._fleet import FleetClient
-from ._lora import adapter_request
-from ._plugin import BACKEND, register
-from ._serve import Server
-from ._stop import shutdown
-from ._trainer import TrainerEngine, TrainerInitInfo
+import importlib
+from typing import TYPE_CHECKING, Any
 
-register()
+if TYPE_CHECKING:
+    from ._client import OfflineClient
+    from ._fleet import FleetClient
+    from ._lora import adapter_request
+    from ._plugin import BACKEND, register
+    from ._serve import Server
+    from ._stop import shutdown
+    from ._trainer import TrainerEngine, TrainerInitInfo
+
+_HOMES = {
+    "BACKEND": "_plugin",
+    "FleetClient": "_fleet",
+    "OfflineClient": "_client",
+    "Server": "_serve",
+    "TrainerEngine": "_trainer",
+    "TrainerInitInfo": "_trainer",
+    "adapter_request": "_lora",
+    "register": "_plugin",
+    "shutdown": "_stop",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """A public name, imported when first taken (with vLLM, the backend registered first)."""
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    importlib.import_module(f"{__name__}._plugin").register()
+    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "BACKEND",

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .._vllm_client import SyncClient, VllmControl
 from ..engine import Fleet
+from ._control import SyncClient, VllmControl
 
 __all__ = ["FleetClient"]
 

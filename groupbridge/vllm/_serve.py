@@ -18,7 +18,7 @@ import urllib.request
 from pathlib import Path
 
 from .._closing import Closing
-from .._vllm_client import HttpClient
+from ._control import HttpClient
 from ._stop import held_by, process_tree, remove_owned, stop_server
 
 

@@ -21,8 +21,8 @@ from vllm.distributed.weight_transfer.base import (
     WeightSource,
 )
 
-from .._vllm_client import VllmControl, out_of_vocabulary
 from ..engine import EngineControl, SessionState, TrainerConfig, TrainerSession
+from ._control import VllmControl, out_of_vocabulary
 from ._fleet import FleetClient
 from ._lora import AdapterSpec, peft_adapter
 from ._plugin import BACKEND

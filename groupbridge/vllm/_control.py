@@ -13,7 +13,7 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from .engine import Capabilities, EngineControl
+from ..engine import Capabilities, EngineControl
 
 logger = logging.getLogger(__name__)
 
