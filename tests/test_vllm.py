@@ -388,18 +388,20 @@ def dense(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Any]]
         yield llm, model
 
 
-def trainer(llm: Any, model: Any, **kw: Any) -> Any:
+def trainer(llm: Any, model: Any, client: OfflineClient | None = None, **kw: Any) -> Any:
     info = TrainerInitInfo(rank=0, timeout_s=60, liveness_s=10, **kw)  # not what these tests are about
     return WeightTransferTrainerFactory.trainer_init(
-        info, client=OfflineClient(llm), source=ModuleSource(model)
+        info, client=client or OfflineClient(llm), source=ModuleSource(model)
     )
 
 
 def test_dense_updates_serve_the_trainers_weights(dense: tuple[Any, Any]) -> None:
-    """Three updates over a sealed bridge (HMAC of every bucket), the last two as deltas."""
+    """Three updates over a sealed bridge (HMAC of every bucket), the last two as deltas. The engine
+    reports how long each commit stopped it."""
     llm, model = dense
     assert served(llm) == reference(model)
-    eng = trainer(llm, model, token="a-shared-secret", delta="always")
+    client = OfflineClient(llm)
+    eng = trainer(llm, model, client, token="a-shared-secret", delta="always")
     try:
         stats = []
         for step in range(3):
@@ -408,8 +410,10 @@ def test_dense_updates_serve_the_trainers_weights(dense: tuple[Any, Any]) -> Non
             else:
                 sparse_step(model, step)
             before = served(llm)
+            client.paused = None
             eng.send_weights()
             assert llm.get_weight_version() == str(eng.version)
+            assert client.paused is not None and 0 < client.paused < 5, client.paused
             now, want = served(llm), reference(model)
             assert now == want and now != before, f"step {step}"
             stats.append(eng.last_stats)

@@ -119,11 +119,14 @@ def _bench_vllm(args: argparse.Namespace) -> int:
             f"[bench] one update into vLLM ({size} Qwen2, bf16), {args.rounds} interleaved rounds: "
             "groupbridge (auto, broadcast; atomic, streaming; verified; a fleet of two), safetensors + "
             "reload_weights, the same sync into a plain torch model; then the serving stall of a client "
-            f"streaming from vllm serve{' (float32)' if args.quick else ''} ..."
+            f"streaming from vllm serve{' (float32)' if args.quick else ''}, a dense and a MoE model ..."
         )
     records = run_vllm(size=size, rounds=args.rounds)
     # the tiny model is served in float32: see bench.plots._measure_stall
-    serving = run_serving(size=size, rounds=args.rounds, dtype="float32" if args.quick else "bfloat16")
+    dtype = "float32" if args.quick else "bfloat16"
+    serving = [
+        row for arch in ("qwen2", "qwen3_moe") for row in run_serving(size, args.rounds, dtype, arch=arch)
+    ]
     if args.json:
         print(json.dumps({"update": records, "serving": serving}, indent=1))
         return 0
@@ -143,10 +146,11 @@ def _bench_vllm(args: argparse.Namespace) -> int:
     )  # fmt: skip
     _console.table(
         "serving during an update: a client streaming from vllm serve (seconds, median of rounds)",
-        ["mode", "update", "stall (no tokens)", "worst stall", "vLLM load (commit)"],
+        ["model", "mode", "update", "stall", "worst stall", "commit (trainer)", "engine pause (worst)"],
         [
-            [r["mode"], f"{r['seconds']:.2f}", f"{r['stall']:.2f}", f"{r['stall_max']:.2f}",
-             "-" if r["commit"] is None else f"{r['commit']:.2f}"]
+            [r["arch"], r["mode"], f"{r['seconds']:.2f}", f"{r['stall']:.2f}", f"{r['stall_max']:.2f}",
+             "-" if r["commit"] is None else f"{r['commit']:.3f}",
+             "-" if r["paused"] is None else f"{r['paused'] * 1e3:.1f} ms ({r['paused_max'] * 1e3:.1f})"]
             for r in serving
         ],
     )  # fmt: skip

@@ -13,12 +13,15 @@ trainer updates the weights, round by round, interleaved:
   ``/collective_rpc``): serving stops for the reload.
 
 The stall of an update is the longest time without a token from its start to the first token after it,
-less the client's usual time between tokens (the median of the 2 s before the update).
+less the client's usual time between tokens (the median of the 2 s before the update). The commit is
+timed twice: by the trainer (the HTTP call, the wait for the model step under way, the engine's pause) and
+by the engine core (its pause alone, between two model steps: ``_compat.PAUSED`` in the server's log).
 """
 
 from __future__ import annotations
 
 import itertools
+import re
 import statistics
 import tempfile
 import time
@@ -52,17 +55,29 @@ def _stall(times: list[float], start: float, end: float, deadline_s: float = 30.
     return max(0.0, longest_gap(times, start, after) - pace), pace
 
 
-def run_serving(size: str = "bench", rounds: int = 3, dtype: str = "bfloat16") -> list[dict[str, Any]]:
-    """Per mode: update seconds, the stall, and (groupbridge) the commit: vLLM's load with its RPC."""
+def _paused(log: str, version: int) -> float | None:
+    """The engine core's pause for the commit of ``version``, as its log states it (seconds)."""
+    from ..vllm._compat import PAUSED
+
+    found = re.findall(re.escape(f"{PAUSED} {version}:") + r" ([0-9.]+) ms", log)
+    return float(found[-1]) / 1e3 if found else None
+
+
+def run_serving(
+    size: str = "bench", rounds: int = 3, dtype: str = "bfloat16", arch: str = "qwen2"
+) -> list[dict[str, Any]]:
+    """Per mode: update seconds, the stall, and (groupbridge) the commit: the trainer's and the engine's."""
     from ..engine import TrainerConfig, TrainerSession
     from ..vllm._control import HttpClient, VllmControl
     from ..vllm._serve import Server, Streamer
     from ..vllm.models import make_model
 
     tmp = tempfile.TemporaryDirectory(prefix="gb-bench-serve-")
-    model = make_model(f"{tmp.name}/model", "qwen2", size, dtype=dtype)
+    model = make_model(f"{tmp.name}/model", arch, size, dtype=dtype)
     specs = {n: (tuple(p.shape), p.dtype) for n, p in model.named_parameters()}
-    rows: dict[str, dict[str, list[float]]] = {m: {"seconds": [], "stall": [], "commit": []} for m in MODES}
+    rows: dict[str, dict[str, list[float]]] = {
+        m: {"seconds": [], "stall": [], "commit": [], "paused": []} for m in MODES
+    }
     srv = Server(f"{tmp.name}/model", log=f"{tmp.name}/serve.log", dtype=dtype, max_model_len=512,
                  start_s=300)  # fmt: skip
     try:
@@ -94,6 +109,10 @@ def run_serving(size: str = "bench", rounds: int = 3, dtype: str = "bfloat16") -
                         session.send(dict(model.named_parameters()), specs=specs)
                         t1 = time.monotonic()
                         commit = session.last_seconds["commit"]
+                    version = session.version
+                    paused = _paused(srv.log.read_text(errors="replace"), version) if version else None
+                    if paused is not None:
+                        rows[mode]["paused"].append(paused)
                 stall, _ = _stall(streamer.times, t0, t1)
                 rows[mode]["seconds"].append(t1 - t0)
                 rows[mode]["stall"].append(stall)
@@ -109,10 +128,12 @@ def run_serving(size: str = "bench", rounds: int = 3, dtype: str = "bfloat16") -
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     return [
         {
-            "mode": m, "bytes": nbytes, "dtype": dtype, "rounds": len(v["seconds"]),
+            "mode": m, "arch": arch, "bytes": nbytes, "dtype": dtype, "rounds": len(v["seconds"]),
             "seconds": statistics.median(v["seconds"]), "stall": statistics.median(v["stall"]),
             "stall_max": max(v["stall"]), "commit": statistics.median(v["commit"]) if v["commit"] else None,
-            "stalls": v["stall"], "updates": v["seconds"], "commits": v["commit"],
+            "paused": statistics.median(v["paused"]) if v["paused"] else None,
+            "paused_max": max(v["paused"]) if v["paused"] else None,
+            "stalls": v["stall"], "updates": v["seconds"], "commits": v["commit"], "pauses": v["paused"],
         }
         for m, v in rows.items()
     ]  # fmt: skip

@@ -24,6 +24,9 @@ class OfflineClient:
 
     def __init__(self, llm: Any) -> None:
         self.llm = llm
+        self.paused: float | None = None
+        """How long the engine stopped serving for the last labelled commit (seconds, the engine core's
+        own clock: the workers' commit and the label, between two model steps)."""
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self.llm.init_weight_transfer_engine({"init_info": init_info})
@@ -42,7 +45,7 @@ class OfflineClient:
             return
         from ._compat import commit_offline
 
-        commit_offline(self.llm, weight_version)
+        self.paused = commit_offline(self.llm, weight_version)
 
     def shutdown_weight_transfer_engine(self) -> None:
         self.llm.shutdown_weight_transfer_engine()

@@ -22,6 +22,7 @@ each engine-core process when the plugin loads there, and the two clients route 
 from __future__ import annotations
 
 import functools
+import time
 import weakref
 from typing import Any
 
@@ -32,6 +33,7 @@ from ._plugin import BACKEND
 
 __all__ = [
     "COMMIT",
+    "PAUSED",
     "TORN",
     "VLLM_READ",
     "build_shadow",
@@ -50,11 +52,16 @@ COMMIT = "groupbridge_commit"
 """The engine-core utility: the workers' ``finish_weight_update``, then the label, in one call."""
 
 
-def _commit(core: Any, weight_version: str) -> None:
+def _commit(core: Any, weight_version: str) -> float:
     """On the engine core (its ``EngineCore``), between two model steps: every worker commits version
     ``weight_version`` (told first, so that a worker holding another version staged, a finish that arrived
     late, refuses and loads nothing), then the outputs of every later step carry ``weight_version``. A
-    commit that fails raises before the label moves: the engine keeps reporting the version it served."""
+    commit that fails raises before the label moves: the engine keeps reporting the version it served.
+
+    Returns how long the engine core stopped for it (the seconds between its two model steps), also logged
+    (:data:`PAUSED`): the pause the commit costs the engine, apart from the HTTP call and the wait for the
+    model step under way that a caller's own clock adds."""
+    t0 = time.perf_counter()
     executor = core.model_executor
     lora = getattr(core.vllm_config, "lora_config", None) is not None
     if weight_version.isdigit() and len(weight_version) < 19:
@@ -72,6 +79,13 @@ def _commit(core: Any, weight_version: str) -> None:
     if lora:  # what a request may name until the next commit: what every worker can load
         names = [set(n) for n in executor.collective_rpc(_lora.registered)]
         _ADMITS[core] = frozenset(set.intersection(*names)) if names else frozenset()
+    paused = time.perf_counter() - t0
+    _lora.logger.info("%s %s: %.2f ms", PAUSED, weight_version, paused * 1e3)
+    return paused
+
+
+PAUSED = "groupbridge: the engine paused for the commit of version"
+"""How the engine core's log states each commit's pause (``<PAUSED> <version>: <ms> ms``)."""
 
 
 TORN = "torn"
@@ -128,13 +142,13 @@ def _admit(core: Any, request: Any) -> str | None:
     )
 
 
-def commit_offline(llm: Any, weight_version: str) -> None:
-    """An offline ``LLM``'s commit of its staged update, labelled ``weight_version``: one engine-core call."""
+def commit_offline(llm: Any, weight_version: str) -> float:
+    """An offline ``LLM``'s commit of its staged update, labelled ``weight_version``: one engine-core call.
+    Returns the engine's pause for it (see :func:`_commit`)."""
     client = llm.llm_engine.engine_core
     if hasattr(client, "call_utility"):  # the engine core in its own process (vLLM's default)
-        client.call_utility(COMMIT, weight_version)
-    else:  # in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
-        _commit(client.engine_core, weight_version)
+        return float(client.call_utility(COMMIT, weight_version))
+    return _commit(client.engine_core, weight_version)  # in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
 
 
 def _ours(engine: Any) -> bool:
