@@ -48,8 +48,11 @@ def _engine(rank: int, calls: Any, replies: Any, shadow: bool = False) -> dict[s
     # address of one freed before it
     storages: list[list[Any]] = []
 
+    check_s = 0.0
+
     class Loader:
         def check(self, manifest: Manifest) -> str | None:
+            time.sleep(check_s)
             unknown = [e.name for e in manifest.entries if e.name not in model]
             return f"this model has no {unknown[0]}" if unknown else None
 
@@ -124,6 +127,8 @@ def _engine(rank: int, calls: Any, replies: Any, shadow: bool = False) -> dict[s
                 session.begin()
                 session.stage_rollback(arg)
                 session.commit()
+            elif call == "slow_checks":  # a dry run that takes this long
+                check_s = arg
             elif call == "break_next_prepare":  # a processing bug: one tensor of the shadow written wrong
                 loader_of.broken = True  # type: ignore[attr-defined]
             elif call == "ticks":
@@ -646,6 +651,28 @@ def test_a_worker_with_a_shadow_prepares_before_the_ack_and_commits_by_a_swap() 
     with rig(shadow=True, swap="reload") as (session, control, out):
         assert session.send(slow(5.0, 0), specs=SPECS) == 1
     assert out["sum"] == 5.0 * WHOLE and out["swapped"] == []
+
+
+def test_with_a_shadow_the_engine_serves_through_the_handshake_too() -> None:
+    """Through a shadow, an atomic update's handshake runs on the landing thread (its dry run on the
+    shadow): the engine's call that begins the update returns at once, however long the dry run takes, and
+    the engine serves meanwhile. A manifest the dry run refuses is refused on both sides all the same: the
+    trainer raises, the engine commits nothing and serves its version; the next update lands."""
+    with rig(shadow=True) as (session, control, out):
+        control.rpc("slow_checks", 1.0)
+        assert session.send(slow(1.0, 0), specs=SPECS) == 1
+        (call, t0, t1), *_ = [e for e in control.log if e[0] == "begin"]
+        assert t1 - t0 < 0.5, control.log
+        ticks = [t for t in control.rpc("ticks") if t0 < t < t0 + 1.0]
+        assert len(ticks) > 10, "the engine did not serve through the handshake"
+        with pytest.raises(ManifestMismatchError, match="this model has no extra"):
+            session.send(
+                [(n, torch.full(s, 2.0)) for n, s in SHAPES.items()] + [("extra", torch.ones(2))]
+            )
+        assert control.probe([])[0] == _means(1.0)
+        control.rpc("slow_checks", 0.0)
+        assert session.send(slow(3.0, 0), specs=SPECS) == 2
+    assert out["version"] == 2 and out["sum"] == 3.0 * WHOLE
 
 
 class _Slow(EngineControl):

@@ -33,20 +33,22 @@ def keep_then(update: WeightUpdate, keep: Callable[[], None] | None) -> WeightUp
 
 class Landing:
     """An update's bytes landing on a thread of their own, in the kept buffer: an atomic update's while the
-    engine goes on serving; a streaming update's ahead of the loader, which takes each tensor as it lands
+    engine goes on serving (``update`` may be the call that opens it, the handshake: the engine serves
+    through that too); a streaming update's ahead of the loader, which takes each tensor as it lands
     (``pairs()``), so that the transfer and the load overlap instead of taking turns. Views of the kept
     buffer stay valid until the next update, so landing ahead overwrites nothing the loader holds."""
 
     def __init__(
         self,
-        update: WeightUpdate,
+        update: WeightUpdate | Callable[[], WeightUpdate],
         log: logging.Logger,
         *,
+        version: int | None = None,
         stream: bool = False,
         before: Callable[[], None] | None = None,
         into: list[tuple[str, torch.Tensor]] | None = None,
     ) -> None:
-        self.version = update.version
+        self.version = update.version if isinstance(update, WeightUpdate) else version
         self.staged: list[tuple[str, torch.Tensor]] | None = None
         self.landed: list[tuple[str, torch.Tensor]] = into if into is not None else []
         """The pairs landed so far (``into``, where given: all of them once the update's iteration ends,
@@ -60,7 +62,9 @@ class Landing:
             t0 = time.perf_counter()
             landed = self.landed
             try:
-                pairs = iter(keep_then(update, before))
+                opened = update if isinstance(update, WeightUpdate) else update()
+                self.version = opened.version
+                pairs = iter(keep_then(opened, before))
                 for item in pairs:
                     if self._stop.is_set():  # the loader failed: the sync is abandoned, the sender told
                         pairs.close()  # type: ignore[attr-defined]

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Iterator, Mapping
 from typing import Protocol
 
 import torch
 
+from ..errors import TornUpdateError
 from ..weights.manifest import Manifest
 from ..weights.shard import Box
 
-__all__ = ["Loader", "ReadsBoxes", "Swaps"]
+__all__ = ["Loader", "ReadsBoxes", "Swaps", "load_whole"]
 
 Pairs = Iterator[tuple[str, torch.Tensor]]
 
@@ -42,7 +45,9 @@ class Swaps(Protocol):
     ``swapping()``: whether the update being received goes through the shadow (one that does not, an
     adapter's, is loaded as by any loader). ``prepare(pairs)``: load and process them into the shadow, all
     of it, the serving copy untouched (views of the kept buffer, as ``load`` gets). ``swap()``: exchange
-    the copies; it runs where ``load`` would (the engine's commit)."""
+    the copies; it runs where ``load`` would (the engine's commit). An atomic update through the shadow
+    has its handshake on the landing thread too, the engine serving meanwhile: ``check`` (and ``reads``)
+    then runs there, so it must not touch the serving copy (a dry run checks against the shadow)."""
 
     def swapping(self) -> bool: ...
 
@@ -57,3 +62,35 @@ class ReadsBoxes(Protocol):
     manifests brings this worker only those boxes (see ``WeightReceiver.receive(reads=...)``)."""
 
     def reads(self, manifest: Manifest) -> Mapping[str, Box | None]: ...
+
+
+def load_whole(loader: Loader, weights: Pairs, version: int, held: object, log: logging.Logger) -> float:
+    """``loader``'s load of ``weights`` (version ``version``, over the model holding ``held``), then its
+    finish, whatever happened; returns the finish's seconds. A load that fails midway raises
+    TornUpdateError naming what was written."""
+    loaded: list[str] = []
+
+    def counted() -> Pairs:
+        for name, t in weights:
+            loaded.append(name)
+            yield name, t
+
+    try:
+        loader.load(counted())
+    except Exception as e:
+        try:
+            loader.finish()
+        except Exception:
+            log.exception("groupbridge: finishing the interrupted load failed")
+        raise TornUpdateError(
+            f"loading version {version} failed after {len(loaded)} tensors: {type(e).__name__}: {e}; the "
+            f"model now holds a mix of two versions ({held} and {version}), torn until an update loads "
+            "(the next one loads every tensor)",
+            written=loaded,
+        ) from e
+    except BaseException:
+        loader.finish()
+        raise
+    t0 = time.perf_counter()
+    loader.finish()
+    return time.perf_counter() - t0

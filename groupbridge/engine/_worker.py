@@ -10,8 +10,8 @@ and what a failure midway means.
 An update, as the engine's RPCs drive it::
 
     session.begin()                  # a new update: whatever an earlier one left uncommitted is dropped
-    session.receive(version)         # the handshake, here; then the bytes land (atomic: on a thread, the
-                                     #   engine keeps serving; streaming: loaded here as buckets arrive)
+    session.receive(version)         # the handshake; the bytes land (atomic: on a thread, the engine
+                                     #   serving on, with a shadow the handshake too; streaming: loaded here)
     session.commit()                 # atomic: wait for the bytes, then the loader's load (the only stop)
     session.begin(); session.stage_rollback(version); session.commit()   # that version is served again
 
@@ -30,15 +30,15 @@ from datetime import timedelta
 import torch
 
 from .._closing import Closing
-from ..errors import TornUpdateError, WeightSyncError
+from ..errors import WeightSyncError
 from ..stateless import StatelessGroup
 from ..weights import DeltaMemory
 from ..weights._bytes import BufferCache
 from ..weights.manifest import Manifest
-from ..weights.receiver import WeightReceiver
+from ..weights.receiver import WeightReceiver, WeightUpdate
 from ._info import BridgeInfo
 from ._landing import Landing, keep_then
-from ._loader import Loader, ReadsBoxes, Swaps
+from ._loader import Loader, ReadsBoxes, Swaps, load_whole
 from ._rollback import KeptCopy
 
 __all__ = ["WorkerSession"]
@@ -171,7 +171,8 @@ class WorkerSession(Closing):
 
     def receive(self, version: int | None = None, *, line: str = "", bridge: str | None = None) -> None:
         """The handshake (the loader's dry run of the manifest); then the bytes: an atomic update's land on
-        a thread (with ``background``) or here, a streaming update's are loaded here as they arrive.
+        a thread (with ``background`` or a shadow; with a shadow and ``version``, the handshake too: the
+        engine's RPC returns at once) or here, a streaming update's are loaded here as they arrive.
         ``line``: which line of versions the update belongs to (see :attr:`newest`). ``bridge``: the
         bridge the update's trainer sends on (its ``BridgeInfo.bridge_id``): another than this worker's
         is refused at once (another trainer took the engine over since; the first one's next connect
@@ -188,8 +189,6 @@ class WorkerSession(Closing):
         self._noted()
         self._line = line
         self.receiver.version = self.newest.get(line)  # the handshake refuses a version not newer
-        t0 = time.perf_counter()
-        check: list[float] = []
         # Every update lands in the receiver's kept copy of the weights and yields whole tensors as views of
         # it, valid until the next update. A delta update still yields every tensor (a loader may need whole
         # layers); only the changes travel.
@@ -199,24 +198,36 @@ class WorkerSession(Closing):
         # torn copy exchanged into the shadow and loaded there once still served a wrong token (vLLM 0.32)
         shadow = swaps is not None and swaps.swapping() and self._live_clean
         landed: list[tuple[str, torch.Tensor]] = []  # an atomic update: into the shadow before the ack
-        ready = None
-        if shadow and self.info.atomic:
-            ready = lambda: self._prepare(iter(landed), None)  # noqa: E731
-        update = self.receiver.receive(
-            timeout=timedelta(seconds=self.info.timeout_s), accept=lambda m: self._check(m, check),
-            only_changed=False, keep=True, reads=reads.reads if reads is not None else None, ready=ready,
-        )  # fmt: skip
-        t1 = time.perf_counter()
-        if version is not None and update.version != version:
-            self.log.warning("groupbridge: the engine says version %d, the bridge %d", version,
-                             update.version)  # fmt: skip
-        self.timings = {"handshake": t1 - t0, "check": sum(check)}
+        ready = (lambda: self._prepare(iter(landed), None)) if shadow and self.info.atomic else None
+        receiver, timeout = self.receiver, timedelta(seconds=self.info.timeout_s)
+
+        def handshake() -> WeightUpdate:
+            t0, check = time.perf_counter(), list[float]()
+            update = receiver.receive(
+                timeout=timeout, accept=lambda m: self._check(m, check), only_changed=False, keep=True,
+                reads=reads.reads if reads is not None else None, ready=ready,
+            )  # fmt: skip
+            if version is not None and update.version != version:
+                self.log.warning("groupbridge: the engine says version %d, the bridge %d", version,
+                                 update.version)  # fmt: skip
+            self.timings = {"handshake": time.perf_counter() - t0, "check": sum(check)}
+            if keep is None:
+                self._kept.clear()
+            if shadow:
+                self.shadow_holds = None  # overwritten from now on
+            return update
+
         # with a shadow, the copy that served keeps the previous version: no bytes kept aside
         keep = self._kept.before_landing if self.info.rollback and not shadow else None
-        if keep is None:
-            self._kept.clear()
-        if shadow:
-            self.shadow_holds = None  # overwritten from now on
+        if self.info.atomic and shadow and version is not None:
+            # the handshake too on the landing's thread (its dry run on the shadow, see Swaps): the engine
+            # serves on meanwhile (a refusal reaches the trainer over the bridge, and this worker at commit)
+            self._landing = Landing(handshake, self.log, version=version, before=keep, into=landed)
+            self._prepared = version if shadow else None
+            self._received = version
+            return
+        update = handshake()
+        t1 = time.perf_counter()
         if not self.info.atomic and update.kept:
             streamed = Landing(update, self.log, stream=True, before=keep)
             try:
@@ -289,6 +300,9 @@ class WorkerSession(Closing):
                 )
             self.timings["wait"] = time.perf_counter() - t0
             self.timings["landing"] = landing.seconds
+            if landing.version is not None and landing.version != version:  # the bridge's number stands
+                prepared = landing.version if prepared == version else prepared
+                version = landing.version
             if landing.error is not None:
                 raise WeightSyncError(
                     f"version {version} did not land ({type(landing.error).__name__}: {landing.error}): "
@@ -321,7 +335,7 @@ class WorkerSession(Closing):
         if kept is None or kept[0] != version:
             has = (
                 f"version {kept[0]}"
-                if kept is not None
+                if kept
                 else "none (rollback is off, or no update followed one it committed)"
             )
             raise WeightSyncError(
@@ -419,32 +433,7 @@ class WorkerSession(Closing):
 
     def _load(self, weights: Pairs, version: int) -> None:
         """The loader's load, then its finish, whatever happened; a load that fails midway is torn."""
-        loaded: list[str] = []
-
-        def counted() -> Pairs:
-            for name, t in weights:
-                loaded.append(name)
-                yield name, t
-
-        try:
-            self._live_clean = False
-            self.loader.load(counted())
-        except Exception as e:
-            try:
-                self.loader.finish()
-            except Exception:
-                self.log.exception("groupbridge: finishing the interrupted load failed")
-            held = self.version if self.version is not None else "the initial one"
-            raise TornUpdateError(
-                f"loading version {version} failed after {len(loaded)} tensors: {type(e).__name__}: {e}; the "
-                f"model now holds a mix of two versions ({held} and {version}), torn until an update loads "
-                "(the next one loads every tensor)",
-                written=loaded,
-            ) from e
-        except BaseException:
-            self.loader.finish()
-            raise
-        t0 = time.perf_counter()
-        self.loader.finish()
+        self._live_clean = False
+        held = self.version if self.version is not None else "the initial one"
+        self.timings["finish"] = load_whole(self.loader, weights, version, held, self.log)
         self._live_clean = True
-        self.timings["finish"] = time.perf_counter() - t0

@@ -177,7 +177,9 @@ class VllmLoader:
         if self.adapter is not None:
             shapes = [(e.name, tuple(e.shape)) for e in manifest.entries]
             return check_adapter(self.engine.model, self.engine.vllm_config, self.adapter[0], shapes)
-        return check_loadable(self.engine.model, manifest, reads=self._reads)
+        # through the shadow, this runs on the landing thread while the serving copy serves: never on it
+        model = self.shadow if self.shadow is not None and self.swapping() else self.engine.model
+        return check_loadable(model, manifest, reads=self._reads)
 
     def reads(self, manifest: Manifest) -> dict[str, Box | None]:
         """The slice of each tensor this worker's loaders keep (a tensor-parallel rank's), from the dry run
