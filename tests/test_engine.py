@@ -661,14 +661,12 @@ def test_with_a_shadow_the_engine_serves_through_the_handshake_too() -> None:
     with rig(shadow=True) as (session, control, out):
         control.rpc("slow_checks", 1.0)
         assert session.send(slow(1.0, 0), specs=SPECS) == 1
-        (call, t0, t1), *_ = [e for e in control.log if e[0] == "begin"]
+        (_, t0, t1), *_ = [e for e in control.log if e[0] == "begin"]
         assert t1 - t0 < 0.5, control.log
         ticks = [t for t in control.rpc("ticks") if t0 < t < t0 + 1.0]
         assert len(ticks) > 10, "the engine did not serve through the handshake"
         with pytest.raises(ManifestMismatchError, match="this model has no extra"):
-            session.send(
-                [(n, torch.full(s, 2.0)) for n, s in SHAPES.items()] + [("extra", torch.ones(2))]
-            )
+            session.send([(n, torch.full(s, 2.0)) for n, s in SHAPES.items()] + [("extra", torch.ones(2))])
         assert control.probe([])[0] == _means(1.0)
         control.rpc("slow_checks", 0.0)
         assert session.send(slow(3.0, 0), specs=SPECS) == 2

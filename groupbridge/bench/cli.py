@@ -119,7 +119,7 @@ def _bench_vllm(args: argparse.Namespace) -> int:
             f"[bench] one update into vLLM ({size} Qwen2, bf16), {args.rounds} interleaved rounds: "
             "groupbridge (auto, broadcast; atomic, streaming; verified; a fleet of two), safetensors + "
             "reload_weights, the same sync into a plain torch model; then the serving stall of a client "
-            f"streaming from vllm serve{' (float32)' if args.quick else ''}, a dense and a MoE model ..."
+            f"streaming from vllm serve{' (float32)' if args.quick else ''}: dense, MoE, dense at TP 2 ..."
         )
     records = run_vllm(size=size, rounds=args.rounds)
     # the tiny model is served in float32: see bench.plots._measure_stall
@@ -127,6 +127,10 @@ def _bench_vllm(args: argparse.Namespace) -> int:
     serving = [
         row for arch in ("qwen2", "qwen3_moe") for row in run_serving(size, args.rounds, dtype, arch=arch)
     ]
+    # tensor parallel 2: each worker takes its boxes
+    serving += run_serving(
+        size, args.rounds, dtype, tp=2, modes=("groupbridge/atomic", "groupbridge/streaming")
+    )
     if args.json:
         print(json.dumps({"update": records, "serving": serving}, indent=1))
         return 0
@@ -148,7 +152,8 @@ def _bench_vllm(args: argparse.Namespace) -> int:
         "serving during an update: a client streaming from vllm serve (seconds, median of rounds)",
         ["model", "mode", "update", "stall", "worst stall", "commit (trainer)", "engine pause (worst)"],
         [
-            [r["arch"], r["mode"], f"{r['seconds']:.2f}", f"{r['stall']:.2f}", f"{r['stall_max']:.2f}",
+            [f"{r['arch']}, TP {r['tp']}" if r["tp"] > 1 else r["arch"], r["mode"], f"{r['seconds']:.2f}",
+             f"{r['stall']:.2f}", f"{r['stall_max']:.2f}",
              "-" if r["commit"] is None else f"{r['commit']:.3f}",
              "-" if r["paused"] is None else f"{r['paused'] * 1e3:.1f} ms ({r['paused_max'] * 1e3:.1f})"]
             for r in serving

@@ -10,7 +10,9 @@ trainer updates the weights, round by round, interleaved:
   serving model (no shadow): it stops serving for the load;
 - ``groupbridge/streaming``: buckets go into vLLM's loader as they arrive: serving stops for the transfer;
 - ``safetensors+reload``: ``save_pretrained`` then ``reload_weights`` (through the server's
-  ``/collective_rpc``): serving stops for the reload.
+  ``/collective_rpc``): serving stops for the reload;
+- ``engine-free (same host)``, the anchor: the same atomic sync into a plain torch model in a process of
+  its own, vLLM untouched: the stall the client sees from this host's cores being busy with the same bytes.
 
 The stall of an update is the longest time without a token from its start to the first token after it,
 less the client's usual time between tokens (the median of the 2 s before the update). The commit is
@@ -36,6 +38,7 @@ MODES = (
     "groupbridge/atomic,swap=reload",
     "groupbridge/streaming",
     "safetensors+reload",
+    "engine-free (same host)",
 )
 
 
@@ -64,23 +67,44 @@ def _paused(log: str, version: int) -> float | None:
 
 
 def run_serving(
-    size: str = "bench", rounds: int = 3, dtype: str = "bfloat16", arch: str = "qwen2"
+    size: str = "bench",
+    rounds: int = 3,
+    dtype: str = "bfloat16",
+    arch: str = "qwen2",
+    *,
+    tp: int = 1,
+    modes: tuple[str, ...] = MODES,
 ) -> list[dict[str, Any]]:
-    """Per mode: update seconds, the stall, and (groupbridge) the commit: the trainer's and the engine's."""
+    """Per mode (of :data:`MODES`): update seconds, the stall, and (groupbridge) the commit: the trainer's
+    and the engine's. ``tp``: the server's tensor-parallel size (each worker takes its boxes of every
+    tensor the trainer sends whole)."""
+    import multiprocessing as mp
+    from datetime import timedelta
+
+    import groupbridge as gb
+
+    from .._procs import Roles, publish_listener
     from ..engine import TrainerConfig, TrainerSession
     from ..vllm._control import HttpClient, VllmControl
     from ..vllm._serve import Server, Streamer
     from ..vllm.models import make_model
+    from .vllm_engine import _plain_receiver
 
     tmp = tempfile.TemporaryDirectory(prefix="gb-bench-serve-")
     model = make_model(f"{tmp.name}/model", arch, size, dtype=dtype)
     specs = {n: (tuple(p.shape), p.dtype) for n, p in model.named_parameters()}
     rows: dict[str, dict[str, list[float]]] = {
-        m: {"seconds": [], "stall": [], "commit": [], "paused": []} for m in MODES
+        m: {"seconds": [], "stall": [], "commit": [], "paused": []} for m in modes
     }
-    srv = Server(f"{tmp.name}/model", log=f"{tmp.name}/serve.log", dtype=dtype, max_model_len=512,
+    srv = Server(f"{tmp.name}/model", log=f"{tmp.name}/serve.log", dtype=dtype, max_model_len=512, tp=tp,
                  start_s=300)  # fmt: skip
+    shapes = {n: (tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in model.named_parameters()}
+    ports = mp.get_context("spawn").Queue()
+    anchor = Roles(_plain_receiver, 1, (ports, shapes, rounds), threads=1)
     try:
+        lis, _ = publish_listener(0, 2, ports, "127.0.0.1")
+        grp = gb.StatelessGroup.create(None, rank=0, world_size=2, listener=lis, name="anchor")
+        snd = gb.WeightSender(grp, transport="auto", checksum=True)
         streamer = Streamer(srv, [11, 12, 13, 14], tokens=480)
         time.sleep(3.0)  # the client's pace settles
         client = HttpClient(srv.base, timeout=600)
@@ -88,7 +112,7 @@ def run_serving(
             session.connect()  # untimed: the server's first reload and the first touch of its kept buffer
             session.send(dict(model.named_parameters()), specs=specs)
         for r in range(rounds):
-            for mode in MODES:
+            for mode in modes:
                 with torch.no_grad():
                     for p in model.parameters():
                         p.add_(0.01)
@@ -98,6 +122,9 @@ def run_serving(
                     model.save_pretrained(f"{tmp.name}/step")
                     HttpClient(srv.base, timeout=600).post("collective_rpc", {"method": "reload_weights",
                          "kwargs": {"weights_path": f"{tmp.name}/step"}})  # fmt: skip
+                    t1 = time.monotonic()
+                elif mode.startswith("engine-free"):
+                    snd.send(dict(model.named_parameters()), version=r + 1, timeout=timedelta(seconds=300))
                     t1 = time.monotonic()
                 else:
                     config = TrainerConfig(timeout_s=600, atomic="atomic" in mode, name="bench",
@@ -122,13 +149,18 @@ def run_serving(
         streamer.stop()
         if streamer.errors:
             raise RuntimeError(f"the streaming client failed: {streamer.errors[0]}")
+        snd.close()
+        grp.barrier()
+        grp.close()
+        anchor.results(timeout=120)
     finally:
+        anchor.reap()
         srv.close()
         tmp.cleanup()
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     return [
         {
-            "mode": m, "arch": arch, "bytes": nbytes, "dtype": dtype, "rounds": len(v["seconds"]),
+            "mode": m, "arch": arch, "tp": tp, "bytes": nbytes, "dtype": dtype, "rounds": len(v["seconds"]),
             "seconds": statistics.median(v["seconds"]), "stall": statistics.median(v["stall"]),
             "stall_max": max(v["stall"]), "commit": statistics.median(v["commit"]) if v["commit"] else None,
             "paused": statistics.median(v["paused"]) if v["paused"] else None,
