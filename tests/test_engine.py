@@ -467,19 +467,21 @@ def test_a_dead_member_is_named_even_when_another_member_aborted_first() -> None
         def describe_rank(self, worker: int) -> str:
             return f"engine {worker}'s worker 0"
 
-    session = TrainerSession(TrainerConfig(workers=2), Described())
+    from groupbridge.engine._recovery import dead_member
+
+    control = Described()
     died = PeerDiedError("rank 0 of group 'g': rank 2 stopped its heartbeat: last heard 2.0s ago", rank=2)
     aborted = PeerDiedError(
         "rank 0 of group 'g': rank 1 aborted: rank 1 gave up receiving version 3: PeerDiedError: rank 1 of "
         "group 'g': rank 2 stopped its heartbeat: last heard 2.0s ago", rank=1, aborted=True,
     )  # fmt: skip
-    assert session._who(WeightSyncError("sending failed")) is None
+    assert dead_member(WeightSyncError("sending failed"), control, 1) is None
     for error in (died, aborted):
         wrapped = WeightSyncError("sending version 3 failed")
         wrapped.__cause__ = error
-        assert session._who(wrapped) == (2, "bridge rank 2 is engine 1's worker 0"), error
+        assert dead_member(wrapped, control, 1) == (2, "bridge rank 2 is engine 1's worker 0"), error
     unexplained = PeerDiedError("rank 0 of group 'g': rank 1 aborted: the user stopped", rank=1, aborted=True)
-    assert session._who(unexplained) is None
+    assert dead_member(unexplained, control, 1) is None
 
 
 def test_an_engine_whose_join_fails_ends_the_trainers_wait_at_once() -> None:

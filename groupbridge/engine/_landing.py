@@ -10,7 +10,10 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from ..errors import WeightSyncError
+from ..stateless import StatelessGroup
 from ..weights.receiver import WeightUpdate
+from ._info import BridgeInfo
 
 __all__ = ["Landing", "keep_then"]
 
@@ -102,6 +105,37 @@ class Landing:
                     raise self.error
                 return
             yield item  # type: ignore[misc]
+
+    def feed(self, load: Callable[[Pairs], None], group: StatelessGroup | None, info: BridgeInfo) -> None:
+        """A streaming update: ``load`` takes the pairs as they land (each waited for within the update's
+        timeout); then the landing is stopped and waited for, bounded (the group aborted if it must be)."""
+        try:
+            load(self.pairs(info.timeout_s))
+        finally:
+            self.stop()
+            if not self.wait(info.liveness_s + 5) and group is not None:
+                group.abort(f"the landing of version {self.version} did not stop")
+                self.wait(info.liveness_s + 5)
+
+    def halt(self, group: StatelessGroup | None, liveness: float, why: str, *, settle: bool) -> None:
+        """Stop a landing still running: the group is aborted (its waits end within the ``liveness``
+        bound), then the thread waited for, bounded. Raises WeightSyncError when it still runs: the session
+        cannot receive on this bridge (two threads would write the same buffer).
+
+        ``settle`` (a new update begins): the landing first gets the liveness bound to end on its own. The
+        trainer begins an update only once the last one returned on its side, and a landing whose sender
+        already returned may still be taking its last message (its thread outlives the acknowledgement the
+        sender waited for): aborting it then broke the new update (seen in CI, after a failed commit)."""
+        if settle and self.running:
+            self.wait(liveness)
+        if self.running and group is not None:
+            group.abort(why)
+        bound = liveness + 5
+        if not self.wait(bound):
+            raise WeightSyncError(
+                f"the landing of version {self.version} did not stop within {bound:g} s after the bridge "
+                f"was aborted ({why}): this worker cannot receive on this bridge; join a new one"
+            )
 
     def stop(self) -> None:
         self._stop.set()

@@ -25,19 +25,17 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import re
 import secrets
 import threading
 import time
 from collections.abc import Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
 
 import torch
 
 from .._closing import Closing
-from ..errors import GroupBridgeError, PeerDiedError, SyncRefusedError, VerificationError, WeightSyncError
+from ..errors import GroupBridgeError, PeerDiedError, SyncRefusedError, WeightSyncError
 from ..net import Address, listen
 from ..stateless import StatelessGroup
 from ..weights import DeltaMemory
@@ -47,6 +45,7 @@ from ._config import TrainerConfig
 from ._control import EngineControl
 from ._info import BridgeInfo
 from ._probe import Probe
+from ._recovery import dead_member, roll_back, verify
 
 __all__ = ["TrainerSession"]
 
@@ -283,7 +282,7 @@ class TrainerSession(Closing):
             stats = self.sender.send(named, v, specs=specs, timeout=timedelta(seconds=c.timeout_s))
         except GroupBridgeError as e:
             call.join(c.liveness_s + 5)
-            who = self._who(e)
+            who = dead_member(e, control, c.sources)
             if who is not None and call.error is None:
                 if isinstance(e, PeerDiedError):  # the type users catch stays the same
                     raise PeerDiedError(f"{e} ({who[1]})", rank=who[0]) from e
@@ -310,106 +309,21 @@ class TrainerSession(Closing):
             control.commit(v)
         except Exception as e:
             raise WeightSyncError(
-                f"the engine's commit of version {v} failed: {type(e).__name__}: {e}; {self._roll_back(v)[0]}"
+                f"the engine's commit of version {v} failed: {type(e).__name__}: {e}; "
+                f"{roll_back(control, c, v, self.version)[0]}"
             ) from e
         t2 = time.perf_counter()
         self.last_seconds = {"transfer": t1 - t0, "commit": t2 - t1}
         if c.verify is not None:
-            self._verify(c.verify, v)
+            verify(control, c, c.verify, v, self.version, self.last_seconds)
         self.version = v
         self.last_seconds["total"] = time.perf_counter() - t0
         return v
-
-    def _who(self, error: BaseException) -> tuple[int, str] | None:
-        """The dead bridge member an error names, and the engine it belongs to in words
-        (``control.describe_rank``), or None."""
-        seen: BaseException | None = error
-        rank: int | None = None
-        while seen is not None and rank is None:
-            if isinstance(seen, PeerDiedError) and seen.rank is not None:
-                if not seen.aborted:
-                    rank = seen.rank
-                else:  # a live member aborted, having seen another stop first: that one, as its reason says
-                    stopped = re.search(r"rank (\d+) stopped its heartbeat", str(seen))
-                    rank = int(stopped.group(1)) if stopped else None
-            seen = seen.__cause__ or seen.__context__
-        if self.control is None or rank is None or rank < self.config.sources:
-            return None
-        described = self.control.describe_rank(rank - self.config.sources)
-        return (rank, f"bridge rank {rank} is {described}") if described else None
-
-    def _verify(self, probe: Probe, v: int) -> None:
-        """Every replica scores the probe; one that disagrees rolls every replica back and raises."""
-        assert self.control is not None
-        t0 = time.perf_counter()
-        # the trainer's reference is computed while the replicas score theirs (each is a forward pass)
-        pool = ThreadPoolExecutor(1, thread_name_prefix="groupbridge-reference")
-        try:
-            expected = pool.submit(probe.expected, v)
-            scores = self.control.probe(list(probe.tokens))
-            worst = probe.worst(expected.result(timeout=self.config.timeout_s), scores)
-        except Exception as e:
-            back, now = self._roll_back(v)
-            raise VerificationError(
-                f"the probe of version {v} failed: {type(e).__name__}: {e}; {back}",
-                version=v, replica=-1, difference=float("nan"), served=now,
-            ) from e  # fmt: skip
-        finally:
-            pool.shutdown(wait=False)
-        self.last_seconds["verify"] = time.perf_counter() - t0
-        if worst is None:
-            self.last_seconds["unverified"] = self.last_seconds["verify"]
-            return
-        k, diff = worst
-        back, served_now = self._roll_back(v)
-        self.last_seconds["unverified"] = time.perf_counter() - t0
-        raise VerificationError(
-            f"replica {k} serves version {v} with log-probabilities {diff:.4g} away from the trainer's "
-            f"(atol {probe.atol:g}; {len(scores)} replica(s) probed): {back}",
-            version=v, replica=k, difference=diff, served=served_now,
-        )  # fmt: skip
-
-    def _roll_back(self, v: int) -> tuple[str, int | None]:
-        """After a failed commit or probe of ``v``: every replica serves ``self.version`` again, where the
-        workers keep it. Returns what the engines serve now, in words, and the version every replica
-        serves (None when that is not known: no rollback, or one that failed)."""
-        if not self.config.keeps_previous:
-            return f"rollback is off (TrainerConfig(rollback=True) turns it on); {self._holding()}", None
-        if self.version is None:
-            return (
-                f"no earlier version of this trainer to roll back to (its first update): the replicas serve "
-                f"{v} where it was committed; send a corrected version"
-            ), None
-        try:
-            self.control.rollback(self.version)  # type: ignore[union-attr]
-        except Exception as e:
-            logger.error("groupbridge: the rollback to version %d failed: %s", self.version, e)
-            return (
-                f"the rollback to version {self.version} failed too ({type(e).__name__}: {str(e)[:500]}); "
-                f"{self._holding()}"
-            ), None
-        logger.warning("groupbridge: version %d was rolled back; every replica serves %d", v, self.version)
-        return f"every replica was rolled back to version {self.version} and serves it", self.version
 
     def _passed_by(self, newest: int) -> None:
         """A worker refused this trainer's version as not newer than ``newest``, which it holds: the next
         default version follows it."""
         self.passed = newest if self.passed is None else max(self.passed, newest)
-
-    def _holding(self) -> str:
-        """What the engines report serving now, engine by engine (asked after a commit or rollback failed),
-        and what mends one left torn."""
-        assert self.control is not None
-        try:
-            lines = self.control.holding()
-        except Exception as e:
-            return f"what each engine serves could not be asked ({type(e).__name__}: {str(e)[:300]})"
-        return (
-            "the engines report: "
-            + "; ".join(lines)
-            + " (a groupbridge worker loads every tensor of the next "
-            "update, which mends one left torn)"
-        )
 
     def _send_shards(self, named: Iterable[tuple[str, Any]] | Mapping[str, Any], version: int | None) -> int:
         """A sending rank other than 0: its part of the sync rank 0 drives (the versions advance alike)."""

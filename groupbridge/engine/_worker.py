@@ -34,12 +34,11 @@ from ..errors import WeightSyncError
 from ..stateless import StatelessGroup
 from ..weights import DeltaMemory
 from ..weights._bytes import BufferCache
-from ..weights.manifest import Manifest
 from ..weights.receiver import WeightReceiver, WeightUpdate
 from ._info import BridgeInfo
 from ._landing import Landing, keep_then
-from ._loader import Loader, ReadsBoxes, Swaps, load_whole
-from ._rollback import KeptCopy
+from ._loader import Loader, ReadsBoxes, Swaps
+from ._model import ServedModel
 
 __all__ = ["WorkerSession"]
 
@@ -80,8 +79,6 @@ class WorkerSession(Closing):
         self.group: StatelessGroup | None = None
         self.receiver: WeightReceiver | None = None
         self.info: BridgeInfo | None = None
-        self.version: int | None = None
-        """The version the model holds (None: the weights it was started with)."""
         self.timings: dict[str, float] = {}
         """Seconds of the last update: ``handshake`` (with ``check``, the loader's dry run), ``receive``
         (in the engine's RPC: streamed into the model, or landed when not in the background), ``landing``
@@ -95,21 +92,26 @@ class WorkerSession(Closing):
         self._received: int | None = None
         self._staged: list[tuple[str, torch.Tensor]] | None = None
         self._streamed: list[tuple[str, torch.Tensor]] | None = None
-        self._kept = KeptCopy()
-        """The bytes of the version served before the update in flight (``BridgeInfo.rollback``)."""
+        self.model = ServedModel(loader, swaps, self.log, self.timings)
+        """What the model serves: its version, its shadow, the bytes kept for a rollback."""
         self._rollback_to: int | None = None
         self._prepared: int | None = None
         """The version received into the shadow, to be swapped in at the commit."""
-        self.shadow_holds: int | None = None
-        """The version the shadow holds, complete (the one served before the last swap); None: none."""
-        self._live_clean = True
-        """The serving copy holds ``version`` and nothing else (no load into it failed midway since)."""
         self.newest: dict[str, int] = {}
         """Per line of versions (the base weights: ``""``; an adapter: its name), the newest version whose
         sync passed its vote here, from any trainer on any bridge: a later sync of that line must be newer
         (refused in its handshake otherwise, on every member), so that no number names two sets of weights
         even when a second trainer takes this engine over while the first lives on."""
         self._line = ""
+
+    @property
+    def version(self) -> int | None:
+        """The version the model holds (None: the weights it was started with)."""
+        return self.model.version
+
+    @version.setter
+    def version(self, version: int | None) -> None:
+        self.model.version = version
 
     # ------------------------------------------------------------------ bridge
 
@@ -192,61 +194,52 @@ class WorkerSession(Closing):
         # Every update lands in the receiver's kept copy of the weights and yields whole tensors as views of
         # it, valid until the next update. A delta update still yields every tensor (a loader may need whole
         # layers); only the changes travel.
-        reads = self.reads
-        swaps = self.swaps if self.swaps is not None and self.info.swap == "shadow" else None
+        reads, swaps = (
+            self.reads,
+            self.swaps if self.swaps is not None and self.info.swap == "shadow" else None,
+        )
         # a serving copy left torn by a load into it (swap="reload") is mended by a load into it first: a
         # torn copy exchanged into the shadow and loaded there once still served a wrong token (vLLM 0.32)
-        shadow = swaps is not None and swaps.swapping() and self._live_clean
+        shadow = swaps is not None and swaps.swapping() and self.model.clean
         landed: list[tuple[str, torch.Tensor]] = []  # an atomic update: into the shadow before the ack
-        ready = (lambda: self._prepare(iter(landed), None)) if shadow and self.info.atomic else None
+        ready = (lambda: self.model.prepare(iter(landed), None)) if shadow and self.info.atomic else None
         receiver, timeout = self.receiver, timedelta(seconds=self.info.timeout_s)
 
         def handshake() -> WeightUpdate:
             t0, check = time.perf_counter(), list[float]()
             update = receiver.receive(
-                timeout=timeout, accept=lambda m: self._check(m, check), only_changed=False, keep=True,
+                timeout=timeout, accept=lambda m: self.model.check(m, check), only_changed=False, keep=True,
                 reads=reads.reads if reads is not None else None, ready=ready,
             )  # fmt: skip
             if version is not None and update.version != version:
                 self.log.warning("groupbridge: the engine says version %d, the bridge %d", version,
                                  update.version)  # fmt: skip
-            self.timings = {"handshake": time.perf_counter() - t0, "check": sum(check)}
+            self.timings.clear()
+            self.timings.update(handshake=time.perf_counter() - t0, check=sum(check))
             if keep is None:
-                self._kept.clear()
+                self.model.kept.clear()
             if shadow:
-                self.shadow_holds = None  # overwritten from now on
+                self.model.shadow_holds = None  # overwritten from now on
             return update
 
         # with a shadow, the copy that served keeps the previous version: no bytes kept aside
-        keep = self._kept.before_landing if self.info.rollback and not shadow else None
+        keep = self.model.kept.before_landing if self.info.rollback and not shadow else None
         if self.info.atomic and shadow and version is not None:
             # the handshake too on the landing's thread (its dry run on the shadow, see Swaps): the engine
             # serves on meanwhile (a refusal reaches the trainer over the bridge, and this worker at commit)
             self._landing = Landing(handshake, self.log, version=version, before=keep, into=landed)
-            self._prepared = version if shadow else None
-            self._received = version
+            self._prepared = self._received = version
             return
         update = handshake()
         t1 = time.perf_counter()
         if not self.info.atomic and update.kept:
             streamed = Landing(update, self.log, stream=True, before=keep)
-            try:
-                if shadow:
-                    self._prepare(streamed.pairs(self.info.timeout_s), update.version)
-                else:
-                    self._load(streamed.pairs(self.info.timeout_s), update.version)
-            finally:
-                streamed.stop()
-                if not streamed.wait(self.info.liveness_s + 5) and self.group is not None:
-                    self.group.abort(f"the landing of version {update.version} did not stop")
-                    streamed.wait(self.info.liveness_s + 5)
+            into = self.model.prepare if shadow else self.model.load
+            streamed.feed(lambda pairs: into(pairs, update.version), self.group, self.info)
             self.timings["landing"] = streamed.seconds
             self._streamed = streamed.staged
         elif not self.info.atomic:
-            if shadow:
-                self._prepare(iter(update), update.version)
-            else:
-                self._load(iter(update), update.version)
+            (self.model.prepare if shadow else self.model.load)(iter(update), update.version)
         elif self.background or shadow:
             self._landing = Landing(update, self.log, before=keep, into=landed)
         else:
@@ -260,7 +253,7 @@ class WorkerSession(Closing):
     def torn(self) -> bool:
         """The serving model holds a mix of versions: a load into it failed midway (a commit or a rollback
         that loads, not a swap). The next update loads every tensor (a delta's too), which mends it."""
-        return not self._live_clean and self._landing is None
+        return not self.model.clean and self._landing is None
 
     @property
     def staged(self) -> int | None:
@@ -310,14 +303,14 @@ class WorkerSession(Closing):
                 ) from landing.error
             staged = landing.staged
         if prepared == version:
-            return self._swap(version, "swap")
+            return self.model.swap(version, "swap")
         if staged is not None:
             t0 = time.perf_counter()
-            self._load(iter(staged), version)
+            self.model.load(iter(staged), version)
             self.timings["load"] = time.perf_counter() - t0
         self.version = version
         if self.info is not None and self.info.rollback:
-            self._kept.committed(version, staged if staged is not None else streamed)
+            self.model.kept.committed(version, staged if staged is not None else streamed)
         self.log.info("groupbridge: version %d committed: %s", version,
                       ", ".join(f"{k} {v:.3f} s" for k, v in self.timings.items()))  # fmt: skip
         return version
@@ -328,41 +321,13 @@ class WorkerSession(Closing):
         :mod:`._rollback`); nothing where the model serves it still (a swap that did not happen here).
         Raises WeightSyncError, and stages nothing, when this worker does not keep that version."""
         self._drop("a rollback began before the last update landed", settle=True)
-        if self.swaps is not None and version in (self.shadow_holds, self.version) and self._live_clean:
-            self._rollback_to = version
-            return
-        kept = self._kept.copy
-        if kept is None or kept[0] != version:
-            has = (
-                f"version {kept[0]}"
-                if kept
-                else "none (rollback is off, or no update followed one it committed)"
-            )
-            raise WeightSyncError(
-                f"cannot roll back to version {version}: this worker keeps the bytes of {has}; it still "
-                f"serves {self.version if self.version is not None else 'the initial weights'}"
-            )
+        self.model.check_rollback(version)
         self._rollback_to = version
 
     def _roll_back(self) -> int:
         version, self._rollback_to = self._rollback_to, None
         assert version is not None
-        if self.swaps is not None and self._live_clean and version == self.version:
-            self.log.warning("groupbridge: version %d is served still: nothing to roll back", version)
-            return version
-        if self.swaps is not None and self._live_clean and version == self.shadow_holds:
-            self._swap(version, "rollback")
-            self.log.warning("groupbridge: rolled back to version %d by a swap (%.3f s)", version,
-                             self.timings["rollback"])  # fmt: skip
-            return version
-        assert self._kept.copy is not None
-        t0 = time.perf_counter()
-        self._load(iter(self._kept.copy[1]), version)
-        self.timings = {"rollback": time.perf_counter() - t0}
-        self.version = version
-        self._kept.rolled_back()
-        self.log.warning("groupbridge: rolled back to version %d (%.3f s)", version, self.timings["rollback"])
-        return version
+        return self.model.roll_back(version)
 
     def abandon(self) -> None:
         """Drop an update received and not committed (a trainer recovering an engine another left
@@ -372,68 +337,10 @@ class WorkerSession(Closing):
     # ------------------------------------------------------------------ helpers
 
     def _drop(self, why: str, *, settle: bool = False) -> None:
-        """Forget what was received and not committed. A landing still running is stopped: the group is
-        aborted (its waits end within the liveness bound), then the thread waited for, bounded; one that
-        still runs keeps the session from receiving (two threads would write the same buffer).
-
-        ``settle`` (a new update begins): the landing first gets the liveness bound to end on its own. The
-        trainer begins an update only once the last one returned on its side, and a landing whose sender
-        already returned may still be taking its last message (its thread outlives the acknowledgement the
-        sender waited for): aborting it then broke the new update (seen in CI, after a failed commit)."""
+        """Forget what was received and not committed; a landing still running is halted (see
+        :meth:`Landing.halt`; ``settle``: a new update begins)."""
         self._forget()
-        landing = self._landing
-        if landing is None:
-            return
-        liveness = self.info.liveness_s if self.info is not None else 10.0
-        if settle and landing.running:
-            landing.wait(liveness)
-        if landing.running and self.group is not None:
-            self.group.abort(why)
-        bound = liveness + 5
-        if not landing.wait(bound):
-            raise WeightSyncError(
-                f"the landing of version {landing.version} did not stop within {bound:g} s after the bridge "
-                f"was aborted ({why}): this worker cannot receive on this bridge; join a new one"
-            )
-        self._landing = None
-
-    def _check(self, manifest: Manifest, seconds: list[float]) -> str | None:
-        t0 = time.perf_counter()
-        try:
-            return self.loader.check(manifest)
-        finally:
-            seconds.append(time.perf_counter() - t0)
-
-    def _prepare(self, weights: Pairs, version: int | None) -> None:
-        """The update into the shadow (see :class:`Swaps`); the serving copy is untouched whatever happens."""
-        assert self.swaps is not None
-        t0 = time.perf_counter()
-        try:
-            self.swaps.prepare(weights)
-        except Exception as e:
-            held = self.version if self.version is not None else "the initial weights"
-            raise WeightSyncError(
-                f"{'the update' if version is None else f'version {version}'} did not reach the shadow "
-                f"whole ({type(e).__name__}: {e}); the serving model is untouched and serves {held}"
-            ) from e
-        self.timings["prepare"] = time.perf_counter() - t0
-
-    def _swap(self, version: int, what: str) -> int:
-        """The shadow, holding ``version``, becomes the serving copy; the copy that served, the shadow."""
-        assert self.swaps is not None
-        t0 = time.perf_counter()
-        self.swaps.swap()
-        self.timings[what] = time.perf_counter() - t0
-        self.shadow_holds, self.version = self.version, version
-        self._live_clean = True
-        if what == "swap":
-            self.log.info("groupbridge: version %d committed by a swap: %s", version,
-                          ", ".join(f"{k} {v:.3f} s" for k, v in self.timings.items()))  # fmt: skip
-        return version
-
-    def _load(self, weights: Pairs, version: int) -> None:
-        """The loader's load, then its finish, whatever happened; a load that fails midway is torn."""
-        self._live_clean = False
-        held = self.version if self.version is not None else "the initial one"
-        self.timings["finish"] = load_whole(self.loader, weights, version, held, self.log)
-        self._live_clean = True
+        if self._landing is not None:
+            liveness = self.info.liveness_s if self.info is not None else 10.0
+            self._landing.halt(self.group, liveness, why, settle=settle)
+            self._landing = None
