@@ -108,7 +108,9 @@ def run_serving(
         streamer = Streamer(srv, [11, 12, 13, 14], tokens=480)
         time.sleep(3.0)  # the client's pace settles
         client = HttpClient(srv.base, timeout=600)
-        with TrainerSession(TrainerConfig(timeout_s=600, name="bench"), VllmControl(client)) as session:
+        with TrainerSession(
+            TrainerConfig(timeout_s=600, name="bench", workers=tp), VllmControl(client)
+        ) as session:
             session.connect()  # untimed: the server's first reload and the first touch of its kept buffer
             session.send(dict(model.named_parameters()), specs=specs)
         for r in range(rounds):
@@ -127,7 +129,7 @@ def run_serving(
                     snd.send(dict(model.named_parameters()), version=r + 1, timeout=timedelta(seconds=300))
                     t1 = time.monotonic()
                 else:
-                    config = TrainerConfig(timeout_s=600, atomic="atomic" in mode, name="bench",
+                    config = TrainerConfig(timeout_s=600, atomic="atomic" in mode, name="bench", workers=tp,
                                            swap="reload" if "swap=reload" in mode else "shadow",
                                            first_version=100 * (r + 1) + MODES.index(mode))  # fmt: skip
                     with TrainerSession(config, VllmControl(client)) as session:
