@@ -8,6 +8,8 @@ one-call commit (:mod:`._compat`): an engine-core utility and the server's route
 
 from __future__ import annotations
 
+import contextlib
+
 BACKEND = "groupbridge"
 
 
@@ -18,10 +20,12 @@ def register() -> None:
         WeightTransferTrainerFactory,
     )
 
-    if BACKEND not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine(BACKEND, "groupbridge.vllm._worker", "WorkerEngine")
-    if BACKEND not in WeightTransferTrainerFactory._registry:
-        WeightTransferTrainerFactory.register_engine(BACKEND, "groupbridge.vllm._trainer", "TrainerEngine")
+    for factory, module, name in (
+        (WeightTransferEngineFactory, "groupbridge.vllm._worker", "WorkerEngine"),
+        (WeightTransferTrainerFactory, "groupbridge.vllm._trainer", "TrainerEngine"),
+    ):
+        with contextlib.suppress(ValueError):  # registered already: vLLM loads plugins more than once
+            factory.register_engine(BACKEND, module, name)
     from ._compat import install
 
     install()
