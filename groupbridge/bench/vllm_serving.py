@@ -99,6 +99,9 @@ def run_serving(
     srv = Server(f"{tmp.name}/model", log=f"{tmp.name}/serve.log", dtype=dtype, max_model_len=512, tp=tp,
                  start_s=300)  # fmt: skip
     shapes = {n: (tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in model.named_parameters()}
+    # two workers, each building and loading its shadow, on this host's cores beside the trainer and the
+    # client: a process may not run for over 10 s (seen at tensor parallel 2 on 2 cores)
+    liveness = 10.0 if tp == 1 else 60.0
     ports = mp.get_context("spawn").Queue()
     anchor = Roles(_plain_receiver, 1, (ports, shapes, rounds), threads=1)
     try:
@@ -109,7 +112,7 @@ def run_serving(
         time.sleep(3.0)  # the client's pace settles
         client = HttpClient(srv.base, timeout=600)
         with TrainerSession(
-            TrainerConfig(timeout_s=600, name="bench", workers=tp), VllmControl(client)
+            TrainerConfig(timeout_s=600, liveness_s=liveness, name="bench", workers=tp), VllmControl(client)
         ) as session:
             session.connect()  # untimed: the server's first reload and the first touch of its kept buffer
             session.send(dict(model.named_parameters()), specs=specs)
@@ -130,6 +133,7 @@ def run_serving(
                     t1 = time.monotonic()
                 else:
                     config = TrainerConfig(timeout_s=600, atomic="atomic" in mode, name="bench", workers=tp,
+                                           liveness_s=liveness,
                                            swap="reload" if "swap=reload" in mode else "shadow",
                                            first_version=100 * (r + 1) + MODES.index(mode))  # fmt: skip
                     with TrainerSession(config, VllmControl(client)) as session:
