@@ -33,12 +33,13 @@ import torch
 
 __all__ = ["run_serving"]
 
+ANCHOR = "engine-free (same host)"
 MODES = (
     "groupbridge/atomic",
     "groupbridge/atomic,swap=reload",
     "groupbridge/streaming",
     "safetensors+reload",
-    "engine-free (same host)",
+    ANCHOR,
 )
 
 
@@ -103,7 +104,8 @@ def run_serving(
     # client: a process may not run for over 10 s (seen at tensor parallel 2 on 2 cores)
     liveness = 10.0 if tp == 1 else 60.0
     ports = mp.get_context("spawn").Queue()
-    anchor = Roles(_plain_receiver, 1, (ports, shapes, rounds), threads=1)
+    anchored = rounds if ANCHOR in modes else 0  # the receiver's count of the anchor's syncs
+    anchor = Roles(_plain_receiver, 1, (ports, shapes, anchored), threads=1)
     try:
         lis, _ = publish_listener(0, 2, ports, "127.0.0.1")
         grp = gb.StatelessGroup.create(None, rank=0, world_size=2, listener=lis, name="anchor")
@@ -128,7 +130,7 @@ def run_serving(
                     HttpClient(srv.base, timeout=600).post("collective_rpc", {"method": "reload_weights",
                          "kwargs": {"weights_path": f"{tmp.name}/step"}})  # fmt: skip
                     t1 = time.monotonic()
-                elif mode.startswith("engine-free"):
+                elif mode == ANCHOR:
                     snd.send(dict(model.named_parameters()), version=r + 1, timeout=timedelta(seconds=300))
                     t1 = time.monotonic()
                 else:
