@@ -136,6 +136,7 @@ def test_bench_plot_measures_and_draws_every_figure(tmp_path: Path) -> None:
         "groupbridge/atomic,swap=reload",
         "groupbridge/streaming",
         "safetensors+reload",
+        "engine-free (same host)",
     }
 
 
