@@ -10,7 +10,7 @@ os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
 def measure(worker, wire, rounds):
     import time
 
-    from groupbridge.vllm import _dryrun
+    from groupbridge.vllm._compat import _dryrun
     from groupbridge.weights.manifest import Manifest
 
     m = Manifest.from_wire(wire)

@@ -197,7 +197,7 @@ def _loads(loaded: torch.Tensor) -> None:
     ],
 )
 def test_the_dry_run_records_the_box_each_loader_reads_never_less(load: Any, box: Any) -> None:
-    from groupbridge.vllm._dryrun import _Reads
+    from groupbridge.vllm._compat._dryrun import _Reads
 
     loaded = torch.empty(8, 6, dtype=torch.bfloat16, device="meta")
     with _Reads([("w", loaded)]) as reads:
@@ -239,7 +239,7 @@ def test_a_reload_repacks_every_stale_tied_layer_and_only_those(
 ) -> None:
     """The CPU-kernel fix after vLLM's layerwise reload: a tied layer keeps a handle of the old weights unless
     the reload rebuilt it; untied layers are the reload's business."""
-    from groupbridge.vllm._worker import cpu_kernel_handles, refresh_cpu_kernels
+    from groupbridge.vllm._compat import cpu_kernel_handles, refresh_cpu_kernels
 
     model, kernel = _tied_model()
     handles = cpu_kernel_handles(model) if before else None

@@ -7,8 +7,8 @@ Lifecycle (vLLM calls these from the worker's own thread, between model steps):
   one: its group is closed first). This worker's rank is ``sources + data_parallel_index * world_size +
   rank_in_world``, from vLLM's own parallel state, so every TP/PP rank of every DP replica is one receiver.
 - ``update_weights({"version": v})``: run the handshake, where the sender's manifest is dry-run through the
-  model's ``load_weights`` on meta tensors (see :mod:`._dryrun`) so a name or shape the model cannot load is
-  refused before any bytes move, and every member raises the same error. Then:
+  model's ``load_weights`` on meta tensors (see :mod:`._compat._dryrun`) so a name or shape the model
+  cannot load is refused before any bytes move, and every member raises the same error. Then:
 
   * atomic: return; the bytes land on a thread of this worker in its kept buffer while the engine goes on
     serving. ``finish_weight_update``, which the trainer calls only once every worker acknowledged its
@@ -39,9 +39,22 @@ from vllm.distributed.weight_transfer.base import (
 from ..engine import BridgeInfo, WorkerSession
 from ..weights.manifest import Manifest
 from ..weights.shard import Box
-from ._compat import build_shadow, exchange, loaded_adapters, same_layout, serve_adapters
-from ._dryrun import check_loadable
-from ._lora import Adapters, AdapterSpec, adapter_id, check_adapter
+from ._compat import (
+    begin_reload,
+    build_shadow,
+    check_adapter,
+    check_loadable,
+    cpu_kernel_handles,
+    end_reload,
+    exchange,
+    loaded_adapters,
+    on_cpu,
+    rank_in_world,
+    refresh_cpu_kernels,
+    same_layout,
+    serve_adapters,
+)
+from ._lora import Adapters, AdapterSpec, adapter_id
 
 ABANDONED = "groupbridge: the update was abandoned as the trainer asked"
 """What a worker raises to end an update on purpose (see :class:`UpdateInfo`)."""
@@ -102,9 +115,7 @@ class UpdateInfo(WeightTransferUpdateInfo):
 def worker_rank(parallel_config: Any, sources: int = 1, rank_offset: int = 0) -> int:
     """This worker's rank on the bridge: the trainer ranks come first, then the workers of the engines
     before this one in a fleet (``rank_offset``)."""
-    from vllm.distributed.parallel_state import get_world_group
-
-    index = parallel_config.data_parallel_index * parallel_config.world_size + get_world_group().rank_in_group
+    index = parallel_config.data_parallel_index * parallel_config.world_size + rank_in_world()
     return sources + rank_offset + int(index)
 
 
@@ -150,27 +161,20 @@ class VllmLoader:
     def prepare(self, weights: Any) -> None:
         """Load and process the update into the shadow, as the commit would into the serving model (vLLM's
         layerwise reload, then the CPU kernels it misses), while the engine serves."""
-        from vllm.model_executor.model_loader.reload import (
-            finalize_layerwise_reload,
-            initialize_layerwise_reload,
-        )
-
         assert self.shadow is not None
         handles = cpu_kernel_handles(self.shadow)
-        initialize_layerwise_reload(self.shadow)
+        begin_reload(self.shadow)
         try:
             self.shadow.load_weights(weights)  # type: ignore[operator]
         finally:  # the shadow never stays on the meta device, loaded or not
-            finalize_layerwise_reload(self.shadow, self.engine.model_config)
+            end_reload(self.shadow, self.engine.model_config)
         refresh_cpu_kernels(self.shadow, handles)
 
     def swap(self) -> None:
         """The commit: the shadow's tensors into the serving model's modules, and the serving model's into
         the shadow's (which then holds the version served before)."""
-        from vllm.platforms import current_platform
-
         assert self.shadow is not None and self._serving is not None
-        exchange(self._serving, self.shadow, in_place=not current_platform.is_cpu())
+        exchange(self._serving, self.shadow, in_place=not on_cpu())
 
     def check(self, manifest: Manifest) -> str | None:
         self._reads = {}
@@ -187,8 +191,6 @@ class VllmLoader:
         return self._reads
 
     def load(self, weights: Any) -> None:
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
         if self.adapter is not None:
             # what no commit may drop: the versions unfinished requests name (the engine core's list), or
             # else (a commit it did not list them for) every adapter vLLM holds loaded
@@ -198,17 +200,15 @@ class VllmLoader:
             return
 
         self._handles = cpu_kernel_handles(self.engine.model)
-        initialize_layerwise_reload(self.engine.model)
+        begin_reload(self.engine.model)
         self._reloading = True
         self.engine.model.load_weights(weights)
 
     def finish(self) -> None:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
         handles, self._handles = self._handles, None
         if self._reloading:  # not when the reload could not even begin: the model was never touched
             self._reloading = False
-            finalize_layerwise_reload(self.engine.model, self.engine.model_config)
+            end_reload(self.engine.model, self.engine.model_config)
             refresh_cpu_kernels(self.engine.model, handles)
 
 
@@ -298,75 +298,3 @@ class WorkerEngine(WeightTransferEngine[WorkerInitInfo, UpdateInfo]):
             self.session.version, self._rolled_back = self._rolled_back, None
             return
         self.session.commit()
-
-
-def tied_layers(model: torch.nn.Module) -> list[list[torch.nn.Module]]:
-    """The groups of layers with a kernel (a ``quant_method``) whose weights share one tensor."""
-    owners: dict[int, list[torch.nn.Module]] = {}
-    for layer in model.modules():
-        weight = layer._parameters.get("weight")
-        if weight is not None and weight.numel() > 0 and getattr(layer, "quant_method", None) is not None:
-            owners.setdefault(weight.data_ptr(), []).append(layer)
-    return [layers for layers in owners.values() if len(layers) > 1]
-
-
-def cpu_kernel_handles(model: torch.nn.Module) -> dict[int, int]:
-    """``id(handle)`` of each tied layer's CPU GEMM handle (``cpu_linear``, made anew whenever vLLM processes
-    the layer's weights), by ``id(layer)``: taken before a reload, it tells :func:`refresh_cpu_kernels`
-    which tied layers the reload processed. Ids, not the handles: a handle holds the layer's packed weights,
-    and keeping the old ones alive through the reload would hold a second copy of them. Empty off the CPU
-    (nothing to refresh there: no walk of the model per update)."""
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return {}
-    return {
-        id(layer): id(handle)
-        for layers in tied_layers(model)
-        for layer in layers
-        if (handle := layer.__dict__.get("cpu_linear")) is not None
-    }
-
-
-def refresh_cpu_kernels(model: torch.nn.Module, before: dict[int, int] | None = None) -> int:
-    """Redo CPU kernel set-up that vLLM 0.32 skips after a reload; returns how many layers were redone.
-
-    Both are vLLM bugs measured here (its own ``reload_weights`` has them too):
-
-    - the unquantized MoE method runs its experts' ``process_weights_after_loading`` (on CPU: packing
-      ``w13``/``w2`` into the grouped-GEMM layout) only when the kernel is first built, never on a weight
-      update: after a reload the kernel reads unpacked weights (reloading the very weights a Qwen3-MoE was
-      started with changed its greedy tokens);
-    - a layer whose weight is tied to another's (an ``lm_head`` sharing the embedding) receives nothing in
-      a reload, so its packed GEMM handle (``dispatch_cpu_unquantized_gemm``) is never rebuilt and keeps
-      the old weights' values although the shared tensor holds the new ones.
-
-    ``before`` (:func:`cpu_kernel_handles` taken before the reload): a tied layer whose handle the reload
-    made anew (the one that received the shared weight) is not packed again; without it, or when in doubt
-    (a handle whose id is the old one's, no handle), every tied layer is. The dense benchmark's 272 MB
-    embedding is one oneDNN packing less per update: about 0.2 s of the commit in vLLM's worker, which
-    computes on one core of a 2-core host (measured 2026-12-02).
-    """
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return 0
-    redone = 0
-    for layer in model.modules():
-        kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
-        experts = getattr(kernel, "fused_experts", None)
-        if (
-            experts is not None
-            and type(experts).__name__ == "CPUUnquantizedExperts"
-            and hasattr(layer, "w13_weight")
-        ):
-            experts.process_weights_after_loading(layer)
-            redone += 1
-    for layers in tied_layers(model):
-        for layer in layers:
-            handle = layer.__dict__.get("cpu_linear")
-            if before is not None and handle is not None and id(handle) != before.get(id(layer)):
-                continue  # made anew by the reload, from the new weights
-            layer.quant_method.process_weights_after_loading(layer)  # type: ignore[union-attr,operator]
-            redone += 1
-    return redone

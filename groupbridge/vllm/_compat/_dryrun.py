@@ -26,9 +26,9 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..codec import dtype_from_name
-from ..weights.manifest import Manifest
-from ..weights.shard import Box
+from ...codec import dtype_from_name
+from ...weights.manifest import Manifest
+from ...weights.shard import Box
 
 
 @contextmanager

@@ -1,0 +1,54 @@
+"""Where groupbridge reaches into vLLM past its public API (the weight-transfer engine's base classes and
+factory, ``LLM``, ``LoRARequest``), kept in one place: read from vLLM :data:`VLLM_READ`.
+
+- :mod:`._core`: the commit and its version label in one engine-core call; the engine core's admission of
+  requests (a prompt token outside the vocabulary, an adapter version no worker can load); what each worker
+  holds after a failed commit.
+- :mod:`._model`: vLLM's layerwise reload, the shadow copy of the model and its exchange with the serving
+  copy, the CPU kernel set-up vLLM skips after a reload.
+- :mod:`._dryrun`: a manifest checked through the model's own ``load_weights`` on meta tensors.
+- :mod:`._adapters`: adapters served from memory through vLLM's LoRA loader; an adapter's fit to the model.
+
+Each module lists the private names it reads. A vLLM release that moves one of them breaks here, and only
+here; the tests that start real engines (``tests/test_vllm.py``, ``tests/test_serve.py``) find which.
+"""
+
+from ._adapters import check_adapter, loaded_adapters, serve_adapters
+from ._core import COMMIT, PAUSED, TORN, commit_offline, install
+from ._dryrun import check_loadable
+from ._model import (
+    begin_reload,
+    build_shadow,
+    cpu_kernel_handles,
+    end_reload,
+    exchange,
+    on_cpu,
+    rank_in_world,
+    refresh_cpu_kernels,
+    same_layout,
+)
+
+__all__ = [
+    "COMMIT",
+    "PAUSED",
+    "TORN",
+    "VLLM_READ",
+    "begin_reload",
+    "build_shadow",
+    "check_adapter",
+    "check_loadable",
+    "commit_offline",
+    "cpu_kernel_handles",
+    "end_reload",
+    "exchange",
+    "install",
+    "loaded_adapters",
+    "on_cpu",
+    "rank_in_world",
+    "refresh_cpu_kernels",
+    "same_layout",
+    "serve_adapters",
+]
+
+VLLM_READ = "0.32"
+"""The vLLM release the private names in this package were read from."""

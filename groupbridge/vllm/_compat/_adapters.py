@@ -1,0 +1,155 @@
+"""Adapters from memory: vLLM's worker LoRA loader asks an engine's :class:`~groupbridge.vllm._lora.Adapters`
+about each load, for that engine's workers alone; and the handshake's check that an adapter fits the model.
+
+Private reads: ``WorkerLoRAManager._load_adapter`` (wrapped), ``_adapter_manager``, ``_lora_model_cls``,
+``_active_adapters``, ``supported_lora_modules``, ``packed_modules_mapping``, ``PEFTHelper``,
+``parse_fine_tuned_lora_name``, and the LoRA layers' ``base_layer`` and sizes.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from .. import _lora
+from .._lora import AdapterSpec
+
+_SERVED: weakref.WeakKeyDictionary[Any, _lora.Adapters] = weakref.WeakKeyDictionary()
+"""Per LoRA model manager (one per worker of an engine that takes adapters over the bridge), the adapters
+its loader serves: kept here, not written into vLLM's objects."""
+
+
+def serve_adapters(model: torch.nn.Module, adapters: _lora.Adapters) -> None:
+    """Have the LoRA loader of ``model``'s worker ask ``adapters`` about every load (see
+    :meth:`~groupbridge.vllm._lora.Adapters.check_load`). vLLM's loader method is wrapped once per process;
+    a worker whose model is not registered here (another backend's engine) loads as vLLM does."""
+    from vllm.lora.worker_manager import WorkerLoRAManager
+
+    manager = getattr(model, "lora_manager", None)
+    if manager is None:  # no LoRA layers: the handshake refuses adapters (``_lora.check_adapter``)
+        return
+    _SERVED[manager] = adapters
+    original = WorkerLoRAManager._load_adapter
+    if getattr(original, "_groupbridge", False):
+        return
+
+    @functools.wraps(original)
+    def load(self: Any, lora_request: Any) -> Any:
+        served = _SERVED.get(self._adapter_manager)
+        if served is None:
+            return original(self, lora_request)
+        full = served.check_load(str(lora_request.lora_path), str(lora_request.lora_name))
+        if full is None:
+            return original(self, lora_request)
+        tensors, config = served.filed(full)
+        return _lora_model(self, lora_request, tensors, config)
+
+    load._groupbridge = True  # type: ignore[attr-defined]
+    WorkerLoRAManager._load_adapter = load
+
+
+def _lora_model(
+    manager: Any, lora_request: Any, tensors: dict[str, torch.Tensor], config: dict[str, Any]
+) -> Any:
+    """vLLM's LoRA model of an adapter's tensors, built as its loader builds one from a checkpoint."""
+    from vllm.lora.peft_helper import PEFTHelper
+
+    helper = PEFTHelper.from_dict(dict(config, vllm_max_position_embeddings=manager.max_position_embeddings))
+    helper.validate_legal(manager.lora_config)
+    model = manager._adapter_manager.model
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    # copies: vLLM's LoRA model may work on the tensors it is given in place (on CPU it keeps them, and
+    # folds the scaling into lora_B), and this adapter is loaded again after every weight update
+    return manager._lora_model_cls.from_lora_tensors(
+        lora_model_id=lora_request.lora_int_id, tensors={n: t.clone() for n, t in tensors.items()},
+        peft_helper=helper, device="cpu",
+        dtype=manager.lora_config.lora_dtype, model_vocab_size=manager.vocab_size,
+        weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
+        skip_prefixes=getattr(model, "lora_skip_prefixes", None),
+    )  # fmt: skip
+
+
+def loaded_adapters(model: torch.nn.Module) -> set[int]:
+    """The ids of the adapters ``model``'s LoRA manager holds loaded (those of the running batch)."""
+    return set(getattr(getattr(model, "lora_manager", None), "_active_adapters", {}) or {})
+
+
+def _expected_modules(manager: Any) -> set[str]:
+    """The module names an adapter may target in this model (vLLM's own rule, packed modules unpacked)."""
+    expected: set[str] = set()
+    for module in manager.supported_lora_modules:
+        expected.update(manager.packed_modules_mapping.get(module, [module]))
+    return expected
+
+
+def check_adapter(
+    model: torch.nn.Module, vllm_config: Any, spec: AdapterSpec, shapes: Iterable[tuple[str, tuple[int, ...]]]
+) -> str | None:
+    """Why this engine cannot serve ``spec`` with tensors of these (name, shape), or None: LoRA enabled, the
+    rank within ``max_lora_rank``, ``max_live`` within ``max_cpu_loras``, every tensor a lora_A/lora_B of a
+    module the model has, shaped for it (lora_A ``(r, in)``, lora_B ``(out, r)``, the layer's whole sizes:
+    an adapter made for another model's sizes would be served as garbage). Runs in the handshake, before any
+    byte moves."""
+    from vllm.lora.peft_helper import PEFTHelper
+    from vllm.lora.utils import parse_fine_tuned_lora_name
+
+    lora_config = getattr(vllm_config, "lora_config", None)
+    manager = getattr(model, "lora_manager", None)
+    if lora_config is None or manager is None:
+        return "this engine serves no adapters: start it with enable_lora=True (and max_lora_rank)"
+    try:
+        PEFTHelper.from_dict(dict(spec.config)).validate_legal(lora_config)
+    except Exception as e:
+        return f"adapter {spec.name!r} cannot be served here: {e}"
+    if spec.max_live > lora_config.max_cpu_loras:
+        return (
+            f"max_live_adapters={spec.max_live} exceeds the engine's max_cpu_loras="
+            f"{lora_config.max_cpu_loras}: start it with max_cpu_loras (and max_loras) at least that"
+        )
+    expected = _expected_modules(manager)
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    mapper = mapper.get_rename_mapper() if mapper is not None else None
+    for name, shape in shapes:
+        try:
+            module, is_a = parse_fine_tuned_lora_name(name, mapper)[:2]
+        except Exception:
+            return f"{name!r} is not a LoRA tensor (lora_A / lora_B of a module)"
+        parent, _, leaf = module.rpartition(".")
+        if leaf not in expected:
+            return f"{name!r} targets {leaf!r}; this model's adapters may target {sorted(expected)}"
+        try:
+            owner = model.get_submodule(parent)
+        except AttributeError:
+            return f"{name!r}: this model has no {parent!r}"
+        sizes = _layer_sizes(owner, leaf, manager.packed_modules_mapping)
+        if sizes is None or len(shape) != 2:
+            continue  # a layer whose sizes this check cannot read: vLLM's own load checks what it can
+        want = sizes[0] if is_a else sizes[1]
+        got = shape[1] if is_a else shape[0]
+        if got != want:
+            side = "input" if is_a else "output"
+            return (
+                f"{name!r} has {side} size {got} where this model's {parent}.{leaf} has {want}: an adapter "
+                "made for another model's sizes"
+            )
+    return None
+
+
+def _layer_sizes(owner: torch.nn.Module, leaf: str, packed: dict[str, list[str]]) -> tuple[int, int] | None:
+    """(input, output) sizes, whole (not one tensor-parallel rank's), of the layer ``leaf`` names under
+    ``owner``: its own, or its part of a fused layer (``q_proj`` of ``qkv_proj``); None when not read."""
+    layer, part = getattr(owner, leaf, None), None
+    if layer is None:
+        for fused, parts in packed.items():
+            if leaf in parts and isinstance(getattr(owner, fused, None), torch.nn.Module):
+                layer, part = getattr(owner, fused), parts.index(leaf)
+                break
+    layer = getattr(layer, "base_layer", layer)  # LoRA wraps the layer it serves
+    n_in, n_out, outs = (getattr(layer, k, None) for k in ("input_size", "output_size", "output_sizes"))
+    if part is not None:
+        n_out = outs[part] if isinstance(outs, (list, tuple)) and part < len(outs) else None
+    return (n_in, n_out) if isinstance(n_in, int) and isinstance(n_out, int) else None
