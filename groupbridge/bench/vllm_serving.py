@@ -67,6 +67,59 @@ def _paused(log: str, version: int) -> float | None:
     return float(found[-1]) / 1e3 if found else None
 
 
+class _Rig:
+    """What one serving run updates through: the trainer's model, the server and its client, the anchor's
+    sender. Each mode is one method, timed alike by :func:`run_serving`."""
+
+    def __init__(self, tmp: str, model: Any, srv: Any, snd: Any, *, tp: int, liveness: float) -> None:
+        from ..vllm._control import HttpClient
+
+        self.tmp, self.model, self.srv, self.snd, self.tp, self.liveness = tmp, model, srv, snd, tp, liveness
+        self.client = HttpClient(srv.base, timeout=600)
+        self.specs = {n: (tuple(p.shape), p.dtype) for n, p in model.named_parameters()}
+
+    def update(self, mode: str, r: int) -> tuple[float, float, float | None, float | None]:
+        """One update in ``mode`` (round ``r``): (start, end, the trainer's commit, the engine's pause)."""
+        if mode == "safetensors+reload":
+            return self._reload()
+        if mode == ANCHOR:
+            return self._anchor(r)
+        return self._groupbridge(mode, r)
+
+    def _reload(self) -> tuple[float, float, None, None]:
+        from ..vllm._control import HttpClient
+
+        t0 = time.monotonic()
+        self.model.save_pretrained(f"{self.tmp}/step")
+        HttpClient(self.srv.base, timeout=600).post("collective_rpc", {"method": "reload_weights",
+             "kwargs": {"weights_path": f"{self.tmp}/step"}})  # fmt: skip
+        return t0, time.monotonic(), None, None
+
+    def _anchor(self, r: int) -> tuple[float, float, None, None]:
+        from datetime import timedelta
+
+        t0 = time.monotonic()
+        self.snd.send(dict(self.model.named_parameters()), version=r + 1, timeout=timedelta(seconds=300))
+        return t0, time.monotonic(), None, None
+
+    def _groupbridge(self, mode: str, r: int) -> tuple[float, float, float | None, float | None]:
+        from ..engine import TrainerConfig, TrainerSession
+        from ..vllm._control import VllmControl
+
+        config = TrainerConfig(timeout_s=600, atomic="atomic" in mode, name="bench", workers=self.tp,
+                               liveness_s=self.liveness, swap="reload" if "swap=reload" in mode else "shadow",
+                               first_version=100 * (r + 1) + MODES.index(mode))  # fmt: skip
+        with TrainerSession(config, VllmControl(self.client)) as session:
+            session.connect()
+            t0 = time.monotonic()
+            session.send(dict(self.model.named_parameters()), specs=self.specs)
+            t1 = time.monotonic()
+            commit = session.last_seconds["commit"]
+        version = session.version
+        paused = _paused(self.srv.log.read_text(errors="replace"), version) if version else None
+        return t0, t1, commit, paused
+
+
 def run_serving(
     size: str = "bench",
     rounds: int = 3,
@@ -80,20 +133,18 @@ def run_serving(
     and the engine's. ``tp``: the server's tensor-parallel size (each worker takes its boxes of every
     tensor the trainer sends whole)."""
     import multiprocessing as mp
-    from datetime import timedelta
 
     import groupbridge as gb
 
     from .._procs import Roles, publish_listener
     from ..engine import TrainerConfig, TrainerSession
-    from ..vllm._control import HttpClient, VllmControl
+    from ..vllm._control import VllmControl
     from ..vllm._serve import Server, Streamer
     from ..vllm.models import make_model
     from .vllm_engine import _plain_receiver
 
     tmp = tempfile.TemporaryDirectory(prefix="gb-bench-serve-")
     model = make_model(f"{tmp.name}/model", arch, size, dtype=dtype)
-    specs = {n: (tuple(p.shape), p.dtype) for n, p in model.named_parameters()}
     rows: dict[str, dict[str, list[float]]] = {
         m: {"seconds": [], "stall": [], "commit": [], "paused": []} for m in modes
     }
@@ -110,49 +161,28 @@ def run_serving(
         lis, _ = publish_listener(0, 2, ports, "127.0.0.1")
         grp = gb.StatelessGroup.create(None, rank=0, world_size=2, listener=lis, name="anchor")
         snd = gb.WeightSender(grp, transport="auto", checksum=True)
+        rig = _Rig(tmp.name, model, srv, snd, tp=tp, liveness=liveness)
         streamer = Streamer(srv, [11, 12, 13, 14], tokens=480)
         time.sleep(3.0)  # the client's pace settles
-        client = HttpClient(srv.base, timeout=600)
         with TrainerSession(
-            TrainerConfig(timeout_s=600, liveness_s=liveness, name="bench", workers=tp), VllmControl(client)
+            TrainerConfig(timeout_s=600, liveness_s=liveness, name="bench", workers=tp),
+            VllmControl(rig.client),
         ) as session:
             session.connect()  # untimed: the server's first reload and the first touch of its kept buffer
-            session.send(dict(model.named_parameters()), specs=specs)
+            session.send(dict(model.named_parameters()), specs=rig.specs)
         for r in range(rounds):
             for mode in modes:
                 with torch.no_grad():
                     for p in model.parameters():
                         p.add_(0.01)
-                commit = None
-                t0 = time.monotonic()
-                if mode == "safetensors+reload":
-                    model.save_pretrained(f"{tmp.name}/step")
-                    HttpClient(srv.base, timeout=600).post("collective_rpc", {"method": "reload_weights",
-                         "kwargs": {"weights_path": f"{tmp.name}/step"}})  # fmt: skip
-                    t1 = time.monotonic()
-                elif mode == ANCHOR:
-                    snd.send(dict(model.named_parameters()), version=r + 1, timeout=timedelta(seconds=300))
-                    t1 = time.monotonic()
-                else:
-                    config = TrainerConfig(timeout_s=600, atomic="atomic" in mode, name="bench", workers=tp,
-                                           liveness_s=liveness,
-                                           swap="reload" if "swap=reload" in mode else "shadow",
-                                           first_version=100 * (r + 1) + MODES.index(mode))  # fmt: skip
-                    with TrainerSession(config, VllmControl(client)) as session:
-                        session.connect()
-                        t0 = time.monotonic()
-                        session.send(dict(model.named_parameters()), specs=specs)
-                        t1 = time.monotonic()
-                        commit = session.last_seconds["commit"]
-                    version = session.version
-                    paused = _paused(srv.log.read_text(errors="replace"), version) if version else None
-                    if paused is not None:
-                        rows[mode]["paused"].append(paused)
+                t0, t1, commit, paused = rig.update(mode, r)
                 stall, _ = _stall(streamer.times, t0, t1)
                 rows[mode]["seconds"].append(t1 - t0)
                 rows[mode]["stall"].append(stall)
                 if commit is not None:
                     rows[mode]["commit"].append(commit)
+                if paused is not None:
+                    rows[mode]["paused"].append(paused)
                 time.sleep(1.0)
         streamer.stop()
         if streamer.errors:

@@ -13,7 +13,6 @@ import torch
 from ..errors import WeightSyncError
 from ..stateless import StatelessGroup
 from ..weights.receiver import WeightUpdate
-from ._info import BridgeInfo
 
 __all__ = ["Landing", "keep_then"]
 
@@ -106,16 +105,19 @@ class Landing:
                 return
             yield item  # type: ignore[misc]
 
-    def feed(self, load: Callable[[Pairs], None], group: StatelessGroup | None, info: BridgeInfo) -> None:
-        """A streaming update: ``load`` takes the pairs as they land (each waited for within the update's
-        timeout); then the landing is stopped and waited for, bounded (the group aborted if it must be)."""
+    def feed(
+        self, load: Callable[[Pairs], None], group: StatelessGroup | None, *, timeout: float, liveness: float
+    ) -> None:
+        """A streaming update: ``load`` takes the pairs as they land (each waited for within ``timeout``);
+        then the landing is stopped and waited for, within the ``liveness`` bound (the group aborted if it
+        must be)."""
         try:
-            load(self.pairs(info.timeout_s))
+            load(self.pairs(timeout))
         finally:
             self.stop()
-            if not self.wait(info.liveness_s + 5) and group is not None:
+            if not self.wait(liveness + 5) and group is not None:
                 group.abort(f"the landing of version {self.version} did not stop")
-                self.wait(info.liveness_s + 5)
+                self.wait(liveness + 5)
 
     def halt(self, group: StatelessGroup | None, liveness: float, why: str, *, settle: bool) -> None:
         """Stop a landing still running: the group is aborted (its waits end within the ``liveness``

@@ -204,6 +204,8 @@ class WorkerSession(Closing):
         landed: list[tuple[str, torch.Tensor]] = []  # an atomic update: into the shadow before the ack
         ready = (lambda: self.model.prepare(iter(landed), None)) if shadow and self.info.atomic else None
         receiver, timeout = self.receiver, timedelta(seconds=self.info.timeout_s)
+        # with a shadow, the copy that served keeps the previous version: no bytes kept aside
+        keep = self.model.kept.before_landing if self.info.rollback and not shadow else None
 
         def handshake() -> WeightUpdate:
             t0, check = time.perf_counter(), list[float]()
@@ -222,8 +224,6 @@ class WorkerSession(Closing):
                 self.model.shadow_holds = None  # overwritten from now on
             return update
 
-        # with a shadow, the copy that served keeps the previous version: no bytes kept aside
-        keep = self.model.kept.before_landing if self.info.rollback and not shadow else None
         if self.info.atomic and shadow and version is not None:
             # the handshake too on the landing's thread (its dry run on the shadow, see Swaps): the engine
             # serves on meanwhile (a refusal reaches the trainer over the bridge, and this worker at commit)
@@ -235,7 +235,10 @@ class WorkerSession(Closing):
         if not self.info.atomic and update.kept:
             streamed = Landing(update, self.log, stream=True, before=keep)
             into = self.model.prepare if shadow else self.model.load
-            streamed.feed(lambda pairs: into(pairs, update.version), self.group, self.info)
+            streamed.feed(
+                lambda pairs: into(pairs, update.version), self.group,
+                timeout=self.info.timeout_s, liveness=self.info.liveness_s,
+            )  # fmt: skip
             self.timings["landing"] = streamed.seconds
             self._streamed = streamed.staged
         elif not self.info.atomic:
