@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -36,10 +37,15 @@ if TYPE_CHECKING:
 __all__ = [
     "BufferStore",
     "Description",
+    "Diffed",
     "Policy",
     "TargetStore",
+    "apply",
+    "check",
     "delta_digest",
     "delta_groups",
+    "describe",
+    "diff",
     "wire_plan",
     "word_counts",
 ]
@@ -91,6 +97,71 @@ class Description:
             if not isinstance(digest, (int, bytes)):
                 raise ProtocolError("delta description holds a malformed digest")
         return cls(parsed, tuple(counts), tuple(fields["digests"]), tuple(fields["wire"]))
+
+
+@dataclass(frozen=True, slots=True)
+class Diffed:
+    """One bucket's diff against the base (which it brought up to the new version)."""
+
+    enc: _delta.Encoded
+    digest: Any
+    """Digest of the bucket's new bytes."""
+    wire_digest: Any | None
+    """Digest of what travels for it (None: nothing does)."""
+
+    def payload(self, base: torch.Tensor) -> torch.Tensor | None:
+        """What travels for it: the encoding's payload, the base's bucket itself (dense), or None."""
+        if self.enc.payload is not None:
+            return self.enc.payload
+        return base if self.enc.code is Code.DENSE else None
+
+
+def diff(
+    new: torch.Tensor, old: torch.Tensor, word: int, mask: torch.Tensor, kind: str, group: Any
+) -> Diffed:
+    """Diff bucket ``new`` against ``old`` (the base's bucket, brought up to ``new``), digested by ``kind``:
+    the one diff every delta stream's source runs, fan-out or pair."""
+    enc = _delta.encode(new, old, word, mask)
+    digest = _bytes.digest(old, kind, group)
+    if enc.payload is not None:
+        return Diffed(enc, digest, _bytes.digest(enc.payload, kind, group))
+    return Diffed(enc, digest, digest if enc.code is Code.DENSE else None)
+
+
+def describe(diffs: list[Diffed]) -> Description:
+    """What the receivers are told of these buckets' diffs, before their payloads travel."""
+    return Description(
+        tuple(d.enc.code for d in diffs),
+        tuple(d.enc.count for d in diffs),
+        tuple(d.digest for d in diffs),
+        tuple(d.wire_digest for d in diffs if d.wire_digest is not None),
+    )
+
+
+def apply(
+    old: torch.Tensor, payload: torch.Tensor, desc: Description, i: int, j: int, word: int, kind: str,
+    group: Any, run: Any, what: str,
+) -> tuple[torch.Tensor | None, str | None]:  # fmt: skip
+    """Apply wire bucket ``j`` (``payload``, bucket ``i`` of ``desc``) to ``old`` (this receiver's copy of
+    the base), checking the payload before and the result after against the sender's digests; the one
+    apply every delta stream's receiver runs, fan-out or pair. Returns the changed word positions, or why
+    the result must not be used (``what`` names the bucket in it). ``run`` runs the apply (a copy thread)."""
+    if _bytes.digest(payload, kind, group) != desc.wire_digests[j]:
+        return None, f"the delta of {what} arrived corrupted (its {kind} does not match)"
+    moved = run(partial(_delta.apply, old, payload, desc.codes[i], desc.counts[i], word))
+    problem = check(old, desc, i, kind, group, what)
+    return (moved, None) if problem is None else (None, problem)
+
+
+def check(old: torch.Tensor, desc: Description, i: int, kind: str, group: Any, what: str) -> str | None:
+    """Why ``old`` (bucket ``i`` after its delta, or unchanged by it) is not the sender's new version, or
+    None."""
+    if _bytes.digest(old, kind, group) == desc.digests[i]:
+        return None
+    return (
+        f"{what} does not match the sender's new version after the delta: this receiver's copy of the "
+        "version it held differs from the sender's"
+    )
 
 
 GROUPS = 8

@@ -14,14 +14,13 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
 
 import torch
 
 from ..stateless import StatelessGroup
-from . import _bytes, _delta
+from . import _bytes, _delta, _delta_sync
 from ._copier import Copier, Job
-from ._delta_sync import Description, Policy, delta_groups, wire_plan, word_counts
+from ._delta_sync import Policy, delta_groups, wire_plan, word_counts
 from ._memory import SentBase
 from ._session import Session, Stream
 from ._source import Puller
@@ -32,8 +31,8 @@ from .transports import TxTransport
 
 __all__ = ["DeltaSender", "SentDelta"]
 
-Diffed = tuple[_delta.Encoded, Any, Any, bool]
-"""A bucket's diff: (its encoding, digest of its new bytes, digest of its payload or None, sent in place)."""
+Diffed = tuple[_delta_sync.Diffed, bool]
+"""A bucket's diff, and whether its new bytes were read in place."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,29 +156,19 @@ class DeltaSender:
             if new is None:
                 new = self.scratch.get(f"delta-new{worker}", end - start, base.device)
                 _bytes.pack(new, plan.buckets[k], puller.live, puller.wire)
-            old = base[start:end]
             mask = self.scratch.get(f"delta-mask{worker}", biggest, base.device).view(torch.bool)
-            enc = _delta.encode(new, old, sizes[k], mask)
-            digest = _bytes.digest(old, verify, self.group)
-            if enc.payload is not None:
-                return enc, digest, _bytes.digest(enc.payload, verify, self.group), flat
-            return enc, digest, digest if enc.code is _delta.Code.DENSE else None, flat
+            return _delta_sync.diff(new, base[start:end], sizes[k], mask, verify, self.group), flat
 
         result = _Ahead(plan, puller, self._workers(), diff, progress)
         wire_bytes = changed = in_place = 0
         sync, opened = stream.sync, False
         for a, b in delta_groups(plan):
             done = [result(k) for k in range(a, b)]
-            desc = Description(
-                tuple(r[0].code for r in done),
-                tuple(r[0].count for r in done),
-                tuple(r[1] for r in done),
-                tuple(r[2] for r in done if r[2] is not None),
-            )
+            desc = _delta_sync.describe([d for d, _ in done])
             self.group.broadcast_obj(desc.to_wire(), src=self.group.rank, timeout=sync.deadline)
             wplan, sources = wire_plan(desc, sizes[a:b], words[a:b])
-            changed += sum(r[0].count for r in done)
-            in_place += sum(r[3] for r in done)
+            changed += sum(d.enc.count for d, _ in done)
+            in_place += sum(flat for _, flat in done)
             wire_bytes += wplan.total_bytes
             if not sources:
                 continue
@@ -189,9 +178,9 @@ class DeltaSender:
             tx.open(wplan, base.device, sync)
             opened = True
             for j, i in enumerate(sources):
-                enc = done[i][0]
                 start, end = plan.bucket_range(a + i)
-                payload = enc.payload if enc.payload is not None else base[start:end]
+                payload = done[i][0].payload(base[start:end])
+                assert payload is not None
                 tx.post(j, payload)
         if opened:
             tx.finish()

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, NoReturn, TypeVar
 
 import torch
@@ -20,7 +19,7 @@ import torch
 from ..control import Deadline
 from ..errors import GroupBridgeError, SyncRefusedError, WeightSyncError
 from ..stateless import StatelessGroup
-from . import _bytes, _delta
+from . import _bytes, _delta, _delta_sync
 from ._appliers import Applier, Bucket
 from ._copier import Copier
 from ._delta_sync import Description, delta_digest, delta_groups, wire_plan, word_counts
@@ -139,20 +138,15 @@ class RxStreams:
                     continue  # the sender is still sending: take the rest, apply nothing
                 i = sources[j]
                 k = a + i
-                if _bytes.digest(view, kind, self.group) != desc.wire_digests[j]:
-                    failed = f"the delta of bucket {k} arrived corrupted (its {kind} does not match)"
-                    continue
                 old = applier.held(k)
-                code, count, w = desc.codes[i], desc.counts[i], sizes[k]
-                pos = self.copier.run(partial(_delta.apply, old, view, code, count, w))
-                if _bytes.digest(old, kind, self.group) != desc.digests[i]:
-                    failed = (
-                        f"bucket {k} does not match the sender's version {header.version} after applying the "
-                        f"delta: this receiver's copy of version {header.base} differs from the sender's"
-                    )
+                what = f"bucket {k} of version {header.version}"
+                pos, failed = _delta_sync.apply(
+                    old, view, desc, i, j, sizes[k], kind, self.group, self.copier.run, what
+                )
+                if pos is None:
                     continue
                 applier.write_back(k, old)
-                yield k, old, True, _delta.changed_entries(plan, k, pos, w)
+                yield k, old, True, _delta.changed_entries(plan, k, pos, sizes[k])
         if failed is not None:
             raise VerifyFailed(failed)
 

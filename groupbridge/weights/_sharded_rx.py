@@ -15,7 +15,7 @@ from ..codec import dtype_from_name, dtype_name
 from ..control import Deadline
 from ..errors import ProtocolError, SyncRefusedError
 from ..stateless import StatelessGroup
-from . import _bytes, _delta
+from . import _bytes, _delta, _delta_sync
 from ._appliers import refused, torn
 from ._copier import Copier
 from ._delta_sync import Description, delta_digest, wire_plan
@@ -198,26 +198,29 @@ class _Lander:
         return self.base[self.starts[k] : self.starts[k] + self.buckets[k].nbytes]
 
     def _check(self, k: int, desc: Description, changed: Sequence[bool]) -> None:
-        kind = delta_digest(self.session.header)
-        if _bytes.digest(self._view(k), kind, self.group) != desc.digests[k]:
-            self.problems.append(
-                f"bucket {k} from rank {self.src} does not match its new version after the delta: this "
-                "receiver's copy of the version it held differs from the sender's"
-            )
+        what = f"bucket {k} from rank {self.src}"
+        problem = _delta_sync.check(
+            self._view(k), desc, k, delta_digest(self.session.header), self.group, what
+        )
+        if problem is not None:
+            self.problems.append(problem)
             return
         self._unpack(k, self._view(k), changed)
 
     def _apply(self, k: int, j: int, desc: Description, payload: torch.Tensor) -> None:
-        kind = delta_digest(self.session.header)
-        if _bytes.digest(payload, kind, self.group) != desc.wire_digests[j]:
-            self.problems.append(f"the delta of bucket {k} from rank {self.src} arrived corrupted")
-            return
         w = bucket_word(self.buckets[k], self.session.pairs.dtypes)
-        moved = self.copier.run(
-            partial(_delta.apply, self._view(k), payload, desc.codes[k], desc.counts[k], w)
-        )
-        self._check(
-            k, desc, _delta.spans_hit(moved, [(p.offset, p.nbytes) for p in self.buckets[k].pieces], w)
+        moved, problem = _delta_sync.apply(
+            self._view(k), payload, desc, k, j, w, delta_digest(self.session.header), self.group,
+            self.copier.run, f"bucket {k} from rank {self.src}",
+        )  # fmt: skip
+        if moved is None:
+            assert problem is not None
+            self.problems.append(problem)
+            return
+        self._unpack(
+            k,
+            self._view(k),
+            _delta.spans_hit(moved, [(p.offset, p.nbytes) for p in self.buckets[k].pieces], w),
         )
 
 

@@ -17,9 +17,9 @@ import xxhash
 from ..control import Deadline
 from ..errors import CopyTimeoutError
 from ..stateless import StatelessGroup
-from . import _bytes, _delta, _sharded
+from . import _bytes, _delta_sync, _sharded
 from ._copier import Copier
-from ._delta_sync import Description, delta_digest
+from ._delta_sync import delta_digest
 from ._described import Boxes, Pairs
 from ._session import Session, committed
 from ._shard_plan import Bucket, ShardPlan
@@ -122,29 +122,26 @@ def _describe_delta(
     """A delta pair: diff every bucket against the base (bringing it up to the new version); the pair's
     description (as it goes on the wire) and the changed buckets' encodings, in order."""
     plan, kind = session.pairs, delta_digest(session.header)
-    encs, digests, wire, pos = [], [], [], 0
+    diffs: list[_delta_sync.Diffed] = []
+    payloads: list[torch.Tensor] = []
     biggest = max((b.nbytes for b in buckets), default=1)
     mask = buffers.get("delta-mask", biggest, device).view(torch.bool)
+    pos = 0
     for b in buckets:
-        w = bucket_word(b, plan.dtypes)
         new = buffers.get("delta-new", b.nbytes, device)
         slots.need(b)
         copier.run(partial(_pack, b, new, slots, plan))
         slots.packed(b)
         old = base[pos : pos + b.nbytes]
-        enc = copier.run(partial(_delta.encode, new, old, w, mask))
-        payload = enc.payload if enc.payload is not None else (old if enc.code is _delta.Code.DENSE else None)
-        encs.append((enc, payload))
-        digests.append(_bytes.digest(old, kind, group))
+        d = copier.run(partial(_delta_sync.diff, new, old, bucket_word(b, plan.dtypes), mask, kind, group))
+        diffs.append(d)
+        payload = d.payload(old)
         if payload is not None:
-            wire.append(_bytes.digest(payload, kind, group))
-        sent.changed_words += enc.count
-        sent.compared_words += enc.words
+            payloads.append(payload)
+        sent.changed_words += d.enc.count
+        sent.compared_words += d.enc.words
         pos += b.nbytes
-    desc = Description(
-        tuple(e.code for e, _ in encs), tuple(e.count for e, _ in encs), tuple(digests), tuple(wire)
-    )
-    return desc.to_wire(), [p for _, p in encs if p is not None]
+    return _delta_sync.describe(diffs).to_wire(), payloads
 
 
 def _same(t: torch.Tensor, buffer: Callable[[], torch.Tensor]) -> torch.Tensor:
