@@ -231,18 +231,15 @@ class WorkerSession(Closing):
             self._prepared = self._received = version
             return
         update = handshake()
-        t1 = time.perf_counter()
+        t1, into = time.perf_counter(), self.model.prepare if shadow else self.model.load
         if not self.info.atomic and update.kept:
             streamed = Landing(update, self.log, stream=True, before=keep)
-            into = self.model.prepare if shadow else self.model.load
-            streamed.feed(
-                lambda pairs: into(pairs, update.version), self.group,
-                timeout=self.info.timeout_s, liveness=self.info.liveness_s,
-            )  # fmt: skip
+            streamed.feed(lambda pairs: into(pairs, update.version), self.group, timeout=self.info.timeout_s,
+                          liveness=self.info.liveness_s)  # fmt: skip
             self.timings["landing"] = streamed.seconds
             self._streamed = streamed.staged
         elif not self.info.atomic:
-            (self.model.prepare if shadow else self.model.load)(iter(update), update.version)
+            into(iter(update), update.version)
         elif self.background or shadow:
             self._landing = Landing(update, self.log, before=keep, into=landed)
         else:
