@@ -293,23 +293,22 @@ class Streaming(Applier):
 
     def _unpack(self, k: int, view: torch.Tensor) -> None:
         with torch.no_grad():
+            parts: list[_bytes.Part] = []
+            for seg in self.plan.buckets[k]:
+                i, a, b = seg.index, seg.tensor_offset, seg.tensor_offset + seg.nbytes
+                e, d = self.entries[i], self.dest[i]
+                if not self._wire_ok[i] and i not in self._partial:  # assembled in the wire dtype, then cast
+                    wire = dtype_from_name(e.wire_dtype)
+                    self._partial[i] = torch.empty(e.shape, dtype=wire, device=d.device)
+                out = _bytes.byte_view(d if self._wire_ok[i] else self._partial[i])
+                parts.append((seg.bucket_offset, seg.nbytes, out[a:b], torch.uint8))
+            _bytes.unpack_parts(view, parts)
             for seg in self.plan.buckets[k]:
                 i = seg.index
-                e, d = self.entries[i], self.dest[i]
-                if self._wire_ok[i]:
-                    out = _bytes.byte_view(d)
-                else:
-                    full = self._partial.get(i)
-                    if full is None:
-                        full = self._partial[i] = torch.empty(e.shape, dtype=dtype_from_name(e.wire_dtype))
-                    out = _bytes.byte_view(full)
                 if seg.tensor_offset == 0:
                     self.written.append(self.names(i))
-                out[seg.tensor_offset : seg.tensor_offset + seg.nbytes].copy_(
-                    view[seg.bucket_offset : seg.bucket_offset + seg.nbytes]
-                )
-                if i in self._partial and seg.tensor_offset + seg.nbytes == e.nbytes:
-                    d.copy_(self._partial.pop(i))
+                if i in self._partial and seg.tensor_offset + seg.nbytes == self.entries[i].nbytes:
+                    self.dest[i].copy_(self._partial.pop(i))
 
     def commit(self) -> None:
         with torch.no_grad():

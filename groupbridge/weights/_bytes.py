@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -95,45 +95,81 @@ def in_place_bucket(
     return view.set_(storage, offset, (length,), (1,))
 
 
+Part = tuple[int, int, torch.Tensor, torch.dtype]
+"""A piece of a bucket: (byte offset in the bucket, bytes, the tensor it is read from or written to, the
+dtype it travels as). The tensor is a slice of one tensor's bytes, or a box of it (a view, strided or not)."""
+
+
+def pack_parts(view: torch.Tensor, parts: Iterable[Part]) -> None:
+    """Copy a bucket's pieces into ``view`` (uint8); the alignment holes between them are zeroed, so a
+    bucket's bytes (and digest, and delta) depend on the tensors alone, not on what the buffer held before.
+    A piece whose tensor has another dtype than it travels as is cast as it is copied: casting into this warm
+    buffer costs a quarter of casting into a fresh tensor first (its page faults). The one pack of every
+    stream: a fan-out stream's segments (:func:`pack`) and a pair's boxes alike."""
+    prev = 0
+    with torch.no_grad():
+        for offset, nbytes, src, dtype in parts:
+            if offset > prev:
+                view[prev:offset].zero_()
+            out = view[offset : offset + nbytes]
+            if dtype is torch.uint8:  # bytes as they lie (a segment of a tensor in its wire dtype)
+                out.copy_(src)
+            elif out.storage_offset() % dtype.itemsize == 0:
+                out.view(dtype).view(src.shape).copy_(src)
+            else:  # a dtype the piece's start is not aligned for: cast first
+                out.copy_(src.to(dtype).reshape(-1).view(torch.uint8))
+            prev = offset + nbytes
+        if view.numel() > prev:
+            view[prev:].zero_()
+
+
+def unpack_parts(view: torch.Tensor, parts: Iterable[Part]) -> None:
+    """The inverse of :func:`pack_parts`: each piece of ``view`` into its tensor."""
+    with torch.no_grad():
+        for offset, nbytes, dest, dtype in parts:
+            piece = view[offset : offset + nbytes]
+            dest.copy_(piece if dtype is torch.uint8 else piece.view(dtype).view(dest.shape))
+
+
+def _segments(
+    segs: Sequence[Segment], tensors: Sequence[torch.Tensor | None], wire: Sequence[torch.dtype] | None
+) -> Iterator[Part]:
+    """A fan-out bucket's segments as parts: byte ranges of contiguous tensors, cast where ``wire`` says."""
+    for seg in segs:
+        t = tensors[seg.index]
+        assert t is not None
+        dtype = wire[seg.index] if wire is not None else t.dtype
+        if t.dtype == dtype:
+            yield (
+                seg.bucket_offset,
+                seg.nbytes,
+                byte_view(t)[seg.tensor_offset : seg.tensor_offset + seg.nbytes],
+                torch.uint8,
+            )
+        else:
+            first = seg.tensor_offset // dtype.itemsize
+            yield (
+                seg.bucket_offset,
+                seg.nbytes,
+                t.reshape(-1)[first : first + seg.nbytes // dtype.itemsize],
+                dtype,
+            )
+
+
 def pack(
     view: torch.Tensor,
     segs: Sequence[Segment],
     tensors: Sequence[torch.Tensor | None],
     wire: Sequence[torch.dtype] | None = None,
 ) -> None:
-    """Pack a bucket's pieces from ``tensors`` (by manifest index) into ``view``; the alignment holes between
-    them are zeroed, so a bucket's bytes (and digest) depend on the tensors alone, not on what the buffer
-    held before. A tensor whose dtype differs from its ``wire`` dtype is cast as it is copied: casting into
-    this warm buffer costs a quarter of casting into a fresh tensor first (its page faults)."""
-    prev = 0
-    for seg in segs:
-        if seg.bucket_offset > prev:
-            view[prev : seg.bucket_offset].zero_()
-        t = tensors[seg.index]
-        assert t is not None
-        out = view[seg.bucket_offset : seg.bucket_offset + seg.nbytes]
-        dtype = wire[seg.index] if wire is not None else t.dtype
-        if t.dtype == dtype:
-            out.copy_(byte_view(t)[seg.tensor_offset : seg.tensor_offset + seg.nbytes])
-        else:
-            size = torch.empty((), dtype=dtype).element_size()
-            first = seg.tensor_offset // size
-            src = t.reshape(-1)[first : first + seg.nbytes // size]
-            if out.storage_offset() % size == 0:
-                out.view(dtype).copy_(src)
-            else:  # a dtype the bucket start is not aligned for: cast first
-                out.copy_(src.to(dtype).view(torch.uint8))
-        prev = seg.bucket_offset + seg.nbytes
-    if view.numel() > prev:
-        view[prev:].zero_()
+    """Pack a fan-out bucket's segments from ``tensors`` (by manifest index) into ``view``, each cast to its
+    ``wire`` dtype where that differs (see :func:`pack_parts`)."""
+    pack_parts(view, _segments(segs, tensors, wire))
 
 
 def unpack(view: torch.Tensor, segs: Sequence[Segment], tensors: Sequence[torch.Tensor]) -> None:
-    """The inverse of :func:`pack`: copy a bucket's pieces into ``tensors`` (contiguous, wire dtype)."""
-    for seg in segs:
-        byte_view(tensors[seg.index])[seg.tensor_offset : seg.tensor_offset + seg.nbytes].copy_(
-            view[seg.bucket_offset : seg.bucket_offset + seg.nbytes]
-        )
+    """The inverse of :func:`pack`: copy a bucket's segments into ``tensors`` (contiguous, wire dtype)."""
+    unpack_parts(view, _segments(segs, tensors, None))
 
 
 class BufferCache:

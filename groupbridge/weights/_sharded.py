@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -55,7 +55,7 @@ __all__ = [
     "conditional",
     "holding",
     "pair_deltas",
-    "piece_view",
+    "piece_parts",
     "plan_pairs",
     "start_of",
     "total",
@@ -292,10 +292,14 @@ def _union(held: Mapping[int, list[Held]]) -> list[Held]:
     return list(seen.values())
 
 
-def piece_view(
-    buf: torch.Tensor, offset: int, nbytes: int, dtype: str, shape: tuple[int, ...]
-) -> torch.Tensor:
-    return buf[offset : offset + nbytes].view(dtype_from_name(dtype)).view(shape)
+def piece_parts(
+    bucket: Bucket, slots: Mapping[str, Slot], dtypes: Mapping[str, str]
+) -> Iterator[_bytes.Part]:
+    """A pair's bucket as parts (see :func:`._bytes.pack_parts`): each piece is a box of a tensor a slot holds
+    (its box of the global tensor), at its offset in the bucket."""
+    for p in bucket.pieces:
+        tensor, box = slots[p.name]
+        yield p.offset, p.nbytes, tensor[p.box.slices(box.offset)], dtype_from_name(dtypes[p.name])
 
 
 def total(buckets: tuple[Bucket, ...]) -> int:

@@ -26,7 +26,7 @@ from ._sharded import (
     DELTA_TAG,
     Exchange,
     Slot,
-    piece_view,
+    piece_parts,
     start_of,
 )
 from ._sharded_delta import bucket_word
@@ -225,12 +225,7 @@ class _Lander:
 
 
 def _unpack(bucket: Bucket, buf: torch.Tensor, slots: Mapping[str, Slot], plan: ShardPlan) -> None:
-    with torch.no_grad():
-        for p in bucket.pieces:
-            tensor, box = slots[p.name]
-            tensor[p.box.slices(box.offset)].copy_(
-                piece_view(buf, p.offset, p.nbytes, plan.dtypes[p.name], p.box.shape)
-            )
+    _bytes.unpack_parts(buf, piece_parts(bucket, slots, plan.dtypes))
 
 
 def wants_of(targets: dict[str, Any], renames: bool) -> dict[str, Any] | None:

@@ -23,10 +23,11 @@ from ._delta_sync import delta_digest
 from ._described import Boxes, Pairs
 from ._session import Session, committed
 from ._shard_plan import Bucket, ShardPlan
-from ._sharded import Slot, piece_view, start_of
+from ._sharded import Slot, piece_parts, start_of
 from ._sharded_delta import PairBases, bucket_word
 from ._source import Puller
 from ._stats import SyncStats, finished
+from ._tx_stream import post_stream
 from .manifest import Manifest
 from .plan import Plan
 from .shard import Box
@@ -80,12 +81,11 @@ def send_shards(x: _sharded.Exchange, tx: TxTransport, sync: Sync[Any]) -> Sent:
         ]
     turns = session.turns()  # a source's pairs are each the first of its cut: walk_of's order, hop 0
     stream.sort(key=lambda e: (e[0], turns[(me, e[1])]))
-    tx.open(Plan.of_sizes([e[2] for e in stream]), device, replace(sync, to=tuple(e[1] for e in stream)))
-    for k, (_, _, nbytes, fill) in enumerate(stream):
-        view = fill(partial(tx.buffer, k, nbytes, device))
-        tx.post(k, view)
-        sent.wire_bytes += nbytes
-    tx.finish()
+    wire = Plan.of_sizes([e[2] for e in stream])
+    post_stream(
+        tx, wire, device, replace(sync, to=tuple(e[1] for e in stream)), lambda k, buf: stream[k][3](buf)
+    )
+    sent.wire_bytes += wire.total_bytes
     digests.send((p.peer, plan.head(me, p.peer)) for p in pairs if not p.delta)
     return sent
 
@@ -149,18 +149,7 @@ def _same(t: torch.Tensor, buffer: Callable[[], torch.Tensor]) -> torch.Tensor:
 
 
 def _pack(bucket: Bucket, buf: torch.Tensor, slots: Mapping[str, Slot], plan: ShardPlan) -> None:
-    """Copy the bucket's pieces in; the alignment gaps between them are zeroed (a bucket's bytes, and so
-    its digest and its delta, depend on the tensors alone)."""
-    with torch.no_grad():
-        end = 0
-        for p in bucket.pieces:
-            if p.offset > end:
-                buf[end : p.offset].zero_()
-            tensor, box = slots[p.name]
-            piece_view(buf, p.offset, p.nbytes, plan.dtypes[p.name], p.box.shape).copy_(
-                tensor[p.box.slices(box.offset)]
-            )
-            end = p.offset + p.nbytes
+    _bytes.pack_parts(buf, piece_parts(bucket, slots, plan.dtypes))
 
 
 class SourceSlots(Mapping[str, Slot]):

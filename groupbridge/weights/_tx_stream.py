@@ -30,7 +30,7 @@ from .transports import Sync, TxTransport
 if TYPE_CHECKING:
     from ._delta_tx import DeltaSender
 
-__all__ = ["Progress", "send_full", "send_stream"]
+__all__ = ["Progress", "post_stream", "send_full", "send_stream"]
 
 Progress = Callable[[int, int], None]
 """``progress(bytes_sent, total_bytes)``, called after every bucket."""
@@ -53,11 +53,12 @@ def send_full(
     ``sample``, one bucket of at least half the sample size is brought up to date by ``sample(view, k)``
     instead (which times a diff on the way)."""
     plan = stream.plan
-    device = stream.device
-    tx.open(plan, device, stream.sync)
     live = puller.live
     in_place = 0
-    for k, segs in enumerate(plan.buckets):
+
+    def fill(k: int, buffer: Callable[[], torch.Tensor]) -> torch.Tensor:
+        nonlocal in_place, sample
+        segs = plan.buckets[k]
         puller.pull_through(max(seg.index for seg in segs))
         start, end = plan.bucket_range(k)
         view = _bytes.in_place_bucket(plan, k, puller.direct, receiving=False)
@@ -71,16 +72,40 @@ def send_full(
             sample = None  # one bucket per full sync
         else:
             # a kept base is where the bucket is packed (one copy, not two); else the transport's buffer
-            view = base[start:end] if base is not None else tx.buffer(k, end - start, device)
+            view = base[start:end] if base is not None else buffer()
             copier.run(partial(_bytes.pack, view, segs, live, puller.wire))
         digests.take(view)
-        tx.post(k, view)
+        return view
+
+    def posted(k: int) -> None:
         if progress is not None:
-            progress(end, plan.total_bytes)
+            progress(plan.bucket_range(k)[1], plan.total_bytes)
         puller.release(plan, k)
-    tx.finish()
+
+    post_stream(tx, plan, stream.device, stream.sync, fill, posted)
     puller.pull_through(len(puller.entries) - 1)  # trailing aliases and empty tensors
     return in_place
+
+
+Fill = Callable[[int, Callable[[], torch.Tensor]], torch.Tensor]
+"""``fill(k, buffer)``: bucket k's bytes, packed into ``buffer()`` (the transport's) or lying elsewhere."""
+
+
+def post_stream(
+    tx: TxTransport, plan: Plan, device: torch.device, sync: Sync[Any], fill: Fill,
+    posted: Callable[[int], None] | None = None,
+) -> None:  # fmt: skip
+    """The one send loop of every stream, a fan-out or a source's pairs: open the transport on ``plan``
+    (its buckets' sizes), then for each bucket ``fill(k, buffer)`` (which packs it into ``buffer()``, the
+    transport's, or returns bytes that lie elsewhere) and post it; ``posted(k)`` after each. The
+    transport's ``buffer()`` blocks while that buffer is still in flight: the pipeline's back-pressure."""
+    tx.open(plan, device, sync)
+    for k in range(len(plan.bounds)):
+        start, end = plan.bucket_range(k)
+        tx.post(k, fill(k, partial(tx.buffer, k, end - start, device)))
+        if posted is not None:
+            posted(k)
+    tx.finish()
 
 
 def send_stream(
