@@ -1,4 +1,4 @@
-"""What a source holds to send deltas (``WeightSender(delta=True)``): the base, the policy, the diff.
+"""What a source holds to send deltas (``WeightSender(delta=True)``): the policy, the fan-out base, the diff.
 
 The sender owns a :class:`DeltaSender` only when asked for deltas. Per sync it says which base version the
 header offers (:meth:`DeltaSender.offer`), which buffer a full sync also packs into (:meth:`prepare`: the
@@ -21,8 +21,8 @@ from ..stateless import StatelessGroup
 from . import _bytes, _delta, _delta_sync
 from ._copier import Copier, Job
 from ._delta_sync import Policy, delta_groups, wire_plan, word_counts
-from ._memory import SentBase
 from ._session import Session, Stream
+from ._sharded_delta import FANOUT, Bases
 from ._source import Puller
 from ._tx_stream import Progress
 from .manifest import Manifest
@@ -44,71 +44,65 @@ class SentDelta:
 
 
 class DeltaSender:
-    """The source's base (the plan-layout bytes of the version every receiver acknowledged) and the policy
-    that decides, per sync, whether a delta pays."""
+    """The policy that decides, per sync, whether a delta pays, and the source's fan-out base (the plan-layout
+    bytes of the version every receiver acknowledged), kept in the member's one store of bases
+    (:class:`~._sharded_delta.Bases`, under :data:`~._sharded_delta.FANOUT`) beside its pairs' bases."""
 
     def __init__(
-        self, group: StatelessGroup, copier: Copier, scratch: _bytes.BufferCache, always: bool
+        self, group: StatelessGroup, copier: Copier, scratch: _bytes.BufferCache, always: bool, bases: Bases
     ) -> None:
         self.group = group
         self.copier = copier
         self.scratch = scratch
+        self.bases = bases
         self.policy = Policy(always=always)
-        self.base: torch.Tensor | None = None
-        self.base_version: int | None = None
-        self.base_digest = ""
+        self._base: torch.Tensor | None = None
+        """The base this sync writes the new version into (see :meth:`prepare`)."""
         self._second: Copier | None = None
-        self._kept = False
 
     @property
     def nbytes(self) -> int:
-        """Memory held for deltas: the base's buffer, refreshed this sync or not."""
-        return self.base.numel() if self.base is not None else 0
+        """Memory held for deltas: every base of the store, refreshed this sync or not."""
+        return self.bases.nbytes
 
-    def kept(self) -> SentBase | None:
-        """The committed base, for the next bridge's sender (a :class:`~._memory.DeltaMemory`); None when no
-        base is valid."""
-        if self.base is None or self.base_version is None:
-            return None
-        return SentBase(self.base, self.base_version, self.base_digest)
-
-    def resume(self, kept: SentBase | None, policy: Policy | None) -> None:
-        """Start from what an earlier sender of this rank kept: its committed base, its policy's
-        measurements of the link (this sender's ``always`` setting wins)."""
-        if kept is not None:
-            self.base, self.base_version, self.base_digest = kept.tensor, kept.version, kept.digest
+    def resume(self, policy: Policy | None) -> None:
+        """Start from an earlier sender of this rank's measurements of the link (this sender's ``always``
+        setting wins); its bases are in the store already."""
         if policy is not None:
             policy.always = self.policy.always
             self.policy = policy
 
     def offer(self, manifest: Manifest) -> int | None:
         """The base version this sync's header offers a delta against, if the policy wants one."""
-        offer = self.base_version if self.base_digest == manifest.digest else None
+        offer = self.bases.held(FANOUT, manifest.digest)
         return offer if self.policy.wants_delta() else None
 
     def prepare(self, session: Session, plan: Plan, device: torch.device) -> tuple[torch.Tensor | None, bool]:
         """The buffer this sync writes the new version into (None: the base is not refreshed, so the next
         sync cannot be a delta), and whether a full sync should time a diff on the way. The base is invalid
-        until the sync is acknowledged everywhere (a sync that fails midway leaves receivers on different
-        versions: the next one is then a full sync)."""
-        sample = self.base_version is not None and not session.delta
-        self.base_version = None
-        self._kept = session.delta or self.policy.keep_base()
-        if not self._kept:
+        until the sync is acknowledged everywhere (:meth:`record`; a sync that fails midway leaves receivers
+        on different versions: the next one is then a full sync)."""
+        sample = self.bases.held(FANOUT, session.manifest.digest) is not None and not session.delta
+        self._base = None
+        if not (session.delta or self.policy.keep_base()):
+            self.bases.invalidate(FANOUT)
             return None, False
-        if self.base is None or self.base.numel() != plan.total_bytes or self.base.device != device:
-            self.base = None  # free the old one first
-            self.base = _bytes.new_buffer(plan.total_bytes, device)
-        return self.base, sample
+        self._base, _ = self.bases.begin(FANOUT, session.manifest.digest, plan.total_bytes, device)
+        return self._base, sample
 
     def record(self, session: Session, seconds: float, total: int, wire_bytes: int, changed: float) -> None:
         """Every receiver acknowledged the sync: its version is the base (if kept); the policy learns."""
-        if self._kept:
-            self.base_version, self.base_digest = session.header.version, session.manifest.digest
+        if self._base is not None:
+            self.bases.commit(session.header.version)
         if session.delta:
             self.policy.record_delta(seconds, total, wire_bytes, changed)
         else:
             self.policy.record_full(seconds, total)
+
+    def abandon(self) -> None:
+        """The sync failed: the base it began stays invalid (the next sync is a full one)."""
+        self.bases.abandon()
+        self._base = None
 
     def sample(self, puller: Puller, plan: Plan, old: torch.Tensor, k: int) -> None:
         """Pack bucket ``k`` into scratch and bring ``old`` (its base) up to it, diffing a slice on the
@@ -142,7 +136,7 @@ class DeltaSender:
     ) -> SentDelta:
         """Diff every bucket against the base (bringing it up to the new version), describe each group of
         buckets, then send the changed buckets' payloads."""
-        plan, base = stream.plan, self.base
+        plan, base = stream.plan, self._base
         assert base is not None
         manifest = puller.manifest
         sizes, words = word_counts(plan, manifest)
@@ -192,7 +186,7 @@ class DeltaSender:
         if self._second is not None:
             self._second.close()
             self._second = None
-        self.base = None
+        self._base = None
 
 
 class _Ahead:

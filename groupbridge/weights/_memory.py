@@ -18,35 +18,23 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from ._bytes import BufferCache
-from ._sharded_delta import PairBases
+from ._sharded_delta import Bases
 
-__all__ = ["DeltaMemory", "SentBase"]
-
-
-@dataclass(eq=False, slots=True)
-class SentBase:
-    """A sender's whole-tensor base: the plan-layout bytes of ``version`` of the manifest ``digest``."""
-
-    tensor: torch.Tensor
-    version: int
-    digest: str
+__all__ = ["DeltaMemory"]
 
 
 @dataclass(eq=False, slots=True)
 class DeltaMemory:
     """One member's delta state, kept across bridges (see the module docstring). Use one per member and
-    role: a sender takes what it holds when made and writes its own back when closed; a receiver keeps its
-    state in it as it goes."""
+    role: a sender or receiver keeps its bases in it as it goes; a sender takes its policy when made and
+    writes it back when closed."""
 
-    pairs: PairBases = field(default_factory=PairBases)
-    """Many sources: one base per cut, with the version it holds (both roles)."""
+    bases: Bases = field(default_factory=Bases)
+    """Every stream's base, one per cut, with the version it holds: a source's fan-out stream and its pairs,
+    a receiver's pairs (a receiver's whole-tensor copy is its kept buffer or its targets: ``held``)."""
     buffers: BufferCache = field(default_factory=BufferCache)
     """A receiver's buffers (its kept copy among them) when it is given no ``buffers=`` of its own."""
-    sent: SentBase | None = None
-    """A sender's whole-tensor base, once a sync with it committed."""
     policy: Any = None
     """A sender's delta policy (:class:`._delta_sync.Policy`): what it measured of the link, kept whether
     or not a base is (a framework's bridge per update would otherwise never get past its warm-up)."""
@@ -54,9 +42,8 @@ class DeltaMemory:
     """A receiver's tag of the version it holds in full (how it is kept, version, manifest digest)."""
 
     def clear(self) -> None:
-        """Forget every base: the next sync of each pair is a full one."""
-        self.pairs.clear()
+        """Forget every base: the next sync of each stream is a full one."""
+        self.bases.clear()
         self.buffers.clear()
-        self.sent = None
         self.policy = None
         self.held = None

@@ -47,7 +47,7 @@ from . import _bytes
 from ._header import MAX_BUCKET_BYTES, VERIFY, Header, Verdict
 from ._shard_plan import ShardPlan
 from ._sharded import conditional, holding, pair_deltas, plan_pairs
-from ._sharded_delta import PairBases
+from ._sharded_delta import Bases
 from .manifest import Manifest
 from .plan import Plan, Plans
 from .transports import TRANSPORTS, Sync
@@ -265,7 +265,7 @@ def settle(
     manifest: Manifest | None = None,
     in_place: bool = False,
     judge: Judge | None = None,
-    bases: PairBases | None = None,
+    bases: Bases | None = None,
     plans: Plans | None = None,
 ) -> Session:
     """Steps 1 and 2 above, after :func:`gather_posts`: each source's manifest (broadcast from it when some
@@ -334,7 +334,7 @@ def open_session(
     seen: Callable[[str, bool], None] | None = None,
     src: int | None = None,
     judge: Judge | None = None,
-    bases: PairBases | None = None,
+    bases: Bases | None = None,
     plans: Plans | None = None,
 ) -> Session:
     """The whole handshake, for a source (``header``, ``manifest``, ``boxes``, ``in_place``) or a receiver

@@ -38,7 +38,7 @@ from . import _bytes
 from ._copier import Copier
 from ._header import Header, Verdict
 from ._shard_plan import Bucket, Held, ShardPlan, plan_shards
-from ._sharded_delta import PairBases, pair_key
+from ._sharded_delta import Bases, pair_key
 from .manifest import Entry, Manifest
 from .plan import Plans
 from .shard import Box
@@ -81,7 +81,7 @@ class Exchange:
     device: torch.device
     """Where this member's stream buffers and pair bases live: its tensors' device (a source's stream over a
     host-only transport: the host)."""
-    bases: PairBases | None = None
+    bases: Bases | None = None
 
     def pairs(self, sending: bool) -> list[Pair]:
         """This member's pairs, their bases begun for this sync when bases are kept."""
@@ -219,9 +219,7 @@ def plan_pairs(
     return plans.get(_layout_key(posts, sources, headers, me), planned) if plans else planned()
 
 
-def holding(
-    bases: PairBases | None, keys: Mapping[tuple[int, int], str], me: int
-) -> tuple[tuple[int, int], ...]:
+def holding(bases: Bases | None, keys: Mapping[tuple[int, int], str], me: int) -> tuple[tuple[int, int], ...]:
     """(peer, version) of every pair base this member holds for its pairs' cuts."""
     out = []
     for (src, dst), key in keys.items() if bases is not None else ():

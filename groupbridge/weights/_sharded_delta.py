@@ -23,7 +23,7 @@ from ..codec import dtype_from_name
 from . import _bytes
 from ._shard_plan import Bucket
 
-__all__ = ["PairBases", "bucket_word", "pair_key"]
+__all__ = ["FANOUT", "Bases", "bucket_word", "pair_key"]
 
 
 def pair_key(buckets: tuple[Bucket, ...]) -> str:
@@ -40,10 +40,16 @@ def bucket_word(bucket: Bucket, dtypes: Any) -> int:
     return min((dtype_from_name(dtypes[p.name]).itemsize for p in bucket.pieces), default=1)
 
 
-class PairBases:
-    """One member's delta bases, one per cut (:func:`pair_key`) with the version it holds: pairs with the
-    same cut share one base (a source's replicas of a receiver's box: both tensor-parallel rank 0s of two
-    replicas want the same rows from it), so a source diffs those bytes once and keeps them once."""
+FANOUT = -1
+"""The peer a source's fan-out stream is kept under in :class:`Bases` (every receiver of a one-source sync of
+whole tensors: one base, keyed by the manifest's digest, whose plan lays its bytes out)."""
+
+
+class Bases:
+    """One member's delta bases, one per cut with the version it holds: the one store of every stream's base.
+    A source's fan-out stream keeps one (peer :data:`FANOUT`); pairs with the same cut share one (a source's
+    replicas of a receiver's box: both tensor-parallel rank 0s of two replicas want the same rows from it),
+    so a source diffs those bytes once and keeps them once."""
 
     def __init__(self) -> None:
         self._bases: dict[str, tuple[int | None, torch.Tensor]] = {}
@@ -76,6 +82,12 @@ class PairBases:
         self._bases[key] = (None, buffer)
         self._begun.add(key)
         return buffer, again
+
+    def invalidate(self, peer: int) -> None:
+        """The stream with ``peer`` holds no valid version (its bytes stay, for the next sync to reuse)."""
+        key = self._peers.get(peer)
+        if key is not None and key in self._bases:
+            self._bases[key] = (None, self._bases[key][1])
 
     def commit(self, version: int) -> None:
         """The sync committed: every base begun in it holds ``version``."""

@@ -270,27 +270,27 @@ def _land_shards(
     then vote; raises (the peers told) on failure. Closed early, it tells nobody (its caller says why)."""
     what = f"receiving version {session.header.version}"
     # bases when any source keeps them (each source's header says whether its pairs may be deltas)
-    bases = taker.memory.pairs if any(h.keeps_base for h in session.headers.values()) else None
+    bases = taker.memory.bases if any(h.keeps_base for h in session.headers.values()) else None
     if bases is None:
-        taker.memory.pairs.clear()  # the senders keep none: nothing to apply a delta to, memory back
+        taker.memory.bases.clear()  # the senders keep none: nothing to apply a delta to, memory back
     x = Exchange(taker.group, session, slots, taker.copier, taker.buffers, deadline, device, bases)
     try:
         problem = yield from receive_shards(x, taker.streams, written, arrivals)
     except GeneratorExit:
-        taker.memory.pairs.abandon()
+        taker.memory.bases.abandon()
         raise
     except BaseException as e:
-        taker.memory.pairs.abandon()
+        taker.memory.bases.abandon()
         tell_failure(taker.group, e, what)
         raise
     try:
         vote(taker.group, session.header.version, problem, deadline)
     except BaseException as e:
-        taker.memory.pairs.abandon()
+        taker.memory.bases.abandon()
         if not isinstance(e, SyncRefusedError):  # every member raised a refusal alike; else tell them
             tell_failure(taker.group, e, f"voting on version {session.header.version}")
         raise
-    taker.memory.pairs.commit(session.header.version)  # the bases hold it on every pair: the vote passed
+    taker.memory.bases.commit(session.header.version)  # the bases hold it on every pair: the vote passed
 
 
 def _staging(

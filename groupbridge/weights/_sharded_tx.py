@@ -24,7 +24,7 @@ from ._described import Boxes, Pairs
 from ._session import Session, committed
 from ._shard_plan import Bucket, ShardPlan
 from ._sharded import Slot, piece_parts, start_of
-from ._sharded_delta import PairBases, bucket_word
+from ._sharded_delta import Bases, bucket_word
 from ._source import Puller
 from ._stats import SyncStats, finished
 from ._tx_stream import post_stream
@@ -249,7 +249,7 @@ def send_sharded(
     buffers: _bytes.BufferCache,
     tx: TxTransport,
     sync: Sync[Any],
-    bases: PairBases | None,
+    bases: Bases | None,
     device: torch.device,
 ) -> SyncStats:
     """This member's part of a many-source sync: its pieces to every receiver over ``tx`` (its buffers and

@@ -125,18 +125,23 @@ def send_stream(
     if delta is not None:
         base, sample = delta.prepare(session, plan, device)
         sampler = partial(delta.sample, puller, plan) if sample else None
-    if session.delta:
-        assert delta is not None
-        sent = delta.send(tx, stream, puller, delta_digest(header), progress)
-        in_place, wire_bytes, changed = sent.in_place, sent.wire_bytes, sent.changed
-    else:
-        digests = _bytes.Digests(header.verify, group)
-        in_place = send_full(
-            tx, stream, puller, copier, digests, base=base, sample=sampler, progress=progress
-        )
-        digests.send((r, None) for r in range(group.world_size) if r != me)
-        wire_bytes, changed = plan.total_bytes, 1.0
-    receivers = committed(group, session, sync.deadline)
+    try:
+        if session.delta:
+            assert delta is not None
+            sent = delta.send(tx, stream, puller, delta_digest(header), progress)
+            in_place, wire_bytes, changed = sent.in_place, sent.wire_bytes, sent.changed
+        else:
+            digests = _bytes.Digests(header.verify, group)
+            in_place = send_full(
+                tx, stream, puller, copier, digests, base=base, sample=sampler, progress=progress
+            )
+            digests.send((r, None) for r in range(group.world_size) if r != me)
+            wire_bytes, changed = plan.total_bytes, 1.0
+        receivers = committed(group, session, sync.deadline)
+    except BaseException:
+        if delta is not None:  # the base it began holds no version any receiver acknowledged
+            delta.abandon()
+        raise
     seconds = time.perf_counter() - t0
     if delta is not None:
         delta.record(session, seconds, plan.total_bytes, wire_bytes, changed)

@@ -90,7 +90,7 @@ class WeightReceiver(Closing):
         version, manifest digest) and, with many sources, one base per cut; the caller's, when given, so
         that they outlive this receiver's group."""
         self._plans = Plans()
-        self._pair_bases = self._memory.pairs
+        self._bases = self._memory.bases
         """With many sources whose senders keep bases: what this receiver last took, one base per cut."""
         self._reads: tuple[str, dict[str, Any]] | None = None
         """``receive(reads=...)``: (the sources' key, the wants to post) learned in the last handshake."""
@@ -133,7 +133,7 @@ class WeightReceiver(Closing):
             return Verdict(in_place=in_place, base=base)
 
         return open_session(self.group, deadline, self._known, wants=wants, wants_if=wants_if, seen=seen,
-                            src=self.src, judge=judge, bases=self._pair_bases,
+                            src=self.src, judge=judge, bases=self._bases,
                             plans=self._plans)  # fmt: skip
 
     def close(self) -> None:
@@ -142,7 +142,7 @@ class WeightReceiver(Closing):
         if self._own_buffers:
             self._buffers.clear()
         if self._own_memory:
-            self._pair_bases.clear()
+            self._bases.clear()
         self._copier.close()
 
     # ------------------------------------------------------------------ receive()

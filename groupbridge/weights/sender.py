@@ -26,7 +26,7 @@ from ._described import Boxes, Described, NamedTensors, Pairs, Specs, in_place, 
 from ._memory import DeltaMemory
 from ._session import Header, Session, make_renamer, open_session, refuse
 from ._sharded import boxes_of
-from ._sharded_delta import PairBases
+from ._sharded_delta import Bases
 from ._sharded_tx import SourceSlots, send_sharded
 from ._stats import SyncStats
 from ._tx_stream import Progress, send_stream
@@ -129,14 +129,17 @@ class WeightSender(Closing):
         self._known: dict[str, Manifest] = {}
         self._described = Described(group, make_renamer(rename), wire_dtype)
         self._plans = Plans()
-        self._delta = DeltaSender(group, self._copier, self._scratch, delta == "always") if delta else None
-        """Present when asked for deltas: the base, the policy and the diff."""
+        self._bases = (memory.bases if memory is not None else Bases()) if delta else None
+        """With ``delta``: the bytes this member last sent, one base per stream's cut (fan-out or pair)."""
+        self._delta = (
+            DeltaSender(group, self._copier, self._scratch, delta == "always", self._bases)
+            if self._bases is not None
+            else None
+        )
+        """Present when asked for deltas: the policy, the fan-out base and the diff."""
         self._memory = memory if delta else None
         if self._delta is not None and memory is not None:
-            self._delta.resume(memory.sent, memory.policy)
-            memory.sent = None  # this sender's now: written back when it closes
-        self._pair_bases = (memory.pairs if memory is not None else PairBases()) if delta else None
-        """With many sources and ``delta``: the bytes this member last sent, one base per cut."""
+            self._delta.resume(memory.policy)
         self.forward = forward
         self._sending = threading.Lock()
         self._closed = False
@@ -227,7 +230,7 @@ class WeightSender(Closing):
         try:
             session = open_session(
                 self.group, deadline, self._known, header=header, boxes=boxes_of(shards), manifest=manifest,
-                in_place=in_place(items, manifest, self._delta is not None), bases=self._pair_bases,
+                in_place=in_place(items, manifest, self._delta is not None), bases=self._bases,
                 plans=self._plans,
             )  # fmt: skip
             if session.plan is not None:
@@ -262,7 +265,7 @@ class WeightSender(Closing):
         sync = Sync(session.headers[self.src].sync_id, deadline, options, self._copier.copy)
         slots = SourceSlots(manifest, items, shards, session.pairs, self.src)
         stats = send_sharded(self.group, session, slots, self._copier, self._scratch, self._tx(pairs), sync,
-                             self._pair_bases, stream_device(pairs, device))  # fmt: skip
+                             self._bases, stream_device(pairs, device))  # fmt: skip
         if self._delta is not None:  # the policy learns from pairs as from one source's stream
             policy = self._delta.policy
             if stats.delta:
@@ -310,11 +313,10 @@ class WeightSender(Closing):
         self._copier.close()
         if self._delta is not None:
             if self._memory is not None:
-                self._memory.sent = self._delta.kept()
                 self._memory.policy = self._delta.policy
             self._delta.close()
-        if self._pair_bases is not None and self._memory is None:
-            self._pair_bases.clear()
+        if self._bases is not None and self._memory is None:
+            self._bases.clear()
         self._scratch.clear()
 
 
