@@ -228,3 +228,18 @@ def test_trl_with_a_peft_model_sends_the_merged_weights_through_groupbridge(
     # its versions anew, so the version number alone does not show it)
     assert transfer.session is None and transfer.version is None  # and TRL destroyed the transfer
     assert [srv.complete(p, TOKENS) for p in PROMPTS] == reference(merged)
+
+
+@pytest.mark.slow  # a server of its own, stopped by force (about 30 s)
+def test_a_server_killed_at_the_end_of_its_grace_leaves_no_shared_memory(tmp_path: Path) -> None:
+    """A server that has not stopped within its grace is killed with its workers; the shared memory they held
+    is removed once they have exited (before: removed while the killed workers still held it, so every
+    segment stayed in /dev/shm)."""
+    make_model(tmp_path / "m", "qwen2", "tiny")
+    before = segments()
+    srv = Server(tmp_path / "m", log=tmp_path / "serve.log", stop_s=0.0)
+    held = segments() - before
+    srv.close()
+    assert held, "the server held no shared memory: nothing to check"
+    assert not segments() - before, f"left in /dev/shm: {sorted(segments() - before)}"
+    assert held <= set(srv.removed), (held, srv.removed)

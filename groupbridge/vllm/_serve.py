@@ -8,6 +8,7 @@ import contextlib
 import ipaddress
 import itertools
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -19,7 +20,9 @@ from pathlib import Path
 
 from .._closing import Closing
 from ._control import HttpClient
-from ._stop import held_by, process_tree, remove_owned, stop_server
+from ._stop import gone, held_by, process_tree, remove_owned, stop_server
+
+logger = logging.getLogger(__name__)
 
 
 def _listening_port(proc: subprocess.Popen[bytes], deadline: float, log: Path, host: str) -> int:
@@ -86,8 +89,11 @@ class Server(Closing):
         env: dict[str, str] | None = None,
         netns: str | None = None,
         host: str = "127.0.0.1",
+        stop_s: float = 60.0,
     ) -> None:
         self.model = str(model)
+        self.stop_s = stop_s
+        """How long ``close()`` lets the server stop in order before its processes are killed."""
         if log is None:
             fd, log = tempfile.mkstemp(prefix="groupbridge-vllm-serve-", suffix=".log")
             os.close(fd)
@@ -148,9 +154,14 @@ class Server(Closing):
 
     def close(self) -> None:
         # vLLM 0.32 never unlinks its CPU communicator's segments: whoever starts an engine cleans after it,
-        # removing only what this server's processes held (not another engine's, started meanwhile)
-        owned = held_by(process_tree([self.proc.pid])) if self.proc.poll() is None else set()
-        stop_server(self.proc)
+        # removing only what this server's processes held (not another engine's, started meanwhile), once
+        # they have exited (a killed worker holds its segments until then)
+        tree = process_tree([self.proc.pid]) if self.proc.poll() is None else set()
+        owned = held_by(tree)
+        stop_server(self.proc, self.stop_s)
+        left = gone(tree)
+        if left:
+            logger.warning("groupbridge: vllm serve's processes %s still run 15 s after it was stopped", left)
         self.removed = remove_owned(owned)
 
 

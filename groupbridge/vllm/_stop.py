@@ -18,13 +18,23 @@ import os
 import signal
 import subprocess
 import threading
+import time
 from collections.abc import Iterable, Sequence
 from datetime import timedelta
 from typing import Any
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["held_by", "process_tree", "remove_new", "remove_owned", "segments", "shutdown", "stop_server"]
+__all__ = [
+    "gone",
+    "held_by",
+    "process_tree",
+    "remove_new",
+    "remove_owned",
+    "segments",
+    "shutdown",
+    "stop_server",
+]
 
 SHM = "/dev/shm"
 PREFIXES = ("psm_", "vllm_dist_")
@@ -74,6 +84,27 @@ def process_tree(roots: Iterable[int]) -> set[int]:
             tree.add(pid)
             todo.extend(children.get(pid, ()))
     return tree
+
+
+def gone(pids: Iterable[int], timeout_s: float = 15.0) -> list[int]:
+    """Wait, at most ``timeout_s``, until none of ``pids`` runs (a zombie counts as gone: it maps nothing);
+    returns those still running. A killed process keeps its mappings until it has exited: the segments it
+    held are in use until then, and :func:`remove_owned` would leave them behind (seen after a server was
+    killed at the end of its grace: every segment stayed)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        running = [pid for pid in pids if _running(pid)]
+        if not running or time.monotonic() > deadline:
+            return running
+        time.sleep(0.05)
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
 
 
 def remove_owned(owned: set[str]) -> list[str]:
@@ -129,7 +160,8 @@ def shutdown(llm: Any, *, timeout: timedelta = timedelta(seconds=60)) -> None:
         raise TypeError(f"shutdown() takes an offline vllm.LLM, got {type(llm).__name__}")
     manager = getattr(getattr(engine_core, "resources", None), "engine_manager", None)
     pids = [p.pid for p in getattr(manager, "processes", ()) if getattr(p, "pid", None)]
-    owned = held_by(process_tree(pids))  # the engine's and its workers' segments, before they exit
+    tree = process_tree(pids)
+    owned = held_by(tree)  # the engine's and its workers' segments, before they exit
     done = threading.Event()
     nudger = threading.Thread(target=_nudge, args=(pids, done), name="groupbridge-vllm-stop", daemon=True)
     nudger.start()
@@ -138,6 +170,7 @@ def shutdown(llm: Any, *, timeout: timedelta = timedelta(seconds=60)) -> None:
     finally:
         done.set()
         nudger.join(1.0)
+    gone(tree)
     remove_owned(owned)
 
 
