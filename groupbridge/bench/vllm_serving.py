@@ -87,12 +87,10 @@ class _Rig:
         return self._groupbridge(mode, r)
 
     def _reload(self) -> tuple[float, float, None, None]:
-        from ..vllm._control import HttpClient
-
         t0 = time.monotonic()
         self.model.save_pretrained(f"{self.tmp}/step")
-        HttpClient(self.srv.base, timeout=600).post("collective_rpc", {"method": "reload_weights",
-             "kwargs": {"weights_path": f"{self.tmp}/step"}})  # fmt: skip
+        self.client.post("collective_rpc", {"method": "reload_weights",
+                         "kwargs": {"weights_path": f"{self.tmp}/step"}})  # fmt: skip
         return t0, time.monotonic(), None, None
 
     def _anchor(self, r: int) -> tuple[float, float, None, None]:

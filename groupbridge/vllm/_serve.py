@@ -20,7 +20,7 @@ from pathlib import Path
 
 from .._closing import Closing
 from ._control import HttpClient
-from ._stop import gone, held_by, process_tree, remove_owned, stop_server
+from ._stop import EXIT_S, gone, held_by, process_tree, remove_owned, stop_server
 
 logger = logging.getLogger(__name__)
 
@@ -161,7 +161,8 @@ class Server(Closing):
         stop_server(self.proc, self.stop_s)
         left = gone(tree)
         if left:
-            logger.warning("groupbridge: vllm serve's processes %s still run 15 s after it was stopped", left)
+            logger.warning("groupbridge: vllm serve's processes %s still run %g s after it was stopped", left,
+                           EXIT_S)  # fmt: skip
         self.removed = remove_owned(owned)
 
 

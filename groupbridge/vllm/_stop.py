@@ -26,6 +26,7 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "EXIT_S",
     "gone",
     "held_by",
     "process_tree",
@@ -74,9 +75,8 @@ def process_tree(roots: Iterable[int]) -> set[int]:
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
-        with contextlib.suppress(OSError, ValueError, IndexError), open(f"/proc/{name}/stat") as f:
-            ppid = int(f.read().rsplit(")", 1)[1].split()[1])  # the name may hold spaces and parentheses
-            children.setdefault(ppid, []).append(int(name))
+        with contextlib.suppress(ValueError, IndexError):
+            children.setdefault(int(_stat(int(name))[1]), []).append(int(name))
     tree, todo = set(), list(roots)
     while todo:
         pid = todo.pop()
@@ -86,25 +86,31 @@ def process_tree(roots: Iterable[int]) -> set[int]:
     return tree
 
 
-def gone(pids: Iterable[int], timeout_s: float = 15.0) -> list[int]:
+def _stat(pid: int) -> list[str]:
+    """The fields of ``/proc/<pid>/stat`` after the process's name (state, parent, ...); none when it is
+    gone. The name may hold spaces and parentheses: the fields start after its last ``)``."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
+EXIT_S = 15.0
+"""How long :func:`gone` waits by default for stopped or killed processes to exit."""
+
+
+def gone(pids: Iterable[int], timeout_s: float = EXIT_S) -> list[int]:
     """Wait, at most ``timeout_s``, until none of ``pids`` runs (a zombie counts as gone: it maps nothing);
     returns those still running. A killed process keeps its mappings until it has exited: the segments it
     held are in use until then, and :func:`remove_owned` would leave them behind (seen after a server was
     killed at the end of its grace: every segment stayed)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        running = [pid for pid in pids if _running(pid)]
+        running = [pid for pid in pids if _stat(pid)[:1] not in ([], ["Z"], ["X"])]
         if not running or time.monotonic() > deadline:
             return running
         time.sleep(0.05)
-
-
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
 
 
 def remove_owned(owned: set[str]) -> list[str]:

@@ -18,6 +18,7 @@ version and every receiver said it holds it:
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -140,7 +141,7 @@ def describe(diffs: list[Diffed]) -> Description:
 
 def apply(
     old: torch.Tensor, payload: torch.Tensor, desc: Description, i: int, j: int, word: int, kind: str,
-    group: Any, run: Any, what: str,
+    group: Any, run: Callable[[Callable[[], torch.Tensor]], torch.Tensor], what: str,
 ) -> tuple[torch.Tensor | None, str | None]:  # fmt: skip
     """Apply wire bucket ``j`` (``payload``, bucket ``i`` of ``desc``) to ``old`` (this receiver's copy of
     the base), checking the payload before and the result after against the sender's digests; the one
