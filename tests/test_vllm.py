@@ -1154,9 +1154,12 @@ def test_adapter_updates_serve_the_trained_adapter_under_a_fresh_name(lora: tupl
 def test_a_request_begun_on_an_adapter_version_finishes_on_it(lora: tuple[Any, Any]) -> None:
     """A long request on version 1 of an adapter is still generating when version 2 is committed (vLLM then
     drops every loaded adapter): it finishes with version 1's tokens, reloaded by name."""
+    from vllm.sampling_params import RequestOutputKind
+
     from groupbridge.vllm import adapter_request
 
     llm, model = lora
+    engine = llm.llm_engine
     eng = trainer(llm, model, adapter="steady", first_version=1)
     prompt, n = [3, 14, 15], 110
     try:
@@ -1165,24 +1168,31 @@ def test_a_request_begun_on_an_adapter_version_finishes_on_it(lora: tuple[Any, A
         with torch.no_grad():
             want = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
         first = adapter_request(llm, "steady")
-        got: list[Any] = []
-        sp = vllm.SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
-        run = threading.Thread(
-            target=lambda: got.append(llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False,
-                                                   lora_request=first)),
-            daemon=True,
-        )  # fmt: skip
-        run.start()
-        deadline = time.monotonic() + 30
-        while llm.llm_engine.get_num_unfinished_requests() == 0 and time.monotonic() < deadline:
-            time.sleep(0.002)
+        sp = vllm.SamplingParams(max_tokens=n, temperature=0, ignore_eos=True,
+                                 output_kind=RequestOutputKind.CUMULATIVE)  # fmt: skip
+        # added here, stepped on a thread: vLLM's offline client is not thread-safe, and the trainer's calls
+        # use it meanwhile (a generate() on another thread raced them and once hung the engine)
+        engine.add_request("begun", {"prompt_token_ids": prompt}, sp, lora_request=first)
+        seen: dict[str, Any] = {}
+        started = threading.Event()
+
+        def drain() -> None:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    seen[out.request_id] = out
+                    started.set()
+
+        runner = threading.Thread(target=drain, daemon=True)
+        runner.start()
+        assert started.wait(60), "the request did not start"
         perturb_adapter(model, 91)
         eng.send_weights()
-        committed = time.monotonic()
-        assert run.is_alive(), "the request ended before version 2 was committed: nothing was in flight"
-        run.join(60)
-        assert not run.is_alive() and time.monotonic() > committed
-        assert list(got[0][0].outputs[0].token_ids) == want[0, len(prompt) :].tolist()
+        runner.join(60)
+        assert not runner.is_alive() and set(seen) == {"begun"}, seen.keys()
+        out = seen["begun"].outputs[0]
+        spans = [s.version for s in out.weight_versions]
+        assert spans == ["1", "2"], f"the request did not run across the commit of version 2: {spans}"
+        assert list(out.token_ids) == want[0, len(prompt) :].tolist()
         assert adapter_request(llm, "steady").lora_name == "steady@v2"
     finally:
         eng.shutdown()
