@@ -9,7 +9,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import xxhash
@@ -44,8 +44,7 @@ def send_shards(x: _sharded.Exchange, tx: TxTransport, sync: Sync[Any]) -> Sent:
     me = group.rank
     assert isinstance(slots, SourceSlots)
     plan, verify, device = session.pairs, session.header.verify, x.device
-    stream: list[tuple[int, int, int, Callable[[Callable[[], torch.Tensor]], torch.Tensor]]] = []
-    """(round, receiver, bytes, fill): ``fill(buffer)`` packs the bucket (into ``buffer()``), returns it."""
+    stream: list[_Post] = []
     digests = _bytes.Digests(verify, group)
     sent = Sent()
     pairs = x.pairs(sending=True)
@@ -64,14 +63,14 @@ def send_shards(x: _sharded.Exchange, tx: TxTransport, sync: Sync[Any]) -> Sent:
             desc, payloads = described[pair.key]
             group.send_obj(desc, dst, tag=_sharded.DELTA_TAG)
             if plan.feeder(me, dst) == me:  # else a receiver forwards the payloads to it
-                stream += [(j, dst, p.numel(), partial(_same, p)) for j, p in enumerate(payloads)]
+                stream += [_Post(j, dst, p.numel(), partial(_same, p)) for j, p in enumerate(payloads)]
             continue
         if plan.feeder(me, dst) != me:  # its bytes are forwarded by a receiver
             continue
         keep = base if pair.key not in written else None
         written.add(pair.key)
         stream += [
-            (
+            _Post(
                 k,
                 dst,
                 b.nbytes,
@@ -80,14 +79,28 @@ def send_shards(x: _sharded.Exchange, tx: TxTransport, sync: Sync[Any]) -> Sent:
             for k, b in enumerate(buckets)
         ]
     turns = session.turns()  # a source's pairs are each the first of its cut: walk_of's order, hop 0
-    stream.sort(key=lambda e: (e[0], turns[(me, e[1])]))
-    wire = Plan.of_sizes([e[2] for e in stream])
+    stream.sort(key=lambda e: (e.round, turns[(me, e.receiver)]))
+    wire = Plan.of_sizes([e.nbytes for e in stream])
     post_stream(
-        tx, wire, device, replace(sync, to=tuple(e[1] for e in stream)), lambda k, buf: stream[k][3](buf)
+        tx,
+        wire,
+        device,
+        replace(sync, to=tuple(e.receiver for e in stream)),
+        lambda k, buf: stream[k].fill(buf),
     )
     sent.wire_bytes += wire.total_bytes
     digests.send((p.peer, plan.head(me, p.peer)) for p in pairs if not p.delta)
     return sent
+
+
+class _Post(NamedTuple):
+    """One bucket of a source's stream: its round, its receiver, its size on the wire, and ``fill(buffer)``,
+    which packs it (into ``buffer()``, the transport's) and returns the bytes to post."""
+
+    round: int
+    receiver: int
+    nbytes: int
+    fill: Callable[[Callable[[], torch.Tensor]], torch.Tensor]
 
 
 @dataclass
