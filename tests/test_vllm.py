@@ -1563,6 +1563,41 @@ def test_a_fleet_refuses_an_engine_listed_twice_at_once() -> None:
     assert len(FleetClient([HttpClient("http://127.0.0.1:9"), HttpClient("http://127.0.0.1:8")]).clients) == 2
 
 
+def test_calls_into_one_offline_engine_go_one_at_a_time_and_a_stuck_one_is_named() -> None:
+    """vLLM's offline client garbles two calls made at once (the engine core then never answers again):
+    every OfflineClient of one engine takes its calls one at a time, and one that waits past its bound
+    raises, naming the call still running."""
+    from groupbridge.errors import WeightSyncError
+    from groupbridge.vllm._client import one_at_a_time
+
+    class Engine:  # what the lock is keyed by: any engine object
+        pass
+
+    llm, other = Engine(), Engine()
+    entered, release = threading.Event(), threading.Event()
+    order: list[str] = []
+
+    def update() -> None:
+        with one_at_a_time(llm, "update"):
+            entered.set()
+            release.wait(10)
+            order.append("update")
+
+    holder = threading.Thread(target=update, daemon=True)
+    holder.start()
+    assert entered.wait(10)
+    stuck = r"engine's update has not returned after 0 s, so its commit was not made"
+    with pytest.raises(WeightSyncError, match=stuck), one_at_a_time(llm, "commit", busy_s=0.2):
+        pass
+    with one_at_a_time(other, "commit", busy_s=0.2):  # another engine is not held up
+        order.append("other")
+    release.set()
+    with one_at_a_time(llm, "commit", busy_s=10):  # waits for the update, then goes
+        order.append("commit")
+    holder.join(10)
+    assert order == ["other", "update", "commit"]
+
+
 def test_a_probe_no_engine_can_score_is_refused_when_the_trainer_starts() -> None:
     """vLLM's Ray client has neither prompt_logprobs nor a server address: verify= is refused by
     trainer_init, before anything joins or commits (it used to commit, then raise)."""

@@ -2,12 +2,31 @@
 
 vLLM ships HTTP and Ray clients; an offline ``LLM`` takes requests shaped as ``{"init_info": ...}`` and
 ``{"update_info": ...}``, so a trainer that holds one needs this small adapter.
+
+vLLM's offline client to its engine core is not thread-safe (one message encoder, one socket): two calls at
+once can garble both messages, the engine core's input thread then dies on what it cannot decode, and every
+later call waits for ever. The trainer makes its calls on threads of its own (the engine's join and update
+run beside the send), so this adapter makes them one at a time per engine, and a call that finds the engine
+still busy with an earlier one past a bound raises, naming it, instead of racing it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
+import time
 import weakref
+from collections.abc import Iterator
 from typing import Any
+
+from ..errors import WeightSyncError
+
+BUSY_S = 600.0
+"""How long a call waits for the engine's earlier call to return before raising (the trainer's own calls
+are bounded by its ``timeout_s``, 300 s unless set: one that outlives it is still running in the engine)."""
+
+_BUSY: weakref.WeakKeyDictionary[Any, tuple[threading.Lock, list[str]]] = weakref.WeakKeyDictionary()
+_BUSY_LOCK = threading.Lock()
 
 _COMMITTED: weakref.WeakKeyDictionary[Any, dict[str, str]] = weakref.WeakKeyDictionary()
 """Per offline ``vllm.LLM`` of this process: adapter name -> the full name (``policy@v3``) a trainer here last
@@ -19,8 +38,31 @@ def committed_adapter(llm: Any, name: str) -> str | None:
     return _COMMITTED.get(llm, {}).get(name)
 
 
+@contextlib.contextmanager
+def one_at_a_time(llm: Any, what: str, busy_s: float = BUSY_S) -> Iterator[None]:
+    """Hold ``llm``'s client for one call (``what``), shared by every :class:`OfflineClient` of it; raises
+    :class:`WeightSyncError` naming the call still running after ``busy_s`` seconds."""
+    with _BUSY_LOCK:
+        lock, running = _BUSY.setdefault(llm, (threading.Lock(), []))
+    t0 = time.monotonic()
+    if not lock.acquire(timeout=busy_s):
+        raise WeightSyncError(
+            f"the offline vLLM engine's {running[0] if running else 'earlier call'} has not returned after "
+            f"{time.monotonic() - t0:.0f} s, so its {what} was not made (vLLM's client takes one call at a "
+            "time): the engine may be stuck; stop it and start a new one"
+        )
+    running.append(what)
+    try:
+        yield
+    finally:
+        running.clear()
+        lock.release()
+
+
 class OfflineClient:
-    """Drives an offline ``vllm.LLM`` through vLLM's weight-sync client protocol."""
+    """Drives an offline ``vllm.LLM`` through vLLM's weight-sync client protocol, one call at a time (see
+    the module's docstring; a request generating meanwhile is added on the trainer's thread and stepped on
+    another, see docs/vllm.md)."""
 
     def __init__(self, llm: Any) -> None:
         self.llm = llm
@@ -29,26 +71,31 @@ class OfflineClient:
         own clock: the workers' commit and the label, between two model steps)."""
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self.llm.init_weight_transfer_engine({"init_info": init_info})
+        with one_at_a_time(self.llm, "join"):
+            self.llm.init_weight_transfer_engine({"init_info": init_info})
 
     def start_weight_update(self) -> None:
-        self.llm.start_weight_update()
+        with one_at_a_time(self.llm, "start of an update"):
+            self.llm.start_weight_update()
 
     def update_weights(self, update_info: Any) -> None:
-        self.llm.update_weights({"update_info": update_info})
+        with one_at_a_time(self.llm, "update"):
+            self.llm.update_weights({"update_info": update_info})
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         """The commit; with a version, labelled in the same engine-core call (see :mod:`._compat`), so that
         every token's version in ``CompletionOutput.weight_versions`` is exact."""
-        if weight_version is None:
-            self.llm.finish_weight_update()
-            return
-        from ._compat import commit_offline
+        with one_at_a_time(self.llm, "commit"):
+            if weight_version is None:
+                self.llm.finish_weight_update()
+                return
+            from ._compat import commit_offline
 
-        self.paused = commit_offline(self.llm, weight_version)
+            self.paused = commit_offline(self.llm, weight_version)
 
     def shutdown_weight_transfer_engine(self) -> None:
-        self.llm.shutdown_weight_transfer_engine()
+        with one_at_a_time(self.llm, "leave"):
+            self.llm.shutdown_weight_transfer_engine()
 
     def vocab_size(self) -> int:
         """The engine's vocabulary: a probe token at or past it would end the engine in its embedding (an
@@ -63,7 +110,8 @@ class OfflineClient:
 
     def reported_version(self) -> str | None:
         """The weight version the engine reports, as it reports it (a number, ``torn``, None)."""
-        label = self.llm.get_weight_version()
+        with one_at_a_time(self.llm, "version query"):
+            label = self.llm.get_weight_version()
         return str(label) if label is not None else None
 
     def adapter_committed(self, name: str, version: int) -> None:
@@ -86,7 +134,8 @@ class OfflineClient:
 
             lora = LoRARequest(adapter, adapter_id(adapter), lora_path=SCHEME + adapter)
         params = vllm.SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
-        out = self.llm.generate(
-            [{"prompt_token_ids": list(tokens)}], params, use_tqdm=False, lora_request=lora
-        )[0]
+        with one_at_a_time(self.llm, "probe"):
+            out = self.llm.generate(
+                [{"prompt_token_ids": list(tokens)}], params, use_tqdm=False, lora_request=lora
+            )[0]
         return [out.prompt_logprobs[i][t].logprob for i, t in enumerate(tokens) if i > 0]
