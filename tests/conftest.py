@@ -21,6 +21,8 @@ from typing import Any
 
 import pytest
 
+from groupbridge.vllm._stop import process_tree  # no vLLM import: /proc only
+
 GRACE_S = 180.0
 """Past its timeout, how long a test may take to clean up (an engine's shutdown is bounded at 60 s); the ini
 option ``watchdog_grace`` sets another."""
@@ -38,27 +40,6 @@ def _timeout(item: pytest.Item) -> float | None:
     else:
         value = item.config.getini("timeout")
     return float(value) if value not in (None, "") and float(value) > 0 else None
-
-
-def _descendants() -> list[int]:
-    """Every process started (directly or not) by this one, children first found first."""
-    children: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                parent = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(parent, []).append(int(name))
-    found: list[int] = []
-    todo = list(children.get(os.getpid(), ()))
-    while todo:
-        pid = todo.pop()
-        found.append(pid)
-        todo.extend(children.get(pid, ()))
-    return found
 
 
 def _end_run(item: pytest.Item, limit: float, grace: float) -> None:
@@ -80,7 +61,7 @@ def _end_run(item: pytest.Item, limit: float, grace: float) -> None:
             out.write("".join(traceback.format_stack(frame)))
         out.flush()
     finally:
-        for pid in _descendants():
+        for pid in process_tree([os.getpid()]) - {os.getpid()}:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
         os._exit(1)
