@@ -450,7 +450,7 @@ def test_a_receiver_whose_bytes_fail_their_digests_leaves_every_receiver_on_the_
 
 def _dies_before_the_vote(rank: int, host: str, ports: Any) -> Any:
     """Rank 2 lands every byte of version 2, then dies before it votes (killed where the vote is taken)."""
-    import groupbridge.weights._rx_stream as rx_stream
+    import groupbridge.weights._receive as receive
 
     g = make_group(rank, 3, host, ports, liveness_timeout=timedelta(seconds=2))
     shapes = [(f"w{i}", (64, 64)) for i in range(16)]
@@ -469,7 +469,7 @@ def _dies_before_the_vote(rank: int, host: str, ports: Any) -> Any:
         rcv.receive_into(target)
         before = {k: v.clone() for k, v in target.items()}
         if rank == 2:
-            rx_stream.vote = lambda *args, **kwargs: os._exit(3)  # type: ignore[assignment]
+            receive.vote = lambda *args, **kwargs: os._exit(3)  # type: ignore[assignment]
         t0 = time.monotonic()
         try:
             rcv.receive_into(target)

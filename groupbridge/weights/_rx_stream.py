@@ -17,14 +17,14 @@ from typing import Any, NoReturn, TypeVar
 import torch
 
 from ..control import Deadline
-from ..errors import GroupBridgeError, SyncRefusedError, WeightSyncError
+from ..errors import GroupBridgeError, WeightSyncError
 from ..stateless import StatelessGroup
 from . import _bytes, _delta, _delta_sync
 from ._appliers import Applier, Bucket
 from ._copier import Copier
 from ._delta_sync import Description, delta_digest, delta_groups, wire_plan, word_counts
 from ._memory import DeltaMemory
-from ._session import ACK_TAG, Header, Session, vote
+from ._session import ACK_TAG, Header, Session
 from .plan import Plan, Plans
 from .transports import RxTransport, Sync, pair_transport, spec
 
@@ -38,7 +38,6 @@ __all__ = [
     "VerifyFailed",
     "acknowledge",
     "give_up",
-    "settle",
     "tell_failure",
 ]
 
@@ -253,26 +252,3 @@ def give_up(group: StatelessGroup, cause: BaseException, what: str, error: Excep
         raise error from cause
     finally:  # this frame must not hold what it raised: a cycle would keep the sync's buffers (shared
         del cause, error  # slots among them) mapped until the cycle collector runs
-
-
-def settle(
-    group: StatelessGroup,
-    version: int,
-    problem: str | None,
-    deadline: Deadline,
-    failed: Callable[[BaseException], Exception],
-) -> None:
-    """This receiver's vote on the sync (see :func:`._session.vote`): returns when every member landed and
-    verified its bytes; else raises ``failed(cause)`` (untouched or torn), the peers told."""
-    try:
-        vote(group, version, problem, deadline)
-    except BaseException as e:
-        if not isinstance(e, SyncRefusedError):  # every member raised a refusal alike; else tell them
-            tell_failure(group, e, f"voting on version {version}")
-        if not isinstance(e, Exception):
-            raise
-        err = failed(e)
-        try:
-            raise err from e
-        finally:  # no cycle through this frame (see give_up)
-            del err, e

@@ -1,5 +1,6 @@
-"""A receiver's part of a many-source sync (see :mod:`._sharded`): what it wants, where the pieces land,
-the vote, the commit."""
+"""The intake of pair streams (a many-source sync, or boxes, see :mod:`._sharded`): what a receiver wants,
+the walk of its streams, where the pieces land. It runs through :mod:`._receive` as a fan-out stream's
+intake does."""
 
 from __future__ import annotations
 
@@ -13,14 +14,15 @@ import torch
 
 from ..codec import dtype_from_name, dtype_name
 from ..control import Deadline
-from ..errors import ProtocolError, SyncRefusedError
+from ..errors import ProtocolError
 from ..stateless import StatelessGroup
 from . import _bytes, _delta, _delta_sync
-from ._appliers import refused, torn
+from ._appliers import torn
 from ._copier import Copier
 from ._delta_sync import Description, delta_digest, wire_plan
-from ._rx_stream import KEPT, RxStreams, Taker, allocated, give_up, tell_failure
-from ._session import Session, vote
+from ._receive import Intake
+from ._rx_stream import KEPT, RxStreams, Taker, allocated
+from ._session import Session
 from ._shard_plan import Bucket, Piece, ShardPlan, element_size
 from ._sharded import (
     DELTA_TAG,
@@ -35,7 +37,7 @@ from .plan import Plan
 from .shard import Box, Shard, box_of
 from .transports import Landed, Landing, pair_transport, stream_device
 
-__all__ = ["data_ptr", "receive_shards", "shards_into", "shards_named", "wants_of"]
+__all__ = ["Boxes", "boxes_into", "boxes_named", "data_ptr", "receive_shards", "wants_of"]
 
 
 class Arrivals:
@@ -47,13 +49,18 @@ class Arrivals:
             p.name for (_, dst), buckets in session.pairs.pairs.items() if dst == me for b in buckets
             for p in b.pieces
         )  # fmt: skip
+        self.total = Counter(self.left)
         self.changed: set[str] = set()
+        self.touched: list[str] = []
+        """The tensors some piece of which landed, in the order they first did."""
         self._ready: list[str] = []
 
     def landed(self, pieces: Sequence[Piece], changed: Sequence[bool]) -> None:
         for p, moved in zip(pieces, changed, strict=True):
             if moved:
                 self.changed.add(p.name)
+            if self.left[p.name] == self.total[p.name]:
+                self.touched.append(p.name)
             self.left[p.name] -= 1
             if self.left[p.name] == 0:
                 self._ready.append(p.name)
@@ -64,25 +71,21 @@ class Arrivals:
         return ready
 
 
-def receive_shards(
-    x: Exchange, streams: RxStreams, written: list[str], arrivals: Arrivals
-) -> Generator[str, None, str | None]:
-    """This receiver's part of step 3: land every source's pieces in its slots (keyed by wire name);
-    ``written`` collects the names written. Each source's buckets come over its pair transport (attached in
-    the handshake), read in the order every member walks them: round, turn (see ``Session.turns``), source.
-    Yields each tensor's
-    wire name as it becomes whole (every piece of it landed). Returns why the bytes are refused (a digest
-    mismatch), or None."""
+def receive_shards(x: Exchange, streams: RxStreams, arrivals: Arrivals, problems: list[str]) -> Iterator[str]:
+    """This receiver's part of step 3: land every source's pieces in its slots (keyed by wire name). Each
+    source's buckets come over its pair transport (attached in the handshake), read in the order every
+    member walks them: round, turn (see ``Session.turns``), source. Yields each tensor's wire name as it
+    becomes whole (every piece of it landed); why the bytes are refused (a digest mismatch) goes to
+    ``problems``."""
     group, session = x.group, x.session
     digests = _bytes.Digests(session.header.verify, group)
     checked: list[int] = []
-    problems: list[str] = []
     plan, me = session.pairs, group.rank
     feeds: dict[int, list[Feed]] = {}
     for pair in x.pairs(sending=False):
         src, buckets = pair.peer, pair.buckets
         lander = _Lander(
-            group, session, src, buckets, x.slots, x.copier, pair.base, written, problems, arrivals, digests
+            group, session, src, buckets, x.slots, x.copier, pair.base, problems, arrivals, digests
         )
         if pair.delta:
             feeds[src] = lander.delta(group.recv_obj(src, timeout=x.deadline, tag=DELTA_TAG))
@@ -127,7 +130,6 @@ def receive_shards(
         problem = digests.check(src, x.deadline)
         if problem is not None:
             problems.append(problem)
-    return problems[0] if problems else None
 
 
 def _land(
@@ -151,22 +153,18 @@ class _Lander:
         slots: Mapping[str, Slot],
         copier: Copier,
         base: torch.Tensor | None,
-        written: list[str],
         problems: list[str],
         arrivals: Arrivals,
         digests: _bytes.Digests,
     ) -> None:
         self.group, self.session, self.src, self.buckets = group, session, src, buckets
         self.slots, self.copier, self.base = slots, copier, base
-        self.written, self.problems, self.arrivals, self.digests = written, problems, arrivals, digests
+        self.problems, self.arrivals, self.digests = problems, arrivals, digests
         self.starts = [start_of(buckets, k) for k in range(len(buckets))]
 
     def _unpack(self, k: int, view: torch.Tensor, changed: Sequence[bool] | None = None) -> None:
         """Bucket k's pieces into the slots; ``changed`` (per piece; None: all) says which of them moved."""
         pieces = self.buckets[k].pieces
-        for p in pieces:
-            if p.name not in self.written:
-                self.written.append(p.name)
         self.copier.run(partial(_unpack, self.buckets[k], view, self.slots, self.session.pairs))
         self.arrivals.landed(pieces, changed if changed is not None else [True] * len(pieces))
 
@@ -262,37 +260,6 @@ def _slot(value: Any) -> Slot:
     return value, Box((0,) * value.dim(), tuple(value.shape))
 
 
-def _land_shards(
-    taker: Taker, session: Session, slots: dict[str, Slot], deadline: Deadline, written: list[str],
-    device: torch.device, arrivals: Arrivals,
-) -> Generator[str, None, None]:  # fmt: skip
-    """Receive every source's pieces into ``slots``, yielding each tensor's wire name as it becomes whole,
-    then vote; raises (the peers told) on failure. Closed early, it tells nobody (its caller says why)."""
-    what = f"receiving version {session.header.version}"
-    # bases when any source keeps them (each source's header says whether its pairs may be deltas)
-    bases = taker.memory.bases if any(h.keeps_base for h in session.headers.values()) else None
-    if bases is None:
-        taker.memory.bases.clear()  # the senders keep none: nothing to apply a delta to, memory back
-    x = Exchange(taker.group, session, slots, taker.copier, taker.buffers, deadline, device, bases)
-    try:
-        problem = yield from receive_shards(x, taker.streams, written, arrivals)
-    except GeneratorExit:
-        taker.memory.bases.abandon()
-        raise
-    except BaseException as e:
-        taker.memory.bases.abandon()
-        tell_failure(taker.group, e, what)
-        raise
-    try:
-        vote(taker.group, session.header.version, problem, deadline)
-    except BaseException as e:
-        taker.memory.bases.abandon()
-        if not isinstance(e, SyncRefusedError):  # every member raised a refusal alike; else tell them
-            tell_failure(taker.group, e, f"voting on version {session.header.version}")
-        raise
-    taker.memory.bases.commit(session.header.version)  # the bases hold it on every pair: the vote passed
-
-
 def _staging(
     taker: Taker, plan: ShardPlan, boxes: Mapping[str, Box], device: torch.device
 ) -> dict[str, Slot]:
@@ -314,59 +281,96 @@ def _device_of(tensors: list[torch.Tensor], default: torch.device) -> torch.devi
     return tensors[0].device if tensors else default
 
 
-def shards_into(taker: Taker, session: Session, targets: dict[str, Any], atomic: bool,
-                deadline: Deadline) -> int:  # fmt: skip
-    """``receive_into`` of a many-source sync: staged in a kept buffer (atomic) or straight into the
-    targets' boxes."""
-    version = session.header.version
-    dest = {wire: _slot(targets[taker.rename(wire)]) for wire in session.pairs.order}
-    boxes = {w: box for w, (_, box) in dest.items()}
-    what = f"receiving version {version}"
-    device = _device_of([t for t, _ in dest.values()], taker.device)
-    slots = (
-        allocated(taker.group, what, lambda: _staging(taker, session.pairs, boxes, device))
-        if atomic
-        else dict(dest)
-    )
-    written: list[str] = []
-    try:
-        for _ in _land_shards(
-            taker, session, slots, deadline, written, device, Arrivals(session, taker.group.rank)
-        ):
-            pass
-    except BaseException as e:
-        if not isinstance(e, Exception):
-            raise
-        names = [] if atomic else [taker.rename(w) for w in written]
-        raise refused(version, taker.held, e, names, len(dest)) from e
-    if atomic:
+class Boxes(Intake):
+    """Pair streams' pieces landed in ``slots`` (by wire name): a kept staging buffer, the target's own boxes,
+    or tensors of their own. Each tensor is yielded (renamed) once every piece of it landed, from whichever
+    sources hold it (``every=False``: only those a delta changed; ``yields=False``: none, for
+    ``receive_into``). ``dest``: the targets' boxes the staged ones are copied into at the commit (atomic);
+    ``streaming``: the slots are the targets', so what lands is written."""
+
+    def __init__(
+        self, taker: Taker, session: Session, slots: dict[str, Slot], device: torch.device,
+        deadline: Deadline, *, every: bool = True, dest: dict[str, Slot] | None = None,
+        streaming: bool = False, yields: bool = True,
+    ) -> None:  # fmt: skip
+        super().__init__(len(dest) if dest is not None else len(slots))
+        self.taker, self.session, self.slots, self.device = taker, session, slots, device
+        self.deadline = deadline
+        self.every, self.dest, self.streaming, self.yields = every, dest, streaming, yields
+        self.arrivals = Arrivals(session, taker.group.rank)
+
+    def written(self) -> list[str]:
+        """Streaming: every tensor some piece of which landed (in the target itself)."""
+        return [self.taker.rename(w) for w in self.arrivals.touched] if self.streaming else []
+
+    def tensors(self) -> Generator[tuple[str, torch.Tensor], None, None]:
+        taker, session, slots = self.taker, self.session, self.slots
+        # bases when any source keeps them (each source's header says whether its pairs may be deltas)
+        bases = taker.memory.bases if any(h.keeps_base for h in session.headers.values()) else None
+        if bases is None:
+            taker.memory.bases.clear()  # the senders keep none: nothing to apply a delta to, memory back
+        x = Exchange(taker.group, session, slots, taker.copier, taker.buffers, self.deadline, self.device,
+                     bases)  # fmt: skip
+        problems: list[str] = []
+        for wire in receive_shards(x, taker.streams, self.arrivals, problems):
+            if self.yields and wire in slots and (self.every or wire in self.arrivals.changed):
+                yield taker.rename(wire), slots[wire][0]
+        self.problem = problems[0] if problems else None
+        if self.yields and self.every and self.problem is None:
+            for wire, (t, _) in slots.items():  # no piece to wait for (empty tensors): whole already
+                if t.numel() == 0:
+                    yield taker.rename(wire), t
+
+    def commit(self) -> None:
+        dest = self.dest
+        if dest is None:
+            return
 
         def apply() -> None:
             with torch.no_grad():
-                for wire, (staged, _) in slots.items():
+                for wire, (staged, _) in self.slots.items():
                     dest[wire][0].copy_(staged)
 
-        try:
-            taker.copier.run(apply)
-        except BaseException as e:
-            give_up(taker.group, e, f"applying version {version}", torn(
-                version, taker.held, e, [taker.rename(w) for w in dest], len(dest), "every byte arrived"
-            ))  # fmt: skip
-    taker.commit(session.header.version, session.sources)
-    return version
+        self.taker.copier.run(apply)
+
+    def commit_failed(self, cause: BaseException, version: int, held: int | None) -> Exception:
+        if self.dest is None:
+            return self.failed(cause, version, held)
+        names = [self.taker.rename(w) for w in self.dest]
+        return torn(version, held, cause, names, len(names), "every byte arrived")
+
+    def kept(self) -> None:
+        self.taker.memory.bases.commit(self.session.header.version)  # every pair's base holds it now
+
+    def abandon(self) -> None:
+        self.taker.memory.bases.abandon()
 
 
-def shards_named(
+def boxes_into(
+    taker: Taker, session: Session, targets: dict[str, Any], atomic: bool, deadline: Deadline
+) -> Boxes:
+    """``receive_into`` of pair streams: staged in a kept buffer (``atomic``) or straight into the targets'
+    boxes."""
+    dest = {wire: _slot(targets[taker.rename(wire)]) for wire in session.pairs.order}
+    boxes = {w: box for w, (_, box) in dest.items()}
+    device = _device_of([t for t, _ in dest.values()], taker.device)
+    taker.memory.held = None
+    if not atomic:
+        return Boxes(taker, session, dict(dest), device, deadline, streaming=True, yields=False)
+    slots = allocated(taker.group, f"receiving version {session.header.version}",
+                      lambda: _staging(taker, session.pairs, boxes, device))  # fmt: skip
+    return Boxes(taker, session, slots, device, deadline, dest=dest, yields=False)
+
+
+def boxes_named(
     taker: Taker, session: Session, deadline: Deadline, keep: bool, only: set[str] | None = None,
     every: bool = True,
-) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
-    """``receive()`` of a many-source sync: whole tensors, each yielded as soon as every piece of it landed
-    (from whichever sources hold it), as a one-source ``receive()`` yields them as their buckets land; the
-    vote follows the last (the digests are checked then: a refusal raises from the iteration, as there).
-    ``keep``: views of one buffer the receiver keeps, valid until the next sync; else tensors of their own.
-    ``only``: the tensors this receiver asked boxes of (``receive(reads=...)``), each whole-shaped: the plan
-    brings its box, the rest of it keeps what the kept buffer held. ``every=False`` (``only_changed``):
-    tensors of a delta that did not change are not yielded."""
+) -> Boxes:  # fmt: skip
+    """``receive()`` of pair streams: whole tensors, each yielded as soon as every piece of it landed, as a
+    fan-out stream's are as their buckets land. ``keep``: views of one buffer the receiver keeps, valid
+    until the next sync; else tensors of their own. ``only``: the tensors this receiver asked boxes of
+    (``receive(reads=...)``), each whole-shaped: the plan brings its box, the rest of it keeps what the
+    kept buffer held."""
     plan = session.pairs
     whole = {w: Box((0,) * len(plan.global_shapes[w]), plan.global_shapes[w])
              for w in plan.order if only is None or w in only}  # fmt: skip
@@ -377,23 +381,6 @@ def shards_named(
         return {w: (torch.empty(box.shape, dtype=dtype_from_name(plan.dtypes[w]), device=taker.device), box)
                 for w, box in whole.items()}  # fmt: skip
 
+    taker.memory.held = None
     slots = allocated(taker.group, f"receiving version {session.header.version}", make)
-    arrivals = Arrivals(session, taker.group.rank)
-    landing = _land_shards(taker, session, slots, deadline, [], taker.device, arrivals)
-    yielded = 0
-    try:
-        for wire in landing:
-            if wire in slots and (every or wire in arrivals.changed):
-                yielded += 1
-                yield taker.rename(wire), slots[wire][0]
-        for wire, (t, _) in slots.items():  # no piece to wait for (empty tensors): whole already
-            if every and t.numel() == 0:
-                yielded += 1
-                yield taker.rename(wire), t
-    except GeneratorExit:  # the sources wait for this receiver's acknowledgement: tell them now
-        landing.close()
-        tell_failure(taker.group, RuntimeError(
-            f"the consumer stopped after taking {yielded} tensors"), f"receiving version "
-            f"{session.header.version}")  # fmt: skip
-        raise
-    taker.commit(session.header.version, session.sources)
+    return Boxes(taker, session, slots, taker.device, deadline, every=every)

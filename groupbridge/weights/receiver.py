@@ -1,8 +1,9 @@
 """WeightReceiver: take weights from the sending members, streamed or all-or-nothing, verified on request.
 
 A receive is the receiver's part of a sync session (:mod:`._session`): the handshake with its verdict here,
-then what it receives and commits, from one source sending whole tensors (:mod:`._rx_whole`) or from many
-(:mod:`._sharded_rx`), each borrowing this receiver's means as a :class:`._rx_stream.Taker`.
+then one receive (:mod:`._receive`) of what lands: one source's fan-out stream of whole tensors
+(:mod:`._rx_whole`) or pair streams of boxes (:mod:`._sharded_rx`), each borrowing this receiver's means as a
+:class:`._rx_stream.Taker`.
 """
 
 from __future__ import annotations
@@ -22,11 +23,12 @@ from ..stateless import StatelessGroup
 from . import _bytes
 from ._copier import Copier
 from ._memory import DeltaMemory
+from ._receive import Intake, into, named
 from ._rx_checks import Reads, refusal
 from ._rx_stream import RxStreams, Taker
-from ._rx_whole import whole_into, whole_named
+from ._rx_whole import fanout_into, fanout_named
 from ._session import Session, Verdict, laid_out_in_place, make_renamer, open_session
-from ._sharded_rx import data_ptr, shards_into, shards_named, wants_of
+from ._sharded_rx import boxes_into, boxes_named, data_ptr, wants_of
 from ._update import WeightUpdate, abandon_update
 from .manifest import Manifest, expected_specs, tensors_of
 from .plan import Plans
@@ -210,12 +212,14 @@ class WeightReceiver(Closing):
                 self._reads = learning.learned
         abandon = partial(abandon_update, self.group)
         every = not (session.delta and only_changed)
+        taker = self._taker(ready)
+        intake: Intake
         if session.plan is not None:
-            self._memory.held = None
             only = set(posted[1]) if posted and learning is not None and learning.used else None
-            pairs = shards_named(self._taker(ready), session, deadline, keep, only, every)
+            intake = boxes_named(taker, session, deadline, keep, only, every)
         else:
-            pairs = whole_named(self._taker(ready), session, deadline, every, keep)
+            intake = fanout_named(taker, session, deadline, every, keep)
+        pairs = named(taker, session, intake, deadline)
         return WeightUpdate(session, _scoped(self.group, pairs), kept=keep, abandon=abandon)
 
     def _taker(self, ready: Callable[[], None] | None = None) -> Taker:
@@ -267,10 +271,13 @@ class WeightReceiver(Closing):
             targets=None if atomic else targets,
             wants=wants_of(targets, self._renames),
         )
+        taker = self._taker()
+        intake: Intake
         if session.plan is not None:
-            self._memory.held = None
-            return shards_into(self._taker(), session, targets, atomic, deadline)
-        return whole_into(self._taker(), session, targets, atomic, deadline, keep)
+            intake = boxes_into(taker, session, targets, atomic, deadline)
+        else:
+            intake = fanout_into(taker, session, targets, atomic, deadline, keep)
+        return into(taker, session, intake, deadline)
 
 
 def _dest(
