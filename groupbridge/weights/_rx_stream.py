@@ -61,52 +61,41 @@ class RxStreams:
         self.copier = copier
         self._transports: dict[tuple[str, int], RxTransport] = {}
 
-    def attach(self, src: int, session: Session) -> str | None:
-        """In the handshake: attach to what carries this source's stream (a fan-out stream: the transport it
-        names; pairs: see ``pair_transport``; a receiver forwarding pairs: ``p2p``); why not, if this
-        receiver cannot."""
-        header = session.headers.get(src)
+    def _carrier(self, feeder: int, session: Session) -> tuple[str, Header | None]:
+        """The transport that carries ``feeder``'s stream to this receiver, and the header that announced it:
+        a fan-out stream's, the one its source names; a source's pairs, see ``pair_transport``; a receiver
+        forwarding pairs (no header), ``p2p`` with its defaults."""
+        header = session.headers.get(feeder)
         if header is None:
-            kind, offer = "p2p", {}
-        else:
-            kind = header.transport if session.plan is None else pair_transport(header.transport)
-            offer = dict(header.offer) if kind == header.transport else {}
+            return "p2p", None
+        return (header.transport if session.plan is None else pair_transport(header.transport)), header
+
+    def attach(self, src: int, session: Session) -> str | None:
+        """In the handshake: attach to what carries this feeder's stream; why not, if this receiver cannot."""
+        kind, header = self._carrier(src, session)
+        offer = dict(header.offer) if header is not None and kind == header.transport else {}
         rx = self._transports.get((kind, src))
         if rx is None:
             rx = self._transports[(kind, src)] = spec(kind).make_rx(self.group)
         return rx.attach(offer, src)
 
-    def forwarded(self, feeder: int, sync_id: str, deadline: Deadline) -> tuple[RxTransport, Sync[Any]]:
-        """The transport a receiver forwarding pairs to this one sends them over (attached in the
-        handshake): ``p2p``, with its default options (what the forwarder's sends use)."""
-        rx = self._transports[("p2p", feeder)]
-        return rx, Sync(sync_id, deadline, spec("p2p").options(), self.copier.copy)
-
-    def pair(self, src: int, header: Header, deadline: Deadline) -> tuple[RxTransport, Sync[Any]]:
-        """The transport this source's pairs come over (attached in the handshake) and what it is told."""
-        kind = pair_transport(header.transport)
+    def stream(self, feeder: int, session: Session, deadline: Deadline) -> tuple[str, RxTransport, Sync[Any]]:
+        """The transport of ``feeder``'s stream (attached in the handshake), its kind, and what it is told:
+        the options its source announced (checked here) where the source names it, else its defaults."""
+        kind, header = self._carrier(feeder, session)
         options = (
-            spec(kind).parse(header.transport_options, self.group.world_size, src)
-            if kind == header.transport
+            spec(kind).parse(header.transport_options, self.group.world_size, feeder)
+            if header is not None and kind == header.transport
             else spec(kind).options()
         )
-        return self._transports[(kind, src)], Sync(header.sync_id, deadline, options, self.copier.copy)
+        sync_id = (header or session.header).sync_id
+        return kind, self._transports[(kind, feeder)], Sync(sync_id, deadline, options, self.copier.copy)
 
-    def _open(self, session: Session, plan: Plan, device: torch.device, sync: Sync[Any]) -> RxTransport:
-        rx = self._transports[(session.header.transport, session.src)]
-        rx.open(plan, device, sync)
-        return rx
-
-    def sync(self, session: Session, deadline: Deadline) -> Sync[Any]:
-        """What the transport is told, with the options the source announced (checked here)."""
-        header = session.header
-        options = spec(header.transport).parse(header.transport_options, self.group.world_size, session.src)
-        return Sync(header.sync_id, deadline, options, self.copier.copy)
-
-    def full(self, session: Session, plan: Plan, applier: Applier, sync: Sync[Any]) -> Iterator[Bucket]:
+    def full(self, session: Session, plan: Plan, applier: Applier, deadline: Deadline) -> Iterator[Bucket]:
         """Every bucket as it arrives; the digests, when the header asks for them, are checked last."""
         header = session.header
-        rx = self._open(session, plan, applier.device, sync)
+        _, rx, sync = self.stream(session.src, session, deadline)
+        rx.open(plan, applier.device, sync)
         applier.ring.size = rx.scratch_buffers
         digests = _bytes.Digests(header.verify, self.group)
         for k, view, in_place in rx.buckets(plan, applier.land, sync.deadline):
@@ -116,10 +105,11 @@ class RxStreams:
         if problem is not None:
             raise VerifyFailed(problem)
 
-    def delta(self, session: Session, plan: Plan, applier: Applier, sync: Sync[Any]) -> Iterator[Bucket]:
+    def delta(self, session: Session, plan: Plan, applier: Applier, deadline: Deadline) -> Iterator[Bucket]:
         """Receive a delta (see :mod:`._delta_sync`) and apply it to the applier's held version; yields
         every changed bucket. A mismatch drains the rest (the source is still sending) and raises."""
         header, manifest = session.header, session.manifest
+        _, rx, sync = self.stream(session.src, session, deadline)
         kind = delta_digest(header)
         sizes, words = word_counts(plan, manifest)
         failed: str | None = None
@@ -129,7 +119,7 @@ class RxStreams:
             wplan, sources = wire_plan(desc, sizes[a:b], words[a:b])
             if not sources:
                 continue
-            rx = self._open(session, wplan, applier.device, sync)
+            rx.open(wplan, applier.device, sync)
             sync = sync.next_part()
             applier.ring.size = rx.scratch_buffers
             for j, view, _ in rx.buckets(wplan, applier.ring.land(wplan), sync.deadline):
@@ -151,10 +141,7 @@ class RxStreams:
 
     def buckets(self, session: Session, plan: Plan, applier: Applier, deadline: Deadline) -> Iterator[Bucket]:
         """The buckets of the session's stream, full or a delta, as they arrive."""
-        sync = self.sync(session, deadline)
-        if session.delta:
-            return self.delta(session, plan, applier, sync)
-        return self.full(session, plan, applier, sync)
+        return (self.delta if session.delta else self.full)(session, plan, applier, deadline)
 
     def close(self) -> None:
         for rx in self._transports.values():

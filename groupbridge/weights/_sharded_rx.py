@@ -35,7 +35,7 @@ from ._sharded_delta import bucket_word
 from ._walk import Feed, Onward, walk_of
 from .plan import Plan
 from .shard import Box, Shard, box_of
-from .transports import Landed, Landing, pair_transport, stream_device
+from .transports import Landed, Landing, stream_device
 
 __all__ = ["Boxes", "boxes_into", "boxes_named", "data_ptr", "receive_shards", "wants_of"]
 
@@ -97,12 +97,8 @@ def receive_shards(x: Exchange, streams: RxStreams, arrivals: Arrivals, problems
     walks: dict[int, Iterator[tuple[int, torch.Tensor, bool]]] = {}
     for feeder in sorted({plan.feeder(s, me) for s in feeds}):
         mine = [(s, k) for s, k in walk if plan.feeder(s, me) == feeder]
-        if feeder in session.sources:
-            rx, sync = streams.pair(feeder, session.headers[feeder], x.deadline)
-            device = stream_device(pair_transport(session.headers[feeder].transport), x.device)
-        else:
-            rx, sync = streams.forwarded(feeder, session.header.sync_id, x.deadline)
-            device = x.device
+        kind, rx, sync = streams.stream(feeder, session, x.deadline)
+        device = stream_device(kind, x.device)
         wire = Plan.of_sizes([feeds[s][k][0] for s, k in mine])
         rx.open(wire, device, replace(sync, to=(me,) * len(mine)))
         # A bucket read where it lies (a shared slot) keeps the slot until this receiver comes back to that
@@ -110,8 +106,8 @@ def receive_shards(x: Exchange, streams: RxStreams, arrivals: Arrivals, problems
         # (it has no more receivers than slots), else it could wait on a later bucket: then copy out first.
         receivers = sum(1 for s, _ in plan.pairs if s == feeder)
         slots = getattr(sync.options, "slots", 0)
-        kind = Landing.SCRATCH if receivers <= slots else Landing.STAGING
-        land = partial(_land, x.buffers, f"recv{feeder}", rx.scratch_buffers, wire, kind, device)
+        landing = Landing.SCRATCH if receivers <= slots else Landing.STAGING
+        land = partial(_land, x.buffers, f"recv{feeder}", rx.scratch_buffers, wire, landing, device)
         walks[feeder] = rx.buckets(wire, land, x.deadline)
     onward = Onward(group, plan, walk, feeds, x.deadline, x.device)
     left = Counter(plan.feeder(s, me) for s, _ in walk)
