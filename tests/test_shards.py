@@ -643,6 +643,48 @@ def test_many_sources_receive_yields_each_tensor_as_it_lands_and_only_what_chang
     assert res[2] == [(["a", "z"], True), (["z"], True)], res
 
 
+def _owned(rank: int, ports: Any) -> Any:
+    """Sources 0 and 1 hold row halves of four tensors (a bucket each); receiver 2 iterates ``receive()``
+    (no ``keep``) twice, holding on to the first version's ``t0`` only."""
+    import weakref
+
+    names = [f"t{i}" for i in range(4)]
+
+    def full(name: str, version: int) -> torch.Tensor:
+        return torch.arange(32 * 16, dtype=torch.float32).reshape(32, 16) * version + int(name[1:])
+
+    with make_group(rank, 3, "127.0.0.1", ports) as g:
+        if rank < 2:
+            with gb.WeightSender(g, bucket_bytes=2048) as snd:
+                for v in (1, 2):
+                    rows = slice(16 * rank, 16 * rank + 16)
+                    held = {n: gb.Shard(full(n, v)[rows].clone(), (32, 16), (16 * rank, 0)) for n in names}
+                    snd.send(held, version=v)
+            return None
+        rcv = gb.WeightReceiver(g)
+        kept, freed, exact = None, [], True
+        for v in (1, 2):
+            refs: list[Any] = []
+            for name, t in rcv.receive():
+                exact = exact and torch.equal(t, full(name, v))
+                freed.append(all(r() is None for r in refs))  # every tensor yielded before was let go
+                if kept is None:
+                    kept = t
+                else:
+                    refs.append(weakref.ref(t))
+                del t
+        return freed, exact, kept is not None and torch.equal(kept, full("t0", 1))
+
+
+@pytest.mark.timeout(60)
+def test_many_sources_receive_gives_each_tensor_to_the_consumer_and_lets_it_go() -> None:
+    """Without ``keep``, a tensor yielded is the consumer's: one it dropped is freed at once (the receiver
+    does not hold the model until the update ends), one it keeps is not touched by the next version."""
+    res = run_ranks(_owned, 3, CTX.Queue(), timeout=50)
+    freed, exact, kept = res[2]
+    assert exact and kept and freed == [True] * 8, res[2]
+
+
 def _policy(rank: int, ports: Any, delta: Any) -> Any:
     with make_group(rank, 3, "127.0.0.1", ports) as g:
         if rank < 2:

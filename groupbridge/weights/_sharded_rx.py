@@ -279,20 +279,21 @@ def _device_of(tensors: list[torch.Tensor], default: torch.device) -> torch.devi
 
 class Boxes(Intake):
     """Pair streams' pieces landed in ``slots`` (by wire name): a kept staging buffer, the target's own boxes,
-    or tensors of their own. Each tensor is yielded (renamed) once every piece of it landed, from whichever
-    sources hold it (``every=False``: only those a delta changed; ``yields=False``: none, for
-    ``receive_into``). ``dest``: the targets' boxes the staged ones are copied into at the commit (atomic);
-    ``streaming``: the slots are the targets', so what lands is written."""
+    or tensors made as their first piece lands (:class:`_Fresh`). With ``wanted`` (``receive()``: the boxes
+    asked for, by wire name) each tensor is yielded (renamed) once every piece of it landed, from whichever
+    sources hold it, and let go here (``every=False``: only those a delta changed). ``dest``: the targets'
+    boxes the staged ones are copied into at the commit (atomic); ``streaming``: the slots are the targets',
+    so what lands is written."""
 
     def __init__(
         self, taker: Taker, session: Session, slots: dict[str, Slot], device: torch.device,
-        deadline: Deadline, *, every: bool = True, dest: dict[str, Slot] | None = None,
-        streaming: bool = False, yields: bool = True,
+        deadline: Deadline, *, wanted: Mapping[str, Box] | None = None, every: bool = True,
+        dest: dict[str, Slot] | None = None, streaming: bool = False,
     ) -> None:  # fmt: skip
-        super().__init__(len(dest) if dest is not None else len(slots))
+        super().__init__(len(wanted) if wanted is not None else len(dest or slots))
         self.taker, self.session, self.slots, self.device = taker, session, slots, device
-        self.deadline = deadline
-        self.every, self.dest, self.streaming, self.yields = every, dest, streaming, yields
+        self.deadline, self.wanted = deadline, wanted
+        self.every, self.dest, self.streaming = every, dest, streaming
         self.arrivals = Arrivals(session, taker.group.rank)
 
     def written(self) -> list[str]:
@@ -308,14 +309,15 @@ class Boxes(Intake):
         x = Exchange(taker.group, session, slots, taker.copier, taker.buffers, self.deadline, self.device,
                      bases)  # fmt: skip
         problems: list[str] = []
+        wanted = self.wanted if self.wanted is not None else {}
         for wire in receive_shards(x, taker.streams, self.arrivals, problems):
-            if self.yields and wire in slots and (self.every or wire in self.arrivals.changed):
-                yield taker.rename(wire), slots[wire][0]
+            if wire in wanted and (self.every or wire in self.arrivals.changed):
+                yield taker.rename(wire), slots.pop(wire)[0]  # no piece of it is left to land
         self.problem = problems[0] if problems else None
-        if self.yields and self.every and self.problem is None:
-            for wire, (t, _) in slots.items():  # no piece to wait for (empty tensors): whole already
-                if t.numel() == 0:
-                    yield taker.rename(wire), t
+        if self.every and self.problem is None:
+            for wire, box in wanted.items():  # no piece to wait for (empty tensors): whole already
+                if box.numel == 0:
+                    yield taker.rename(wire), slots[wire][0]
 
     def commit(self) -> None:
         dest = self.dest
@@ -352,10 +354,10 @@ def boxes_into(
     device = _device_of([t for t, _ in dest.values()], taker.device)
     taker.memory.held = None
     if not atomic:
-        return Boxes(taker, session, dict(dest), device, deadline, streaming=True, yields=False)
+        return Boxes(taker, session, dict(dest), device, deadline, streaming=True)
     slots = allocated(taker.group, f"receiving version {session.header.version}",
                       lambda: _staging(taker, session.pairs, boxes, device))  # fmt: skip
-    return Boxes(taker, session, slots, device, deadline, dest=dest, yields=False)
+    return Boxes(taker, session, slots, device, deadline, dest=dest)
 
 
 def boxes_named(
@@ -371,12 +373,27 @@ def boxes_named(
     whole = {w: Box((0,) * len(plan.global_shapes[w]), plan.global_shapes[w])
              for w in plan.order if only is None or w in only}  # fmt: skip
 
-    def make() -> dict[str, Slot]:
-        if keep:
-            return _staging(taker, plan, whole, taker.device)
-        return {w: (torch.empty(box.shape, dtype=dtype_from_name(plan.dtypes[w]), device=taker.device), box)
-                for w, box in whole.items()}  # fmt: skip
-
     taker.memory.held = None
-    slots = allocated(taker.group, f"receiving version {session.header.version}", make)
-    return Boxes(taker, session, slots, taker.device, deadline, every=every)
+    slots = (
+        allocated(taker.group, f"receiving version {session.header.version}",
+                  lambda: _staging(taker, plan, whole, taker.device))
+        if keep
+        else _Fresh(whole, plan.dtypes, taker.device)
+    )  # fmt: skip
+    return Boxes(taker, session, slots, taker.device, deadline, wanted=whole, every=every)
+
+
+class _Fresh(dict[str, Slot]):
+    """``receive()`` without ``keep``: each tensor made when its first piece lands and let go here once it is
+    yielded (its last piece landed): the receiver holds the tensors whose pieces are still in flight, not a
+    whole model made up front, and what it yielded is the consumer's alone."""
+
+    def __init__(self, boxes: Mapping[str, Box], dtypes: Mapping[str, str], device: torch.device) -> None:
+        super().__init__()
+        self.boxes, self.dtypes, self.device = boxes, dtypes, device
+
+    def __missing__(self, wire: str) -> Slot:
+        box = self.boxes[wire]
+        dtype = dtype_from_name(self.dtypes[wire])
+        self[wire] = slot = (torch.empty(box.shape, dtype=dtype, device=self.device), box)
+        return slot
