@@ -2,9 +2,9 @@
 
 The sender owns a :class:`DeltaSender` only when asked for deltas. Per sync it says which base version the
 header offers (:meth:`DeltaSender.offer`), which buffer a full sync also packs into (:meth:`prepare`: the
-base, refreshed while full syncs win on only some syncs, see ``Policy.keep_base``), sends a delta stream
-(:meth:`send`, see :mod:`._delta_sync` for what travels), and learns from what each sync cost
-(:meth:`record`).
+base, refreshed while full syncs win on only some syncs, see ``Policy.keep_base``) and sends a delta stream
+(:meth:`send`, see :mod:`._delta_sync` for what travels); its policy learns from what each sync cost once
+it committed (:func:`._tx_stream.source_sync`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -24,23 +23,15 @@ from ._delta_sync import Policy, delta_groups, wire_plan, word_counts
 from ._session import Session, Stream
 from ._sharded_delta import FANOUT, Bases
 from ._source import Puller
-from ._tx_stream import Progress
+from ._tx_stream import Progress, Sent
 from .manifest import Manifest
 from .plan import Plan
 from .transports import TxTransport
 
-__all__ = ["DeltaSender", "SentDelta"]
+__all__ = ["DeltaSender"]
 
 Diffed = tuple[_delta_sync.Diffed, bool]
 """A bucket's diff, and whether its new bytes were read in place."""
-
-
-@dataclass(frozen=True, slots=True)
-class SentDelta:
-    in_place: int
-    wire_bytes: int
-    changed: float
-    """Of the words compared, the fraction that changed."""
 
 
 class DeltaSender:
@@ -60,11 +51,6 @@ class DeltaSender:
         """The base this sync writes the new version into (see :meth:`prepare`)."""
         self._second: Copier | None = None
 
-    @property
-    def nbytes(self) -> int:
-        """Memory held for deltas: every base of the store, refreshed this sync or not."""
-        return self.bases.nbytes
-
     def resume(self, policy: Policy | None) -> None:
         """Start from an earlier sender of this rank's measurements of the link (this sender's ``always``
         setting wins); its bases are in the store already."""
@@ -80,8 +66,8 @@ class DeltaSender:
     def prepare(self, session: Session, plan: Plan, device: torch.device) -> tuple[torch.Tensor | None, bool]:
         """The buffer this sync writes the new version into (None: the base is not refreshed, so the next
         sync cannot be a delta), and whether a full sync should time a diff on the way. The base is invalid
-        until the sync is acknowledged everywhere (:meth:`record`; a sync that fails midway leaves receivers
-        on different versions: the next one is then a full sync)."""
+        until the sync is acknowledged everywhere (:func:`._tx_stream.source_sync`; a sync that fails midway
+        leaves receivers on different versions: the next one is then a full sync)."""
         sample = self.bases.held(FANOUT, session.manifest.digest) is not None and not session.delta
         self._base = None
         if not (session.delta or self.policy.keep_base()):
@@ -89,20 +75,6 @@ class DeltaSender:
             return None, False
         self._base, _ = self.bases.begin(FANOUT, session.manifest.digest, plan.total_bytes, device)
         return self._base, sample
-
-    def record(self, session: Session, seconds: float, total: int, wire_bytes: int, changed: float) -> None:
-        """Every receiver acknowledged the sync: its version is the base (if kept); the policy learns."""
-        if self._base is not None:
-            self.bases.commit(session.header.version)
-        if session.delta:
-            self.policy.record_delta(seconds, total, wire_bytes, changed)
-        else:
-            self.policy.record_full(seconds, total)
-
-    def abandon(self) -> None:
-        """The sync failed: the base it began stays invalid (the next sync is a full one)."""
-        self.bases.abandon()
-        self._base = None
 
     def sample(self, puller: Puller, plan: Plan, old: torch.Tensor, k: int) -> None:
         """Pack bucket ``k`` into scratch and bring ``old`` (its base) up to it, diffing a slice on the
@@ -133,7 +105,7 @@ class DeltaSender:
         puller: Puller,
         verify: str,
         progress: Progress | None,
-    ) -> SentDelta:
+    ) -> Sent:
         """Diff every bucket against the base (bringing it up to the new version), describe each group of
         buckets, then send the changed buckets' payloads."""
         plan, base = stream.plan, self._base
@@ -179,8 +151,7 @@ class DeltaSender:
         if opened:
             tx.finish()
         puller.pull_through(len(manifest.entries) - 1)
-        compared = sum(words)
-        return SentDelta(in_place, wire_bytes, changed / compared if compared else 0.0)
+        return Sent(plan.total_bytes, len(plan.buckets), wire_bytes, in_place, changed, sum(words), True)
 
     def close(self) -> None:
         if self._second is not None:

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -21,19 +20,18 @@ from . import _bytes, _delta_sync, _sharded
 from ._copier import Copier
 from ._delta_sync import delta_digest
 from ._described import Boxes, Pairs
-from ._session import Session, committed
+from ._session import Session
 from ._shard_plan import Bucket, ShardPlan
 from ._sharded import Slot, piece_parts, start_of
 from ._sharded_delta import Bases, bucket_word
 from ._source import Puller
-from ._stats import SyncStats, finished
-from ._tx_stream import post_stream
+from ._tx_stream import Sent, post_stream
 from .manifest import Manifest
 from .plan import Plan
 from .shard import Box
-from .transports import Sync, TxTransport, pair_transport
+from .transports import Sync, TxTransport
 
-__all__ = ["SourceSlots", "send_sharded", "send_shards"]
+__all__ = ["SourceSlots", "pair_streams", "send_shards"]
 
 
 def send_shards(x: _sharded.Exchange, tx: TxTransport, sync: Sync[Any]) -> Sent:
@@ -101,13 +99,6 @@ class _Post(NamedTuple):
     receiver: int
     nbytes: int
     fill: Callable[[Callable[[], torch.Tensor]], torch.Tensor]
-
-
-@dataclass
-class Sent:
-    wire_bytes: int = 0
-    changed_words: int = 0
-    compared_words: int = 0
 
 
 def _full_bucket(
@@ -254,46 +245,20 @@ def _cell_digest(cell: torch.Tensor) -> str:
     return f"{xxhash.xxh3_64_intdigest(data):016x}"
 
 
-def send_sharded(
-    group: StatelessGroup,
-    session: Session,
-    slots: SourceSlots,
-    copier: Copier,
-    buffers: _bytes.BufferCache,
-    tx: TxTransport,
-    sync: Sync[Any],
-    bases: Bases | None,
-    device: torch.device,
-) -> SyncStats:
-    """This member's part of a many-source sync: its pieces to every receiver over ``tx`` (its buffers and
-    bases on ``device``), the vote, the acks."""
-    t0 = time.perf_counter()
-    me, deadline = group.rank, sync.deadline
-    try:
-        exchange = _sharded.Exchange(group, session, slots, copier, buffers, deadline, device, bases)
-        sent = send_shards(exchange, tx, sync)
-        slots.finish()
-        version = session.header.version
-        receivers = committed(group, session, deadline, slots.replicas(deadline))
-    except BaseException:
-        slots.close()
-        if bases is not None:
-            bases.abandon()
-        raise
-    if bases is not None:
-        bases.commit(version)
-    seconds = time.perf_counter() - t0
+def pair_streams(
+    group: StatelessGroup, session: Session, slots: SourceSlots, copier: Copier, buffers: _bytes.BufferCache,
+    tx: TxTransport, sync: Sync[Any], bases: Bases | None, device: torch.device,
+) -> Sent:  # fmt: skip
+    """This source's streams of a sync of pairs: its pieces to every receiver over ``tx`` (its buffers and
+    bases on ``device``), every tensor of a lazy source pulled (see :func:`._tx_stream.source_sync` for what
+    follows)."""
+    me = group.rank
+    exchange = _sharded.Exchange(group, session, slots, copier, buffers, sync.deadline, device, bases)
+    sent = send_shards(exchange, tx, sync)
+    slots.finish()
     mine = {pair: b for pair, b in session.pairs.pairs.items() if pair[0] == me}
-    total = sum(b.nbytes for buckets in mine.values() for b in buckets)
-    return finished(
-        group, version, total, seconds,
-        buckets=sum(len(b) for b in mine.values()),
-        in_place_buckets=0,
-        transport=pair_transport(session.headers[me].transport),
-        receivers=len(receivers),
-        wire_bytes=sent.wire_bytes,
-        changed_fraction=sent.changed_words / sent.compared_words if sent.compared_words else 1.0,
-        delta=any(pair[0] == me for pair in session.deltas),
-        base_bytes=bases.nbytes if bases is not None else 0,
-        by_receiver={dst: sum(b.nbytes for b in buckets) for (_, dst), buckets in sorted(mine.items())},
-    )  # fmt: skip
+    sent.total = sum(b.nbytes for buckets in mine.values() for b in buckets)
+    sent.buckets = sum(len(b) for b in mine.values())
+    sent.delta = any(pair[0] == me for pair in session.deltas)
+    sent.by_receiver = {dst: sum(b.nbytes for b in buckets) for (_, dst), buckets in sorted(mine.items())}
+    return sent

@@ -10,18 +10,21 @@ back-pressure. Tensors are released as soon as their last bucket is posted.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..control import Deadline
 from ..stateless import StatelessGroup
 from . import _bytes
 from ._copier import Copier
 from ._delta_sync import Policy, delta_digest
 from ._described import Pairs
 from ._session import Session, Stream, committed, merged_plan
+from ._sharded_delta import Bases
 from ._source import Puller
 from ._stats import SyncStats, finished
 from .plan import Plan
@@ -30,7 +33,7 @@ from .transports import Sync, TxTransport
 if TYPE_CHECKING:
     from ._delta_tx import DeltaSender
 
-__all__ = ["Progress", "post_stream", "send_full", "send_stream"]
+__all__ = ["Progress", "Sent", "post_stream", "send_full", "send_stream", "source_sync"]
 
 Progress = Callable[[int, int], None]
 """``progress(bytes_sent, total_bytes)``, called after every bucket."""
@@ -108,47 +111,86 @@ def post_stream(
     tx.finish()
 
 
+@dataclass
+class Sent:
+    """What a source's streams moved in one sync, for its stats and its delta policy."""
+
+    total: int = 0
+    """The bytes of its buckets (what a full sync moves)."""
+    buckets: int = 0
+    wire_bytes: int = 0
+    in_place: int = 0
+    changed_words: int = 0
+    compared_words: int = 0
+    delta: bool = False
+    by_receiver: dict[int, int] | None = None
+    """Bytes each receiver took (None: every receiver took them all)."""
+
+    @property
+    def changed(self) -> float:
+        """Of the words compared, the fraction that changed (1.0 for a full sync: nothing was compared)."""
+        if not self.compared_words:
+            return 0.0 if self.delta else 1.0
+        return self.changed_words / self.compared_words
+
+
+def source_sync(
+    group: StatelessGroup, session: Session, deadline: Deadline, streams: Callable[[], Sent], *,
+    transport: str, bases: Bases | None, policy: Policy | None,
+    replicas: Callable[[], Mapping[str, str]] | None = None, cleanup: Callable[[], None] | None = None,
+) -> SyncStats:  # fmt: skip
+    """The one end of every source's sync, one stream or many: ``streams()`` sends this source's streams
+    (every byte posted), then the vote (with the digests of the replicated cells it holds, ``replicas()``)
+    and every receiver's acknowledgement. Only then do the delta bases it began hold the version and the
+    policy learn from what the sync cost; a failure leaves them holding none (the next sync is whole) and
+    runs ``cleanup``. Returns the sync's stats."""
+    version = session.header.version
+    t0 = time.perf_counter()
+    try:
+        sent = streams()
+        receivers = committed(group, session, deadline, replicas() if replicas is not None else None)
+    except BaseException:
+        if cleanup is not None:
+            cleanup()
+        if bases is not None:  # what it began holds no version any receiver acknowledged
+            bases.abandon()
+        raise
+    seconds = time.perf_counter() - t0
+    if bases is not None:
+        bases.commit(version)
+    if policy is not None:
+        if sent.delta:
+            policy.record_delta(seconds, sent.total, sent.wire_bytes, sent.changed)
+        else:
+            policy.record_full(seconds, sent.total)
+    return finished(
+        group, version, sent.total, seconds,
+        buckets=sent.buckets, in_place_buckets=sent.in_place, transport=transport, receivers=len(receivers),
+        wire_bytes=sent.wire_bytes, changed_fraction=sent.changed, delta=sent.delta,
+        base_bytes=bases.nbytes if bases is not None else 0,
+        by_receiver=dict.fromkeys(receivers, sent.total) if sent.by_receiver is None else sent.by_receiver,
+    )  # fmt: skip
+
+
 def send_stream(
     group: StatelessGroup, session: Session, plan: Plan, items: Pairs, device: torch.device, tx: TxTransport,
     sync: Sync[Any], copier: Copier, progress: Progress | None, delta: DeltaSender | None,
-) -> SyncStats:  # fmt: skip
-    """A source's stream of the agreed one-source session (full, or a delta with ``delta``'s base), then the
-    commit: the vote, every receiver's acknowledgement. Returns the sync's stats (and ``delta``'s policy
-    learns from them)."""
+) -> Sent:  # fmt: skip
+    """A source's fan-out stream of the agreed one-source session: full, or a delta against ``delta``'s
+    base (see :func:`source_sync` for what follows)."""
     header, manifest, me = session.header, session.manifest, group.rank
     if session.merged:
         plan = merged_plan(manifest)
-    t0 = time.perf_counter()
     stream = Stream(me, plan, sync, device)
     puller = Puller(manifest, iter(items))
     base, sampler = None, None
     if delta is not None:
         base, sample = delta.prepare(session, plan, device)
         sampler = partial(delta.sample, puller, plan) if sample else None
-    try:
-        if session.delta:
-            assert delta is not None
-            sent = delta.send(tx, stream, puller, delta_digest(header), progress)
-            in_place, wire_bytes, changed = sent.in_place, sent.wire_bytes, sent.changed
-        else:
-            digests = _bytes.Digests(header.verify, group)
-            in_place = send_full(
-                tx, stream, puller, copier, digests, base=base, sample=sampler, progress=progress
-            )
-            digests.send((r, None) for r in range(group.world_size) if r != me)
-            wire_bytes, changed = plan.total_bytes, 1.0
-        receivers = committed(group, session, sync.deadline)
-    except BaseException:
-        if delta is not None:  # the base it began holds no version any receiver acknowledged
-            delta.abandon()
-        raise
-    seconds = time.perf_counter() - t0
-    if delta is not None:
-        delta.record(session, seconds, plan.total_bytes, wire_bytes, changed)
-    return finished(
-        group, header.version, plan.total_bytes, seconds,
-        buckets=len(plan.buckets), in_place_buckets=in_place, transport=header.transport,
-        receivers=len(receivers), wire_bytes=wire_bytes, changed_fraction=changed, delta=session.delta,
-        base_bytes=delta.nbytes if delta is not None else 0,
-        by_receiver=dict.fromkeys(receivers, plan.total_bytes),
-    )  # fmt: skip
+    if session.delta:
+        assert delta is not None
+        return delta.send(tx, stream, puller, delta_digest(header), progress)
+    digests = _bytes.Digests(header.verify, group)
+    in_place = send_full(tx, stream, puller, copier, digests, base=base, sample=sampler, progress=progress)
+    digests.send((r, None) for r in range(group.world_size) if r != me)
+    return Sent(plan.total_bytes, len(plan.buckets), plan.total_bytes, in_place)

@@ -6,6 +6,7 @@ import secrets
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
+from functools import partial
 
 import torch
 
@@ -21,15 +22,16 @@ from ..errors import (
 from ..stateless import StatelessGroup
 from . import _bytes
 from ._copier import Copier
+from ._delta_sync import Policy
 from ._delta_tx import DeltaSender
 from ._described import Boxes, Described, NamedTensors, Pairs, Specs, in_place, named_tensors_of, peek_device
 from ._memory import DeltaMemory
 from ._session import Header, Session, make_renamer, open_session, refuse
 from ._sharded import boxes_of
 from ._sharded_delta import Bases
-from ._sharded_tx import SourceSlots, send_sharded
+from ._sharded_tx import SourceSlots, pair_streams
 from ._stats import SyncStats
-from ._tx_stream import Progress, send_stream
+from ._tx_stream import Progress, send_stream, source_sync
 from .manifest import Manifest
 from .plan import Plan, Plans
 from .transports import (
@@ -233,12 +235,14 @@ class WeightSender(Closing):
                 in_place=in_place(items, manifest, self._delta is not None), bases=self._bases,
                 plans=self._plans,
             )  # fmt: skip
+            policy = self._delta.policy if self._delta is not None else None
             if session.plan is not None:
-                return self._send_pairs(session, manifest, items, shards, kind, device, deadline)
+                return self._send_pairs(session, manifest, items, shards, kind, device, deadline, policy)
             sync = Sync(header.sync_id, deadline, self.options[kind], self._copier.copy)
-            return send_stream(
-                self.group, session, plan, items, device, tx, sync, self._copier, progress, self._delta
-            )
+            streams = partial(send_stream, self.group, session, plan, items, device, tx, sync, self._copier,
+                              progress, self._delta)  # fmt: skip
+            return source_sync(self.group, session, deadline, streams, transport=kind, bases=self._bases,
+                               policy=policy)  # fmt: skip
         except BaseException as e:
             if isinstance(e, SyncRefusedError):  # every member ended the sync alike: the group is fine
                 raise
@@ -253,9 +257,9 @@ class WeightSender(Closing):
 
     def _send_pairs(
         self, session: Session, manifest: Manifest, items: Pairs, shards: Boxes, kind: str,
-        device: torch.device, deadline: Deadline,
+        device: torch.device, deadline: Deadline, policy: Policy | None,
     ) -> SyncStats:  # fmt: skip
-        """A many-source sync: this source's pairs over the transport that carries them (see
+        """A sync of pair streams: this source's pairs over the transport that carries them (see
         ``pair_transport``: the chosen one when it can, else ``p2p``)."""
         pairs = pair_transport(kind)
         if pairs != kind and self.transport != "auto":
@@ -264,15 +268,11 @@ class WeightSender(Closing):
         options = self.options[kind] if pairs == kind else TRANSPORTS[pairs].options()
         sync = Sync(session.headers[self.src].sync_id, deadline, options, self._copier.copy)
         slots = SourceSlots(manifest, items, shards, session.pairs, self.src)
-        stats = send_sharded(self.group, session, slots, self._copier, self._scratch, self._tx(pairs), sync,
-                             self._bases, stream_device(pairs, device))  # fmt: skip
-        if self._delta is not None:  # the policy learns from pairs as from one source's stream
-            policy = self._delta.policy
-            if stats.delta:
-                policy.record_delta(stats.seconds, stats.bytes, stats.wire_bytes, stats.changed_fraction)
-            else:
-                policy.record_full(stats.seconds, stats.bytes)
-        return stats
+        streams = partial(pair_streams, self.group, session, slots, self._copier, self._scratch,
+                          self._tx(pairs), sync, self._bases, stream_device(pairs, device))  # fmt: skip
+        return source_sync(self.group, session, deadline, streams, transport=pairs, bases=self._bases,
+                           policy=policy, replicas=partial(slots.replicas, deadline),
+                           cleanup=slots.close)  # fmt: skip
 
     def _tx(self, kind: str) -> TxTransport:
         tx = self._transports.get(kind)
