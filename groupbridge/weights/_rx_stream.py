@@ -25,6 +25,7 @@ from ._copier import Copier
 from ._delta_sync import Description, delta_digest, delta_groups, wire_plan, word_counts
 from ._memory import DeltaMemory
 from ._session import ACK_TAG, Header, Session
+from ._walk import take
 from .plan import Plan, Plans
 from .transports import RxTransport, Sync, pair_transport, spec
 
@@ -98,7 +99,8 @@ class RxStreams:
         rx.open(plan, applier.device, sync)
         applier.ring.size = rx.scratch_buffers
         digests = _bytes.Digests(header.verify, self.group)
-        for k, view, in_place in rx.buckets(plan, applier.land, sync.deadline):
+        for k, view, in_place in take({session.src: rx.buckets(plan, applier.land, deadline)},
+                                      [session.src] * len(plan.buckets)):  # fmt: skip
             digests.take(view, session.src)
             yield k, view, in_place, [seg.index for seg in plan.buckets[k]]
         problem = digests.check(session.src, sync.deadline)
@@ -122,7 +124,8 @@ class RxStreams:
             rx.open(wplan, applier.device, sync)
             sync = sync.next_part()
             applier.ring.size = rx.scratch_buffers
-            for j, view, _ in rx.buckets(wplan, applier.ring.land(wplan), sync.deadline):
+            landed = rx.buckets(wplan, applier.ring.land(wplan), deadline)
+            for j, view, _ in take({session.src: landed}, [session.src] * len(wplan.buckets)):
                 if failed is not None:
                     continue  # the sender is still sending: take the rest, apply nothing
                 i = sources[j]

@@ -14,7 +14,6 @@ import torch
 
 from ..codec import dtype_from_name, dtype_name
 from ..control import Deadline
-from ..errors import ProtocolError
 from ..stateless import StatelessGroup
 from . import _bytes, _delta, _delta_sync
 from ._appliers import torn
@@ -32,7 +31,7 @@ from ._sharded import (
     start_of,
 )
 from ._sharded_delta import bucket_word
-from ._walk import Feed, Onward, walk_of
+from ._walk import Feed, Onward, take, walk_of
 from .plan import Plan
 from .shard import Box, Shard, box_of
 from .transports import Landed, Landing, stream_device
@@ -110,17 +109,10 @@ def receive_shards(x: Exchange, streams: RxStreams, arrivals: Arrivals, problems
         land = partial(_land, x.buffers, f"recv{feeder}", rx.scratch_buffers, wire, landing, device)
         walks[feeder] = rx.buckets(wire, land, x.deadline)
     onward = Onward(group, plan, walk, feeds, x.deadline, x.device)
-    left = Counter(plan.feeder(s, me) for s, _ in walk)
-    for src, k in walk:
-        feeder = plan.feeder(src, me)
-        _, view, _ = next(walks[feeder])
+    for (src, k), (_, view, _) in zip(walk, take(walks, (plan.feeder(s, me) for s, _ in walk)), strict=True):
         onward.post(src, view)
         feeds[src][k][1](view)
         yield from arrivals.take()
-        left[feeder] -= 1
-        if not left[feeder]:  # the feeder's last: let its transport free what it holds now
-            for _ in walks[feeder]:
-                raise ProtocolError(f"rank {feeder}'s stream has more buckets than its plan")
     onward.finish()
     for src in checked:
         problem = digests.check(src, x.deadline)

@@ -1,24 +1,49 @@
-"""The walk of a sync's pair streams on a receiver: the one order every member takes its buckets in
-(:func:`walk_of`), and what a receiver passes on to the next along a chain as it takes it (:class:`Onward`,
-see ``ShardPlan.upstream``)."""
+"""How a receiver takes its streams: the one receive loop of every stream (:func:`take`), the one order every
+member takes a sync's pair streams in (:func:`walk_of`), and what a receiver passes on to the next along a
+chain as it takes it (:class:`Onward`, see ``ShardPlan.upstream``)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import torch
 
 from ..control import Deadline
+from ..errors import ProtocolError
 from ..stateless import StatelessGroup
 from ._session import Session
 from ._shard_plan import ShardPlan
 from .plan import Plan
 from .transports import Sync, TxTransport, spec
 
-__all__ = ["Feed", "Onward", "walk_of"]
+__all__ = ["Feed", "Onward", "take", "walk_of"]
 
 Feed = tuple[int, Callable[[torch.Tensor], None]]
 """A pair's bucket as its receiver takes it: (bytes, what lands it)."""
+
+
+Opened = Iterator[tuple[int, torch.Tensor, bool]]
+"""A stream as its transport delivers it (``RxTransport.buckets``): (bucket, view, in place) as each lands."""
+
+
+def take(streams: Mapping[int, Opened], order: Iterable[int]) -> Opened:
+    """The one receive loop of every stream, a fan-out's or pairs': ``order`` names, for each bucket this
+    receiver takes, the feeder whose stream brings it (every member walks a sync's buckets in one order, so
+    no stream waits on another in a cycle); yields each bucket's (index in its stream, view, in place) as it
+    lands. A stream is drained after its last bucket (its transport frees what it holds then): one that ends
+    early or brings more than its plan raises."""
+    order = list(order)
+    left = Counter(order)
+    for feeder in order:
+        landed = next(streams[feeder], None)
+        if landed is None:
+            raise ProtocolError(f"rank {feeder}'s stream ended before its plan did")
+        yield landed
+        left[feeder] -= 1
+        if not left[feeder]:
+            for _ in streams[feeder]:
+                raise ProtocolError(f"rank {feeder}'s stream has more buckets than its plan")
 
 
 def walk_of(session: Session, me: int, lengths: Mapping[int, int]) -> list[tuple[int, int]]:
