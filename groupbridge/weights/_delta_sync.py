@@ -1,12 +1,13 @@
 """The delta-sync session shared by sender and receivers: what is announced, what travels, what is kept.
 
-A delta sync runs after the usual handshake (:func:`._session.handshake`), when the header names a base
-version and every receiver said it holds it:
+A stream travels as a delta after the usual handshake (:func:`._session.settle`), when its source offered a
+base version and its receivers said they hold it (a fan-out stream: every receiver; a pair: its one):
 
-1. The sender diffs every bucket of the plan against its copy of the base (:mod:`._delta`), bringing that
-   copy up to the new version as it goes. Buckets go in groups (:func:`delta_groups`): for each, it
-   broadcasts a :class:`Description` (per bucket the encoding and the changed-word count, the digest of the
-   bucket's new bytes, and the digest of what will travel) while its diff threads go on with the next group.
+1. The source diffs every bucket of the stream against its copy of the base (:mod:`._delta`), bringing that
+   copy up to the new version as it goes, and announces a :class:`Description` of them (:func:`announce`:
+   per bucket the encoding and the changed-word count, the digest of the bucket's new bytes, and the digest
+   of what will travel). A fan-out stream does so in groups (:func:`delta_groups`), its diff threads going
+   on with the next group while one travels; a pair, once for all its buckets.
 2. The payloads travel through the sync's transport as a plan of their own (:func:`wire_plan`): one wire
    bucket per bucket that changed, each as long as its encoding says (receivers compute the lengths from the
    counts, never from a size off the wire).
@@ -33,14 +34,19 @@ from .manifest import Manifest
 from .plan import Plan
 
 if TYPE_CHECKING:
+    from ..control import Deadline
+    from ..stateless import StatelessGroup
     from ._session import Header
 
 __all__ = [
+    "DELTA_TAG",
     "BufferStore",
     "Description",
     "Diffed",
     "Policy",
     "TargetStore",
+    "announce",
+    "announced",
     "apply",
     "check",
     "delta_digest",
@@ -98,6 +104,31 @@ class Description:
             if not isinstance(digest, (int, bytes)):
                 raise ProtocolError("delta description holds a malformed digest")
         return cls(parsed, tuple(counts), tuple(fields["digests"]), tuple(fields["wire"]))
+
+
+DELTA_TAG = "weights-delta"
+
+
+def announce(group: StatelessGroup, desc: Description, to: int | None, deadline: Deadline) -> None:
+    """Tell a delta stream's receivers what its next buckets' diffs are, before their payloads travel: the
+    one announce of every delta stream, broadcast to a fan-out's receivers (``to`` None) or sent to a pair's
+    one (on its own tag, never mixing with the caller's objects)."""
+    if to is None:
+        group.broadcast_obj(desc.to_wire(), src=group.rank, timeout=deadline)
+    else:
+        group.send_obj(desc.to_wire(), to, tag=DELTA_TAG)
+
+
+def announced(
+    group: StatelessGroup, src: int, fanout: bool, words: list[int], deadline: Deadline
+) -> Description:
+    """What :func:`announce` told this receiver of ``src``'s next buckets (``words``: each one's word count),
+    checked as hostile."""
+    if fanout:
+        wire = group.broadcast_obj(None, src=src, timeout=deadline)
+    else:
+        wire = group.recv_obj(src, timeout=deadline, tag=DELTA_TAG)
+    return Description.from_wire(wire, words)
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,7 +23,7 @@ from ._delta_sync import Policy, delta_groups, wire_plan, word_counts
 from ._session import Session, Stream
 from ._sharded_delta import FANOUT, Bases
 from ._source import Puller
-from ._tx_stream import Progress, Sent
+from ._tx_stream import Progress, Sent, post_stream
 from .manifest import Manifest
 from .plan import Plan
 from .transports import TxTransport
@@ -131,7 +131,7 @@ class DeltaSender:
         for a, b in delta_groups(plan):
             done = [result(k) for k in range(a, b)]
             desc = _delta_sync.describe([d for d, _ in done])
-            self.group.broadcast_obj(desc.to_wire(), src=self.group.rank, timeout=sync.deadline)
+            _delta_sync.announce(self.group, desc, None, sync.deadline)
             wplan, sources = wire_plan(desc, sizes[a:b], words[a:b])
             changed += sum(d.enc.count for d, _ in done)
             in_place += sum(flat for _, flat in done)
@@ -141,13 +141,9 @@ class DeltaSender:
             if opened:
                 tx.finish()  # the previous group's bytes are out; the diff workers kept going meanwhile
                 sync = sync.next_part()
-            tx.open(wplan, base.device, sync)
+            payloads = [done[i][0].payload(base[slice(*plan.bucket_range(a + i))]) for i in sources]
+            post_stream(tx, wplan, base.device, sync, partial(_payload, payloads), finish=False)
             opened = True
-            for j, i in enumerate(sources):
-                start, end = plan.bucket_range(a + i)
-                payload = done[i][0].payload(base[start:end])
-                assert payload is not None
-                tx.post(j, payload)
         if opened:
             tx.finish()
         puller.pull_through(len(manifest.entries) - 1)
@@ -158,6 +154,13 @@ class DeltaSender:
             self._second.close()
             self._second = None
         self._base = None
+
+
+def _payload(payloads: list[torch.Tensor | None], j: int, buffer: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """Wire bucket j of a delta's group: its payload, posted from where it lies."""
+    payload = payloads[j]
+    assert payload is not None, "a changed bucket has a payload"
+    return payload
 
 
 class _Ahead:

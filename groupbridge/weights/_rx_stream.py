@@ -22,7 +22,7 @@ from ..stateless import StatelessGroup
 from . import _bytes, _delta, _delta_sync
 from ._appliers import Applier, Bucket
 from ._copier import Copier
-from ._delta_sync import Description, delta_digest, delta_groups, wire_plan, word_counts
+from ._delta_sync import delta_digest, delta_groups, wire_plan, word_counts
 from ._memory import DeltaMemory
 from ._session import ACK_TAG, Header, Session
 from ._walk import take
@@ -116,8 +116,7 @@ class RxStreams:
         sizes, words = word_counts(plan, manifest)
         failed: str | None = None
         for a, b in delta_groups(plan):
-            wire = self.group.broadcast_obj(None, src=session.src, timeout=sync.deadline)
-            desc = Description.from_wire(wire, words[a:b])
+            desc = _delta_sync.announced(self.group, session.src, True, words[a:b], deadline)
             wplan, sources = wire_plan(desc, sizes[a:b], words[a:b])
             if not sources:
                 continue

@@ -48,7 +48,6 @@ if TYPE_CHECKING:
     from ._session import Session
 
 __all__ = [
-    "DELTA_TAG",
     "Exchange",
     "Pair",
     "Slot",
@@ -60,8 +59,6 @@ __all__ = [
     "start_of",
     "total",
 ]
-
-DELTA_TAG = "weights-delta"
 
 Slot = tuple[torch.Tensor, Box]
 """Where a tensor's box lives on this member: (the tensor holding it, the box of the global tensor)."""

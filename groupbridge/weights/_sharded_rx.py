@@ -24,7 +24,6 @@ from ._rx_stream import KEPT, RxStreams, Taker, allocated
 from ._session import Session
 from ._shard_plan import Bucket, Piece, ShardPlan, element_size
 from ._sharded import (
-    DELTA_TAG,
     Exchange,
     Slot,
     piece_parts,
@@ -87,7 +86,7 @@ def receive_shards(x: Exchange, streams: RxStreams, arrivals: Arrivals, problems
             group, session, src, buckets, x.slots, x.copier, pair.base, problems, arrivals, digests
         )
         if pair.delta:
-            feeds[src] = lander.delta(group.recv_obj(src, timeout=x.deadline, tag=DELTA_TAG))
+            feeds[src] = lander.delta(x.deadline)
             yield from arrivals.take()  # its unchanged buckets were unpacked from the base
         else:
             feeds[src] = [(b.nbytes, partial(lander.full, k)) for k, b in enumerate(buckets)]
@@ -162,13 +161,13 @@ class _Lander:
             self.copier.copy(self.base[self.starts[k] : self.starts[k] + buf.numel()], buf)
         self._unpack(k, buf)
 
-    def delta(self, wire: Any) -> list[tuple[int, Callable[[torch.Tensor], None]]]:
-        """The pair's changed buckets to receive, each applied to the base then unpacked; the unchanged
-        ones are checked and unpacked from the base at once."""
+    def delta(self, deadline: Deadline) -> list[tuple[int, Callable[[torch.Tensor], None]]]:
+        """The pair's changed buckets to receive (as its source announced them), each applied to the base
+        then unpacked; the unchanged ones are checked and unpacked from the base at once."""
         plan = self.session.pairs
         sizes = [bucket_word(b, plan.dtypes) for b in self.buckets]
         words = [b.nbytes // w for b, w in zip(self.buckets, sizes, strict=True)]
-        desc = Description.from_wire(wire, words)
+        desc = _delta_sync.announced(self.group, self.src, False, words, deadline)
         wplan, changed = wire_plan(desc, sizes, words)
         for k in range(len(self.buckets)):
             if k not in changed:

@@ -48,7 +48,7 @@ def send_shards(x: _sharded.Exchange, tx: TxTransport, sync: Sync[Any]) -> Sent:
     pairs = x.pairs(sending=True)
     # pairs of one cut share a base: a delta brings it up to date once (described before any full pair's
     # bytes are packed, so it diffs the old bytes), and else the first full pair of the cut writes it
-    described: dict[str, tuple[Any, list[torch.Tensor]]] = {}
+    described: dict[str, tuple[_delta_sync.Description, list[torch.Tensor]]] = {}
     written = {p.key for p in pairs if p.delta}
     for pair in pairs:
         dst, buckets, base = pair.peer, pair.buckets, pair.base
@@ -59,7 +59,7 @@ def send_shards(x: _sharded.Exchange, tx: TxTransport, sync: Sync[Any]) -> Sent:
                     group, session, buckets, slots, base, x.copier, x.buffers, sent, device
                 )
             desc, payloads = described[pair.key]
-            group.send_obj(desc, dst, tag=_sharded.DELTA_TAG)
+            _delta_sync.announce(group, desc, dst, x.deadline)
             if plan.feeder(me, dst) == me:  # else a receiver forwards the payloads to it
                 stream += [_Post(j, dst, p.numel(), partial(_same, p)) for j, p in enumerate(payloads)]
             continue
@@ -122,9 +122,9 @@ def _describe_delta(
     group: StatelessGroup, session: Session, buckets: tuple[Bucket, ...],
     slots: SourceSlots, base: torch.Tensor, copier: Copier, buffers: _bytes.BufferCache, sent: Sent,
     device: torch.device,
-) -> tuple[Any, list[torch.Tensor]]:  # fmt: skip
+) -> tuple[_delta_sync.Description, list[torch.Tensor]]:  # fmt: skip
     """A delta pair: diff every bucket against the base (bringing it up to the new version); the pair's
-    description (as it goes on the wire) and the changed buckets' encodings, in order."""
+    description and the changed buckets' encodings, in order."""
     plan, kind = session.pairs, delta_digest(session.header)
     diffs: list[_delta_sync.Diffed] = []
     payloads: list[torch.Tensor] = []
@@ -145,7 +145,7 @@ def _describe_delta(
         sent.changed_words += d.enc.count
         sent.compared_words += d.enc.words
         pos += b.nbytes
-    return _delta_sync.describe(diffs).to_wire(), payloads
+    return _delta_sync.describe(diffs), payloads
 
 
 def _same(t: torch.Tensor, buffer: Callable[[], torch.Tensor]) -> torch.Tensor:

@@ -96,19 +96,22 @@ Fill = Callable[[int, Callable[[], torch.Tensor]], torch.Tensor]
 
 def post_stream(
     tx: TxTransport, plan: Plan, device: torch.device, sync: Sync[Any], fill: Fill,
-    posted: Callable[[int], None] | None = None,
+    posted: Callable[[int], None] | None = None, *, finish: bool = True,
 ) -> None:  # fmt: skip
-    """The one send loop of every stream, a fan-out or a source's pairs: open the transport on ``plan``
-    (its buckets' sizes), then for each bucket ``fill(k, buffer)`` (which packs it into ``buffer()``, the
-    transport's, or returns bytes that lie elsewhere) and post it; ``posted(k)`` after each. The
-    transport's ``buffer()`` blocks while that buffer is still in flight: the pipeline's back-pressure."""
+    """The one send loop of every stream, a fan-out, each group of a fan-out delta, or a source's pairs: open
+    the transport on ``plan`` (its buckets' sizes), then for each bucket ``fill(k, buffer)`` (which packs it
+    into ``buffer()``, the transport's, or returns bytes that lie elsewhere) and post it; ``posted(k)``
+    after each. The transport's ``buffer()`` blocks while that buffer is still in flight: the pipeline's
+    back-pressure. ``finish=False`` leaves the last bytes on the wire (the caller finishes before it opens
+    the transport again: a delta's next group is diffed meanwhile)."""
     tx.open(plan, device, sync)
     for k in range(len(plan.bounds)):
         start, end = plan.bucket_range(k)
         tx.post(k, fill(k, partial(tx.buffer, k, end - start, device)))
         if posted is not None:
             posted(k)
-    tx.finish()
+    if finish:
+        tx.finish()
 
 
 @dataclass
