@@ -96,6 +96,47 @@ def _many(rank: int, ports: Any, sources: int, mode: str, transport: str = "auto
         return out
 
 
+def _torn_unpack(rank: int, ports: Any) -> Any:
+    """Two sources, one receiver writing straight into its target (``atomic=False``); in version 2 the
+    receiver's first unpack writes the bucket's first piece, then fails."""
+    import groupbridge.weights._bytes as wire_bytes
+
+    with make_group(rank, 3, "127.0.0.1", ports, liveness_timeout=timedelta(seconds=2)) as g:
+        if rank < 2:
+            with gb.WeightSender(g, bucket_bytes=1024) as snd:
+                for v in (1, 2):
+                    try:
+                        snd.send(_source(rank, 2, v), version=v)
+                    except gb.GroupBridgeError as e:
+                        return type(e).__name__
+            return None
+        rcv = gb.WeightReceiver(g)
+        target = {k: torch.zeros(SHAPES[k], dtype=DTYPES[k]) for k in SHAPES}
+        rcv.receive_into(target, atomic=False)
+        real = wire_bytes.unpack_parts
+
+        def halfway(view: torch.Tensor, parts: Any) -> None:
+            real(view, list(parts)[:1])
+            raise RuntimeError("the copy failed midway")
+
+        wire_bytes.unpack_parts = halfway  # type: ignore[assignment]
+        try:
+            rcv.receive_into(target, atomic=False)
+        except gb.WeightSyncError as e:
+            return type(e).__name__, getattr(e, "written", None), str(e), rcv.version
+        return "finished"
+
+
+@pytest.mark.timeout(60)
+def test_a_streaming_receive_into_whose_copy_fails_midway_names_what_it_wrote() -> None:
+    """A piece written before its copy failed leaves the target torn, and the error says which tensor: it
+    counts as written from the moment its copy begins, not once it ended."""
+    res = run_ranks(_torn_unpack, 3, CTX.Queue(), timeout=50)
+    kind, written, text, version = res[2]
+    assert kind == "TornUpdateError" and written and "TORN" in text and version == 1, res[2]
+    assert res[0] and res[1], res  # the sources were told and failed too
+
+
 def _relaid(rank: int, ports: Any) -> Any:
     """Every member keeps the last plan; a sync whose boxes changed is planned again: sources split w by
     rows, then by columns; receiver 3 wants w whole, then its right half, then whole again."""

@@ -47,18 +47,19 @@ class Arrivals:
             p.name for (_, dst), buckets in session.pairs.pairs.items() if dst == me for b in buckets
             for p in b.pieces
         )  # fmt: skip
-        self.total = Counter(self.left)
         self.changed: set[str] = set()
-        self.touched: list[str] = []
-        """The tensors some piece of which landed, in the order they first did."""
+        self.touched: dict[str, None] = {}
+        """The tensors some piece of which is being or was written, in the order they first were."""
         self._ready: list[str] = []
+
+    def landing(self, pieces: Sequence[Piece]) -> None:
+        """These pieces are about to be written (a copy that fails midway leaves them partly written)."""
+        self.touched.update(dict.fromkeys(p.name for p in pieces))
 
     def landed(self, pieces: Sequence[Piece], changed: Sequence[bool]) -> None:
         for p, moved in zip(pieces, changed, strict=True):
             if moved:
                 self.changed.add(p.name)
-            if self.left[p.name] == self.total[p.name]:
-                self.touched.append(p.name)
             self.left[p.name] -= 1
             if self.left[p.name] == 0:
                 self._ready.append(p.name)
@@ -152,6 +153,9 @@ class _Lander:
     def _unpack(self, k: int, view: torch.Tensor, changed: Sequence[bool] | None = None) -> None:
         """Bucket k's pieces into the slots; ``changed`` (per piece; None: all) says which of them moved."""
         pieces = self.buckets[k].pieces
+        for p in pieces:  # a slot made on demand is made here, on this thread (its device is this thread's)
+            self.slots[p.name]
+        self.arrivals.landing(pieces)
         self.copier.run(partial(_unpack, self.buckets[k], view, self.slots, self.session.pairs))
         self.arrivals.landed(pieces, changed if changed is not None else [True] * len(pieces))
 
@@ -302,8 +306,11 @@ class Boxes(Intake):
         problems: list[str] = []
         wanted = self.wanted if self.wanted is not None else {}
         for wire in receive_shards(x, taker.streams, self.arrivals, problems):
-            if wire in wanted and (self.every or wire in self.arrivals.changed):
-                yield taker.rename(wire), slots.pop(wire)[0]  # no piece of it is left to land
+            if wire not in wanted:
+                continue
+            tensor = slots.pop(wire)[0]  # no piece of it is left to land: let go here
+            if self.every or wire in self.arrivals.changed:
+                yield taker.rename(wire), tensor
         self.problem = problems[0] if problems else None
         if self.every and self.problem is None:
             for wire, box in wanted.items():  # no piece to wait for (empty tensors): whole already
@@ -323,9 +330,7 @@ class Boxes(Intake):
         self.taker.copier.run(apply)
 
     def commit_failed(self, cause: BaseException, version: int, held: int | None) -> Exception:
-        if self.dest is None:
-            return self.failed(cause, version, held)
-        names = [self.taker.rename(w) for w in self.dest]
+        names = [self.taker.rename(w) for w in self.dest or ()]
         return torn(version, held, cause, names, len(names), "every byte arrived")
 
     def kept(self) -> None:
@@ -375,9 +380,9 @@ def boxes_named(
 
 
 class _Fresh(dict[str, Slot]):
-    """``receive()`` without ``keep``: each tensor made when its first piece lands and let go here once it is
-    yielded (its last piece landed): the receiver holds the tensors whose pieces are still in flight, not a
-    whole model made up front, and what it yielded is the consumer's alone."""
+    """``receive()`` without ``keep``: each tensor made when its first piece lands and let go here once its
+    last did (yielded, unless a delta left it as it was): the receiver holds the tensors whose pieces are
+    still in flight, not a whole model made up front, and what it yielded is the consumer's alone."""
 
     def __init__(self, boxes: Mapping[str, Box], dtypes: Mapping[str, str], device: torch.device) -> None:
         super().__init__()

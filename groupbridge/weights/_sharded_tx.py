@@ -1,4 +1,5 @@
-"""A source's part of a many-source sync (see :mod:`._sharded`): its pieces, the vote, the acks."""
+"""A source's streams of a sync of pairs (see :mod:`._sharded`): its pieces to each receiver, a lazy source
+pulled as they are packed; the vote and the acknowledgements follow in :func:`._tx_stream.source_sync`."""
 
 from __future__ import annotations
 

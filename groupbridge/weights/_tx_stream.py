@@ -5,6 +5,10 @@ bucket is taken straight from their storage when they lie in the plan's layout, 
 thread) into the transport's buffer, or into the kept base when the source keeps one for deltas; then
 posted. The transport's ``buffer()`` blocks while the buffer is still in flight: that is the pipeline's
 back-pressure. Tensors are released as soon as their last bucket is posted.
+
+Whatever the source's streams (this fan-out, or its pairs: :mod:`._sharded_tx`), :func:`post_stream` is
+the loop that posts each one and :func:`source_sync` the end of the sync: the vote, every receiver's
+acknowledgement, then the delta bases kept, the policy taught and the stats.
 """
 
 from __future__ import annotations
