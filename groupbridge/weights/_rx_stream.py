@@ -1,16 +1,11 @@
-"""A receiver's side of a stream: its transport, the buckets as they arrive, checked, and how a failure is
-told to the source.
-
-Two sources of buckets, one shape: :meth:`RxStreams.full` yields every bucket of the plan as the transport
-delivers it (digests checked at the end, when the header asks for them); :meth:`RxStreams.delta` receives
-the changed buckets' encodings and applies each to the version the applier holds (each payload's digest
-checked before it is applied, each bucket's after). Both yield ``(k, view, in_place, entries)``: bucket k's
-bytes of the new version are in ``view`` and ``entries`` are the manifest entries it changed.
+"""What a receiver's receives share, whatever their plan: its transports (:class:`RxStreams`: which one
+carries each feeder's stream, attached in the handshake), what a receive borrows from it and its commit
+(:class:`Taker`), and how a failure is told to the peers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, NoReturn, TypeVar
 
@@ -19,14 +14,12 @@ import torch
 from ..control import Deadline
 from ..errors import GroupBridgeError, WeightSyncError
 from ..stateless import StatelessGroup
-from . import _bytes, _delta, _delta_sync
-from ._appliers import Applier, Bucket
+from . import _bytes
+from ._appliers import Bucket
 from ._copier import Copier
-from ._delta_sync import delta_digest, delta_groups, wire_plan, word_counts
 from ._memory import DeltaMemory
 from ._session import ACK_TAG, Header, Session
-from ._walk import take
-from .plan import Plan, Plans
+from .plan import Plans
 from .transports import RxTransport, Sync, pair_transport, spec
 
 T = TypeVar("T")
@@ -36,7 +29,6 @@ __all__ = [
     "Bucket",
     "RxStreams",
     "Taker",
-    "VerifyFailed",
     "acknowledge",
     "give_up",
     "tell_failure",
@@ -48,10 +40,6 @@ KEPT = "kept"
 where a delta is applied (the version held, when the receiver's tag says so) and what ``receive(keep=True)``
 yields views of. Each sync lays it out as its plan does; a delta is applied to it only after a sync of the
 same plan that left it holding the base (``DeltaMemory.held``)."""
-
-
-class VerifyFailed(WeightSyncError):
-    """The bytes arrived but do not match the source's digests (the group itself is fine)."""
 
 
 class RxStreams:
@@ -91,59 +79,6 @@ class RxStreams:
         )
         sync_id = (header or session.header).sync_id
         return kind, self._transports[(kind, feeder)], Sync(sync_id, deadline, options, self.copier.copy)
-
-    def full(self, session: Session, plan: Plan, applier: Applier, deadline: Deadline) -> Iterator[Bucket]:
-        """Every bucket as it arrives; the digests, when the header asks for them, are checked last."""
-        header = session.header
-        _, rx, sync = self.stream(session.src, session, deadline)
-        rx.open(plan, applier.device, sync)
-        applier.ring.size = rx.scratch_buffers
-        digests = _bytes.Digests(header.verify, self.group)
-        for k, view, in_place in take({session.src: rx.buckets(plan, applier.land, deadline)},
-                                      [session.src] * len(plan.buckets)):  # fmt: skip
-            digests.take(view, session.src)
-            yield k, view, in_place, [seg.index for seg in plan.buckets[k]]
-        problem = digests.check(session.src, sync.deadline)
-        if problem is not None:
-            raise VerifyFailed(problem)
-
-    def delta(self, session: Session, plan: Plan, applier: Applier, deadline: Deadline) -> Iterator[Bucket]:
-        """Receive a delta (see :mod:`._delta_sync`) and apply it to the applier's held version; yields
-        every changed bucket. A mismatch drains the rest (the source is still sending) and raises."""
-        header, manifest = session.header, session.manifest
-        _, rx, sync = self.stream(session.src, session, deadline)
-        kind = delta_digest(header)
-        sizes, words = word_counts(plan, manifest)
-        failed: str | None = None
-        for a, b in delta_groups(plan):
-            desc = _delta_sync.announced(self.group, session.src, True, words[a:b], deadline)
-            wplan, sources = wire_plan(desc, sizes[a:b], words[a:b])
-            if not sources:
-                continue
-            rx.open(wplan, applier.device, sync)
-            sync = sync.next_part()
-            applier.ring.size = rx.scratch_buffers
-            landed = rx.buckets(wplan, applier.ring.land(wplan), deadline)
-            for j, view, _ in take({session.src: landed}, [session.src] * len(wplan.buckets)):
-                if failed is not None:
-                    continue  # the sender is still sending: take the rest, apply nothing
-                i = sources[j]
-                k = a + i
-                old = applier.held(k)
-                what = f"bucket {k} of version {header.version}"
-                pos, failed = _delta_sync.apply(
-                    old, view, desc, i, j, sizes[k], kind, self.group, self.copier.run, what
-                )
-                if pos is None:
-                    continue
-                applier.write_back(k, old)
-                yield k, old, True, _delta.changed_entries(plan, k, pos, sizes[k])
-        if failed is not None:
-            raise VerifyFailed(failed)
-
-    def buckets(self, session: Session, plan: Plan, applier: Applier, deadline: Deadline) -> Iterator[Bucket]:
-        """The buckets of the session's stream, full or a delta, as they arrive."""
-        return (self.delta if session.delta else self.full)(session, plan, applier, deadline)
 
     def close(self) -> None:
         for rx in self._transports.values():

@@ -1,10 +1,10 @@
 """The intake of a fan-out stream (one source sending whole tensors to every receiver, see :mod:`._session`):
-its buckets (:mod:`._rx_stream`) fed to the applier of the receive mode (:mod:`._appliers`). The intake of
-pair streams is :class:`._sharded_rx.Boxes`; both run through :mod:`._receive`."""
+its buckets, full or a delta, fed as they land to the applier of the receive mode (:mod:`._appliers`). The
+intake of pair streams is :class:`._sharded_rx.Boxes`; both run through :mod:`._receive`."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 import torch
@@ -12,10 +12,13 @@ import torch
 from ..codec import dtype_from_name
 from ..control import Deadline
 from ..errors import WeightSyncError
-from ._appliers import Applier, Ring, Scratch, Staged, Streaming, run_through, wire_typed
+from . import _bytes, _delta, _delta_sync
+from ._appliers import Applier, Bucket, Ring, Scratch, Staged, Streaming, run_through, wire_typed
+from ._delta_sync import delta_digest, delta_groups, wire_plan, word_counts
 from ._receive import Intake
-from ._rx_stream import KEPT, Taker, VerifyFailed, allocated, tell_failure
+from ._rx_stream import KEPT, Taker, allocated, tell_failure
 from ._session import Session, merged_plan
+from ._walk import take
 from .manifest import Manifest
 from .plan import Plan
 
@@ -57,19 +60,59 @@ class Fanout(Intake):
         for i, e in enumerate(manifest.entries):
             if e.alias_of is not None:
                 aliases.setdefault(manifest.sources[i], []).append(names(i))
-        buckets = taker.streams.buckets(self.session, self.plan, self.applier, self.deadline)
-        try:
-            for index, t in run_through(buckets, self.applier):
-                for name in (names(index), *aliases.get(index, [])):
-                    yield name, t
-        except VerifyFailed as failed:
-            self.problem = f"{failed}"
-            return
+        buckets = self._delta() if self.session.delta else self._full()
+        for index, t in run_through(buckets, self.applier):
+            for name in (names(index), *aliases.get(index, [])):
+                yield name, t
         for i, e in enumerate(manifest.entries):  # empty tensors have no bytes in any bucket
-            if e.alias_of is None and e.nbytes == 0 and self.every:
+            if e.alias_of is None and e.nbytes == 0 and self.every and self.problem is None:
                 t = torch.empty(e.shape, dtype=dtype_from_name(e.wire_dtype), device=taker.device)
                 for name in (names(i), *aliases.get(i, [])):
                     yield name, t
+
+    def _full(self) -> Iterator[Bucket]:
+        """Every bucket as it arrives; the digests, when the header asks for them, are checked last."""
+        session, applier, deadline, src = self.session, self.applier, self.deadline, self.session.src
+        _, rx, sync = self.taker.streams.stream(src, session, deadline)
+        rx.open(self.plan, applier.device, sync)
+        applier.ring.size = rx.scratch_buffers
+        digests = _bytes.Digests(session.header.verify, self.taker.group)
+        landed = rx.buckets(self.plan, applier.land, deadline)
+        for k, view, in_place in take({src: landed}, [src] * len(self.plan.buckets)):
+            digests.take(view, src)
+            yield k, view, in_place, [seg.index for seg in self.plan.buckets[k]]
+        self.problem = digests.check(src, deadline)
+
+    def _delta(self) -> Iterator[Bucket]:
+        """The delta (see :mod:`._delta_sync`), each changed bucket applied to the applier's held version as
+        it lands (its payload's digest checked before, the bucket's after). A mismatch takes the rest without
+        applying it (the source is still sending) and is this receiver's vote."""
+        session, applier, deadline, src = self.session, self.applier, self.deadline, self.session.src
+        header, plan, group = session.header, self.plan, self.taker.group
+        _, rx, sync = self.taker.streams.stream(src, session, deadline)
+        kind = delta_digest(header)
+        sizes, words = word_counts(plan, session.manifest)
+        for a, b in delta_groups(plan):
+            desc = _delta_sync.announced(group, src, True, words[a:b], deadline)
+            wplan, sources = wire_plan(desc, sizes[a:b], words[a:b])
+            if not sources:
+                continue
+            rx.open(wplan, applier.device, sync)
+            sync = sync.next_part()
+            applier.ring.size = rx.scratch_buffers
+            landed = rx.buckets(wplan, applier.ring.land(wplan), deadline)
+            for j, view, _ in take({src: landed}, [src] * len(wplan.buckets)):
+                if self.problem is not None:
+                    continue  # the source is still sending: take the rest, apply nothing
+                k = a + sources[j]
+                old = applier.held(k)
+                pos, self.problem = _delta_sync.apply(
+                    old, view, desc, sources[j], j, sizes[k], kind, group, self.taker.copier.run,
+                    f"bucket {k} of version {header.version}",
+                )  # fmt: skip
+                if pos is not None:
+                    applier.write_back(k, old)
+                    yield k, old, True, _delta.changed_entries(plan, k, pos, sizes[k])
 
     def commit(self) -> None:
         self.applier.commit()
