@@ -2,7 +2,8 @@
 three holding different layouts of the same tensors (rows over all three, columns over two, uneven rows over
 two, a bias replicated on all; bfloat16 and float32 mixed); two receivers wanting whole tensors, column boxes
 (a tensor-parallel worker), or one of each; each transport that can carry the sync; atomic and streaming;
-full syncs and deltas. Every version is checked bit for bit on every receiver.
+full syncs and deltas; ``receive_into`` and ``receive()``. Every version is checked bit for bit on every
+receiver.
 
 One group per (device, sources, transport, delta): its receivers change what they want between syncs (each
 change is planned again), so the matrix costs a few process starts instead of one per cell. It runs on every
@@ -26,7 +27,10 @@ DTYPES = {"w": torch.bfloat16, "v": torch.float32, "e": torch.bfloat16, "b": tor
 RECEIVERS = 2
 WANTS = {"whole": ("whole", "whole"), "boxes": ("boxes", "boxes"), "one of each": ("whole", "boxes")}
 """What receivers 1 and 2 want, by the name of the case."""
-MODES = ("atomic", "streaming")
+MODES = ("atomic", "streaming", "receive", "receive, kept")
+"""``receive_into`` atomic or streaming; ``receive()`` (a receiver wanting boxes takes them atomically), its
+tensors of their own or views of the kept buffer, each copied into the target as it is yielded (a delta
+yields only what changed: the target keeps the rest)."""
 SYNCS_PER_CASE = 2  # per (wants, mode): the second may be a delta against the first
 
 
@@ -109,8 +113,14 @@ def _member(rank: int, ports: Any, sources: int, transport: str, delta: bool, de
         rcv = gb.WeightReceiver(g, device=device)
         out, targets = [], {}
         for wants, mode, version in _cases():  # a target lives as long as its case (a delta's base)
-            target = targets.setdefault((wants, mode), _target(WANTS[wants][rank - sources], device))
-            held = rcv.receive_into(target, atomic=mode == "atomic")
+            want = WANTS[wants][rank - sources]
+            target = targets.setdefault((wants, mode), _target(want, device))
+            if mode.startswith("receive") and want == "whole":
+                for name, t in rcv.receive(keep=mode.endswith("kept")):
+                    target[name].copy_(t)
+                held = rcv.version
+            else:
+                held = rcv.receive_into(target, atomic=mode != "streaming")
             out.append((wants, mode, held, _exact(target, version)))
         return out
 
