@@ -15,7 +15,6 @@ from ..control import Deadline
 from ..errors import GroupBridgeError, WeightSyncError
 from ..stateless import StatelessGroup
 from . import _bytes
-from ._appliers import Bucket
 from ._copier import Copier
 from ._memory import DeltaMemory
 from ._session import ACK_TAG, Header, Session
@@ -26,7 +25,6 @@ T = TypeVar("T")
 
 __all__ = [
     "KEPT",
-    "Bucket",
     "RxStreams",
     "Taker",
     "acknowledge",
@@ -43,7 +41,7 @@ same plan that left it holding the base (``DeltaMemory.held``)."""
 
 
 class RxStreams:
-    """A receiver's transports (one per kind and source, kept across syncs) and the buckets of each stream."""
+    """A receiver's transports, one per kind and feeder, kept across syncs."""
 
     def __init__(self, group: StatelessGroup, copier: Copier) -> None:
         self.group = group
