@@ -31,7 +31,7 @@ from .manifest import Entry, Manifest
 from .plan import Plan
 from .transports import Land, Landed, Landing
 
-__all__ = ["Applier", "Ring", "Scratch", "Staged", "Streaming", "refused", "torn"]
+__all__ = ["Applier", "Ring", "Scratch", "Staged", "Streaming", "copy_staged", "refused", "torn"]
 
 Bucket = tuple[int, torch.Tensor, bool, list[int]]
 """(k, view of its new bytes, whether they are in the target already, the entries it changed)."""
@@ -220,19 +220,12 @@ class Staged(Applier):
 
     def commit(self) -> None:
         dest = self.dest
-        if dest is None:
-            return
-
-        def apply() -> None:
-            with torch.no_grad():
-                for i, j in enumerate(self.manifest.sources):
-                    if self.entries[j].numel == 0 or (self.delta and j not in self.changed):
-                        continue
-                    staged = self.typed(self.buffer, self.plan.offsets[j], j)
-                    if dest[i].data_ptr() != staged.data_ptr():
-                        dest[i].copy_(staged)
-
-        self.copier.run(apply)
+        if dest is not None:
+            copy_staged(self.copier, (
+                (dest[i], self.typed(self.buffer, self.plan.offsets[j], j))
+                for i, j in enumerate(self.manifest.sources)
+                if self.entries[j].numel and not (self.delta and j not in self.changed)
+            ))  # fmt: skip
 
     def commit_failed(self, cause: BaseException, version: int, held: int | None) -> Exception:
         """Every byte arrived, but copying it into the target failed midway: the target is torn."""
@@ -320,6 +313,19 @@ class Streaming(Applier):
         return torn(version, held, cause, self.written, len(self.entries), how)
 
     commit_failed = failed
+
+
+def copy_staged(copier: Copier, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """An atomic receive's commit: each (target, staged) pair copied on the copy thread (``pairs`` is read
+    there), a target that is the staged tensor itself left as it is."""
+
+    def apply() -> None:
+        with torch.no_grad():
+            for target, staged in pairs:
+                if target.data_ptr() != staged.data_ptr():
+                    target.copy_(staged)
+
+    copier.run(apply)
 
 
 def fill_aliases(manifest: Manifest, dest: list[torch.Tensor], only: set[int] | None = None) -> list[int]:

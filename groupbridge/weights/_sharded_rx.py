@@ -16,7 +16,7 @@ from ..codec import dtype_from_name, dtype_name
 from ..control import Deadline
 from ..stateless import StatelessGroup
 from . import _bytes, _delta, _delta_sync
-from ._appliers import torn
+from ._appliers import copy_staged, torn
 from ._copier import Copier
 from ._delta_sync import Description, delta_digest, wire_plan
 from ._receive import Intake
@@ -319,15 +319,9 @@ class Boxes(Intake):
 
     def commit(self) -> None:
         dest = self.dest
-        if dest is None:
-            return
-
-        def apply() -> None:
-            with torch.no_grad():
-                for wire, (staged, _) in self.slots.items():
-                    dest[wire][0].copy_(staged)
-
-        self.taker.copier.run(apply)
+        if dest is not None:
+            staged = ((dest[wire][0], tensor) for wire, (tensor, _) in self.slots.items())
+            copy_staged(self.taker.copier, staged)
 
     def commit_failed(self, cause: BaseException, version: int, held: int | None) -> Exception:
         names = [self.taker.rename(w) for w in self.dest or ()]
