@@ -25,11 +25,11 @@ def _rows(name: str, shape: tuple[int, int], parts: int, i: int) -> Held:
 def _covered(plan: ShardPlan, dst: int, name: str) -> torch.Tensor:
     """How many times each element of ``name`` arrives at ``dst`` (from any source)."""
     count = torch.zeros(plan.global_shapes[name], dtype=torch.int32)
-    for (_, d), buckets in plan.pairs.items():
+    for (_, d), cut in plan.pairs.items():
         if d != dst:
             continue
-        for b in buckets:
-            for p in b.pieces:
+        for b in cut.buckets:
+            for p in b:
                 if p.name == name:
                     count[p.box.slices([0] * count.dim())] += 1
     return count
@@ -64,9 +64,9 @@ def test_uneven_shards_and_buckets_cut_by_rows() -> None:
     wanted = {2: [_held("w", shape, (0, 0), shape)]}
     plan = plan_shards(held, wanted, bucket_bytes=8192)  # two rows of 4000 bytes per bucket
     assert bool((_covered(plan, 2, "w") == 1).all())
-    for buckets in plan.pairs.values():
-        for b in buckets:
-            assert b.nbytes <= 8192 and all(p.offset % 16 == 0 for p in b.pieces)
+    for cut in plan.pairs.values():
+        for (start, end), b in zip(cut.bounds, cut.buckets, strict=True):
+            assert end - start <= 8192 and all(p.offset % 16 == 0 for p in b)
     assert plan.sent == {0: 7 * 4000, 1: 3 * 4000}
 
 
@@ -123,9 +123,9 @@ def test_a_source_s_buckets_stay_within_what_its_transport_reserved() -> None:
     }
     caps = {s: sum(-(-h.box.numel * 4 // 16) * 16 for h in held[s]) for s in held}  # as a sender reserves
     free = plan_shards(held, wanted, bucket_bytes=1 << 20)
-    assert max(b.nbytes for b in free.buckets(2, 3)) > caps[2]  # the case in point: 3 pieces of b
+    assert free.cut(2, 3).bucket_bytes > caps[2]  # the case in point: 3 pieces of b
     plan = plan_shards(held, wanted, bucket_bytes=1 << 20, caps=caps)
-    for (src, _), buckets in plan.pairs.items():
-        assert all(b.nbytes <= caps[src] for b in buckets), (src, [b.nbytes for b in buckets])
+    for (src, _), cut in plan.pairs.items():
+        assert cut.bucket_bytes <= caps[src], (src, cut.bounds)
     for name in ("w", "b", "v"):
         assert bool((_covered(plan, 3, name) == 1).all()), name

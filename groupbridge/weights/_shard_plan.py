@@ -11,7 +11,8 @@ a :class:`~.shard.Shard`'s box); per receiver, the boxes it wants. The plan:
    been given the fewest bytes so far (replicas and overlapping shards share the work); a cell several
    sources hold is first split by rows, one part per holder.
 3. **Pairs**: the pieces each (source, receiver) pair moves, in tensor order, cut by rows so that none is
-   much bigger than a bucket, packed into buckets (pieces aligned to 16 bytes). Bytes travel once per pair.
+   much bigger than a bucket, packed into buckets (pieces aligned to 16 bytes): each pair's stream is a
+   :class:`.plan.Plan` of pieces. Bytes travel once per pair.
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..errors import ManifestMismatchError
+from .plan import Plan
 from .shard import Box
 
-__all__ = ["Bucket", "Held", "Piece", "ShardPlan", "plan_shards"]
+__all__ = ["Held", "Piece", "ShardPlan", "plan_shards"]
 
 ALIGN = 16
 FORWARD_BYTES = 1 << 20
@@ -54,19 +56,13 @@ class Piece:
 
 
 @dataclass(frozen=True, slots=True)
-class Bucket:
-    nbytes: int
-    pieces: tuple[Piece, ...]
-
-
-@dataclass(frozen=True, slots=True)
 class ShardPlan:
     order: tuple[str, ...]
     """Every tensor some receiver wants, in the order the sources list them."""
     dtypes: Mapping[str, str]
     global_shapes: Mapping[str, tuple[int, ...]]
-    pairs: Mapping[tuple[int, int], tuple[Bucket, ...]]
-    """(source, receiver) -> the buckets that pair moves, in order."""
+    pairs: Mapping[tuple[int, int], Plan[Piece]]
+    """(source, receiver) -> the cut of the stream that pair moves."""
     sent: Mapping[int, int]
     """Bytes each source sends in all."""
     replicated: tuple[tuple[str, Box, tuple[int, ...]], ...] = ()
@@ -94,8 +90,8 @@ class ShardPlan:
             dst, n = self.upstream[(src, dst)], n + 1
         return n
 
-    def buckets(self, src: int, dst: int) -> tuple[Bucket, ...]:
-        return self.pairs.get((src, dst), ())
+    def cut(self, src: int, dst: int) -> Plan[Piece]:
+        return self.pairs.get((src, dst)) or Plan.of_sizes([])
 
 
 def element_size(dtype: str) -> int:
@@ -261,12 +257,11 @@ def _split_rows(box: Box, parts: int) -> list[Box]:
     ]
 
 
-def _bucketed(
-    boxes: list[tuple[str, Box]], dtypes: Mapping[str, str], bucket_bytes: int
-) -> tuple[Bucket, ...]:
+def _bucketed(boxes: list[tuple[str, Box]], dtypes: Mapping[str, str], bucket_bytes: int) -> Plan[Piece]:
     """Pack a pair's pieces into buckets of about ``bucket_bytes``: a piece bigger than that is cut by
     rows first (a single row bigger than a bucket travels alone)."""
-    buckets: list[Bucket] = []
+    sizes: list[int] = []
+    buckets: list[tuple[Piece, ...]] = []
     current: list[Piece] = []
     used = 0
     for name, box in boxes:
@@ -282,13 +277,15 @@ def _bucketed(
             nbytes = part.numel * itemsize
             start = -(-used // ALIGN) * ALIGN
             if current and start + nbytes > bucket_bytes:
-                buckets.append(Bucket(used, tuple(current)))
+                sizes.append(used)
+                buckets.append(tuple(current))
                 current, start = [], 0
             current.append(Piece(name, part, start, nbytes))
             used = start + nbytes
     if current:
-        buckets.append(Bucket(used, tuple(current)))
-    return tuple(buckets)
+        sizes.append(used)
+        buckets.append(tuple(current))
+    return Plan.of_sizes(sizes, buckets)
 
 
 def _box(box: Box) -> str:

@@ -37,10 +37,10 @@ from ..stateless import StatelessGroup
 from . import _bytes
 from ._copier import Copier
 from ._header import Header, Verdict
-from ._shard_plan import Bucket, Held, ShardPlan, plan_shards
+from ._shard_plan import Held, Piece, ShardPlan, plan_shards
 from ._sharded_delta import Bases, pair_key
 from .manifest import Entry, Manifest
-from .plan import Plans
+from .plan import Plan, Plans
 from .shard import Box
 from .transports import pair_transport
 
@@ -56,8 +56,6 @@ __all__ = [
     "pair_deltas",
     "piece_parts",
     "plan_pairs",
-    "start_of",
-    "total",
 ]
 
 Slot = tuple[torch.Tensor, Box]
@@ -84,17 +82,14 @@ class Exchange:
         """This member's pairs, their bases begun for this sync when bases are kept."""
         me, session = self.group.rank, self.session
         out = []
-        for (src, dst), buckets in session.pairs.pairs.items():
+        for (src, dst), cut in session.pairs.pairs.items():
             if (src if sending else dst) != me:
                 continue
             peer = dst if sending else src
             key = session.keys[(src, dst)]
-            base = (
-                self.bases.begin(peer, key, total(buckets), self.device)[0]
-                if self.bases is not None
-                else None
-            )
-            out.append(Pair(peer, buckets, base, (src, dst) in session.deltas, key))
+            bases = self.bases
+            base = bases.begin(peer, key, cut.total_bytes, self.device)[0] if bases is not None else None
+            out.append(Pair(peer, cut, base, (src, dst) in session.deltas, key))
         return out
 
 
@@ -103,7 +98,7 @@ class Pair:
     """One of this member's pairs in a sync."""
 
     peer: int
-    buckets: tuple[Bucket, ...]
+    cut: Plan[Piece]
     base: torch.Tensor | None
     """Its base for this sync, when bases are kept (shared by the pairs of one cut)."""
     delta: bool
@@ -288,19 +283,10 @@ def _union(held: Mapping[int, list[Held]]) -> list[Held]:
 
 
 def piece_parts(
-    bucket: Bucket, slots: Mapping[str, Slot], dtypes: Mapping[str, str]
+    pieces: tuple[Piece, ...], slots: Mapping[str, Slot], dtypes: Mapping[str, str]
 ) -> Iterator[_bytes.Part]:
     """A pair's bucket as parts (see :func:`._bytes.pack_parts`): each piece is a box of a tensor a slot holds
     (its box of the global tensor), at its offset in the bucket."""
-    for p in bucket.pieces:
+    for p in pieces:
         tensor, box = slots[p.name]
         yield p.offset, p.nbytes, tensor[p.box.slices(box.offset)], dtype_from_name(dtypes[p.name])
-
-
-def total(buckets: tuple[Bucket, ...]) -> int:
-    return sum(b.nbytes for b in buckets)
-
-
-def start_of(buckets: tuple[Bucket, ...], k: int) -> int:
-    """Where bucket k of a pair starts in the pair's bytes (its base)."""
-    return sum(b.nbytes for b in buckets[:k])

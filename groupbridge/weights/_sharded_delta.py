@@ -21,23 +21,25 @@ import torch
 
 from ..codec import dtype_from_name
 from . import _bytes
-from ._shard_plan import Bucket
+from ._shard_plan import Piece
+from .plan import Plan
 
 __all__ = ["FANOUT", "Bases", "bucket_word", "pair_key"]
 
 
-def pair_key(buckets: tuple[Bucket, ...]) -> str:
+def pair_key(cut: Plan[Piece]) -> str:
     """Names a pair's cut: two syncs with the same key lay the pair's bytes out alike."""
-    text = repr(
-        [(b.nbytes, [(p.name, p.box.offset, p.box.shape, p.offset) for p in b.pieces]) for b in buckets]
-    )
+    text = repr([
+        (end - start, [(p.name, p.box.offset, p.box.shape, p.offset) for p in pieces])
+        for (start, end), pieces in zip(cut.bounds, cut.buckets, strict=True)
+    ])  # fmt: skip
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-def bucket_word(bucket: Bucket, dtypes: Any) -> int:
-    """The comparison word of a bucket: its smallest element size (pieces are 16-byte aligned and each a
-    whole number of its elements, so every piece and the bucket are whole words)."""
-    return min((dtype_from_name(dtypes[p.name]).itemsize for p in bucket.pieces), default=1)
+def bucket_word(pieces: tuple[Piece, ...], dtypes: Any) -> int:
+    """The comparison word of a pair's bucket: its smallest element size (pieces are 16-byte aligned and each
+    a whole number of its elements, so every piece and the bucket are whole words)."""
+    return min((dtype_from_name(dtypes[p.name]).itemsize for p in pieces), default=1)
 
 
 FANOUT = -1

@@ -22,13 +22,8 @@ from ._delta_sync import Description, delta_digest, wire_plan
 from ._receive import Intake
 from ._rx_stream import KEPT, RxStreams, Taker, allocated
 from ._session import Session
-from ._shard_plan import Bucket, Piece, ShardPlan, element_size
-from ._sharded import (
-    Exchange,
-    Slot,
-    piece_parts,
-    start_of,
-)
+from ._shard_plan import Piece, ShardPlan, element_size
+from ._sharded import Exchange, Slot, piece_parts
 from ._sharded_delta import bucket_word
 from ._walk import Feed, Onward, take, walk_of
 from .plan import Plan
@@ -43,10 +38,8 @@ class Arrivals:
     tensor is handed on as soon as it is whole, whatever order the sources' streams deliver it in."""
 
     def __init__(self, session: Session, me: int) -> None:
-        self.left: Counter[str] = Counter(
-            p.name for (_, dst), buckets in session.pairs.pairs.items() if dst == me for b in buckets
-            for p in b.pieces
-        )  # fmt: skip
+        cuts = [cut for (_, dst), cut in session.pairs.pairs.items() if dst == me]
+        self.left: Counter[str] = Counter(p.name for cut in cuts for b in cut.buckets for p in b)
         self.changed: set[str] = set()
         self.touched: dict[str, None] = {}
         """The tensors some piece of which is being or was written, in the order they first were."""
@@ -82,15 +75,13 @@ def receive_shards(x: Exchange, streams: RxStreams, arrivals: Arrivals, problems
     plan, me = session.pairs, group.rank
     feeds: dict[int, list[Feed]] = {}
     for pair in x.pairs(sending=False):
-        src, buckets = pair.peer, pair.buckets
-        lander = _Lander(
-            group, session, src, buckets, x.slots, x.copier, pair.base, problems, arrivals, digests
-        )
+        src, cut = pair.peer, pair.cut
+        lander = _Lander(group, session, src, cut, x.slots, x.copier, pair.base, problems, arrivals, digests)
         if pair.delta:
             feeds[src] = lander.delta(x.deadline)
             yield from arrivals.take()  # its unchanged buckets were unpacked from the base
         else:
-            feeds[src] = [(b.nbytes, partial(lander.full, k)) for k, b in enumerate(buckets)]
+            feeds[src] = [(end - start, partial(lander.full, k)) for k, (start, end) in enumerate(cut.bounds)]
             checked.append(src)
     walk = walk_of(session, me, {s: len(f) for s, f in feeds.items()})
     walks: dict[int, Iterator[tuple[int, torch.Tensor, bool]]] = {}
@@ -137,7 +128,7 @@ class _Lander:
         group: StatelessGroup,
         session: Session,
         src: int,
-        buckets: tuple[Bucket, ...],
+        cut: Plan[Piece],
         slots: Mapping[str, Slot],
         copier: Copier,
         base: torch.Tensor | None,
@@ -145,37 +136,37 @@ class _Lander:
         arrivals: Arrivals,
         digests: _bytes.Digests,
     ) -> None:
-        self.group, self.session, self.src, self.buckets = group, session, src, buckets
+        self.group, self.session, self.src, self.cut = group, session, src, cut
         self.slots, self.copier, self.base = slots, copier, base
         self.problems, self.arrivals, self.digests = problems, arrivals, digests
-        self.starts = [start_of(buckets, k) for k in range(len(buckets))]
 
     def _unpack(self, k: int, view: torch.Tensor, changed: Sequence[bool] | None = None) -> None:
         """Bucket k's pieces into the slots; ``changed`` (per piece; None: all) says which of them moved."""
-        pieces = self.buckets[k].pieces
+        pieces = self.cut.buckets[k]
         for p in pieces:  # a slot made on demand is made here, on this thread (its device is this thread's)
             self.slots[p.name]
         self.arrivals.landing(pieces)
-        self.copier.run(partial(_unpack, self.buckets[k], view, self.slots, self.session.pairs))
+        self.copier.run(partial(_unpack, pieces, view, self.slots, self.session.pairs))
         self.arrivals.landed(pieces, changed if changed is not None else [True] * len(pieces))
 
     def full(self, k: int, buf: torch.Tensor) -> None:
         self.digests.take(buf, self.src)
         if self.base is not None:
-            self.copier.copy(self.base[self.starts[k] : self.starts[k] + buf.numel()], buf)
+            self.copier.copy(self._view(k), buf)
         self._unpack(k, buf)
 
     def delta(self, deadline: Deadline) -> list[tuple[int, Callable[[torch.Tensor], None]]]:
         """The pair's changed buckets to receive (as its source announced them), each applied to the base
         then unpacked; the unchanged ones are checked and unpacked from the base at once."""
         plan = self.session.pairs
-        sizes = [bucket_word(b, plan.dtypes) for b in self.buckets]
-        words = [b.nbytes // w for b, w in zip(self.buckets, sizes, strict=True)]
+        cut = self.cut
+        sizes = [bucket_word(b, plan.dtypes) for b in cut.buckets]
+        words = [(end - start) // w for (start, end), w in zip(cut.bounds, sizes, strict=True)]
         desc = _delta_sync.announced(self.group, self.src, False, words, deadline)
         wplan, changed = wire_plan(desc, sizes, words)
-        for k in range(len(self.buckets)):
+        for k, pieces in enumerate(cut.buckets):
             if k not in changed:
-                self._check(k, desc, [False] * len(self.buckets[k].pieces))
+                self._check(k, desc, [False] * len(pieces))
         out: list[tuple[int, Callable[[torch.Tensor], None]]] = []
         for j, k in enumerate(changed):
             start, end = wplan.bucket_range(j)
@@ -184,7 +175,7 @@ class _Lander:
 
     def _view(self, k: int) -> torch.Tensor:
         assert self.base is not None
-        return self.base[self.starts[k] : self.starts[k] + self.buckets[k].nbytes]
+        return self.base[slice(*self.cut.bucket_range(k))]
 
     def _check(self, k: int, desc: Description, changed: Sequence[bool]) -> None:
         what = f"bucket {k} from rank {self.src}"
@@ -197,7 +188,7 @@ class _Lander:
         self._unpack(k, self._view(k), changed)
 
     def _apply(self, k: int, j: int, desc: Description, payload: torch.Tensor) -> None:
-        w = bucket_word(self.buckets[k], self.session.pairs.dtypes)
+        w = bucket_word(self.cut.buckets[k], self.session.pairs.dtypes)
         moved, problem = _delta_sync.apply(
             self._view(k), payload, desc, k, j, w, delta_digest(self.session.header), self.group,
             self.copier.run, f"bucket {k} from rank {self.src}",
@@ -209,12 +200,12 @@ class _Lander:
         self._unpack(
             k,
             self._view(k),
-            _delta.spans_hit(moved, [(p.offset, p.nbytes) for p in self.buckets[k].pieces], w),
+            _delta.spans_hit(moved, [(p.offset, p.nbytes) for p in self.cut.buckets[k]], w),
         )
 
 
-def _unpack(bucket: Bucket, buf: torch.Tensor, slots: Mapping[str, Slot], plan: ShardPlan) -> None:
-    _bytes.unpack_parts(buf, piece_parts(bucket, slots, plan.dtypes))
+def _unpack(pieces: tuple[Piece, ...], buf: torch.Tensor, slots: Mapping[str, Slot], plan: ShardPlan) -> None:
+    _bytes.unpack_parts(buf, piece_parts(pieces, slots, plan.dtypes))
 
 
 def wants_of(targets: dict[str, Any], renames: bool) -> dict[str, Any] | None:

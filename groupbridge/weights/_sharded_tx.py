@@ -22,8 +22,8 @@ from ._copier import Copier
 from ._delta_sync import delta_digest
 from ._described import Boxes, Pairs
 from ._session import Session
-from ._shard_plan import Bucket, ShardPlan
-from ._sharded import Slot, piece_parts, start_of
+from ._shard_plan import Piece, ShardPlan
+from ._sharded import Slot, piece_parts
 from ._sharded_delta import Bases, bucket_word
 from ._source import Puller
 from ._tx_stream import Sent, post_stream
@@ -52,12 +52,12 @@ def send_shards(x: _sharded.Exchange, tx: TxTransport, sync: Sync[Any]) -> Sent:
     described: dict[str, tuple[_delta_sync.Description, list[torch.Tensor]]] = {}
     written = {p.key for p in pairs if p.delta}
     for pair in pairs:
-        dst, buckets, base = pair.peer, pair.buckets, pair.base
+        dst, cut, base = pair.peer, pair.cut, pair.base
         if pair.delta:
             assert base is not None
             if pair.key not in described:
                 described[pair.key] = _describe_delta(
-                    group, session, buckets, slots, base, x.copier, x.buffers, sent, device
+                    group, session, cut, slots, base, x.copier, x.buffers, sent, device
                 )
             desc, payloads = described[pair.key]
             _delta_sync.announce(group, desc, dst, x.deadline)
@@ -68,15 +68,8 @@ def send_shards(x: _sharded.Exchange, tx: TxTransport, sync: Sync[Any]) -> Sent:
             continue
         keep = base if pair.key not in written else None
         written.add(pair.key)
-        stream += [
-            _Post(
-                k,
-                dst,
-                b.nbytes,
-                partial(_full_bucket, k, b, dst, slots, plan, x.copier, keep, digests, group),
-            )
-            for k, b in enumerate(buckets)
-        ]
+        fill = partial(_full_bucket, cut, slots, plan, x.copier, keep, digests, dst)
+        stream += [_Post(k, dst, end - start, partial(fill, k)) for k, (start, end) in enumerate(cut.bounds)]
     turns = session.turns()  # a source's pairs are each the first of its cut: walk_of's order, hop 0
     stream.sort(key=lambda e: (e.round, turns[(me, e.receiver)]))
     wire = Plan.of_sizes([e.nbytes for e in stream])
@@ -103,25 +96,23 @@ class _Post(NamedTuple):
 
 
 def _full_bucket(
-    k: int, bucket: Bucket, dst: int, slots: SourceSlots, plan: ShardPlan, copier: Copier,
-    base: torch.Tensor | None, digests: _bytes.Digests, group: StatelessGroup,
-    buffer: Callable[[], torch.Tensor],
+    cut: Plan[Piece], slots: SourceSlots, plan: ShardPlan, copier: Copier, base: torch.Tensor | None,
+    digests: _bytes.Digests, dst: int, k: int, buffer: Callable[[], torch.Tensor],
 ) -> torch.Tensor:  # fmt: skip
     """Pack bucket k of a whole pair into the transport's ``buffer()`` (and into its base, when kept)."""
-    buf = buffer()
-    slots.need(bucket)
-    copier.run(partial(_pack, bucket, buf, slots, plan))
-    slots.packed(bucket)
+    buf, pieces = buffer(), cut.buckets[k]
+    slots.need(pieces)
+    copier.run(partial(_pack, pieces, buf, slots, plan))
+    slots.packed(pieces)
     if base is not None:
-        start = start_of(plan.buckets(group.rank, dst), k)
-        copier.copy(base[start : start + bucket.nbytes], buf)
+        copier.copy(base[slice(*cut.bucket_range(k))], buf)
     digests.take(buf, dst)
     return buf
 
 
 def _describe_delta(
-    group: StatelessGroup, session: Session, buckets: tuple[Bucket, ...],
-    slots: SourceSlots, base: torch.Tensor, copier: Copier, buffers: _bytes.BufferCache, sent: Sent,
+    group: StatelessGroup, session: Session, cut: Plan[Piece], slots: SourceSlots, base: torch.Tensor,
+    copier: Copier, buffers: _bytes.BufferCache, sent: Sent,
     device: torch.device,
 ) -> tuple[_delta_sync.Description, list[torch.Tensor]]:  # fmt: skip
     """A delta pair: diff every bucket against the base (bringing it up to the new version); the pair's
@@ -129,23 +120,21 @@ def _describe_delta(
     plan, kind = session.pairs, delta_digest(session.header)
     diffs: list[_delta_sync.Diffed] = []
     payloads: list[torch.Tensor] = []
-    biggest = max((b.nbytes for b in buckets), default=1)
-    mask = buffers.get("delta-mask", biggest, device).view(torch.bool)
-    pos = 0
-    for b in buckets:
-        new = buffers.get("delta-new", b.nbytes, device)
-        slots.need(b)
-        copier.run(partial(_pack, b, new, slots, plan))
-        slots.packed(b)
-        old = base[pos : pos + b.nbytes]
-        d = copier.run(partial(_delta_sync.diff, new, old, bucket_word(b, plan.dtypes), mask, kind, group))
+    mask = buffers.get("delta-mask", max(cut.bucket_bytes, 1), device).view(torch.bool)
+    for (start, end), pieces in zip(cut.bounds, cut.buckets, strict=True):
+        new = buffers.get("delta-new", end - start, device)
+        slots.need(pieces)
+        copier.run(partial(_pack, pieces, new, slots, plan))
+        slots.packed(pieces)
+        old = base[start:end]
+        word = bucket_word(pieces, plan.dtypes)
+        d = copier.run(partial(_delta_sync.diff, new, old, word, mask, kind, group))
         diffs.append(d)
         payload = d.payload(old)
         if payload is not None:
             payloads.append(payload)
         sent.changed_words += d.enc.count
         sent.compared_words += d.enc.words
-        pos += b.nbytes
     return _delta_sync.describe(diffs), payloads
 
 
@@ -153,8 +142,8 @@ def _same(t: torch.Tensor, buffer: Callable[[], torch.Tensor]) -> torch.Tensor:
     return t  # a delta's payload is posted from where it lies (the transport copies it if it must)
 
 
-def _pack(bucket: Bucket, buf: torch.Tensor, slots: Mapping[str, Slot], plan: ShardPlan) -> None:
-    _bytes.pack_parts(buf, piece_parts(bucket, slots, plan.dtypes))
+def _pack(pieces: tuple[Piece, ...], buf: torch.Tensor, slots: Mapping[str, Slot], plan: ShardPlan) -> None:
+    _bytes.pack_parts(buf, piece_parts(pieces, slots, plan.dtypes))
 
 
 class SourceSlots(Mapping[str, Slot]):
@@ -174,7 +163,7 @@ class SourceSlots(Mapping[str, Slot]):
         self._replicas: dict[str, Future[str]] = {}
         self._hasher: ThreadPoolExecutor | None = None
         self._left: Counter[str] = Counter(
-            p.name for (src, _), buckets in plan.pairs.items() if src == me for b in buckets for p in b.pieces
+            p.name for (src, _), cut in plan.pairs.items() if src == me for b in cut.buckets for p in b
         )
         if not self._lazy:
             self.finish()
@@ -188,18 +177,18 @@ class SourceSlots(Mapping[str, Slot]):
     def __len__(self) -> int:
         return len(self._slots)
 
-    def need(self, bucket: Bucket) -> None:
-        """Pull every tensor ``bucket`` reads."""
-        for p in bucket.pieces:
+    def need(self, pieces: tuple[Piece, ...]) -> None:
+        """Pull every tensor these pieces (a bucket's) read."""
+        for p in pieces:
             while p.name not in self._slots:
                 if not self._pull():  # pulled every entry: the plan names one the manifest does not
                     raise ValueError(f"the plan reads {p.name!r}, which this source's manifest does not list")
 
-    def packed(self, bucket: Bucket) -> None:
-        """``bucket`` is packed: a lazy source's tensors that no later bucket reads are let go."""
+    def packed(self, pieces: tuple[Piece, ...]) -> None:
+        """A bucket of these pieces is packed: a lazy source's tensors no later bucket reads are let go."""
         if not self._lazy:
             return
-        for p in bucket.pieces:
+        for p in pieces:
             self._left[p.name] -= 1
             if self._left[p.name] <= 0:
                 self._slots.pop(p.name, None)
@@ -257,9 +246,9 @@ def pair_streams(
     exchange = _sharded.Exchange(group, session, slots, copier, buffers, sync.deadline, device, bases)
     sent = send_shards(exchange, tx, sync)
     slots.finish()
-    mine = {pair: b for pair, b in session.pairs.pairs.items() if pair[0] == me}
-    sent.total = sum(b.nbytes for buckets in mine.values() for b in buckets)
-    sent.buckets = sum(len(b) for b in mine.values())
+    mine = {pair: cut for pair, cut in session.pairs.pairs.items() if pair[0] == me}
+    sent.total = sum(cut.total_bytes for cut in mine.values())
+    sent.buckets = sum(len(cut.bounds) for cut in mine.values())
     sent.delta = any(pair[0] == me for pair in session.deltas)
-    sent.by_receiver = {dst: sum(b.nbytes for b in buckets) for (_, dst), buckets in sorted(mine.items())}
+    sent.by_receiver = {dst: cut.total_bytes for (_, dst), cut in sorted(mine.items())}
     return sent

@@ -1,8 +1,12 @@
-"""The bucket plan: where every tensor's bytes sit in the byte stream of a sync, and how the stream is cut.
+"""The cut of a stream: its buckets' bounds and what each holds, one type for every stream of a sync.
 
-Both sides compute it from the manifest alone, so no per-bucket metadata crosses the wire. Tensors are laid
-one after another, each at an offset aligned to its element size (so a received byte range can be viewed as
-that dtype in place). The stream is then cut into buckets:
+A fan-out stream carries a manifest's bytes (buckets of :class:`Segment`, built here by :meth:`Plan.build`);
+a pair carries boxes of global tensors (buckets of :class:`._shard_plan.Piece`, cut by the sync's
+:class:`._shard_plan.ShardPlan`); a delta's payloads and a forwarder's stream are buckets of bytes only.
+
+A fan-out stream's cut is computed by both sides from the manifest alone, so no per-bucket metadata crosses
+the wire. Tensors are laid one after another, each at an offset aligned to its element size (so a received
+byte range can be viewed as that dtype in place). The stream is then cut into buckets:
 
 - a tensor of at least ``solo_bytes`` travels in buckets of its own (cut at ``bucket_bytes``), so both sides
   send and receive it straight from and into its own storage, with no packing copy, whatever their memory
@@ -17,7 +21,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar, cast
+from typing import Any, Generic, TypeVar, cast
+
+from typing_extensions import TypeVar as DefaultTypeVar
 
 from .manifest import Manifest
 
@@ -54,31 +60,36 @@ def stream_offsets(manifest: Manifest) -> tuple[list[int], int]:
     return offsets, pos
 
 
+C = DefaultTypeVar("C", default=Segment)
+"""What a bucket holds: a fan-out stream's segments, a pair's pieces."""
+
+
 @dataclass(frozen=True, slots=True)
-class Plan:
+class Plan(Generic[C]):
     offsets: tuple[int, ...]
-    """Stream offset of each manifest entry (aliases: their target's offset)."""
+    """A fan-out stream's offset of each manifest entry (aliases: their target's offset); else empty."""
     total_bytes: int
     bucket_bytes: int
     bounds: tuple[tuple[int, int], ...]
     """Each bucket's [start, end) in the stream."""
-    buckets: tuple[tuple[Segment, ...], ...]
+    buckets: tuple[tuple[C, ...], ...]
 
     def bucket_range(self, k: int) -> tuple[int, int]:
         return self.bounds[k]
 
-    @classmethod
-    def of_sizes(cls, sizes: Sequence[int]) -> Plan:
-        """Buckets of these sizes back to back, for a stream that is not one manifest's bytes (a many-source
-        sync's pairs): transports read only the bounds."""
+    @staticmethod
+    def of_sizes(sizes: Sequence[int], contents: Sequence[tuple[C, ...]] | None = None) -> Plan[C]:
+        """Buckets of these sizes back to back (holding ``contents``, or nothing: a stream whose transport
+        reads only the bounds), for a stream that is not one manifest's bytes."""
         bounds, pos = [], 0
         for n in sizes:
             bounds.append((pos, pos + n))
             pos += n
-        return cls((), pos, max(sizes, default=0), tuple(bounds), tuple(() for _ in sizes))
+        held = tuple(contents) if contents is not None else tuple(() for _ in sizes)
+        return Plan((), pos, max(sizes, default=0), tuple(bounds), held)
 
-    @classmethod
-    def build(cls, manifest: Manifest, bucket_bytes: int, solo_bytes: int | None = None) -> Plan:
+    @staticmethod
+    def build(manifest: Manifest, bucket_bytes: int, solo_bytes: int | None = None) -> Plan[Segment]:
         """Cut the manifest's stream; ``solo_bytes`` defaults to ``bucket_bytes // 8``."""
         if bucket_bytes < 1024:
             raise ValueError(f"bucket_bytes={bucket_bytes} is too small (at least 1024)")
@@ -121,7 +132,7 @@ class Plan:
                 pos += piece
                 if pos < end:
                     k += 1
-        return cls(tuple(offsets), total, bucket_bytes, tuple(bounds), tuple(tuple(b) for b in buckets))
+        return Plan(tuple(offsets), total, bucket_bytes, tuple(bounds), tuple(tuple(b) for b in buckets))
 
 
 class Plans:
