@@ -13,6 +13,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 import torch
 
@@ -90,7 +91,7 @@ class DeltaSender:
         self.policy.record_sample(seconds, m, enc.count / max(enc.words, 1), wire)
         old[m:].copy_(new[m:])
 
-    def _workers(self) -> list[Copier]:
+    def workers(self) -> list[Copier]:
         """Two copy threads diff buckets side by side (the diff is the source's bottleneck and nothing else
         runs while it does: the transfer starts once every bucket is described)."""
         if self._second is None:
@@ -112,20 +113,18 @@ class DeltaSender:
         assert base is not None
         manifest = puller.manifest
         sizes, words = word_counts(plan, manifest)
-        biggest = max((e - s for s, e in plan.bounds), default=0)
 
-        def diff(k: int, worker: int) -> Diffed:
-            """On a copy thread, while the other diffs the next bucket and the caller's thread sends."""
-            start, end = plan.bucket_range(k)
-            new = _bytes.in_place_bucket(plan, k, puller.direct, receiving=False)
-            flat = new is not None
-            if new is None:
-                new = self.scratch.get(f"delta-new{worker}", end - start, base.device)
-                _bytes.pack(new, plan.buckets[k], puller.live, puller.wire)
-            mask = self.scratch.get(f"delta-mask{worker}", biggest, base.device).view(torch.bool)
-            return _delta_sync.diff(new, base[start:end], sizes[k], mask, verify, self.group), flat
+        def released(j: int) -> None:
+            puller.release(plan, j)
+            if progress is not None:
+                progress(plan.bucket_range(j)[1], plan.total_bytes)
 
-        result = _Ahead(plan, puller, self._workers(), diff, progress)
+        result = Diffs(
+            plan, base, sizes, self.workers(), self.scratch, verify, self.group,
+            pack=lambda k, new: _bytes.pack(new, plan.buckets[k], puller.live, puller.wire),
+            direct=lambda k: _bytes.in_place_bucket(plan, k, puller.direct, receiving=False),
+            pull=lambda k: puller.pull_through(max(seg.index for seg in plan.buckets[k])), release=released,
+        )  # fmt: skip
         wire_bytes = changed = in_place = 0
         sync, opened = stream.sync, False
         for a, b in delta_groups(plan):
@@ -163,41 +162,51 @@ def _payload(payloads: list[torch.Tensor | None], j: int, buffer: Callable[[], t
     return payload
 
 
-class _Ahead:
-    """Bucket k's diff, on demand; the workers are kept a few buckets ahead of the caller (the source's
-    tensors are pulled on the caller's thread and released once their buckets are diffed)."""
+class Diffs:
+    """Each bucket of a stream's cut diffed against its base (bringing the base up to the new version) on
+    demand: the one diff of every delta stream's source, a fan-out's or a pair's. The copy threads are kept
+    a few buckets ahead of the caller, each packing its bucket (``pack(k, into)``, unless ``direct(k)``
+    gives its bytes where they lie) and diffing it; the source's tensors a bucket reads are pulled on the
+    caller's thread first (``pull(k)``: a lazy source yields them there) and let go once it is diffed
+    (``release(k)``). Returns each bucket's diff and whether its new bytes were read in place."""
 
     def __init__(
-        self,
-        plan: Plan,
-        puller: Puller,
-        workers: list[Copier],
-        diff: Callable[[int, int], Diffed],
-        progress: Progress | None,
-    ) -> None:
-        self.plan = plan
-        self.puller = puller
-        self.workers = workers
-        self.diff = diff
-        self.progress = progress
-        self.results: list[Diffed | None] = [None] * len(plan.buckets)
+        self, cut: Plan[Any], base: torch.Tensor, words: list[int], workers: list[Copier],
+        scratch: _bytes.BufferCache, kind: str, group: StatelessGroup, *,
+        pack: Callable[[int, torch.Tensor], None], pull: Callable[[int], None],
+        release: Callable[[int], None], direct: Callable[[int], torch.Tensor | None] = lambda k: None,
+    ) -> None:  # fmt: skip
+        self.cut, self.base, self.words, self.workers = cut, base, words, workers
+        self.scratch, self.kind, self.group = scratch, kind, group
+        self.pack, self.pull, self.release, self.direct = pack, pull, release, direct
+        self.biggest = max((e - s for s, e in cut.bounds), default=0)
+        self.results: list[Diffed | None] = [None] * len(cut.bounds)
         self.pending: deque[tuple[int, Job[Diffed]]] = deque()
         self.submitted = 0
 
+    def _diff(self, k: int, worker: int) -> Diffed:
+        """On a copy thread, while the other diffs the next bucket and the caller's thread sends."""
+        start, end = self.cut.bucket_range(k)
+        new = self.direct(k)
+        flat = new is not None
+        if new is None:
+            new = self.scratch.get(f"delta-new{worker}", end - start, self.base.device)
+            self.pack(k, new)
+        mask = self.scratch.get(f"delta-mask{worker}", self.biggest, self.base.device).view(torch.bool)
+        return _delta_sync.diff(new, self.base[start:end], self.words[k], mask, self.kind, self.group), flat
+
     def __call__(self, k: int) -> Diffed:
-        plan, n = self.plan, len(self.plan.buckets)
+        n = len(self.cut.bounds)
         while self.results[k] is None:
             while self.submitted < n and len(self.pending) < 2 * len(self.workers):
                 s = self.submitted
-                self.puller.pull_through(max(seg.index for seg in plan.buckets[s]))
+                self.pull(s)
                 w = s % len(self.workers)
-                self.pending.append((s, self.workers[w].submit(partial(self.diff, s, w))))
+                self.pending.append((s, self.workers[w].submit(partial(self._diff, s, w))))
                 self.submitted += 1
             j, job = self.pending.popleft()
             self.results[j] = job.result()
-            self.puller.release(plan, j)
-            if self.progress is not None:
-                self.progress(plan.bucket_range(j)[1], plan.total_bytes)
+            self.release(j)
         r = self.results[k]
         assert r is not None
         return r

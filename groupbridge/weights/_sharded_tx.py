@@ -20,6 +20,7 @@ from ..stateless import StatelessGroup
 from . import _bytes, _delta_sync, _sharded
 from ._copier import Copier
 from ._delta_sync import delta_digest
+from ._delta_tx import Diffs
 from ._described import Boxes, Pairs
 from ._session import Session
 from ._shard_plan import Piece, ShardPlan
@@ -35,10 +36,11 @@ from .transports import Sync, TxTransport
 __all__ = ["SourceSlots", "pair_streams", "send_shards"]
 
 
-def send_shards(x: _sharded.Exchange, tx: TxTransport, sync: Sync[Any]) -> Sent:
+def send_shards(x: _sharded.Exchange, tx: TxTransport, sync: Sync[Any], workers: list[Copier]) -> Sent:
     """This source's part of step 3: every receiver's buckets as one stream over ``tx``, in the order every
     member walks them (round, then turn: see ``Session.turns``); a delta pair's description goes first on
-    the control plane, then its changed buckets' encodings take the place of its buckets."""
+    the control plane (its buckets diffed by ``workers``), then its changed buckets' encodings take the place
+    of its buckets."""
     group, session, slots = x.group, x.session, x.slots
     me = group.rank
     assert isinstance(slots, SourceSlots)
@@ -57,7 +59,7 @@ def send_shards(x: _sharded.Exchange, tx: TxTransport, sync: Sync[Any]) -> Sent:
             assert base is not None
             if pair.key not in described:
                 described[pair.key] = _describe_delta(
-                    group, session, cut, slots, base, x.copier, x.buffers, sent, device
+                    group, session, cut, slots, base, workers, x.buffers, sent
                 )
             desc, payloads = described[pair.key]
             _delta_sync.announce(group, desc, dst, x.deadline)
@@ -112,30 +114,22 @@ def _full_bucket(
 
 def _describe_delta(
     group: StatelessGroup, session: Session, cut: Plan[Piece], slots: SourceSlots, base: torch.Tensor,
-    copier: Copier, buffers: _bytes.BufferCache, sent: Sent,
-    device: torch.device,
+    workers: list[Copier], buffers: _bytes.BufferCache, sent: Sent,
 ) -> tuple[_delta_sync.Description, list[torch.Tensor]]:  # fmt: skip
-    """A delta pair: diff every bucket against the base (bringing it up to the new version); the pair's
-    description and the changed buckets' encodings, in order."""
-    plan, kind = session.pairs, delta_digest(session.header)
-    diffs: list[_delta_sync.Diffed] = []
-    payloads: list[torch.Tensor] = []
-    mask = buffers.get("delta-mask", max(cut.bucket_bytes, 1), device).view(torch.bool)
-    for (start, end), pieces in zip(cut.bounds, cut.buckets, strict=True):
-        new = buffers.get("delta-new", end - start, device)
-        slots.need(pieces)
-        copier.run(partial(_pack, pieces, new, slots, plan))
-        slots.packed(pieces)
-        old = base[start:end]
-        word = bucket_word(pieces, plan.dtypes)
-        d = copier.run(partial(_delta_sync.diff, new, old, word, mask, kind, group))
-        diffs.append(d)
-        payload = d.payload(old)
-        if payload is not None:
-            payloads.append(payload)
-        sent.changed_words += d.enc.count
-        sent.compared_words += d.enc.words
-    return _delta_sync.describe(diffs), payloads
+    """A delta pair: diff every bucket against the base (bringing it up to the new version, see
+    :class:`._delta_tx.Diffs`); the pair's description and the changed buckets' encodings, in order."""
+    plan = session.pairs
+    words = [bucket_word(pieces, plan.dtypes) for pieces in cut.buckets]
+    diffs = Diffs(
+        cut, base, words, workers, buffers, delta_digest(session.header), group,
+        pack=lambda k, new: _pack(cut.buckets[k], new, slots, plan),
+        pull=lambda k: slots.need(cut.buckets[k]), release=lambda k: slots.packed(cut.buckets[k]),
+    )  # fmt: skip
+    done = [diffs(k)[0] for k in range(len(cut.bounds))]
+    sent.changed_words += sum(d.enc.count for d in done)
+    sent.compared_words += sum(d.enc.words for d in done)
+    payloads = [d.payload(base[slice(*cut.bucket_range(k))]) for k, d in enumerate(done)]
+    return _delta_sync.describe(done), [t for t in payloads if t is not None]
 
 
 def _same(t: torch.Tensor, buffer: Callable[[], torch.Tensor]) -> torch.Tensor:
@@ -236,15 +230,15 @@ def _cell_digest(cell: torch.Tensor) -> str:
 
 
 def pair_streams(
-    group: StatelessGroup, session: Session, slots: SourceSlots, copier: Copier, buffers: _bytes.BufferCache,
-    tx: TxTransport, sync: Sync[Any], bases: Bases | None, device: torch.device,
+    group: StatelessGroup, session: Session, slots: SourceSlots, workers: list[Copier],
+    buffers: _bytes.BufferCache, tx: TxTransport, sync: Sync[Any], bases: Bases | None, device: torch.device,
 ) -> Sent:  # fmt: skip
     """This source's streams of a sync of pairs: its pieces to every receiver over ``tx`` (its buffers and
-    bases on ``device``), every tensor of a lazy source pulled (see :func:`._tx_stream.source_sync` for what
-    follows)."""
+    bases on ``device``; packed by the first of the copy threads ``workers``, a delta's buckets diffed by
+    all), every tensor of a lazy source pulled (see :func:`._tx_stream.source_sync` for what follows)."""
     me = group.rank
-    exchange = _sharded.Exchange(group, session, slots, copier, buffers, sync.deadline, device, bases)
-    sent = send_shards(exchange, tx, sync)
+    exchange = _sharded.Exchange(group, session, slots, workers[0], buffers, sync.deadline, device, bases)
+    sent = send_shards(exchange, tx, sync, workers)
     slots.finish()
     mine = {pair: cut for pair, cut in session.pairs.pairs.items() if pair[0] == me}
     sent.total = sum(cut.total_bytes for cut in mine.values())

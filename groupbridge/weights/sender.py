@@ -268,8 +268,9 @@ class WeightSender(Closing):
         options = self.options[kind] if pairs == kind else TRANSPORTS[pairs].options()
         sync = Sync(session.headers[self.src].sync_id, deadline, options, self._copier.copy)
         slots = SourceSlots(manifest, items, shards, session.pairs, self.src)
-        streams = partial(pair_streams, self.group, session, slots, self._copier, self._scratch,
-                          self._tx(pairs), sync, self._bases, stream_device(pairs, device))  # fmt: skip
+        workers = self._delta.workers() if self._delta is not None else [self._copier]
+        streams = partial(pair_streams, self.group, session, slots, workers, self._scratch, self._tx(pairs),
+                          sync, self._bases, stream_device(pairs, device))  # fmt: skip
         return source_sync(self.group, session, deadline, streams, transport=pairs, bases=self._bases,
                            policy=policy, replicas=partial(slots.replicas, deadline),
                            cleanup=slots.close)  # fmt: skip
