@@ -6,13 +6,16 @@ leaves) is checked in milliseconds, without processes; multi-process tests check
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
 import groupbridge as gb
 from groupbridge.weights import _bytes, _delta
-from groupbridge.weights._appliers import Applier, Ring, Scratch, Staged, Streaming
+from groupbridge.weights._appliers import Applier, Ring, Scratch, Staged, Streaming, counts
 from groupbridge.weights._copier import Copier
+from groupbridge.weights._rx_whole import _kept
 from groupbridge.weights.manifest import Manifest
 from groupbridge.weights.plan import Plan
 
@@ -61,12 +64,26 @@ def _deliver(applier: Applier, plan: Plan, buckets: list[torch.Tensor], upto: in
     for k, data in enumerate(buckets[:upto]):
         landed = applier.land(k)
         landed.view.copy_(data)
-        pairs += list(applier.landed(k, landed.view, landed.in_place, [s.index for s in plan.buckets[k]]))
+        pairs += applier.landed(plan.buckets[k], landed.view, landed.in_place)
     return pairs
 
 
 def _names(manifest: Manifest):  # type: ignore[no-untyped-def]
     return lambda i: manifest.entries[i].name
+
+
+def _ring() -> Ring:
+    return Ring(_bytes.BufferCache(), torch.device("cpu"))
+
+
+def _staged(manifest: Manifest, plan: Plan, buffer: torch.Tensor, copier: Copier, **kwargs: Any) -> Staged:
+    slots, parts = _kept(buffer, plan, manifest), counts(plan.buckets)
+    return Staged(copier, _names(manifest), parts, slots, buffer=buffer, plan=plan, ring=_ring(), **kwargs)
+
+
+def _streaming(manifest: Manifest, plan: Plan, dest: list[torch.Tensor], copier: Copier) -> Streaming:
+    own = {i: (d, None) for i, d in enumerate(dest)}
+    return Streaming(copier, _names(manifest), counts(plan.buckets), own, flat=dest, plan=plan, ring=_ring())
 
 
 def test_staged_commits_only_at_the_end_and_a_failure_leaves_the_target_untouched(copier: Copier) -> None:
@@ -75,8 +92,7 @@ def test_staged_commits_only_at_the_end_and_a_failure_leaves_the_target_untouche
     target = {k: v.clone() for k, v in old.items()}
     dest = list(target.values())
     buffer = torch.empty(plan.total_bytes, dtype=torch.uint8)
-    ring = Ring(_bytes.BufferCache(), torch.device("cpu"))
-    applier = Staged(buffer, plan, manifest, ring, copier, _names(manifest), dest=dest)
+    applier = _staged(manifest, plan, buffer, copier, dest=list(enumerate(dest)))
     assert _deliver(applier, plan, _packed(plan, tensors)) == []  # atomic: nothing yielded
     assert all(torch.equal(target[k], old[k]) for k in old)  # every byte landed, none in the target yet
     err = applier.failed(RuntimeError("link cut"), version=3, held=2)
@@ -96,8 +112,9 @@ def test_staged_commit_of_a_delta_copies_only_the_changed_tensors(copier: Copier
     changed = dict(model)
     changed["b"] = model["b"] + 1
     target = {k: torch.zeros_like(v) for k, v in model.items()}
-    applier = Staged(buffer, plan, manifest, Ring(_bytes.BufferCache(), torch.device("cpu")), copier,
-                     _names(manifest), dest=list(target.values()), delta=True)  # fmt: skip
+    applier = _staged(
+        manifest, plan, buffer, copier, dest=list(enumerate(target.values())), only_changed=True
+    )
     new = _packed(plan, list(changed.values()))
     for k in range(len(plan.buckets)):  # as the delta stream applies a bucket: to the held bytes
         held = applier.held(k)
@@ -107,7 +124,7 @@ def test_staged_commit_of_a_delta_copies_only_the_changed_tensors(copier: Copier
         payload = enc.payload if enc.payload is not None else new[k]
         pos = _delta.apply(held, payload, enc.code, enc.count, 4)
         applier.write_back(k, held)
-        applier.landed(k, held, True, _delta.changed_entries(plan, k, pos, 4))
+        applier.landed(plan.buckets[k], held, True, _delta.changed_entries(plan, k, pos, 4))
     applier.commit()
     assert torch.equal(target["b"], changed["b"])
     assert not target["big"].any() and not target["w"].any()  # unchanged: not copied again
@@ -117,9 +134,7 @@ def test_streaming_names_what_a_failure_midway_left_torn(copier: Copier) -> None
     new, old = _model(1), _model(2)
     manifest, plan, tensors = _setup(new)
     target = {k: v.clone() for k, v in old.items()}
-    ring = Ring(_bytes.BufferCache(), torch.device("cpu"))
-    applier = Streaming(plan, manifest, ring, copier, _names(manifest), list(target.values()),
-                        _bytes.BufferCache(), delta=False)  # fmt: skip
+    applier = _streaming(manifest, plan, list(target.values()), copier)
     _deliver(applier, plan, _packed(plan, tensors), upto=2)
     assert applier.written == ["big"]  # the first two buckets hold part of "big" only
     err = applier.failed(RuntimeError("link cut"), version=3, held=2)
@@ -133,9 +148,7 @@ def test_streaming_lands_in_place_in_a_flattened_target(copier: Copier) -> None:
     manifest, plan, tensors = _setup(new)
     target = {k: torch.zeros_like(v) for k, v in new.items()}
     gb.flatten_(target)
-    ring = Ring(_bytes.BufferCache(), torch.device("cpu"))
-    applier = Streaming(plan, manifest, ring, copier, _names(manifest), list(target.values()),
-                        _bytes.BufferCache(), delta=False)  # fmt: skip
+    applier = _streaming(manifest, plan, list(target.values()), copier)
     assert all(applier.land(k).in_place for k in range(len(plan.buckets)))
     _deliver(applier, plan, _packed(plan, tensors))
     applier.commit()
@@ -145,14 +158,18 @@ def test_streaming_lands_in_place_in_a_flattened_target(copier: Copier) -> None:
 def test_scratch_yields_every_tensor_once_assembling_those_that_span_buckets(copier: Copier) -> None:
     new = _model(1)
     manifest, plan, tensors = _setup(new)
-    applier = Scratch(
-        plan, manifest, Ring(_bytes.BufferCache(), torch.device("cpu")), copier, _names(manifest)
-    )
+
+    def spec(i: int) -> tuple[torch.dtype, tuple[int, ...], None]:
+        return tensors[i].dtype, tuple(tensors[i].shape), None
+
+    parts = counts(plan.buckets)
+    applier = Scratch(copier, _names(manifest), parts, spec, torch.device("cpu"), views=True, plan=plan,
+                      ring=_ring())  # fmt: skip
     got = {}
     for k, data in enumerate(_packed(plan, tensors)):
         landed = applier.land(k)
         landed.view.copy_(data)
-        for i, t in applier.landed(k, landed.view, False, []):
+        for i, t in applier.landed(plan.buckets[k], landed.view, False):
             got[manifest.entries[i].name] = t.clone()  # a view of the ring: valid until the next bucket
     assert sorted(got) == sorted(k for k, v in new.items() if v.numel())
     assert all(torch.equal(got[k], new[k]) for k in got)
@@ -162,8 +179,7 @@ def test_staged_receive_yields_views_of_the_kept_copy_as_buckets_complete(copier
     new = _model(1)
     manifest, plan, tensors = _setup(new)
     buffer = torch.empty(plan.total_bytes, dtype=torch.uint8)
-    applier = Staged(buffer, plan, manifest, Ring(_bytes.BufferCache(), torch.device("cpu")), copier,
-                     _names(manifest))  # fmt: skip
+    applier = _staged(manifest, plan, buffer, copier)
     pairs = _deliver(applier, plan, _packed(plan, tensors))
     names = [manifest.entries[i].name for i, _ in pairs]
     assert names == [k for k, v in new.items() if v.numel()]  # in order, each once, when its last byte landed

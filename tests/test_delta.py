@@ -148,12 +148,12 @@ def _delta_every_dtype(rank: int, host: str, ports: Any, n: int, mode: str, flat
             gb.flatten_(target)
         results = []
         for v, want in enumerate(versions, 1):
-            if mode == "receive":
-                upd = rcv.receive()
+            if mode.startswith("receive"):  # only what changed, or (receive-every) every tensor, whole
+                upd = rcv.receive(only_changed=mode == "receive")
                 got = {name: t.clone() for name, t in upd}
                 prev = versions[v - 2] if v > 1 else None
                 changed = {k for k in want if prev is None or not bit_equal(prev[k], want[k])}
-                results.append((set(got) == changed, upd.delta))
+                results.append((set(got) == (changed if mode == "receive" else set(want)), upd.delta))
                 target.update({k: t for k, t in got.items() if k != "tied"})
                 target["tied"] = target["big"]
             else:
@@ -165,7 +165,8 @@ def _delta_every_dtype(rank: int, host: str, ports: Any, n: int, mode: str, flat
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize(
     ("n", "mode", "flat"),
-    [(3, "atomic", False), (2, "streaming", False), (2, "streaming", True), (3, "receive", False)],
+    [(3, "atomic", False), (2, "streaming", False), (2, "streaming", True), (3, "receive", False),
+     (2, "receive-every", False)],  # fmt: skip
 )
 def test_delta_bit_exact_every_dtype(n: int, mode: str, flat: bool) -> None:
     res = run_ranks(_delta_every_dtype, n, "127.0.0.1", CTX.Queue(), n, mode, flat, timeout=80)
@@ -173,7 +174,7 @@ def test_delta_bit_exact_every_dtype(n: int, mode: str, flat: bool) -> None:
         results, version = res[r]
         assert all(x if isinstance(x, bool) else x[0] for x in results), results
         assert version == 4
-        if mode == "receive":
+        if mode.startswith("receive"):
             assert [x[1] for x in results if isinstance(x, tuple)] == [False, True, True, True]
     stats = res[0]
     assert [s[0] for s in stats] == [False, True, True, True], stats

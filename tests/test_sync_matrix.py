@@ -1,9 +1,9 @@
 """Every sync the weight core runs, over every layout it must carry: one source sending whole tensors, or
 three holding different layouts of the same tensors (rows over all three, columns over two, uneven rows over
-two, a bias replicated on all; bfloat16 and float32 mixed); two receivers wanting whole tensors, column boxes
-(a tensor-parallel worker), or one of each; each transport that can carry the sync; atomic and streaming;
-full syncs and deltas; ``receive_into`` and ``receive()``. Every version is checked bit for bit on every
-receiver.
+two, a bias replicated on all; bfloat16, float32 and uint8 mixed); two receivers wanting whole tensors,
+column boxes (a tensor-parallel worker), or one of each; each transport that can carry the sync; atomic and
+streaming; full syncs and deltas; ``receive_into`` and ``receive()``. Every version is checked bit for bit on
+every receiver.
 
 One group per (device, sources, transport, delta): its receivers change what they want between syncs (each
 change is planned again), so the matrix costs a few process starts instead of one per cell. It runs on every
@@ -22,8 +22,8 @@ import torch
 import groupbridge as gb
 from tests.helpers import CTX, make_group, run_ranks
 
-SHAPES = {"w": (48, 64), "v": (64, 30), "e": (51, 32), "b": (64,)}
-DTYPES = {"w": torch.bfloat16, "v": torch.float32, "e": torch.bfloat16, "b": torch.float32}
+SHAPES = {"w": (48, 64), "v": (64, 30), "e": (51, 32), "q": (40, 24), "b": (64,)}
+DTYPES = {"w": torch.bfloat16, "v": torch.float32, "e": torch.bfloat16, "q": torch.uint8, "b": torch.float32}
 RECEIVERS = 2
 WANTS = {"whole": ("whole", "whole"), "boxes": ("boxes", "boxes"), "one of each": ("whole", "boxes")}
 """What receivers 1 and 2 want, by the name of the case."""
@@ -38,10 +38,12 @@ def _full(name: str, version: int, device: str = "cpu") -> torch.Tensor:
     """Version ``version`` of tensor ``name``: a fixed tensor with every fifth value moved per version (so
     that a delta has something to leave out)."""
     g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
-    t = torch.randn(SHAPES[name], generator=g)
+    t = torch.randn(SHAPES[name], generator=g) * 40
     flat = t.view(-1)
     flat[version % 5 :: 5] += float(version)
-    return t.to(DTYPES[name]).to(device)
+    return (
+        t.abs().to(DTYPES[name]).to(device) if DTYPES[name] is torch.uint8 else t.to(DTYPES[name]).to(device)
+    )
 
 
 def _chunk(t: torch.Tensor, parts: int, i: int, dim: int) -> gb.Shard:
@@ -58,6 +60,7 @@ def _held(rank: int, sources: int, version: int, device: str) -> dict[str, Any]:
     out: dict[str, Any] = {"w": _chunk(_full("w", version, device), sources, rank, 0)}  # rows over all
     if rank < 2:
         out["v"] = _chunk(_full("v", version, device), 2, rank, 1)  # columns over two
+        out["q"] = _chunk(_full("q", version, device), 2, rank, 1)  # bytes (quantized), columns over two
         out["e"] = _chunk(_full("e", version, device), 2, rank, 0)  # 51 rows: 26 and 25
     out["b"] = _full("b", version, device)  # a replica on every source
     return {name: out[name] for name in SHAPES if name in out}
@@ -68,7 +71,7 @@ def _target(want: str, device: str) -> dict[str, Any]:
     if want == "whole":
         return whole
     boxes: dict[str, Any] = {}
-    for name in ("w", "v", "e"):  # the right half of the columns
+    for name in ("w", "v", "e", "q"):  # the right half of the columns
         rows, cols = SHAPES[name]
         half = torch.zeros(rows, cols - cols // 2, dtype=DTYPES[name], device=device)
         boxes[name] = gb.Shard(half, (rows, cols), (0, cols // 2))

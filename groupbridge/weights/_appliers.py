@@ -1,24 +1,33 @@
-"""Where a sync's bytes go on a receiver, and what "done" means: one applier per receive mode, chosen once.
+"""Where a receive's bytes go, and when a tensor is whole: one family of appliers for every plan.
 
-- :class:`Scratch` (``receive()``): buckets land in a small ring of scratch buffers of its own and
-  tensors are yielded as views of them.
-- :class:`Staged` (atomic ``receive_into``, and ``receive()`` when the source keeps a base): buckets land in
-  one model-size buffer; a delta is applied to it (it holds the version last received); on commit an atomic
-  receive copies it into the target (only the tensors that changed, for a delta), while ``receive()`` yields
-  views of it as buckets complete.
-- :class:`Streaming` (``receive_into(atomic=False)``): buckets land in the target's own storage where it is
-  laid out as the plan is, else in scratch and are unpacked at once; a delta is applied to the target
-  tensors themselves.
+A receiver's streams bring buckets (a fan-out stream's, cut from the manifest; pairs', cut by boxes: see
+:mod:`.plan`). Each bucket holds parts of tensors, each keyed by its tensor: a ``Segment`` (a byte range of a
+whole tensor, keyed by its manifest index) or a ``Piece`` (a box of a global tensor, keyed by its name on the
+wire). An applier says where each tensor lives on this receiver (its *slot*), unpacks each bucket's parts
+into their slots (nothing to copy where the bucket landed in them already) and counts them: once a tensor's
+last part landed, from whichever stream, it is whole, and the receive mode says what that means:
 
-Every applier answers the same calls: ``land(k)`` (where bucket k of a full sync lands), ``held(k)`` and
-``write_back(k, view)`` (the version held, for a delta to be applied to), ``landed(bucket)`` (bucket k is
-complete: returns the (entry, tensor) pairs it completes, for ``receive()``), ``commit()`` and
-``failed(cause)`` (the error a failure midway raises: untouched or torn).
+- :class:`Scratch` (``receive()``): each tensor is made as its first part lands and handed on (and let go
+  here) once whole; with ``views`` (a fan-out stream landing in this receiver's own ring), a tensor one bucket
+  holds whole is handed on as a view of that bucket instead, valid until the next bucket.
+- :class:`Staged` (atomic ``receive_into``, ``receive(keep=True)``, and ``receive()`` of a source that keeps
+  a base): one kept buffer holds every tensor; ``receive()`` hands on views of it as tensors become whole;
+  an atomic receive copies it into the target at the commit (only what changed, for a delta applied to the
+  version that target held).
+- :class:`Streaming` (``receive_into(atomic=False)``): the target's own tensors (or boxes); what lands is
+  written at once, and :attr:`Applier.written` names it for a torn update's error.
+
+A fan-out stream's bucket lies in the slots as it is (:meth:`Applier.direct`) where they are laid out as its
+plan (the kept buffer always; a ``flatten_``-ed target): it lands there, and a delta is applied there
+(:meth:`Applier.held` / :meth:`Applier.write_back`; elsewhere through scratch).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections import Counter
+from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, Mapping, Sequence
+from functools import partial
+from typing import Any, Protocol
 
 import torch
 
@@ -26,21 +35,32 @@ from ..codec import dtype_from_name
 from ..errors import SyncRefusedError, TornUpdateError, WeightSyncError
 from . import _bytes
 from ._copier import Copier
-from ._delta_sync import TargetStore
 from .manifest import Entry, Manifest
 from .plan import Plan
 from .transports import Land, Landed, Landing
 
-__all__ = ["Applier", "Ring", "Scratch", "Staged", "Streaming", "copy_staged", "refused", "torn"]
+__all__ = [
+    "Applier", "Ring", "Scratch", "Staged", "Streaming", "counts", "fill_aliases", "hand_on", "refused",
+    "torn", "wire_typed",
+]  # fmt: skip
 
-Bucket = tuple[int, torch.Tensor, bool, list[int]]
-"""(k, view of its new bytes, whether they are in the target already, the entries it changed)."""
+Key = Hashable
+"""A tensor of the receive: a manifest index (a fan-out stream), a name on the wire (pairs)."""
 
-Pair = tuple[int, torch.Tensor]
-"""(manifest entry index, tensor)."""
+Slot = tuple[torch.Tensor, Any]
+"""Where a tensor lives on this receiver: the tensor, and (for a box of a global tensor) the box it holds."""
 
-Names = Callable[[int], str]
-"""A manifest entry's name on this receiver."""
+
+class Part(Protocol):
+    """What a bucket holds of one tensor (``plan.Segment``, ``_shard_plan.Piece``)."""
+
+    @property
+    def key(self) -> Any: ...
+
+    @property
+    def bucket_offset(self) -> int: ...
+
+    def part(self, slot: Any) -> _bytes.Part: ...
 
 
 def torn(
@@ -86,246 +106,274 @@ class Ring:
         self.device = device
         self.size = 2
 
-    def land(self, plan: Plan) -> Land:
+    def land(self, plan: Plan[Any], kind: Landing = Landing.SCRATCH) -> Land:
         def land(k: int) -> Landed:
             start, end = plan.bucket_range(k)
-            view = self.buffers.get(f"bucket{k % self.size}", end - start, self.device)
-            return Landed(view, Landing.SCRATCH)
+            return Landed(self.buffers.get(f"bucket{k % self.size}", end - start, self.device), kind)
 
         return land
 
 
 class Applier:
-    """The common part: a plan, a manifest, a ring, a copy thread. Subclasses say where bytes go."""
+    """The family's common part: every tensor's slot, the parts still to land per tensor (``parts``), and
+    what each mode does once a tensor is whole (:meth:`whole`). ``plan``: the fan-out stream's cut, whose
+    buckets may lie in the slots as they are; ``ring``: where its other buckets land. ``every=False``: a delta
+    hands on only the tensors it changed."""
 
-    def __init__(self, plan: Plan, manifest: Manifest, ring: Ring, copier: Copier, names: Names) -> None:
-        self.plan = plan
-        self.manifest = manifest
-        self.entries = manifest.entries
-        self.ring = ring
-        self.device = ring.device
-        self.copier = copier
-        self.names = names
+    def __init__(
+        self, copier: Copier, names: Callable[[Any], str], parts: Counter[Any], *,
+        plan: Plan | None = None, ring: Ring | None = None, every: bool = True,
+    ) -> None:  # fmt: skip
+        self.copier, self.names, self.left = copier, names, parts
+        self.total = len(parts)
+        self.plan, self.ring, self.every = plan, ring, every
+        self.changed: set[Any] = set()
+        """The tensors some landed bytes of which changed (a full sync: every one)."""
         self.written: list[str] = []
-        """The target's tensors this applier has (partly) overwritten so far: a failure then is torn."""
+        """The target's tensors (partly) overwritten so far: a failure now leaves it torn."""
+
+    def slot(self, key: Key) -> Slot:
+        raise NotImplementedError
+
+    def flat(self) -> Sequence[torch.Tensor | None]:
+        """The slots by manifest index where they hold the wire bytes as they are (for :meth:`direct`)."""
+        return ()
+
+    def direct(self, k: int) -> torch.Tensor | None:
+        """Bucket k of the fan-out plan where it belongs, when the slots lie in the plan's layout."""
+        if self.plan is None:
+            return None
+        return _bytes.in_place_bucket(self.plan, k, self.flat(), receiving=True)
 
     def land(self, k: int) -> Landed:
+        """Where bucket k of the fan-out plan lands: where it belongs, else the ring."""
+        view = self.direct(k)
+        if view is not None:
+            return Landed(view, Landing.TARGET)
+        assert self.ring is not None and self.plan is not None
         return self.ring.land(self.plan)(k)
 
     def held(self, k: int) -> torch.Tensor:
-        raise AssertionError(f"{type(self).__name__} holds no version to apply a delta to")
+        """The version held of bucket k of the fan-out plan, for a delta to be applied to: where it lies, else
+        packed from the slots into scratch (:meth:`write_back` puts it back)."""
+        view = self.direct(k)
+        if view is not None:
+            return view
+        assert self.plan is not None and self.ring is not None
+        start, end = self.plan.bucket_range(k)
+        view = self.ring.buffers.get("delta-held", end - start, self.ring.device)
+        _bytes.pack(view, self.plan.buckets[k], self.flat())
+        return view
 
     def write_back(self, k: int, view: torch.Tensor) -> None:
-        """Nothing to do where ``held`` returned the held bytes themselves."""
+        assert self.plan is not None
+        if self.direct(k) is None:
+            _bytes.unpack(view, self.plan.buckets[k], self.flat())  # type: ignore[arg-type]
 
-    def landed(self, k: int, view: torch.Tensor, in_place: bool, changed: list[int]) -> Iterable[Pair]:
-        return ()
+    def landed(
+        self, parts: Sequence[Part], view: torch.Tensor | None, in_place: bool,
+        changed: Collection[Any] | None = None,
+    ) -> list[tuple[Any, torch.Tensor]]:  # fmt: skip
+        """A bucket of ``parts`` landed in ``view`` (``in_place``: in their slots already, or unchanged by a
+        delta); ``changed``: the tensors whose bytes it changed (None: all). Returns the (key, tensor) of the
+        tensors it made whole that this mode hands on."""
+        moved = [p.key for p in parts if changed is None or p.key in changed]
+        self.changed.update(moved)
+        if in_place:
+            self.writing(moved)
+        else:
+            assert view is not None
+            out = [p.part(self.slot(p.key)) for p in parts]  # a slot made on demand: made on this thread
+            self.writing([p.key for p in parts])
+            self.copier.run(partial(_bytes.unpack_parts, view, out))
+        done = []
+        for p in parts:
+            self.left[p.key] -= 1
+            if not self.left[p.key]:
+                t = self.whole(p.key)
+                if t is not None:
+                    done.append((p.key, t))
+        return done
+
+    def writing(self, keys: list[Any]) -> None:
+        """These tensors' bytes are about to be (or were, in place) written: a copy that fails midway leaves
+        them partly written."""
+
+    def whole(self, key: Key) -> torch.Tensor | None:
+        """Every part of ``key`` landed: what is handed on (None: nothing)."""
+        return None
 
     def commit(self) -> None:
         """Every bucket arrived and was verified: make the new version the target's."""
+
+    def failed(self, cause: BaseException, version: int, held: int | None) -> Exception:
+        """The error for a failure before the commit: untouched, or torn where something was written."""
+        return refused(version, held, cause, self.written, self.total)
 
     def commit_failed(self, cause: BaseException, version: int, held: int | None) -> Exception:
         """The error for a failure in :meth:`commit`."""
         return self.failed(cause, version, held)
 
-    def failed(self, cause: BaseException, version: int, held: int | None) -> Exception:
-        """The error for a failure before the commit."""
-        return WeightSyncError(
-            f"receiving version {version} failed: {type(cause).__name__}: {cause}; the target is untouched "
-            f"and the version held is still {held}"
-        )
-
-    def typed(self, buffer: torch.Tensor, offset: int, i: int) -> torch.Tensor:
-        e = self.entries[i]
-        return _bytes.typed_view(buffer, offset, dtype_from_name(e.wire_dtype), e.shape)
-
 
 class Scratch(Applier):
-    """``receive()`` of a source that keeps no base: tensors are views of the scratch bucket they arrived
-    in, valid until the next bucket; a tensor spanning buckets is assembled into its own memory. The
-    buckets land in this receiver's own ring, never in a transport's shared slot: a slot is a mapping of
-    the sender's memory (read-only over ``shm``, where a consumer's write would kill the process; the
-    sender's, over CUDA IPC), and the tensors are the consumer's to use."""
+    """``receive()`` without a kept buffer: each tensor made on ``device`` as its first part lands
+    (``spec(key)``: its dtype, shape and the box it is of) and let go once handed on: the receiver holds the
+    tensors in flight, not a model made up front, and what it hands on is the consumer's alone. With
+    ``views`` (a fan-out stream, landing in this receiver's own ring, never in a transport's shared slot:
+    that is a mapping of the sender's memory, read-only over ``shm``), a tensor one bucket holds whole is
+    handed on as a view of that bucket (no copy), valid until the next bucket."""
 
-    def __init__(self, plan: Plan, manifest: Manifest, ring: Ring, copier: Copier, names: Names) -> None:
-        super().__init__(plan, manifest, ring, copier, names)
-        self._assembling: dict[int, torch.Tensor] = {}
+    def __init__(
+        self, copier: Copier, names: Callable[[Any], str], parts: Counter[Any],
+        spec: Callable[[Any], tuple[torch.dtype, tuple[int, ...], Any]], device: torch.device, *,
+        views: bool = False, plan: Plan | None = None, ring: Ring | None = None, every: bool = True,
+    ) -> None:  # fmt: skip
+        super().__init__(copier, names, parts, plan=plan, ring=ring, every=every)
+        self.spec, self.device = spec, device
+        self.slots: dict[Any, Slot] = {}
+        self.alone = {key for key, n in parts.items() if n == 1} if views else set()
+        """The tensors one bucket holds whole."""
 
     def land(self, k: int) -> Landed:
-        return Landed(self.ring.land(self.plan)(k).view, Landing.STAGING)
+        assert self.ring is not None and self.plan is not None
+        return self.ring.land(self.plan, Landing.STAGING)(k)
 
-    def landed(self, k: int, view: torch.Tensor, in_place: bool, changed: list[int]) -> Iterable[Pair]:
-        ready: list[Pair] = []
-        for seg in self.plan.buckets[k]:
-            e = self.entries[seg.index]
-            if seg.nbytes == e.nbytes:
-                ready.append((seg.index, self.typed(view, seg.bucket_offset, seg.index)))
-                continue
-            full = self._assembling.get(seg.index)
-            if full is None:
-                dtype = dtype_from_name(e.wire_dtype)
-                full = self._assembling[seg.index] = torch.empty(e.shape, dtype=dtype, device=self.device)
-            self.copier.copy(
-                _bytes.byte_view(full)[seg.tensor_offset : seg.tensor_offset + seg.nbytes],
-                view[seg.bucket_offset : seg.bucket_offset + seg.nbytes],
-            )
-            if seg.tensor_offset + seg.nbytes == e.nbytes:
-                ready.append((seg.index, self._assembling.pop(seg.index)))
-        return ready
+    def slot(self, key: Key) -> Slot:
+        slot = self.slots.get(key)
+        if slot is None:
+            dtype, shape, box = self.spec(key)
+            slot = self.slots[key] = (torch.empty(shape, dtype=dtype, device=self.device), box)
+        return slot
+
+    def landed(
+        self, parts: Sequence[Part], view: torch.Tensor | None, in_place: bool,
+        changed: Collection[Any] | None = None,
+    ) -> list[tuple[Any, torch.Tensor]]:  # fmt: skip
+        alone = [p for p in parts if p.key in self.alone]
+        if not alone or view is None:
+            return super().landed(parts, view, in_place, changed)
+        done = super().landed([p for p in parts if p.key not in self.alone], view, in_place, changed)
+        for p in alone:  # viewed where it landed, in its bucket
+            dtype, shape, _ = self.spec(p.key)
+            self.changed.add(p.key)
+            done.append((p.key, _bytes.typed_view(view, p.bucket_offset, dtype, shape)))
+        return done
+
+    def whole(self, key: Key) -> torch.Tensor | None:
+        tensor = self.slots.pop(key)[0]  # no part of it is left to land: let go here
+        return tensor if self.every or key in self.changed else None
 
 
 class Staged(Applier):
-    """One plan-layout buffer that every bucket lands in (or, for a delta, is applied to: it holds the
-    version last received). With ``dest`` (atomic ``receive_into``) the commit copies it into the target;
-    without (``receive()``), tensors are yielded as views of it as their last bytes land (``every``: all of
-    them, else only those a delta changed)."""
+    """Every tensor in one kept buffer (``slots``: a view of it per tensor; a fan-out plan's buckets land in
+    it as they are). Without ``dest`` (``receive()``) the views are handed on as tensors become whole (all,
+    or only what a delta changed); with ``dest`` (atomic ``receive_into``: (key, target) pairs) they are
+    copied into the target at the commit, only what changed when ``only_changed`` (a delta applied to the
+    version that target held)."""
 
     def __init__(
-        self,
-        buffer: torch.Tensor,
-        plan: Plan,
-        manifest: Manifest,
-        ring: Ring,
-        copier: Copier,
-        names: Names,
-        *,
-        dest: list[torch.Tensor] | None = None,
-        delta: bool = False,
-        every: bool = True,
-    ) -> None:
-        super().__init__(plan, manifest, ring, copier, names)
-        self.buffer = buffer
-        self.dest = dest
-        self.delta = delta
-        self.every = every
-        self.changed: set[int] = set()
+        self, copier: Copier, names: Callable[[Any], str], parts: Counter[Any], slots: Mapping[Any, Slot],
+        *, buffer: torch.Tensor | None = None, dest: list[tuple[Any, torch.Tensor]] | None = None,
+        only_changed: bool = False, plan: Plan | None = None, ring: Ring | None = None, every: bool = True,
+    ) -> None:  # fmt: skip
+        super().__init__(copier, names, parts, plan=plan, ring=ring, every=every)
+        self.slots, self.buffer, self.dest, self.only_changed = slots, buffer, dest, only_changed
 
-    def land(self, k: int) -> Landed:
-        return Landed(self.held(k), Landing.STAGING)
+    def slot(self, key: Key) -> Slot:
+        return self.slots[key]
 
-    def held(self, k: int) -> torch.Tensor:
-        start, end = self.plan.bucket_range(k)
-        return self.buffer[start:end]
+    def direct(self, k: int) -> torch.Tensor | None:
+        if self.plan is None or self.buffer is None:
+            return None
+        return self.buffer[slice(*self.plan.bucket_range(k))]  # laid out as the plan is, by construction
 
-    def landed(self, k: int, view: torch.Tensor, in_place: bool, changed: list[int]) -> Iterable[Pair]:
-        self.changed.update(changed)
-        if self.dest is not None:
-            return ()
-        return [
-            (seg.index, self.typed(self.buffer, self.plan.offsets[seg.index], seg.index))
-            for seg in self.plan.buckets[k]
-            if seg.tensor_offset + seg.nbytes == self.entries[seg.index].nbytes  # its last bytes
-            and (self.every or seg.index in self.changed)
-        ]
+    def whole(self, key: Key) -> torch.Tensor | None:
+        if self.dest is not None or not (self.every or key in self.changed):
+            return None
+        return self.slots[key][0]
 
     def commit(self) -> None:
-        dest = self.dest
-        if dest is not None:
-            copy_staged(self.copier, (
-                (dest[i], self.typed(self.buffer, self.plan.offsets[j], j))
-                for i, j in enumerate(self.manifest.sources)
-                if self.entries[j].numel and not (self.delta and j not in self.changed)
-            ))  # fmt: skip
+        if self.dest is None:
+            return
+        pairs = [
+            (target, self.slots[key][0])
+            for key, target in self.dest
+            if target.numel() and not (self.only_changed and key not in self.changed)
+        ]
+
+        def apply() -> None:
+            with torch.no_grad():
+                for target, staged in pairs:
+                    if target.data_ptr() != staged.data_ptr():
+                        target.copy_(staged)
+
+        self.copier.run(apply)
 
     def commit_failed(self, cause: BaseException, version: int, held: int | None) -> Exception:
         """Every byte arrived, but copying it into the target failed midway: the target is torn."""
-        written = [self.names(i) for i in range(len(self.entries))]
+        written = [self.names(key) for key, _ in self.dest or ()]
         return torn(
             version, held, cause, written, len(written), "every byte arrived, but copying into the target"
         )
 
 
 class Streaming(Applier):
-    """The target's own tensors, bucket by bucket: in place where the target is laid out as the plan is,
-    else through scratch; a delta is applied to the target tensors themselves (contiguous, in the wire
-    dtype). ``written`` names what was (partly) overwritten, for a torn update's error."""
+    """The target's own tensors (``targets``: key -> slot), written as buckets land: in place where a fan-out
+    plan's bucket lies in them, else unpacked at once; a tensor that cannot take the wire bytes as they are
+    (``wire``: key -> its wire dtype, where it differs, or where the target is not contiguous) is assembled
+    apart and copied in once whole. ``tied(only)``: the commit's last step, writing tied names (the fan-out's
+    aliases) and returning them."""
 
     def __init__(
-        self,
-        plan: Plan,
-        manifest: Manifest,
-        ring: Ring,
-        copier: Copier,
-        names: Names,
-        dest: list[torch.Tensor],
-        buffers: _bytes.BufferCache,
-        *,
-        delta: bool,
-    ) -> None:
-        super().__init__(plan, manifest, ring, copier, names)
-        self.dest = dest
-        self.delta = delta
-        self._seen: set[int] = set()
-        self._wire_ok = [wire_typed(d, e) for d, e in zip(dest, self.entries, strict=True)]
-        ok = self._wire_ok
-        self._direct: list[torch.Tensor | None] = [d if w else None for d, w in zip(dest, ok, strict=True)]
-        self._partial: dict[int, torch.Tensor] = {}
-        self._store = TargetStore(dest, plan, buffers)
+        self, copier: Copier, names: Callable[[Any], str], parts: Counter[Any], targets: Mapping[Any, Slot],
+        *, wire: Mapping[Any, torch.dtype] | None = None, flat: Sequence[torch.Tensor | None] = (),
+        tied: Callable[[set[Any] | None], list[str]] | None = None, delta: bool = False,
+        plan: Plan | None = None, ring: Ring | None = None,
+    ) -> None:  # fmt: skip
+        super().__init__(copier, names, parts, plan=plan, ring=ring)
+        self.targets, self.wire, self._flat = targets, wire or {}, flat
+        self.tied, self.delta = tied, delta
+        self.apart: dict[Any, torch.Tensor] = {}
+        self._seen: set[Any] = set()
 
-    def land(self, k: int) -> Landed:
-        view = _bytes.in_place_bucket(self.plan, k, self._direct, receiving=True)
-        return Landed(view, Landing.TARGET) if view is not None else super().land(k)
+    def flat(self) -> Sequence[torch.Tensor | None]:
+        return self._flat
 
-    def held(self, k: int) -> torch.Tensor:
-        return self._store.view(k)
+    def slot(self, key: Key) -> Slot:
+        if key not in self.wire:
+            return self.targets[key]
+        t = self.apart.get(key)
+        if t is None:
+            t = self.apart[key] = torch.empty(self.targets[key][0].shape, dtype=self.wire[key],
+                                              device=self.targets[key][0].device)  # fmt: skip
+        return t, self.targets[key][1]
 
-    def write_back(self, k: int, view: torch.Tensor) -> None:
-        self._store.write_back(k, view)
+    def writing(self, keys: list[Any]) -> None:
+        new = [k for k in keys if k not in self._seen]
+        self._seen.update(new)
+        self.written.extend(self.names(k) for k in new)
 
-    def landed(self, k: int, view: torch.Tensor, in_place: bool, changed: list[int]) -> Iterable[Pair]:
-        if self.delta:
-            self.written.extend(self.names(i) for i in changed if i not in self._seen)
-            self._seen.update(changed)
-        elif in_place:
-            self.written.extend(
-                self.names(seg.index) for seg in self.plan.buckets[k] if seg.tensor_offset == 0
-            )
-        else:
-            self.copier.run(lambda: self._unpack(k, view))
-        return ()
-
-    def _unpack(self, k: int, view: torch.Tensor) -> None:
-        with torch.no_grad():
-            parts: list[_bytes.Part] = []
-            for seg in self.plan.buckets[k]:
-                i, a, b = seg.index, seg.tensor_offset, seg.tensor_offset + seg.nbytes
-                e, d = self.entries[i], self.dest[i]
-                if not self._wire_ok[i] and i not in self._partial:  # assembled in the wire dtype, then cast
-                    wire = dtype_from_name(e.wire_dtype)
-                    self._partial[i] = torch.empty(e.shape, dtype=wire, device=d.device)
-                out = _bytes.byte_view(d if self._wire_ok[i] else self._partial[i])
-                parts.append((seg.bucket_offset, seg.nbytes, out[a:b], torch.uint8))
-            _bytes.unpack_parts(view, parts)
-            for seg in self.plan.buckets[k]:
-                i = seg.index
-                if seg.tensor_offset == 0:
-                    self.written.append(self.names(i))
-                if i in self._partial and seg.tensor_offset + seg.nbytes == self.entries[i].nbytes:
-                    self.dest[i].copy_(self._partial.pop(i))
+    def whole(self, key: Key) -> torch.Tensor | None:
+        apart = self.apart.pop(key, None)
+        if apart is not None:
+            self.copier.run(partial(_cast_into, self.targets[key][0], apart))
+        return None
 
     def commit(self) -> None:
-        with torch.no_grad():
-            tied = fill_aliases(self.manifest, self.dest, self._seen if self.delta else None)
-        self.written.extend(self.names(i) for i in tied)
+        if self.tied is not None:
+            with torch.no_grad():
+                self.written.extend(self.tied(self.changed if self.delta else None))
 
     def failed(self, cause: BaseException, version: int, held: int | None) -> Exception:
         how = "a delta changed some tensors" if self.delta else "some buckets were written"
-        return torn(version, held, cause, self.written, len(self.entries), how)
+        if not self.written:
+            return super().failed(cause, version, held)
+        return torn(version, held, cause, self.written, self.total, how)
 
-    commit_failed = failed
 
-
-def copy_staged(copier: Copier, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """An atomic receive's commit: each (target, staged) pair copied on the copy thread (``pairs`` is read
-    there), a target that is the staged tensor itself left as it is."""
-
-    def apply() -> None:
-        with torch.no_grad():
-            for target, staged in pairs:
-                if target.data_ptr() != staged.data_ptr():
-                    target.copy_(staged)
-
-    copier.run(apply)
+def _cast_into(target: torch.Tensor, apart: torch.Tensor) -> None:
+    with torch.no_grad():
+        target.copy_(apart)
 
 
 def fill_aliases(manifest: Manifest, dest: list[torch.Tensor], only: set[int] | None = None) -> list[int]:
@@ -347,7 +395,13 @@ def wire_typed(d: torch.Tensor, e: Entry) -> bool:
     return d.is_contiguous() and d.dtype == dtype_from_name(e.wire_dtype)
 
 
-def run_through(buckets: Iterator[Bucket], applier: Applier) -> Iterator[Pair]:
-    """Feed every bucket to the applier; yields the pairs it completes."""
-    for k, view, in_place, changed in buckets:
-        yield from applier.landed(k, view, in_place, changed)
+def hand_on(ready: list[tuple[Any, torch.Tensor]]) -> Iterator[tuple[Any, torch.Tensor]]:
+    """What became whole, in order, each let go of here as it is handed on: a tensor of its own that the
+    consumer drops is freed then, not when the rest of its bucket's tensors are taken."""
+    while ready:
+        yield ready.pop(0)
+
+
+def counts(buckets: Iterable[Sequence[Part]]) -> Counter[Any]:
+    """How many parts of each tensor these buckets bring."""
+    return Counter(p.key for parts in buckets for p in parts)

@@ -28,7 +28,6 @@ import torch
 
 from ..errors import ProtocolError
 from . import _bytes, _delta
-from ._bytes import BufferCache
 from ._delta import Code
 from .manifest import Manifest
 from .plan import Plan
@@ -40,11 +39,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DELTA_TAG",
-    "BufferStore",
     "Description",
     "Diffed",
     "Policy",
-    "TargetStore",
     "announce",
     "announced",
     "apply",
@@ -336,41 +333,3 @@ def _calibrate() -> float:
     t0 = time.perf_counter()
     _delta.encode(new.view(torch.uint8), base.view(torch.uint8), 2)
     return (time.perf_counter() - t0) / Policy.SAMPLE_BYTES
-
-
-class BufferStore:
-    """A receiver's base kept as one plan-layout buffer (``receive()``, atomic ``receive_into``)."""
-
-    def __init__(self, buffer: torch.Tensor, plan: Plan) -> None:
-        self.buffer = buffer
-        self.plan = plan
-
-    def view(self, k: int) -> torch.Tensor:
-        start, end = self.plan.bucket_range(k)
-        return self.buffer[start:end]
-
-    def write_back(self, k: int, view: torch.Tensor) -> None:
-        """Nothing to do: the view is the buffer."""
-
-
-class TargetStore:
-    """A streaming receiver's base: its target tensors themselves (contiguous, in the wire dtype). A bucket
-    is read in place when the target is laid out as the plan is, else packed into scratch and written back."""
-
-    def __init__(self, dest: list[torch.Tensor], plan: Plan, scratch: BufferCache) -> None:
-        self.dest = dest
-        self.plan = plan
-        self.scratch = scratch
-
-    def view(self, k: int) -> torch.Tensor:
-        view = _bytes.in_place_bucket(self.plan, k, self.dest, receiving=True)
-        if view is not None:
-            return view
-        start, end = self.plan.bucket_range(k)
-        view = self.scratch.get("delta-target", end - start, self.dest[0].device)
-        _bytes.pack(view, self.plan.buckets[k], self.dest)
-        return view
-
-    def write_back(self, k: int, view: torch.Tensor) -> None:
-        if _bytes.in_place_bucket(self.plan, k, self.dest, receiving=True) is None:
-            _bytes.unpack(view, self.plan.buckets[k], self.dest)

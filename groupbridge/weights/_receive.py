@@ -16,7 +16,7 @@ import torch
 
 from ..control import Deadline
 from ..errors import SyncRefusedError
-from ._appliers import refused
+from ._appliers import Applier, refused
 from ._rx_stream import Taker, give_up, tell_failure
 from ._session import Session, vote
 
@@ -24,24 +24,27 @@ __all__ = ["Intake", "into", "named"]
 
 
 class Intake:
-    """What one receive lands, and how its commit or failure reads. :meth:`tensors` receives every bucket
-    and yields each tensor (its name here, the tensor) once it is whole; it leaves in :attr:`problem` why
-    the bytes are refused (a digest mismatch: this receiver's vote), and raises on anything else."""
+    """What one receive lands, through which applier (:mod:`._appliers`), and how its commit or failure
+    reads. :meth:`tensors` receives every bucket and yields each tensor the applier hands on (its name here,
+    the tensor) once it is whole; it leaves in :attr:`problem` why the bytes are refused (a digest mismatch:
+    this receiver's vote), and raises on anything else."""
 
-    def __init__(self, total: int) -> None:
-        self.total = total
+    def __init__(self, applier: Applier, total: int | None = None) -> None:
+        self.applier = applier
+        self.total = total if total is not None else applier.total
         """The update's tensors (for the error texts)."""
         self.problem: str | None = None
 
     def written(self) -> list[str]:
         """The target's tensors (partly) overwritten so far: a failure now leaves it torn."""
-        return []
+        return self.applier.written
 
     def tensors(self) -> Generator[tuple[str, torch.Tensor], None, None]:
         raise NotImplementedError
 
     def commit(self) -> None:
         """The vote passed: apply what was staged to the target (nothing, where the bytes landed there)."""
+        self.applier.commit()
 
     def kept(self) -> None:
         """The sync committed here: what it began to keep for deltas now holds its version."""
@@ -51,10 +54,10 @@ class Intake:
 
     def failed(self, cause: BaseException, version: int, held: int | None) -> Exception:
         """The error of a failure before the vote (untouched, or torn where something was written)."""
-        return refused(version, held, cause, self.written(), self.total)
+        return self.applier.failed(cause, version, held)
 
     def commit_failed(self, cause: BaseException, version: int, held: int | None) -> Exception:
-        return self.failed(cause, version, held)
+        return self.applier.commit_failed(cause, version, held)
 
 
 def named(

@@ -13,7 +13,7 @@ from ..codec import dtype_from_name
 from ..control import Deadline
 from ..errors import WeightSyncError
 from . import _bytes, _delta, _delta_sync
-from ._appliers import Applier, Bucket, Ring, Scratch, Staged, Streaming, run_through, wire_typed
+from ._appliers import Applier, Ring, Scratch, Staged, Streaming, counts, fill_aliases, hand_on, wire_typed
 from ._delta_sync import delta_digest, delta_groups, wire_plan, word_counts
 from ._receive import Intake
 from ._rx_stream import KEPT, Taker, allocated, tell_failure
@@ -34,7 +34,7 @@ def plan_of(session: Session, taker: Taker) -> Plan:
     return taker.plans.whole(session.manifest, header.bucket_bytes, header.solo_bytes)
 
 
-def _namer(manifest: Manifest, rename: Callable[[str], str]) -> Callable[[int], str]:
+def _namer(manifest: Manifest, rename: Callable[[str], str]) -> Callable[[Any], str]:
     return lambda i: rename(manifest.entries[i].name)
 
 
@@ -47,12 +47,11 @@ class Fanout(Intake):
         self, taker: Taker, session: Session, plan: Plan, applier: Applier, deadline: Deadline, *,
         every: bool, tag: tuple[Any, ...] | None,
     ) -> None:  # fmt: skip
-        super().__init__(len(session.manifest.entries))
-        self.taker, self.session, self.plan, self.applier = taker, session, plan, applier
+        super().__init__(applier, len(session.manifest.entries))
+        self.taker, self.session, self.plan = taker, session, plan
         self.deadline, self.every, self.tag = deadline, every, tag
-
-    def written(self) -> list[str]:
-        return self.applier.written
+        assert applier.ring is not None
+        self.ring = applier.ring
 
     def tensors(self) -> Generator[tuple[str, torch.Tensor], None, None]:
         manifest, names, taker = self.session.manifest, self.applier.names, self.taker
@@ -60,8 +59,8 @@ class Fanout(Intake):
         for i, e in enumerate(manifest.entries):
             if e.alias_of is not None:
                 aliases.setdefault(manifest.sources[i], []).append(names(i))
-        buckets = self._delta() if self.session.delta else self._full()
-        for index, t in run_through(buckets, self.applier):
+        whole = self._delta() if self.session.delta else self._full()
+        for index, t in whole:
             for name in (names(index), *aliases.get(index, [])):
                 yield name, t
         for i, e in enumerate(manifest.entries):  # empty tensors have no bytes in any bucket
@@ -70,22 +69,23 @@ class Fanout(Intake):
                 for name in (names(i), *aliases.get(i, [])):
                     yield name, t
 
-    def _full(self) -> Iterator[Bucket]:
+    def _full(self) -> Iterator[tuple[Any, torch.Tensor]]:
         """Every bucket as it arrives; the digests, when the header asks for them, are checked last."""
         session, applier, deadline, src = self.session, self.applier, self.deadline, self.session.src
         _, rx, sync = self.taker.streams.stream(src, session, deadline)
-        rx.open(self.plan, applier.device, sync)
-        applier.ring.size = rx.scratch_buffers
+        rx.open(self.plan, self.ring.device, sync)
+        self.ring.size = rx.scratch_buffers
         digests = _bytes.Digests(session.header.verify, self.taker.group)
         landed = rx.buckets(self.plan, applier.land, deadline)
         for k, view, in_place in take({src: landed}, [src] * len(self.plan.buckets)):
             digests.take(view, src)
-            yield k, view, in_place, [seg.index for seg in self.plan.buckets[k]]
+            yield from hand_on(applier.landed(self.plan.buckets[k], view, in_place))
         self.problem = digests.check(src, deadline)
 
-    def _delta(self) -> Iterator[Bucket]:
-        """The delta (see :mod:`._delta_sync`), each changed bucket applied to the applier's held version as
-        it lands (its payload's digest checked before, the bucket's after). A mismatch takes the rest without
+    def _delta(self) -> Iterator[tuple[Any, torch.Tensor]]:
+        """The delta (see :mod:`._delta_sync`), group by group: the buckets it leaves as they were are whole
+        at once (the applier holds them); each changed one is applied to the applier's held version as it
+        lands (its payload's digest checked before, the bucket's after). A mismatch takes the rest without
         applying it (the source is still sending) and is this receiver's vote."""
         session, applier, deadline, src = self.session, self.applier, self.deadline, self.session.src
         header, plan, group = session.header, self.plan, self.taker.group
@@ -95,12 +95,15 @@ class Fanout(Intake):
         for a, b in delta_groups(plan):
             desc = _delta_sync.announced(group, src, True, words[a:b], deadline)
             wplan, sources = wire_plan(desc, sizes[a:b], words[a:b])
+            for k in range(a, b):
+                if k - a not in sources and self.problem is None:
+                    yield from hand_on(applier.landed(plan.buckets[k], None, True, ()))
             if not sources:
                 continue
-            rx.open(wplan, applier.device, sync)
+            rx.open(wplan, self.ring.device, sync)
             sync = sync.next_part()
-            applier.ring.size = rx.scratch_buffers
-            landed = rx.buckets(wplan, applier.ring.land(wplan), deadline)
+            self.ring.size = rx.scratch_buffers
+            landed = rx.buckets(wplan, self.ring.land(wplan), deadline)
             for j, view, _ in take({src: landed}, [src] * len(wplan.buckets)):
                 if self.problem is not None:
                     continue  # the source is still sending: take the rest, apply nothing
@@ -112,34 +115,46 @@ class Fanout(Intake):
                 )  # fmt: skip
                 if pos is not None:
                     applier.write_back(k, old)
-                    yield k, old, True, _delta.changed_entries(plan, k, pos, sizes[k])
-
-    def commit(self) -> None:
-        self.applier.commit()
+                    changed = _delta.changed_entries(plan, k, pos, sizes[k])
+                    yield from hand_on(applier.landed(plan.buckets[k], old, True, changed))
 
     def kept(self) -> None:
         if self.tag is not None:
             self.taker.memory.held = (self.tag, self.session.header.version, self.session.manifest.digest)
 
-    def failed(self, cause: BaseException, version: int, held: int | None) -> Exception:
-        return self.applier.failed(cause, version, held)
 
-    def commit_failed(self, cause: BaseException, version: int, held: int | None) -> Exception:
-        return self.applier.commit_failed(cause, version, held)
+def _kept(buffer: torch.Tensor, plan: Plan, manifest: Manifest) -> dict[int, tuple[torch.Tensor, None]]:
+    """Each tensor's view of the kept buffer, laid out as the plan lays out its bytes."""
+    return {
+        i: (_bytes.typed_view(buffer, plan.offsets[i], dtype_from_name(e.wire_dtype), e.shape), None)
+        for i, e in enumerate(manifest.entries)
+        if e.alias_of is None
+    }
 
 
 def fanout_named(taker: Taker, session: Session, deadline: Deadline, every: bool, keep: bool) -> Fanout:
-    """``receive()``: views of the kept buffer (``keep``, or a source that keeps a base), else of scratch;
-    ``every=False``: a delta yields only the tensors it changed."""
+    """``receive()``: views of the kept buffer (``keep``, or a source that keeps a base), else tensors of
+    their own (or views of the ring); ``every=False``: a delta yields only the tensors it changed."""
     header, manifest = session.header, session.manifest
     plan = plan_of(session, taker)
     ring = Ring(taker.buffers, taker.device)
-    names = _namer(manifest, taker.rename)
+    names, parts = _namer(manifest, taker.rename), counts(plan.buckets)
     taker.memory.held = None
-    applier: Applier = allocated(taker.group, f"receiving version {header.version}", lambda: Staged(
-        taker.buffers.get(KEPT, plan.total_bytes, taker.device), plan, manifest, ring, taker.copier, names,
-        every=every,
-    ) if header.keeps_base or keep else Scratch(plan, manifest, ring, taker.copier, names))  # fmt: skip
+
+    def staged() -> Applier:
+        buffer = taker.buffers.get(KEPT, plan.total_bytes, taker.device)
+        return Staged(taker.copier, names, parts, _kept(buffer, plan, manifest), buffer=buffer, plan=plan,
+                      ring=ring, every=every)  # fmt: skip
+
+    def spec(i: int) -> tuple[torch.dtype, tuple[int, ...], None]:
+        e = manifest.entries[i]
+        return dtype_from_name(e.wire_dtype), e.shape, None
+
+    applier = (
+        allocated(taker.group, f"receiving version {header.version}", staged)
+        if header.keeps_base or keep
+        else Scratch(taker.copier, names, parts, spec, taker.device, views=True, plan=plan, ring=ring)
+    )
     return Fanout(taker, session, plan, applier, deadline, every=every,
                   tag=("receive",) if header.keeps_base else None)  # fmt: skip
 
@@ -163,13 +178,26 @@ def fanout_into(
     dest: list[torch.Tensor] = [d for d in found if d is not None]
     device = next((d.device for d in dest), taker.device)
     ring = Ring(taker.buffers, device)
-    names = _namer(manifest, taker.rename)
+    names, parts = _namer(manifest, taker.rename), counts(plan.buckets)
     taker.memory.held = None
-    applier: Applier = allocated(taker.group, what, lambda: Staged(
-        taker.buffers.get(KEPT, plan.total_bytes, device),
-        plan, manifest, ring, taker.copier, names, dest=dest, delta=session.delta,
-    ) if atomic else Streaming(
-        plan, manifest, ring, taker.copier, names, dest, taker.buffers, delta=session.delta
-    ))  # fmt: skip
-    kept = header.keeps_base and (atomic or all(wire_typed(d, e) for d, e in zip(dest, entries, strict=True)))
+    typed = [wire_typed(d, e) for d, e in zip(dest, entries, strict=True)]
+
+    def staged() -> Applier:
+        buffer = taker.buffers.get(KEPT, plan.total_bytes, device)
+        pairs = [(manifest.sources[i], d) for i, d in enumerate(dest)]
+        return Staged(taker.copier, names, parts, _kept(buffer, plan, manifest), buffer=buffer, dest=pairs,
+                      only_changed=session.delta, plan=plan, ring=ring)  # fmt: skip
+
+    def streaming() -> Applier:
+        own = {i: (d, None) for i, (d, e) in enumerate(zip(dest, entries, strict=True)) if e.alias_of is None}
+        wire = {i: dtype_from_name(entries[i].wire_dtype) for i in own if not typed[i]}
+        flat = [d if t else None for d, t in zip(dest, typed, strict=True)]
+        return Streaming(
+            taker.copier, names, parts, own, wire=wire, flat=flat,
+            tied=lambda only: [names(i) for i in fill_aliases(manifest, dest, only)], delta=session.delta,
+            plan=plan, ring=ring,
+        )  # fmt: skip
+
+    applier = allocated(taker.group, what, staged if atomic else streaming)
+    kept = header.keeps_base and (atomic or all(typed))
     return Fanout(taker, session, plan, applier, deadline, every=False, tag=keep if kept else None)

@@ -21,6 +21,8 @@ import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 from ..errors import ManifestMismatchError
 from .plan import Plan
 from .shard import Box
@@ -53,6 +55,21 @@ class Piece:
     box: Box
     offset: int
     nbytes: int
+
+    @property
+    def key(self) -> str:
+        """The tensor it is a part of (see ``plan.Segment.key``): its name on the wire."""
+        return self.name
+
+    @property
+    def bucket_offset(self) -> int:
+        return self.offset
+
+    def part(self, slot: tuple[torch.Tensor, Box]) -> tuple[int, int, torch.Tensor, torch.dtype]:
+        """Where its bytes go in ``slot``: (a tensor in the wire dtype, the box of the global tensor it
+        holds): its box of that tensor (see ``_bytes.Part``)."""
+        tensor, held = slot
+        return self.offset, self.nbytes, tensor[self.box.slices(held.offset)], tensor.dtype
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,14 +16,13 @@ from ..codec import dtype_from_name, dtype_name
 from ..control import Deadline
 from ..stateless import StatelessGroup
 from . import _bytes, _delta, _delta_sync
-from ._appliers import copy_staged, torn
-from ._copier import Copier
+from ._appliers import Applier, Scratch, Staged, Streaming, counts, hand_on
 from ._delta_sync import Description, delta_digest, wire_plan
 from ._receive import Intake
 from ._rx_stream import KEPT, RxStreams, Taker, allocated
 from ._session import Session
 from ._shard_plan import Piece, ShardPlan, element_size
-from ._sharded import Exchange, Slot, piece_parts
+from ._sharded import Exchange, Slot
 from ._sharded_delta import bucket_word
 from ._walk import Feed, Onward, take, walk_of
 from .plan import Plan
@@ -33,53 +32,26 @@ from .transports import Landed, Landing, stream_device
 __all__ = ["Boxes", "boxes_into", "boxes_named", "data_ptr", "receive_shards", "wants_of"]
 
 
-class Arrivals:
-    """Which of a receiver's tensors have every piece landed (from every source), and which changed: a
-    tensor is handed on as soon as it is whole, whatever order the sources' streams deliver it in."""
-
-    def __init__(self, session: Session, me: int) -> None:
-        cuts = [cut for (_, dst), cut in session.pairs.pairs.items() if dst == me]
-        self.left: Counter[str] = Counter(p.name for cut in cuts for b in cut.buckets for p in b)
-        self.changed: set[str] = set()
-        self.touched: dict[str, None] = {}
-        """The tensors some piece of which is being or was written, in the order they first were."""
-        self._ready: list[str] = []
-
-    def landing(self, pieces: Sequence[Piece]) -> None:
-        """These pieces are about to be written (a copy that fails midway leaves them partly written)."""
-        self.touched.update(dict.fromkeys(p.name for p in pieces))
-
-    def landed(self, pieces: Sequence[Piece], changed: Sequence[bool]) -> None:
-        for p, moved in zip(pieces, changed, strict=True):
-            if moved:
-                self.changed.add(p.name)
-            self.left[p.name] -= 1
-            if self.left[p.name] == 0:
-                self._ready.append(p.name)
-
-    def take(self) -> list[str]:
-        """The tensors that became whole since the last call, in the order they did."""
-        ready, self._ready = self._ready, []
-        return ready
-
-
-def receive_shards(x: Exchange, streams: RxStreams, arrivals: Arrivals, problems: list[str]) -> Iterator[str]:
-    """This receiver's part of step 3: land every source's pieces in its slots (keyed by wire name). Each
-    source's buckets come over its pair transport (attached in the handshake), read in the order every
-    member walks them: round, turn (see ``Session.turns``), source. Yields each tensor's wire name as it
-    becomes whole (every piece of it landed); why the bytes are refused (a digest mismatch) goes to
-    ``problems``."""
+def receive_shards(
+    x: Exchange, streams: RxStreams, applier: Applier, problems: list[str]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """This receiver's part of step 3: land every source's pieces through ``applier`` (keyed by wire name).
+    Each source's buckets come over its pair transport (attached in the handshake), read in the order every
+    member walks them: round, turn (see ``Session.turns``), source. Yields what the applier hands on of each
+    tensor once it is whole (every piece of it landed, from whichever sources); why the bytes are refused (a
+    digest mismatch) goes to ``problems``."""
     group, session = x.group, x.session
     digests = _bytes.Digests(session.header.verify, group)
     checked: list[int] = []
     plan, me = session.pairs, group.rank
     feeds: dict[int, list[Feed]] = {}
+    ready: list[tuple[str, torch.Tensor]] = []
     for pair in x.pairs(sending=False):
         src, cut = pair.peer, pair.cut
-        lander = _Lander(group, session, src, cut, x.slots, x.copier, pair.base, problems, arrivals, digests)
+        lander = _Lander(group, session, src, cut, applier, pair.base, problems, ready, digests)
         if pair.delta:
             feeds[src] = lander.delta(x.deadline)
-            yield from arrivals.take()  # its unchanged buckets were unpacked from the base
+            yield from hand_on(ready)  # its unchanged buckets were unpacked from the base
         else:
             feeds[src] = [(end - start, partial(lander.full, k)) for k, (start, end) in enumerate(cut.bounds)]
             checked.append(src)
@@ -103,7 +75,7 @@ def receive_shards(x: Exchange, streams: RxStreams, arrivals: Arrivals, problems
     for (src, k), (_, view, _) in zip(walk, take(walks, (plan.feeder(s, me) for s, _ in walk)), strict=True):
         onward.post(src, view)
         feeds[src][k][1](view)
-        yield from arrivals.take()
+        yield from hand_on(ready)
     onward.finish()
     for src in checked:
         problem = digests.check(src, x.deadline)
@@ -121,7 +93,8 @@ def _land(
 
 
 class _Lander:
-    """One pair's buckets on its receiver: checked, kept in the base (when kept), unpacked into the slots."""
+    """One pair's buckets on its receiver: checked, kept in the base (when kept), landed through the applier
+    (what it hands on goes to ``ready``)."""
 
     def __init__(
         self,
@@ -129,25 +102,22 @@ class _Lander:
         session: Session,
         src: int,
         cut: Plan[Piece],
-        slots: Mapping[str, Slot],
-        copier: Copier,
+        applier: Applier,
         base: torch.Tensor | None,
         problems: list[str],
-        arrivals: Arrivals,
+        ready: list[tuple[str, torch.Tensor]],
         digests: _bytes.Digests,
     ) -> None:
         self.group, self.session, self.src, self.cut = group, session, src, cut
-        self.slots, self.copier, self.base = slots, copier, base
-        self.problems, self.arrivals, self.digests = problems, arrivals, digests
+        self.applier, self.copier, self.base = applier, applier.copier, base
+        self.problems, self.ready, self.digests = problems, ready, digests
 
     def _unpack(self, k: int, view: torch.Tensor, changed: Sequence[bool] | None = None) -> None:
-        """Bucket k's pieces into the slots; ``changed`` (per piece; None: all) says which of them moved."""
+        """Bucket k's pieces through the applier; ``changed`` (per piece; None: all) says which of them
+        moved."""
         pieces = self.cut.buckets[k]
-        for p in pieces:  # a slot made on demand is made here, on this thread (its device is this thread's)
-            self.slots[p.name]
-        self.arrivals.landing(pieces)
-        self.copier.run(partial(_unpack, pieces, view, self.slots, self.session.pairs))
-        self.arrivals.landed(pieces, changed if changed is not None else [True] * len(pieces))
+        moved = None if changed is None else {p.name for p, hit in zip(pieces, changed, strict=True) if hit}
+        self.ready += self.applier.landed(pieces, view, False, moved)
 
     def full(self, k: int, buf: torch.Tensor) -> None:
         self.digests.take(buf, self.src)
@@ -202,10 +172,6 @@ class _Lander:
             self._view(k),
             _delta.spans_hit(moved, [(p.offset, p.nbytes) for p in self.cut.buckets[k]], w),
         )
-
-
-def _unpack(pieces: tuple[Piece, ...], buf: torch.Tensor, slots: Mapping[str, Slot], plan: ShardPlan) -> None:
-    _bytes.unpack_parts(buf, piece_parts(pieces, slots, plan.dtypes))
 
 
 def wants_of(targets: dict[str, Any], renames: bool) -> dict[str, Any] | None:
@@ -264,65 +230,43 @@ def _device_of(tensors: list[torch.Tensor], default: torch.device) -> torch.devi
 
 
 class Boxes(Intake):
-    """Pair streams' pieces landed in ``slots`` (by wire name): a kept staging buffer, the target's own boxes,
-    or tensors made as their first piece lands (:class:`_Fresh`). With ``wanted`` (``receive()``: the boxes
-    asked for, by wire name) each tensor is yielded (renamed) once every piece of it landed, from whichever
-    sources hold it, and let go here (``every=False``: only those a delta changed). ``dest``: the targets'
-    boxes the staged ones are copied into at the commit (atomic); ``streaming``: the slots are the targets',
-    so what lands is written."""
+    """Pair streams' pieces landed through ``applier`` (by wire name): a kept staging buffer, the target's own
+    boxes, or tensors made as their first piece lands. What it hands on (``receive()``: each tensor once
+    every piece of it landed, from whichever sources hold it) is yielded renamed; ``empty``: the wanted
+    tensors without a byte, handed on last."""
 
     def __init__(
-        self, taker: Taker, session: Session, slots: dict[str, Slot], device: torch.device,
-        deadline: Deadline, *, wanted: Mapping[str, Box] | None = None, every: bool = True,
-        dest: dict[str, Slot] | None = None, streaming: bool = False,
+        self, taker: Taker, session: Session, applier: Applier, device: torch.device, deadline: Deadline,
+        empty: tuple[str, ...] = (),
     ) -> None:  # fmt: skip
-        super().__init__(len(wanted) if wanted is not None else len(dest or slots))
-        self.taker, self.session, self.slots, self.device = taker, session, slots, device
-        self.deadline, self.wanted = deadline, wanted
-        self.every, self.dest, self.streaming = every, dest, streaming
-        self.arrivals = Arrivals(session, taker.group.rank)
-
-    def written(self) -> list[str]:
-        """Streaming: every tensor some piece of which landed (in the target itself)."""
-        return [self.taker.rename(w) for w in self.arrivals.touched] if self.streaming else []
+        super().__init__(applier)
+        self.taker, self.session, self.device = taker, session, device
+        self.deadline, self.empty = deadline, empty
 
     def tensors(self) -> Generator[tuple[str, torch.Tensor], None, None]:
-        taker, session, slots = self.taker, self.session, self.slots
+        taker, session = self.taker, self.session
         # bases when any source keeps them (each source's header says whether its pairs may be deltas)
         bases = taker.memory.bases if any(h.keeps_base for h in session.headers.values()) else None
         if bases is None:
             taker.memory.bases.clear()  # the senders keep none: nothing to apply a delta to, memory back
-        x = Exchange(taker.group, session, slots, taker.copier, taker.buffers, self.deadline, self.device,
-                     bases)  # fmt: skip
+        x = Exchange(taker.group, session, {}, taker.copier, taker.buffers, self.deadline, self.device, bases)
         problems: list[str] = []
-        wanted = self.wanted if self.wanted is not None else {}
-        for wire in receive_shards(x, taker.streams, self.arrivals, problems):
-            if wire not in wanted:
-                continue
-            tensor = slots.pop(wire)[0]  # no piece of it is left to land: let go here
-            if self.every or wire in self.arrivals.changed:
-                yield taker.rename(wire), tensor
+        for wire, tensor in receive_shards(x, taker.streams, self.applier, problems):
+            yield taker.rename(wire), tensor
         self.problem = problems[0] if problems else None
-        if self.every and self.problem is None:
-            for wire, box in wanted.items():  # no piece to wait for (empty tensors): whole already
-                if box.numel == 0:
-                    yield taker.rename(wire), slots[wire][0]
-
-    def commit(self) -> None:
-        dest = self.dest
-        if dest is not None:
-            staged = ((dest[wire][0], tensor) for wire, (tensor, _) in self.slots.items())
-            copy_staged(self.taker.copier, staged)
-
-    def commit_failed(self, cause: BaseException, version: int, held: int | None) -> Exception:
-        names = [self.taker.rename(w) for w in self.dest or ()]
-        return torn(version, held, cause, names, len(names), "every byte arrived")
+        if self.problem is None:
+            for wire in self.empty:  # no piece to wait for: whole already
+                yield taker.rename(wire), self.applier.slot(wire)[0]
 
     def kept(self) -> None:
         self.taker.memory.bases.commit(self.session.header.version)  # every pair's base holds it now
 
     def abandon(self) -> None:
         self.taker.memory.bases.abandon()
+
+
+def _parts(session: Session, me: int) -> Counter[str]:
+    return counts(b for (_, dst), cut in session.pairs.pairs.items() if dst == me for b in cut.buckets)
 
 
 def boxes_into(
@@ -333,12 +277,15 @@ def boxes_into(
     dest = {wire: _slot(targets[taker.rename(wire)]) for wire in session.pairs.order}
     boxes = {w: box for w, (_, box) in dest.items()}
     device = _device_of([t for t, _ in dest.values()], taker.device)
+    names, parts = taker.rename, _parts(session, taker.group.rank)
     taker.memory.held = None
     if not atomic:
-        return Boxes(taker, session, dict(dest), device, deadline, streaming=True)
-    slots = allocated(taker.group, f"receiving version {session.header.version}",
-                      lambda: _staging(taker, session.pairs, boxes, device))  # fmt: skip
-    return Boxes(taker, session, slots, device, deadline, dest=dest)
+        return Boxes(taker, session, Streaming(taker.copier, names, parts, dest), device, deadline)
+    staged = allocated(taker.group, f"receiving version {session.header.version}", lambda: Staged(
+        taker.copier, names, parts, _staging(taker, session.pairs, boxes, device),
+        dest=[(w, t) for w, (t, _) in dest.items()],
+    ))  # fmt: skip
+    return Boxes(taker, session, staged, device, deadline)
 
 
 def boxes_named(
@@ -353,28 +300,18 @@ def boxes_named(
     plan = session.pairs
     whole = {w: Box((0,) * len(plan.global_shapes[w]), plan.global_shapes[w])
              for w in plan.order if only is None or w in only}  # fmt: skip
-
+    names, parts = taker.rename, _parts(session, taker.group.rank)
     taker.memory.held = None
-    slots = (
-        allocated(taker.group, f"receiving version {session.header.version}",
-                  lambda: _staging(taker, plan, whole, taker.device))
-        if keep
-        else _Fresh(whole, plan.dtypes, taker.device)
-    )  # fmt: skip
-    return Boxes(taker, session, slots, taker.device, deadline, wanted=whole, every=every)
+    applier: Applier
+    if keep:
+        applier = allocated(taker.group, f"receiving version {session.header.version}", lambda: Staged(
+            taker.copier, names, parts, _staging(taker, plan, whole, taker.device), every=every,
+        ))  # fmt: skip
+    else:
 
+        def spec(wire: str) -> tuple[torch.dtype, tuple[int, ...], Box]:
+            return dtype_from_name(plan.dtypes[wire]), whole[wire].shape, whole[wire]
 
-class _Fresh(dict[str, Slot]):
-    """``receive()`` without ``keep``: each tensor made when its first piece lands and let go here once its
-    last did (yielded, unless a delta left it as it was): the receiver holds the tensors whose pieces are
-    still in flight, not a whole model made up front, and what it yielded is the consumer's alone."""
-
-    def __init__(self, boxes: Mapping[str, Box], dtypes: Mapping[str, str], device: torch.device) -> None:
-        super().__init__()
-        self.boxes, self.dtypes, self.device = boxes, dtypes, device
-
-    def __missing__(self, wire: str) -> Slot:
-        box = self.boxes[wire]
-        dtype = dtype_from_name(self.dtypes[wire])
-        self[wire] = slot = (torch.empty(box.shape, dtype=dtype, device=self.device), box)
-        return slot
+        applier = Scratch(taker.copier, names, parts, spec, taker.device, every=every)
+    empty = tuple(w for w, box in whole.items() if box.numel == 0) if every else ()
+    return Boxes(taker, session, applier, taker.device, deadline, empty)

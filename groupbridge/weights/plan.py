@@ -23,6 +23,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, cast
 
+import torch
 from typing_extensions import TypeVar as DefaultTypeVar
 
 from .manifest import Manifest
@@ -43,6 +44,17 @@ class Segment:
     bucket_offset: int
     """Byte offset inside the bucket."""
     nbytes: int
+
+    @property
+    def key(self) -> int:
+        """The tensor it is a part of (see ``_shard_plan.Piece.key``): its manifest index."""
+        return self.index
+
+    def part(self, slot: tuple[torch.Tensor, Any]) -> tuple[int, int, torch.Tensor, torch.dtype]:
+        """Where its bytes go in the tensor ``slot`` holds (contiguous, in the wire dtype): a byte range (see
+        ``_bytes.Part``)."""
+        flat = slot[0].reshape(-1).view(torch.uint8)[self.tensor_offset : self.tensor_offset + self.nbytes]
+        return self.bucket_offset, self.nbytes, flat, torch.uint8
 
 
 def stream_offsets(manifest: Manifest) -> tuple[list[int], int]:
