@@ -165,8 +165,13 @@ def _delta_every_dtype(rank: int, host: str, ports: Any, n: int, mode: str, flat
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize(
     ("n", "mode", "flat"),
-    [(3, "atomic", False), (2, "streaming", False), (2, "streaming", True), (3, "receive", False),
-     (2, "receive-every", False)],  # fmt: skip
+    [
+        (3, "atomic", False),
+        (2, "streaming", False),
+        (2, "streaming", True),
+        (3, "receive", False),
+        (2, "receive-every", False),
+    ],
 )
 def test_delta_bit_exact_every_dtype(n: int, mode: str, flat: bool) -> None:
     res = run_ranks(_delta_every_dtype, n, "127.0.0.1", CTX.Queue(), n, mode, flat, timeout=80)

@@ -32,18 +32,15 @@ class DeltaMemory:
 
     bases: Bases = field(default_factory=Bases)
     """Every stream's base, one per cut, with the version it holds: a source's fan-out stream and its pairs,
-    a receiver's pairs (a receiver's whole-tensor copy is its kept buffer or its targets: ``held``)."""
+    a receiver's fan-out stream (its kept buffer, or its targets) and its pairs."""
     buffers: BufferCache = field(default_factory=BufferCache)
     """A receiver's buffers (its kept copy among them) when it is given no ``buffers=`` of its own."""
     policy: Any = None
     """A sender's delta policy (:class:`._delta_sync.Policy`): what it measured of the link, kept whether
     or not a base is (a framework's bridge per update would otherwise never get past its warm-up)."""
-    held: tuple[Any, ...] | None = None
-    """A receiver's tag of the version it holds in full (how it is kept, version, manifest digest)."""
 
     def clear(self) -> None:
         """Forget every base: the next sync of each stream is a full one."""
         self.bases.clear()
         self.buffers.clear()
         self.policy = None
-        self.held = None

@@ -46,12 +46,6 @@ class Intake:
         """The vote passed: apply what was staged to the target (nothing, where the bytes landed there)."""
         self.applier.commit()
 
-    def kept(self) -> None:
-        """The sync committed here: what it began to keep for deltas now holds its version."""
-
-    def abandon(self) -> None:
-        """The sync failed: what it began to keep for deltas holds no version."""
-
     def failed(self, cause: BaseException, version: int, held: int | None) -> Exception:
         """The error of a failure before the vote (untouched, or torn where something was written)."""
         return self.applier.failed(cause, version, held)
@@ -80,15 +74,15 @@ def named(
             yield name, t
     except GeneratorExit:
         tensors.close()
-        intake.abandon()
+        taker.memory.bases.abandon()
         tell_failure(group, RuntimeError(
             f"the consumer stopped after {len(yielded)} of {intake.total} tensors"), what)  # fmt: skip
         raise
     except BaseException as e:
-        intake.abandon()
+        taker.memory.bases.abandon()
         give_up(group, e, what, failed(e))
     _vote(taker, session, intake, deadline, failed)
-    intake.kept()
+    taker.memory.bases.commit(version)
     taker.commit(version, session.sources)
 
 
@@ -100,16 +94,16 @@ def into(taker: Taker, session: Session, intake: Intake, deadline: Deadline) -> 
         for _ in intake.tensors():
             pass
     except BaseException as e:
-        intake.abandon()
+        taker.memory.bases.abandon()
         give_up(group, e, f"receiving version {version}", intake.failed(e, version, taker.held))
     _vote(taker, session, intake, deadline,
           lambda e: refused(version, taker.held, e, intake.written(), intake.total))  # fmt: skip
     try:
         intake.commit()
     except BaseException as e:
-        intake.abandon()
+        taker.memory.bases.abandon()
         give_up(group, e, f"applying version {version}", intake.commit_failed(e, version, taker.held))
-    intake.kept()
+    taker.memory.bases.commit(version)
     taker.commit(version, session.sources)
     return version
 
@@ -124,7 +118,7 @@ def _vote(
     try:
         vote(taker.group, version, intake.problem, deadline)
     except BaseException as e:
-        intake.abandon()
+        taker.memory.bases.abandon()
         if not isinstance(e, SyncRefusedError):  # every member raised a refusal alike; else tell them
             tell_failure(taker.group, e, f"voting on version {version}")
         if not isinstance(e, Exception):

@@ -18,6 +18,7 @@ from ._delta_sync import delta_digest, delta_groups, wire_plan, word_counts
 from ._receive import Intake
 from ._rx_stream import KEPT, Taker, allocated, tell_failure
 from ._session import Session, merged_plan
+from ._sharded_delta import FANOUT, kept_key
 from ._walk import take
 from .manifest import Manifest
 from .plan import Plan
@@ -49,9 +50,13 @@ class Fanout(Intake):
     ) -> None:  # fmt: skip
         super().__init__(applier, len(session.manifest.entries))
         self.taker, self.session, self.plan = taker, session, plan
-        self.deadline, self.every, self.tag = deadline, every, tag
+        self.deadline, self.every = deadline, every
         assert applier.ring is not None
         self.ring = applier.ring
+        if tag is not None:  # what a delta may next be applied to, once this sync commits
+            kept = applier.buffer if isinstance(applier, Staged) and applier.buffer is not None else None
+            key = kept_key(tag, session.manifest.digest)
+            taker.memory.bases.adopt(FANOUT, key, kept if kept is not None else torch.empty(0))
 
     def tensors(self) -> Generator[tuple[str, torch.Tensor], None, None]:
         manifest, names, taker = self.session.manifest, self.applier.names, self.taker
@@ -118,10 +123,6 @@ class Fanout(Intake):
                     changed = _delta.changed_entries(plan, k, pos, sizes[k])
                     yield from hand_on(applier.landed(plan.buckets[k], old, True, changed))
 
-    def kept(self) -> None:
-        if self.tag is not None:
-            self.taker.memory.held = (self.tag, self.session.header.version, self.session.manifest.digest)
-
 
 def _kept(buffer: torch.Tensor, plan: Plan, manifest: Manifest) -> dict[int, tuple[torch.Tensor, None]]:
     """Each tensor's view of the kept buffer, laid out as the plan lays out its bytes."""
@@ -139,7 +140,6 @@ def fanout_named(taker: Taker, session: Session, deadline: Deadline, every: bool
     plan = plan_of(session, taker)
     ring = Ring(taker.buffers, taker.device)
     names, parts = _namer(manifest, taker.rename), counts(plan.buckets)
-    taker.memory.held = None
 
     def staged() -> Applier:
         buffer = taker.buffers.get(KEPT, plan.total_bytes, taker.device)
@@ -179,7 +179,6 @@ def fanout_into(
     device = next((d.device for d in dest), taker.device)
     ring = Ring(taker.buffers, device)
     names, parts = _namer(manifest, taker.rename), counts(plan.buckets)
-    taker.memory.held = None
     typed = [wire_typed(d, e) for d, e in zip(dest, entries, strict=True)]
 
     def staged() -> Applier:

@@ -24,7 +24,7 @@ from . import _bytes
 from ._shard_plan import Piece
 from .plan import Plan
 
-__all__ = ["FANOUT", "Bases", "bucket_word", "pair_key"]
+__all__ = ["FANOUT", "Bases", "bucket_word", "kept_key", "pair_key"]
 
 
 def pair_key(cut: Plan[Piece]) -> str:
@@ -43,8 +43,15 @@ def bucket_word(pieces: tuple[Piece, ...], dtypes: Any) -> int:
 
 
 FANOUT = -1
-"""The peer a source's fan-out stream is kept under in :class:`Bases` (every receiver of a one-source sync of
-whole tensors: one base, keyed by the manifest's digest, whose plan lays its bytes out)."""
+"""The peer a fan-out stream's base is kept under in :class:`Bases`: a source's (every receiver of a
+one-source sync of whole tensors: one base, keyed by the manifest's digest, whose plan lays its bytes out),
+a receiver's (its kept buffer, or its target itself, keyed by how it is kept and the manifest's digest)."""
+
+
+def kept_key(how: tuple[Any, ...], digest: str) -> str:
+    """Names a receiver's fan-out base: how it is kept (the kept buffer for ``receive()``, or which target
+    and how it is received into) and the manifest whose plan lays it out."""
+    return repr((how, digest))
 
 
 class Bases:
@@ -84,6 +91,19 @@ class Bases:
         self._bases[key] = (None, buffer)
         self._begun.add(key)
         return buffer, again
+
+    def adopt(self, peer: int, key: str, kept: torch.Tensor) -> None:
+        """Keep ``kept`` (bytes that live elsewhere: a receiver's kept buffer; an empty tensor for a target
+        that is its own base) as the base of the stream with ``peer``, invalid until :meth:`commit`."""
+        self._peers[peer] = key
+        self._bases[key] = (None, kept)
+        self._begun.add(key)
+
+    def drop(self, peer: int) -> None:
+        """The stream with ``peer`` holds no base any more (its bytes are about to be rewritten)."""
+        key = self._peers.pop(peer, None)
+        if key is not None and key not in self._peers.values():
+            self._bases.pop(key, None)
 
     def invalidate(self, peer: int) -> None:
         """The stream with ``peer`` holds no valid version (its bytes stay, for the next sync to reuse)."""

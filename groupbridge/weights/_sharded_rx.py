@@ -258,12 +258,6 @@ class Boxes(Intake):
             for wire in self.empty:  # no piece to wait for: whole already
                 yield taker.rename(wire), self.applier.slot(wire)[0]
 
-    def kept(self) -> None:
-        self.taker.memory.bases.commit(self.session.header.version)  # every pair's base holds it now
-
-    def abandon(self) -> None:
-        self.taker.memory.bases.abandon()
-
 
 def _parts(session: Session, me: int) -> Counter[str]:
     return counts(b for (_, dst), cut in session.pairs.pairs.items() if dst == me for b in cut.buckets)
@@ -278,7 +272,6 @@ def boxes_into(
     boxes = {w: box for w, (_, box) in dest.items()}
     device = _device_of([t for t, _ in dest.values()], taker.device)
     names, parts = taker.rename, _parts(session, taker.group.rank)
-    taker.memory.held = None
     if not atomic:
         return Boxes(taker, session, Streaming(taker.copier, names, parts, dest), device, deadline)
     staged = allocated(taker.group, f"receiving version {session.header.version}", lambda: Staged(
@@ -301,7 +294,6 @@ def boxes_named(
     whole = {w: Box((0,) * len(plan.global_shapes[w]), plan.global_shapes[w])
              for w in plan.order if only is None or w in only}  # fmt: skip
     names, parts = taker.rename, _parts(session, taker.group.rank)
-    taker.memory.held = None
     applier: Applier
     if keep:
         applier = allocated(taker.group, f"receiving version {session.header.version}", lambda: Staged(

@@ -28,6 +28,7 @@ from ._rx_checks import Reads, refusal
 from ._rx_stream import RxStreams, Taker
 from ._rx_whole import fanout_into, fanout_named
 from ._session import Session, Verdict, laid_out_in_place, make_renamer, open_session
+from ._sharded_delta import FANOUT, kept_key
 from ._sharded_rx import boxes_into, boxes_named, data_ptr, wants_of
 from ._update import WeightUpdate, abandon_update
 from .manifest import Manifest, expected_specs, tensors_of
@@ -88,12 +89,10 @@ class WeightReceiver(Closing):
         self._own_buffers = buffers is None
         self._own_memory = memory is None
         self._memory = memory if memory is not None else DeltaMemory(buffers=self._buffers)
-        """The bases deltas are applied to: the version held in full (``held``: how the base is kept,
-        version, manifest digest) and, with many sources, one base per cut; the caller's, when given, so
-        that they outlive this receiver's group."""
+        """The bases deltas are applied to, one per stream's cut (a fan-out stream's: the kept buffer or the
+        target, under ``FANOUT``); the caller's, when given, so that they outlive this receiver's group."""
         self._plans = Plans()
         self._bases = self._memory.bases
-        """With many sources whose senders keep bases: what this receiver last took, one base per cut."""
         self._reads: tuple[str, dict[str, Any]] | None = None
         """``receive(reads=...)``: (the sources' key, the wants to post) learned in the last handshake."""
 
@@ -131,7 +130,10 @@ class WeightReceiver(Closing):
             dest = _dest(manifest, targets, self._rename) if targets is not None else None
             in_place = dest is not None and laid_out_in_place(manifest, dest, receiving=True)
             # the held tag names the version (a receiver of a new bridge, given a memory, has no version yet)
-            base = header.base is not None and self._memory.held == (keep, header.base, manifest.digest)
+            base = (
+                header.base is not None
+                and self._bases.held(FANOUT, kept_key(keep, manifest.digest)) == header.base
+            )
             return Verdict(in_place=in_place, base=base)
 
         return open_session(self.group, deadline, self._known, wants=wants, wants_if=wants_if, seen=seen,
@@ -223,7 +225,9 @@ class WeightReceiver(Closing):
         return WeightUpdate(session, _scoped(self.group, pairs), kept=keep, abandon=abandon)
 
     def _taker(self, ready: Callable[[], None] | None = None) -> Taker:
-        """What a receive borrows from this receiver."""
+        """What a receive borrows from this receiver. The receive rewrites the kept buffer or its target: the
+        fan-out base either held (the verdict said whether) holds no version until it commits."""
+        self._bases.drop(FANOUT)
 
         def committed(version: int) -> None:
             self.version = version
