@@ -696,12 +696,13 @@ def _owned(rank: int, ports: Any) -> Any:
 
     with make_group(rank, 3, "127.0.0.1", ports) as g:
         if rank < 2:
+            seen: list[tuple[int, int]] = []
             with gb.WeightSender(g, bucket_bytes=2048) as snd:
                 for v in (1, 2):
                     rows = slice(16 * rank, 16 * rank + 16)
                     held = {n: gb.Shard(full(n, v)[rows].clone(), (32, 16), (16 * rank, 0)) for n in names}
-                    snd.send(held, version=v)
-            return None
+                    stats = snd.send(held, version=v, progress=lambda done, total: seen.append((done, total)))
+            return seen, stats.bytes
         rcv = gb.WeightReceiver(g)
         kept, freed, exact = None, [], True
         for v in (1, 2):
@@ -724,6 +725,8 @@ def test_many_sources_receive_gives_each_tensor_to_the_consumer_and_lets_it_go()
     res = run_ranks(_owned, 3, CTX.Queue(), timeout=50)
     freed, exact, kept = res[2]
     assert exact and kept and freed == [True] * 8, res[2]
+    for seen, total in res[:2]:  # each source's progress, bucket by bucket (2 KiB), to its own 4 KiB
+        assert total == 4096 and seen == [(2048, 4096), (4096, 4096)] * 2, seen
 
 
 def _policy(rank: int, ports: Any, delta: Any) -> Any:

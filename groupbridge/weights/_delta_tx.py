@@ -12,8 +12,8 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
-from typing import Any
 
 import torch
 
@@ -23,7 +23,7 @@ from ._copier import Copier, Job
 from ._delta_sync import Policy, delta_groups, wire_plan, word_counts
 from ._session import Session, Stream
 from ._sharded_delta import FANOUT, Bases
-from ._source import Puller
+from ._source import Puller, Reads
 from ._tx_stream import Progress, Sent, post_stream
 from .manifest import Manifest
 from .plan import Plan
@@ -119,12 +119,8 @@ class DeltaSender:
             if progress is not None:
                 progress(plan.bucket_range(j)[1], plan.total_bytes)
 
-        result = Diffs(
-            plan, base, sizes, self.workers(), self.scratch, verify, self.group,
-            pack=lambda k, new: _bytes.pack(new, plan.buckets[k], puller.live, puller.wire),
-            direct=lambda k: _bytes.in_place_bucket(plan, k, puller.direct, receiving=False),
-            pull=lambda k: puller.pull_through(max(seg.index for seg in plan.buckets[k])), release=released,
-        )  # fmt: skip
+        reads = replace(puller.reads(plan), release=released)
+        result = Diffs(reads, base, sizes, self.workers(), self.scratch, verify, self.group)
         wire_bytes = changed = in_place = 0
         sync, opened = stream.sync, False
         for a, b in delta_groups(plan):
@@ -163,35 +159,32 @@ def _payload(payloads: list[torch.Tensor | None], j: int, buffer: Callable[[], t
 
 
 class Diffs:
-    """Each bucket of a stream's cut diffed against its base (bringing the base up to the new version) on
-    demand: the one diff of every delta stream's source, a fan-out's or a pair's. The copy threads are kept
-    a few buckets ahead of the caller, each packing its bucket (``pack(k, into)``, unless ``direct(k)``
-    gives its bytes where they lie) and diffing it; the source's tensors a bucket reads are pulled on the
-    caller's thread first (``pull(k)``: a lazy source yields them there) and let go once it is diffed
-    (``release(k)``). Returns each bucket's diff and whether its new bytes were read in place."""
+    """Each bucket of a stream's cut (``reads.cut``) diffed against its base (bringing the base up to the new
+    version) on demand: the one diff of every delta stream's source, a fan-out's or a pair's. The copy
+    threads are kept a few buckets ahead of the caller, each packing its bucket (unless the source holds it
+    where it lies) and diffing it; the source's tensors a bucket reads are pulled on the caller's thread
+    first (a lazy source yields them there) and let go once it is diffed (see :class:`._source.Reads`).
+    Returns each bucket's diff and whether its new bytes were read in place."""
 
     def __init__(
-        self, cut: Plan[Any], base: torch.Tensor, words: list[int], workers: list[Copier],
-        scratch: _bytes.BufferCache, kind: str, group: StatelessGroup, *,
-        pack: Callable[[int, torch.Tensor], None], pull: Callable[[int], None],
-        release: Callable[[int], None], direct: Callable[[int], torch.Tensor | None] = lambda k: None,
+        self, reads: Reads, base: torch.Tensor, words: list[int], workers: list[Copier],
+        scratch: _bytes.BufferCache, kind: str, group: StatelessGroup,
     ) -> None:  # fmt: skip
-        self.cut, self.base, self.words, self.workers = cut, base, words, workers
+        self.reads, self.cut, self.base, self.words, self.workers = reads, reads.cut, base, words, workers
         self.scratch, self.kind, self.group = scratch, kind, group
-        self.pack, self.pull, self.release, self.direct = pack, pull, release, direct
-        self.biggest = max((e - s for s, e in cut.bounds), default=0)
-        self.results: list[Diffed | None] = [None] * len(cut.bounds)
+        self.biggest = max((e - s for s, e in reads.cut.bounds), default=0)
+        self.results: list[Diffed | None] = [None] * len(reads.cut.bounds)
         self.pending: deque[tuple[int, Job[Diffed]]] = deque()
         self.submitted = 0
 
     def _diff(self, k: int, worker: int) -> Diffed:
         """On a copy thread, while the other diffs the next bucket and the caller's thread sends."""
         start, end = self.cut.bucket_range(k)
-        new = self.direct(k)
+        new = self.reads.direct(k)
         flat = new is not None
         if new is None:
             new = self.scratch.get(f"delta-new{worker}", end - start, self.base.device)
-            self.pack(k, new)
+            self.reads.pack(k, new)
         mask = self.scratch.get(f"delta-mask{worker}", self.biggest, self.base.device).view(torch.bool)
         return _delta_sync.diff(new, self.base[start:end], self.words[k], mask, self.kind, self.group), flat
 
@@ -200,13 +193,13 @@ class Diffs:
         while self.results[k] is None:
             while self.submitted < n and len(self.pending) < 2 * len(self.workers):
                 s = self.submitted
-                self.pull(s)
+                self.reads.pull(s)
                 w = s % len(self.workers)
                 self.pending.append((s, self.workers[w].submit(partial(self._diff, s, w))))
                 self.submitted += 1
             j, job = self.pending.popleft()
             self.results[j] = job.result()
-            self.release(j)
+            self.reads.release(j)
         r = self.results[k]
         assert r is not None
         return r

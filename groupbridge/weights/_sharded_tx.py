@@ -26,8 +26,8 @@ from ._session import Session
 from ._shard_plan import Piece, ShardPlan
 from ._sharded import Slot, piece_parts
 from ._sharded_delta import Bases, bucket_word
-from ._source import Puller
-from ._tx_stream import Sent, post_stream
+from ._source import Puller, Reads
+from ._tx_stream import Packed, Progress, Sent, post_stream
 from .manifest import Manifest
 from .plan import Plan
 from .shard import Box
@@ -36,11 +36,14 @@ from .transports import Sync, TxTransport
 __all__ = ["SourceSlots", "pair_streams", "send_shards"]
 
 
-def send_shards(x: _sharded.Exchange, tx: TxTransport, sync: Sync[Any], workers: list[Copier]) -> Sent:
+def send_shards(
+    x: _sharded.Exchange, tx: TxTransport, sync: Sync[Any], workers: list[Copier], progress: Progress | None
+) -> Sent:
     """This source's part of step 3: every receiver's buckets as one stream over ``tx``, in the order every
-    member walks them (round, then turn: see ``Session.turns``); a delta pair's description goes first on
-    the control plane (its buckets diffed by ``workers``), then its changed buckets' encodings take the place
-    of its buckets."""
+    member walks them (round, then turn: see ``Session.turns``), each full pair's packed as a fan-out's are
+    (:class:`._tx_stream.Packed`); a delta pair's description goes first on the control plane (its buckets
+    diffed by ``workers``), then its changed buckets' encodings take the place of its buckets.
+    ``progress(bytes_posted, total)`` after every bucket."""
     group, session, slots = x.group, x.session, x.slots
     me = group.rank
     assert isinstance(slots, SourceSlots)
@@ -70,46 +73,41 @@ def send_shards(x: _sharded.Exchange, tx: TxTransport, sync: Sync[Any], workers:
             continue
         keep = base if pair.key not in written else None
         written.add(pair.key)
-        fill = partial(_full_bucket, cut, slots, plan, x.copier, keep, digests, dst)
-        stream += [_Post(k, dst, end - start, partial(fill, k)) for k, (start, end) in enumerate(cut.bounds)]
+        reads = slots.reads(cut, plan)
+        fill = Packed(reads, x.copier, digests, base=keep, to=dst)
+        stream += [
+            _Post(k, dst, end - start, partial(fill, k), partial(reads.release, k))
+            for k, (start, end) in enumerate(cut.bounds)
+        ]
     turns = session.turns()  # a source's pairs are each the first of its cut: walk_of's order, hop 0
     stream.sort(key=lambda e: (e.round, turns[(me, e.receiver)]))
     wire = Plan.of_sizes([e.nbytes for e in stream])
-    post_stream(
-        tx,
-        wire,
-        device,
-        replace(sync, to=tuple(e.receiver for e in stream)),
-        lambda k, buf: stream[k].fill(buf),
-    )
+
+    def posted(k: int) -> None:
+        stream[k].posted()
+        if progress is not None:
+            progress(wire.bounds[k][1], wire.total_bytes)
+
+    to = tuple(e.receiver for e in stream)
+    post_stream(tx, wire, device, replace(sync, to=to), lambda k, buf: stream[k].fill(buf), posted)
     sent.wire_bytes += wire.total_bytes
     digests.send((p.peer, plan.head(me, p.peer)) for p in pairs if not p.delta)
     return sent
 
 
+def _sent(k: int = 0) -> None:
+    return None
+
+
 class _Post(NamedTuple):
-    """One bucket of a source's stream: its round, its receiver, its size on the wire, and ``fill(buffer)``,
-    which packs it (into ``buffer()``, the transport's) and returns the bytes to post."""
+    """One bucket of a source's stream: its round, its receiver, its size on the wire, ``fill(buffer)``,
+    which packs it (into ``buffer()``, the transport's) and returns the bytes to post, and ``posted()``."""
 
     round: int
     receiver: int
     nbytes: int
     fill: Callable[[Callable[[], torch.Tensor]], torch.Tensor]
-
-
-def _full_bucket(
-    cut: Plan[Piece], slots: SourceSlots, plan: ShardPlan, copier: Copier, base: torch.Tensor | None,
-    digests: _bytes.Digests, dst: int, k: int, buffer: Callable[[], torch.Tensor],
-) -> torch.Tensor:  # fmt: skip
-    """Pack bucket k of a whole pair into the transport's ``buffer()`` (and into its base, when kept)."""
-    buf, pieces = buffer(), cut.buckets[k]
-    slots.need(pieces)
-    copier.run(partial(_pack, pieces, buf, slots, plan))
-    slots.packed(pieces)
-    if base is not None:
-        copier.copy(base[slice(*cut.bucket_range(k))], buf)
-    digests.take(buf, dst)
-    return buf
+    posted: Callable[[], None] = _sent
 
 
 def _describe_delta(
@@ -120,11 +118,7 @@ def _describe_delta(
     :class:`._delta_tx.Diffs`); the pair's description and the changed buckets' encodings, in order."""
     plan = session.pairs
     words = [bucket_word(pieces, plan.dtypes) for pieces in cut.buckets]
-    diffs = Diffs(
-        cut, base, words, workers, buffers, delta_digest(session.header), group,
-        pack=lambda k, new: _pack(cut.buckets[k], new, slots, plan),
-        pull=lambda k: slots.need(cut.buckets[k]), release=lambda k: slots.packed(cut.buckets[k]),
-    )  # fmt: skip
+    diffs = Diffs(slots.reads(cut, plan), base, words, workers, buffers, delta_digest(session.header), group)
     done = [diffs(k)[0] for k in range(len(cut.bounds))]
     sent.changed_words += sum(d.enc.count for d in done)
     sent.compared_words += sum(d.enc.words for d in done)
@@ -170,6 +164,15 @@ class SourceSlots(Mapping[str, Slot]):
 
     def __len__(self) -> int:
         return len(self._slots)
+
+    def reads(self, cut: Plan[Piece], plan: ShardPlan) -> Reads:
+        """How a pair's stream cut by ``cut`` reads this source."""
+        return Reads(
+            cut,
+            pack=lambda k, into: _pack(cut.buckets[k], into, self, plan),
+            pull=lambda k: self.need(cut.buckets[k]),
+            release=lambda k: self.packed(cut.buckets[k]),
+        )
 
     def need(self, pieces: tuple[Piece, ...]) -> None:
         """Pull every tensor these pieces (a bucket's) read."""
@@ -232,13 +235,14 @@ def _cell_digest(cell: torch.Tensor) -> str:
 def pair_streams(
     group: StatelessGroup, session: Session, slots: SourceSlots, workers: list[Copier],
     buffers: _bytes.BufferCache, tx: TxTransport, sync: Sync[Any], bases: Bases | None, device: torch.device,
+    progress: Progress | None = None,
 ) -> Sent:  # fmt: skip
     """This source's streams of a sync of pairs: its pieces to every receiver over ``tx`` (its buffers and
     bases on ``device``; packed by the first of the copy threads ``workers``, a delta's buckets diffed by
     all), every tensor of a lazy source pulled (see :func:`._tx_stream.source_sync` for what follows)."""
     me = group.rank
     exchange = _sharded.Exchange(group, session, slots, workers[0], buffers, sync.deadline, device, bases)
-    sent = send_shards(exchange, tx, sync, workers)
+    sent = send_shards(exchange, tx, sync, workers, progress)
     slots.finish()
     mine = {pair: cut for pair, cut in session.pairs.pairs.items() if pair[0] == me}
     sent.total = sum(cut.total_bytes for cut in mine.values())

@@ -1,18 +1,44 @@
 """The sender's side of a sync's source: tensors pulled as buckets need them, checked, released. One puller
 for every sync: a one-source stream keeps what it pulled by manifest index (:meth:`Puller.pull_through`),
-a many-source stream by box (``_sharded_tx.SourceSlots``, through :meth:`Puller.take`)."""
+a many-source stream by box (``_sharded_tx.SourceSlots``, through :meth:`Puller.take`). What a stream reads
+each of its buckets from is one interface, :class:`Reads`, whatever its cut holds."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
 
 import torch
 
 from ..codec import dtype_from_name
+from . import _bytes
 from .manifest import Entry, Manifest
 from .plan import Plan
 
-__all__ = ["Puller"]
+__all__ = ["Puller", "Reads"]
+
+
+def _nothing(k: int) -> None:
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class Reads:
+    """Where a source's stream reads each bucket of its cut from: what a full stream's fill
+    (``_tx_stream.Packed``) and a delta's diff (``_delta_tx.Diffs``) take, whether the cut's buckets hold a
+    manifest's segments (a fan-out, :meth:`Puller.reads`) or boxes (a pair, ``SourceSlots.reads``)."""
+
+    cut: Plan[Any]
+    pack: Callable[[int, torch.Tensor], None]
+    """Pack bucket k into a buffer (on a copy thread)."""
+    pull: Callable[[int], None] = _nothing
+    """Pull the tensors bucket k reads, on the caller's thread (where a lazy source yields them)."""
+    release: Callable[[int], None] = _nothing
+    """Bucket k was sent or diffed: let go what no later bucket reads."""
+    direct: Callable[[int], torch.Tensor | None] = _nothing
+    """Bucket k's bytes where they lie, when the source is laid out as its cut (sent with no copy)."""
 
 
 class Puller:
@@ -63,6 +89,16 @@ class Puller:
                     src = src.contiguous()
                     self.direct[i] = src
                 self.live[i] = src
+
+    def reads(self, plan: Plan) -> Reads:
+        """How a fan-out stream cut by ``plan`` reads this source."""
+        return Reads(
+            plan,
+            pack=lambda k, into: _bytes.pack(into, plan.buckets[k], self.live, self.wire),
+            pull=lambda k: self.pull_through(max(seg.index for seg in plan.buckets[k])),
+            release=partial(self.release, plan),
+            direct=lambda k: _bytes.in_place_bucket(plan, k, self.direct, receiving=False),
+        )
 
     def release(self, plan: Plan, k: int) -> None:
         """Drop the tensors whose last bytes are in bucket ``k`` (sent or diffed by now)."""

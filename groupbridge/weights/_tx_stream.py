@@ -29,7 +29,7 @@ from ._delta_sync import Policy, delta_digest
 from ._described import Pairs
 from ._session import Session, Stream, committed, merged_plan
 from ._sharded_delta import Bases
-from ._source import Puller
+from ._source import Puller, Reads
 from ._stats import SyncStats, finished
 from .plan import Plan
 from .transports import Sync, TxTransport
@@ -37,61 +37,68 @@ from .transports import Sync, TxTransport
 if TYPE_CHECKING:
     from ._delta_tx import DeltaSender
 
-__all__ = ["Progress", "Sent", "post_stream", "send_full", "send_stream", "source_sync"]
+__all__ = ["Packed", "Progress", "Sent", "post_stream", "send_full", "send_stream", "source_sync"]
 
 Progress = Callable[[int, int], None]
 """``progress(bytes_sent, total_bytes)``, called after every bucket."""
 
 
-def send_full(
-    tx: TxTransport,
-    stream: Stream,
-    puller: Puller,
-    copier: Copier,
-    digests: _bytes.Digests,
-    *,
-    base: torch.Tensor | None = None,
-    sample: Callable[[torch.Tensor, int], None] | None = None,
-    progress: Progress | None = None,
-) -> int:
-    """Send every bucket of ``stream.plan``, digested into ``digests``; returns how many were posted straight
-    from the tensors' own storage. With ``base`` (the source keeps one for deltas) each bucket is
-    also written there, packed there rather than into the transport's buffer (one copy, not two); with
-    ``sample``, one bucket of at least half the sample size is brought up to date by ``sample(view, k)``
-    instead (which times a diff on the way)."""
-    plan = stream.plan
-    live = puller.live
-    in_place = 0
+class Packed:
+    """A full stream's fill (see :func:`post_stream`), a fan-out's or a pair's: each bucket of ``reads.cut``
+    taken where it lies when the source is laid out as the cut, else packed (on the copy thread) into the
+    source's ``base`` when it keeps one for deltas (one copy, not two; a bucket taken where it lies is copied
+    there), else into the transport's buffer; then digested into ``digests`` (for receiver ``to``). With
+    ``sample``, one bucket of at least half the policy's sample is brought up to date in the base by
+    ``sample(view, k)`` instead (which times a diff on the way). ``in_place`` counts the buckets sent from
+    the source's own storage."""
 
-    def fill(k: int, buffer: Callable[[], torch.Tensor]) -> torch.Tensor:
-        nonlocal in_place, sample
-        segs = plan.buckets[k]
-        puller.pull_through(max(seg.index for seg in segs))
-        start, end = plan.bucket_range(k)
-        view = _bytes.in_place_bucket(plan, k, puller.direct, receiving=False)
+    def __init__(
+        self, reads: Reads, copier: Copier, digests: _bytes.Digests, *, base: torch.Tensor | None = None,
+        sample: Callable[[torch.Tensor, int], None] | None = None, to: int | None = None,
+    ) -> None:  # fmt: skip
+        self.reads, self.copier, self.digests = reads, copier, digests
+        self.base, self.sample, self.to = base, sample, to
+        self.in_place = 0
+
+    def __call__(self, k: int, buffer: Callable[[], torch.Tensor]) -> torch.Tensor:
+        reads, base = self.reads, self.base
+        reads.pull(k)
+        start, end = reads.cut.bucket_range(k)
+        view = reads.direct(k)
         if view is not None:
-            in_place += 1
+            self.in_place += 1
             if base is not None:
-                copier.copy(base[start:end], view)
-        elif base is not None and sample is not None and end - start >= Policy.SAMPLE_BYTES // 2:
+                self.copier.copy(base[start:end], view)
+        elif base is not None and self.sample is not None and end - start >= Policy.SAMPLE_BYTES // 2:
             view = base[start:end]
-            copier.run(partial(sample, view, k))
-            sample = None  # one bucket per full sync
+            self.copier.run(partial(self.sample, view, k))
+            self.sample = None  # one bucket per full sync
         else:
-            # a kept base is where the bucket is packed (one copy, not two); else the transport's buffer
             view = base[start:end] if base is not None else buffer()
-            copier.run(partial(_bytes.pack, view, segs, live, puller.wire))
-        digests.take(view)
+            self.copier.run(partial(reads.pack, k, view))
+        self.digests.take(view, self.to)
         return view
+
+
+def send_full(
+    tx: TxTransport, stream: Stream, puller: Puller, copier: Copier, digests: _bytes.Digests, *,
+    base: torch.Tensor | None = None, sample: Callable[[torch.Tensor, int], None] | None = None,
+    progress: Progress | None = None,
+) -> int:  # fmt: skip
+    """Send every bucket of a fan-out ``stream.plan`` (see :class:`Packed`), digested into ``digests``;
+    returns how many were posted straight from the tensors' own storage."""
+    plan = stream.plan
+    reads = puller.reads(plan)
+    fill = Packed(reads, copier, digests, base=base, sample=sample)
 
     def posted(k: int) -> None:
         if progress is not None:
             progress(plan.bucket_range(k)[1], plan.total_bytes)
-        puller.release(plan, k)
+        reads.release(k)
 
     post_stream(tx, plan, stream.device, stream.sync, fill, posted)
     puller.pull_through(len(puller.entries) - 1)  # trailing aliases and empty tensors
-    return in_place
+    return fill.in_place
 
 
 Fill = Callable[[int, Callable[[], torch.Tensor]], torch.Tensor]

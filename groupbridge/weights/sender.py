@@ -237,7 +237,8 @@ class WeightSender(Closing):
             )  # fmt: skip
             policy = self._delta.policy if self._delta is not None else None
             if session.plan is not None:
-                return self._send_pairs(session, manifest, items, shards, kind, device, deadline, policy)
+                return self._send_pairs(session, manifest, items, shards, kind, device, deadline, policy,
+                                        progress)  # fmt: skip
             sync = Sync(header.sync_id, deadline, self.options[kind], self._copier.copy)
             streams = partial(send_stream, self.group, session, plan, items, device, tx, sync, self._copier,
                               progress, self._delta)  # fmt: skip
@@ -257,7 +258,7 @@ class WeightSender(Closing):
 
     def _send_pairs(
         self, session: Session, manifest: Manifest, items: Pairs, shards: Boxes, kind: str,
-        device: torch.device, deadline: Deadline, policy: Policy | None,
+        device: torch.device, deadline: Deadline, policy: Policy | None, progress: Progress | None,
     ) -> SyncStats:  # fmt: skip
         """A sync of pair streams: this source's pairs over the transport that carries them (see
         ``pair_transport``: the chosen one when it can, else ``p2p``)."""
@@ -270,7 +271,7 @@ class WeightSender(Closing):
         slots = SourceSlots(manifest, items, shards, session.pairs, self.src)
         workers = self._delta.workers() if self._delta is not None else [self._copier]
         streams = partial(pair_streams, self.group, session, slots, workers, self._scratch, self._tx(pairs),
-                          sync, self._bases, stream_device(pairs, device))  # fmt: skip
+                          sync, self._bases, stream_device(pairs, device), progress)  # fmt: skip
         return source_sync(self.group, session, deadline, streams, transport=pairs, bases=self._bases,
                            policy=policy, replicas=partial(slots.replicas, deadline),
                            cleanup=slots.close)  # fmt: skip
