@@ -124,7 +124,9 @@ def test_staged_commit_of_a_delta_copies_only_the_changed_tensors(copier: Copier
         payload = enc.payload if enc.payload is not None else new[k]
         pos = _delta.apply(held, payload, enc.code, enc.count, 4)
         applier.write_back(k, held)
-        applier.landed(plan.buckets[k], held, True, _delta.changed_entries(plan, k, pos, 4))
+        segs = plan.buckets[k]
+        hit = _delta.spans_hit(pos, [(s.bucket_offset, s.nbytes) for s in segs], 4)
+        applier.landed(segs, held, True, {s.index for s, h in zip(segs, hit, strict=True) if h})
     applier.commit()
     assert torch.equal(target["b"], changed["b"])
     assert not target["big"].any() and not target["w"].any()  # unchanged: not copied again

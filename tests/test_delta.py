@@ -298,6 +298,37 @@ def test_a_receiver_whose_copy_differs_fails_the_sync_on_every_receiver() -> Non
         assert held == 1 and exact, res[rank]
 
 
+def _left_as_it_was(rank: int, host: str, ports: Any) -> Any:
+    """Version 2 changes ``w0`` only; rank 1's streaming target (its own base) had ``w5`` changed by hand."""
+    with make_group(rank, 2, host, ports) as g:
+        if rank == 0:
+            snd = gb.WeightSender(g, transport="broadcast", bucket_bytes=16 << 10, delta="always")
+            snd.send(_layers(1), version=1)
+            v2 = _layers(1)
+            v2["w0"] += 1
+            try:
+                return snd.send(v2, version=2).delta
+            except gb.SyncRefusedError as e:
+                return str(e)
+        rcv, target = gb.WeightReceiver(g, src=0), _layers(0)
+        rcv.receive_into(target, atomic=False)
+        target["w5"][0, 0] += 1  # a bucket the delta leaves as it was
+        try:
+            rcv.receive_into(target, atomic=False)
+            return "no error", rcv.version
+        except gb.WeightSyncError as e:
+            return str(e), rcv.version
+
+
+@pytest.mark.timeout(60)
+def test_a_receiver_whose_copy_differs_where_the_delta_changes_nothing_fails_the_sync() -> None:
+    """Every bucket of a delta is checked against the source's digest of it, the ones it leaves as they
+    were too: a streaming target changed between syncs is caught, not kept as a third model."""
+    sender, (error, held) = run_ranks(_left_as_it_was, 2, "127.0.0.1", CTX.Queue(), timeout=50)
+    assert "not committed on any receiver" in sender and "differs from the sender's" in sender, sender
+    assert "differs from the sender's" in error and held == 1, error
+
+
 def _killed(rank: int, host: str, ports: Any, atomic: bool) -> Any:
     g = make_group(rank, 3, host, ports, liveness_timeout=timedelta(seconds=2))
     t0 = time.monotonic()

@@ -35,7 +35,6 @@ __all__ = [
     "Code",
     "Encoded",
     "apply",
-    "changed_entries",
     "encode",
     "head_nbytes",
     "payload_nbytes",
@@ -283,19 +282,6 @@ def _apply_torch(
             raise ProtocolError("delta bucket positions are out of range or not increasing")
     base[pos] = payload[head:].view(dtype)
     return pos
-
-
-def changed_entries(plan: Plan, k: int, positions: torch.Tensor, w: int) -> list[int]:
-    """The manifest entries of bucket ``k`` holding at least one of the changed word ``positions`` (sorted).
-
-    Segments start and end on word boundaries (``w`` divides every element size and offset in the bucket);
-    a position in alignment padding belongs to no entry.
-    """
-    segs = plan.buckets[k]
-    if positions.numel() == 0 or not segs:
-        return []
-    hit = spans_hit(positions, [(s.bucket_offset, s.nbytes) for s in segs], w)
-    return [s.index for s, h in zip(segs, hit, strict=True) if h]
 
 
 def spans_hit(positions: torch.Tensor, spans: Sequence[tuple[int, int]], w: int) -> list[bool]:

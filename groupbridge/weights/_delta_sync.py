@@ -182,6 +182,46 @@ def apply(
     return (moved, None) if problem is None else (None, problem)
 
 
+class Applied:
+    """A receiver's end of one delta stream's description (``desc``, of buckets ``first`` on of ``cut``):
+    the one apply of every delta stream, a fan-out's or a pair's. A bucket the delta leaves as it was is
+    checked where it lies (the version held, ``base(k)``) against the source's digest of the new one; a
+    changed one's payload is checked, applied there (``put(k, view)`` writes it back where the base is not
+    where it lies) and checked again. Either is then handed on (``land(k, view, keys)``: the tensors whose
+    bytes changed); a mismatch is returned instead (this receiver's vote: the rest is taken, not applied)."""
+
+    def __init__(
+        self, desc: Description, cut: Plan[Any], words: list[int], kind: str, group: Any,
+        run: Callable[[Callable[[], torch.Tensor]], torch.Tensor], what: Callable[[int], str], *,
+        base: Callable[[int], torch.Tensor], land: Callable[[int, torch.Tensor, set[Any]], None],
+        put: Callable[[int, torch.Tensor], None] | None = None, first: int = 0,
+    ) -> None:  # fmt: skip
+        self.desc, self.cut, self.words, self.kind, self.group = desc, cut, words, kind, group
+        self.run, self.what, self.base, self.land, self.put, self.first = run, what, base, land, put, first
+
+    def unchanged(self, k: int) -> str | None:
+        view = self.base(k)
+        problem = check(view, self.desc, k - self.first, self.kind, self.group, self.what(k))
+        if problem is None:
+            self.land(k, view, set())
+        return problem
+
+    def changed(self, k: int, j: int, payload: torch.Tensor) -> str | None:
+        view, w = self.base(k), self.words[k]
+        i = k - self.first
+        moved, problem = apply(
+            view, payload, self.desc, i, j, w, self.kind, self.group, self.run, self.what(k)
+        )
+        if moved is None:
+            return problem
+        if self.put is not None:
+            self.put(k, view)
+        parts = self.cut.buckets[k]
+        hit = _delta.spans_hit(moved, [(p.bucket_offset, p.nbytes) for p in parts], w) if parts else []
+        self.land(k, view, {p.key for p, h in zip(parts, hit, strict=True) if h})
+        return None
+
+
 def check(old: torch.Tensor, desc: Description, i: int, kind: str, group: Any, what: str) -> str | None:
     """Why ``old`` (bucket ``i`` after its delta, or unchanged by it) is not the sender's new version, or
     None."""

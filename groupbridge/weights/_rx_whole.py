@@ -12,9 +12,9 @@ import torch
 from ..codec import dtype_from_name
 from ..control import Deadline
 from ..errors import WeightSyncError
-from . import _bytes, _delta, _delta_sync
+from . import _bytes, _delta_sync
 from ._appliers import Applier, Ring, Scratch, Staged, Streaming, counts, fill_aliases, hand_on, wire_typed
-from ._delta_sync import delta_digest, delta_groups, wire_plan, word_counts
+from ._delta_sync import Applied, delta_digest, delta_groups, wire_plan, word_counts
 from ._receive import Intake
 from ._rx_stream import KEPT, Taker, allocated, tell_failure
 from ._session import Session, merged_plan
@@ -88,21 +88,29 @@ class Fanout(Intake):
         self.problem = digests.check(src, deadline)
 
     def _delta(self) -> Iterator[tuple[Any, torch.Tensor]]:
-        """The delta (see :mod:`._delta_sync`), group by group: the buckets it leaves as they were are whole
-        at once (the applier holds them); each changed one is applied to the applier's held version as it
-        lands (its payload's digest checked before, the bucket's after). A mismatch takes the rest without
-        applying it (the source is still sending) and is this receiver's vote."""
+        """The delta (see :mod:`._delta_sync`), group by group, each bucket checked or applied where the
+        applier holds the version (:class:`._delta_sync.Applied`): the buckets it leaves as they were at
+        once, each changed one as it lands. A mismatch takes the rest without applying it (the source is
+        still sending) and is this receiver's vote."""
         session, applier, deadline, src = self.session, self.applier, self.deadline, self.session.src
         header, plan, group = session.header, self.plan, self.taker.group
         _, rx, sync = self.taker.streams.stream(src, session, deadline)
-        kind = delta_digest(header)
         sizes, words = word_counts(plan, session.manifest)
+        ready: list[tuple[Any, torch.Tensor]] = []
+
+        def land(k: int, view: torch.Tensor, keys: set[Any]) -> None:
+            ready.extend(applier.landed(plan.buckets[k], view, True, keys))
+
         for a, b in delta_groups(plan):
             desc = _delta_sync.announced(group, src, True, words[a:b], deadline)
             wplan, sources = wire_plan(desc, sizes[a:b], words[a:b])
+            applied = Applied(desc, plan, sizes, delta_digest(header), group, self.taker.copier.run,
+                              lambda k: f"bucket {k} of version {header.version}", base=applier.held,
+                              land=land, put=applier.write_back, first=a)  # fmt: skip
             for k in range(a, b):
                 if k - a not in sources and self.problem is None:
-                    yield from hand_on(applier.landed(plan.buckets[k], None, True, ()))
+                    self.problem = applied.unchanged(k)
+                    yield from hand_on(ready)
             if not sources:
                 continue
             rx.open(wplan, self.ring.device, sync)
@@ -110,18 +118,9 @@ class Fanout(Intake):
             self.ring.size = rx.scratch_buffers
             landed = rx.buckets(wplan, self.ring.land(wplan), deadline)
             for j, view, _ in take({src: landed}, [src] * len(wplan.buckets)):
-                if self.problem is not None:
-                    continue  # the source is still sending: take the rest, apply nothing
-                k = a + sources[j]
-                old = applier.held(k)
-                pos, self.problem = _delta_sync.apply(
-                    old, view, desc, sources[j], j, sizes[k], kind, group, self.taker.copier.run,
-                    f"bucket {k} of version {header.version}",
-                )  # fmt: skip
-                if pos is not None:
-                    applier.write_back(k, old)
-                    changed = _delta.changed_entries(plan, k, pos, sizes[k])
-                    yield from hand_on(applier.landed(plan.buckets[k], old, True, changed))
+                if self.problem is None:  # else the source is still sending: take the rest, apply nothing
+                    self.problem = applied.changed(a + sources[j], j, view)
+                    yield from hand_on(ready)
 
 
 def _kept(buffer: torch.Tensor, plan: Plan, manifest: Manifest) -> dict[int, tuple[torch.Tensor, None]]:

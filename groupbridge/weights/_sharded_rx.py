@@ -5,7 +5,7 @@ intake does."""
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping
 from dataclasses import replace
 from functools import partial
 from typing import Any
@@ -15,9 +15,9 @@ import torch
 from ..codec import dtype_from_name, dtype_name
 from ..control import Deadline
 from ..stateless import StatelessGroup
-from . import _bytes, _delta, _delta_sync
+from . import _bytes, _delta_sync
 from ._appliers import Applier, Scratch, Staged, Streaming, counts, hand_on
-from ._delta_sync import Description, delta_digest, wire_plan
+from ._delta_sync import Applied, delta_digest, wire_plan
 from ._receive import Intake
 from ._rx_stream import KEPT, RxStreams, Taker, allocated
 from ._session import Session
@@ -112,66 +112,46 @@ class _Lander:
         self.applier, self.copier, self.base = applier, applier.copier, base
         self.problems, self.ready, self.digests = problems, ready, digests
 
-    def _unpack(self, k: int, view: torch.Tensor, changed: Sequence[bool] | None = None) -> None:
-        """Bucket k's pieces through the applier; ``changed`` (per piece; None: all) says which of them
-        moved."""
-        pieces = self.cut.buckets[k]
-        moved = None if changed is None else {p.name for p, hit in zip(pieces, changed, strict=True) if hit}
-        self.ready += self.applier.landed(pieces, view, False, moved)
+    def _land(self, k: int, view: torch.Tensor, moved: set[str] | None = None) -> None:
+        """Bucket k's pieces through the applier; ``moved``: the tensors whose bytes changed (None: all)."""
+        self.ready += self.applier.landed(self.cut.buckets[k], view, False, moved)
 
     def full(self, k: int, buf: torch.Tensor) -> None:
         self.digests.take(buf, self.src)
         if self.base is not None:
             self.copier.copy(self._view(k), buf)
-        self._unpack(k, buf)
+        self._land(k, buf)
 
     def delta(self, deadline: Deadline) -> list[tuple[int, Callable[[torch.Tensor], None]]]:
         """The pair's changed buckets to receive (as its source announced them), each applied to the base
-        then unpacked; the unchanged ones are checked and unpacked from the base at once."""
-        plan = self.session.pairs
-        cut = self.cut
-        sizes = [bucket_word(b, plan.dtypes) for b in cut.buckets]
+        then landed from it; the unchanged ones are checked and landed from the base at once (see
+        :class:`._delta_sync.Applied`)."""
+        cut, dtypes = self.cut, self.session.pairs.dtypes
+        sizes = [bucket_word(b, dtypes) for b in cut.buckets]
         words = [(end - start) // w for (start, end), w in zip(cut.bounds, sizes, strict=True)]
         desc = _delta_sync.announced(self.group, self.src, False, words, deadline)
         wplan, changed = wire_plan(desc, sizes, words)
-        for k, pieces in enumerate(cut.buckets):
+        what = f"from rank {self.src}"
+        applied = Applied(desc, cut, sizes, delta_digest(self.session.header), self.group, self.copier.run,
+                          lambda k: f"bucket {k} {what}", base=self._view, land=self._land)  # fmt: skip
+        for k in range(len(cut.bounds)):
             if k not in changed:
-                self._check(k, desc, [False] * len(pieces))
-        out: list[tuple[int, Callable[[torch.Tensor], None]]] = []
-        for j, k in enumerate(changed):
-            start, end = wplan.bucket_range(j)
-            out.append((end - start, partial(self._apply, k, j, desc)))
-        return out
+                self._vote(applied.unchanged(k))
+        return [
+            (end - start, partial(self._changed, applied, k, j))
+            for j, (k, (start, end)) in enumerate(zip(changed, wplan.bounds, strict=True))
+        ]
+
+    def _changed(self, applied: Applied, k: int, j: int, payload: torch.Tensor) -> None:
+        self._vote(applied.changed(k, j, payload))
 
     def _view(self, k: int) -> torch.Tensor:
         assert self.base is not None
         return self.base[slice(*self.cut.bucket_range(k))]
 
-    def _check(self, k: int, desc: Description, changed: Sequence[bool]) -> None:
-        what = f"bucket {k} from rank {self.src}"
-        problem = _delta_sync.check(
-            self._view(k), desc, k, delta_digest(self.session.header), self.group, what
-        )
+    def _vote(self, problem: str | None) -> None:
         if problem is not None:
             self.problems.append(problem)
-            return
-        self._unpack(k, self._view(k), changed)
-
-    def _apply(self, k: int, j: int, desc: Description, payload: torch.Tensor) -> None:
-        w = bucket_word(self.cut.buckets[k], self.session.pairs.dtypes)
-        moved, problem = _delta_sync.apply(
-            self._view(k), payload, desc, k, j, w, delta_digest(self.session.header), self.group,
-            self.copier.run, f"bucket {k} from rank {self.src}",
-        )  # fmt: skip
-        if moved is None:
-            assert problem is not None
-            self.problems.append(problem)
-            return
-        self._unpack(
-            k,
-            self._view(k),
-            _delta.spans_hit(moved, [(p.offset, p.nbytes) for p in self.cut.buckets[k]], w),
-        )
 
 
 def wants_of(targets: dict[str, Any], renames: bool) -> dict[str, Any] | None:
