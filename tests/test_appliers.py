@@ -92,7 +92,7 @@ def test_staged_commits_only_at_the_end_and_a_failure_leaves_the_target_untouche
     target = {k: v.clone() for k, v in old.items()}
     dest = list(target.values())
     buffer = torch.empty(plan.total_bytes, dtype=torch.uint8)
-    applier = _staged(manifest, plan, buffer, copier, dest=list(enumerate(dest)))
+    applier = _staged(manifest, plan, buffer, copier, dest=[(i, d, f"t{i}") for i, d in enumerate(dest)])
     assert _deliver(applier, plan, _packed(plan, tensors)) == []  # atomic: nothing yielded
     assert all(torch.equal(target[k], old[k]) for k in old)  # every byte landed, none in the target yet
     err = applier.failed(RuntimeError("link cut"), version=3, held=2)
@@ -113,7 +113,12 @@ def test_staged_commit_of_a_delta_copies_only_the_changed_tensors(copier: Copier
     changed["b"] = model["b"] + 1
     target = {k: torch.zeros_like(v) for k, v in model.items()}
     applier = _staged(
-        manifest, plan, buffer, copier, dest=list(enumerate(target.values())), only_changed=True
+        manifest,
+        plan,
+        buffer,
+        copier,
+        dest=[(i, d, n) for i, (n, d) in enumerate(target.items())],
+        only_changed=True,
     )
     new = _packed(plan, list(changed.values()))
     for k in range(len(plan.buckets)):  # as the delta stream applies a bucket: to the held bytes
@@ -155,6 +160,19 @@ def test_streaming_lands_in_place_in_a_flattened_target(copier: Copier) -> None:
     _deliver(applier, plan, _packed(plan, tensors))
     applier.commit()
     assert all(torch.equal(target[k], new[k]) for k in new)
+
+
+def test_streaming_into_a_flattened_target_is_torn_once_a_bucket_is_landing_there(copier: Copier) -> None:
+    """The transport writes a bucket landing in place before the applier counts it: a failure then says
+    the target is torn, naming the bucket's tensors, never that it is untouched."""
+    new = _model(1)
+    manifest, plan, _ = _setup(new)
+    target = {k: torch.zeros_like(v) for k, v in new.items()}
+    gb.flatten_(target)
+    applier = _streaming(manifest, plan, list(target.values()), copier)
+    assert applier.land(0).in_place  # the transport is told to write into "big" itself
+    err = applier.failed(RuntimeError("link cut"), version=3, held=2)
+    assert isinstance(err, gb.TornUpdateError) and err.written == ["big"], err
 
 
 def test_scratch_yields_every_tensor_once_assembling_those_that_span_buckets(copier: Copier) -> None:

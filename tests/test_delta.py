@@ -465,3 +465,18 @@ def test_the_delta_policy_outlives_a_bridge() -> None:
     """Its warm-up (two full syncs timed) is not started again on every new bridge."""
     seen = run_ranks(_policy_bridges, 2, "127.0.0.1", CTX.Queue(), timeout=80)[0]
     assert seen[:2] == [1, 2] and seen[2] >= 2, seen
+
+
+def test_a_base_dropped_before_its_sync_ended_is_never_committed() -> None:
+    """A receiver's fan-out base is dropped when the next receive starts (its bytes are rewritten): a sync
+    left unfinished before (an update dropped unread) must not make a later commit fail or revive it."""
+    from groupbridge.weights._sharded_delta import FANOUT, Bases
+
+    bases = Bases()
+    bases.adopt(FANOUT, "kept, manifest a")
+    bases.drop(FANOUT)
+    bases.commit(3)  # the next sync commits what it began: nothing
+    assert bases.held(FANOUT, "kept, manifest a") is None
+    bases.adopt(FANOUT, "kept, manifest b")
+    bases.commit(4)
+    assert bases.held(FANOUT, "kept, manifest b") == 4

@@ -880,3 +880,33 @@ def test_a_forwarder_that_corrupts_the_rows_is_caught_by_the_next_hop() -> None:
     for r in range(2, 6):
         (text, untouched), exact = res[r]
         assert "xxh3 mismatch" in text and untouched and exact, res
+
+
+def _cast(rank: int, ports: Any, atomic: bool, dtype: torch.dtype) -> Any:
+    """Sources 0 and 1 send row halves of ``w`` (and each the whole ``b``) as bfloat16; receiver 2's
+    targets are ``dtype``."""
+    import zlib
+
+    shapes = {"w": (12, 16), "b": (16,)}
+
+    def full(name: str) -> torch.Tensor:
+        return torch.randn(shapes[name], generator=torch.Generator().manual_seed(zlib.crc32(name.encode())))
+
+    with make_group(rank, 3, "127.0.0.1", ports) as g:
+        if rank < 2:
+            with gb.WeightSender(g, bucket_bytes=1024, wire_dtype=torch.bfloat16) as snd:
+                held = gb.Shard(full("w")[6 * rank : 6 * rank + 6].clone(), (12, 16), (6 * rank, 0))
+                snd.send({"w": held, "b": full("b")}, version=1)
+            return None
+        rcv = gb.WeightReceiver(g, expected={k: (s, torch.bfloat16) for k, s in shapes.items()})
+        target = {k: torch.zeros(s, dtype=dtype) for k, s in shapes.items()}
+        assert rcv.receive_into(target, atomic=atomic) == 1
+        return all(torch.equal(target[k], full(k).to(torch.bfloat16).to(dtype)) for k in shapes)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
+@pytest.mark.parametrize("atomic", [True, False], ids=["atomic", "streaming"])
+def test_many_sources_cast_into_targets_of_another_dtype(atomic: bool, dtype: torch.dtype) -> None:
+    """The wire carries bfloat16; each target takes its values in its own dtype, streaming as atomic."""
+    assert run_ranks(_cast, 3, CTX.Queue(), atomic, dtype, timeout=50)[2]

@@ -149,6 +149,8 @@ class Applier:
         """Where bucket k of the fan-out plan lands: where it belongs, else the ring."""
         view = self.direct(k)
         if view is not None:
+            assert self.plan is not None
+            self.writing([seg.key for seg in self.plan.buckets[k]])  # the transport writes there next
             return Landed(view, Landing.TARGET)
         assert self.ring is not None and self.plan is not None
         return self.ring.land(self.plan)(k)
@@ -267,13 +269,13 @@ class Scratch(Applier):
 class Staged(Applier):
     """Every tensor in one kept buffer (``slots``: a view of it per tensor; a fan-out plan's buckets land in
     it as they are). Without ``dest`` (``receive()``) the views are handed on as tensors become whole (all,
-    or only what a delta changed); with ``dest`` (atomic ``receive_into``: (key, target) pairs) they are
-    copied into the target at the commit, only what changed when ``only_changed`` (a delta applied to the
-    version that target held)."""
+    or only what a delta changed); with ``dest`` (atomic ``receive_into``: (the key it is staged under, a
+    target tensor, its name)) they are copied into the target at the commit, only what changed when
+    ``only_changed`` (a delta applied to the version that target held)."""
 
     def __init__(
         self, copier: Copier, names: Callable[[Any], str], parts: Counter[Any], slots: Mapping[Any, Slot],
-        *, buffer: torch.Tensor | None = None, dest: list[tuple[Any, torch.Tensor]] | None = None,
+        *, buffer: torch.Tensor | None = None, dest: list[tuple[Any, torch.Tensor, str]] | None = None,
         only_changed: bool = False, plan: Plan | None = None, ring: Ring | None = None, every: bool = True,
     ) -> None:  # fmt: skip
         super().__init__(copier, names, parts, plan=plan, ring=ring, every=every)
@@ -297,7 +299,7 @@ class Staged(Applier):
             return
         pairs = [
             (target, self.slots[key][0])
-            for key, target in self.dest
+            for key, target, _ in self.dest
             if target.numel() and not (self.only_changed and key not in self.changed)
         ]
 
@@ -311,7 +313,7 @@ class Staged(Applier):
 
     def commit_failed(self, cause: BaseException, version: int, held: int | None) -> Exception:
         """Every byte arrived, but copying it into the target failed midway: the target is torn."""
-        written = [self.names(key) for key, _ in self.dest or ()]
+        written = [name for _, _, name in self.dest or ()]
         return torn(
             version, held, cause, written, len(written), "every byte arrived, but copying into the target"
         )
@@ -365,9 +367,10 @@ class Streaming(Applier):
                 self.written.extend(self.tied(self.changed if self.delta else None))
 
     def failed(self, cause: BaseException, version: int, held: int | None) -> Exception:
+        """Torn, whatever ``written`` lists: bytes may reach the target before they are counted (a transport
+        receiving in place, a delta applied there), so a streaming receive that failed never says the target
+        is untouched."""
         how = "a delta changed some tensors" if self.delta else "some buckets were written"
-        if not self.written:
-            return super().failed(cause, version, held)
         return torn(version, held, cause, self.written, self.total, how)
 
 
@@ -398,8 +401,9 @@ def wire_typed(d: torch.Tensor, e: Entry) -> bool:
 def hand_on(ready: list[tuple[Any, torch.Tensor]]) -> Iterator[tuple[Any, torch.Tensor]]:
     """What became whole, in order, each let go of here as it is handed on: a tensor of its own that the
     consumer drops is freed then, not when the rest of its bucket's tensors are taken."""
+    ready.reverse()  # nothing is added while it is handed on (the stream waits on the consumer)
     while ready:
-        yield ready.pop(0)
+        yield ready.pop()
 
 
 def counts(buckets: Iterable[Sequence[Part]]) -> Counter[Any]:

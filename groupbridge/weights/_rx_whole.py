@@ -50,16 +50,14 @@ class Fanout(Intake):
     ) -> None:  # fmt: skip
         super().__init__(applier, len(session.manifest.entries))
         self.taker, self.session, self.plan = taker, session, plan
-        self.deadline, self.every = deadline, every
+        self.deadline, self.every, self.tag = deadline, every, tag
         assert applier.ring is not None
         self.ring = applier.ring
-        if tag is not None:  # what a delta may next be applied to, once this sync commits
-            kept = applier.buffer if isinstance(applier, Staged) and applier.buffer is not None else None
-            key = kept_key(tag, session.manifest.digest)
-            taker.memory.bases.adopt(FANOUT, key, kept if kept is not None else torch.empty(0))
 
     def tensors(self) -> Generator[tuple[str, torch.Tensor], None, None]:
         manifest, names, taker = self.session.manifest, self.applier.names, self.taker
+        if self.tag is not None:  # what a delta may next be applied to, once this sync commits
+            taker.memory.bases.adopt(FANOUT, kept_key(self.tag, manifest.digest))
         aliases: dict[int, list[str]] = {}
         for i, e in enumerate(manifest.entries):
             if e.alias_of is not None:
@@ -182,7 +180,7 @@ def fanout_into(
 
     def staged() -> Applier:
         buffer = taker.buffers.get(KEPT, plan.total_bytes, device)
-        pairs = [(manifest.sources[i], d) for i, d in enumerate(dest)]
+        pairs = [(manifest.sources[i], d, names(i)) for i, d in enumerate(dest)]
         return Staged(taker.copier, names, parts, _kept(buffer, plan, manifest), buffer=buffer, dest=pairs,
                       only_changed=session.delta, plan=plan, ring=ring)  # fmt: skip
 

@@ -66,8 +66,8 @@ class Piece:
         return self.offset
 
     def part(self, slot: tuple[torch.Tensor, Box]) -> tuple[int, int, torch.Tensor, torch.dtype]:
-        """Where its bytes go in ``slot``: (a tensor in the wire dtype, the box of the global tensor it
-        holds): its box of that tensor (see ``_bytes.Part``)."""
+        """Where its bytes go in ``slot``: (a tensor in the wire dtype, whose dtype the bytes are read as;
+        the box of the global tensor it holds): its box of that tensor (see ``_bytes.Part``)."""
         tensor, held = slot
         return self.offset, self.nbytes, tensor[self.box.slices(held.offset)], tensor.dtype
 

@@ -92,11 +92,11 @@ class Bases:
         self._begun.add(key)
         return buffer, again
 
-    def adopt(self, peer: int, key: str, kept: torch.Tensor) -> None:
-        """Keep ``kept`` (bytes that live elsewhere: a receiver's kept buffer; an empty tensor for a target
-        that is its own base) as the base of the stream with ``peer``, invalid until :meth:`commit`."""
+    def adopt(self, peer: int, key: str) -> None:
+        """A base of the stream with ``peer`` whose bytes live elsewhere (a receiver's kept buffer, or its
+        target), known by ``key`` only, invalid until :meth:`commit`."""
         self._peers[peer] = key
-        self._bases[key] = (None, kept)
+        self._bases[key] = (None, torch.empty(0, dtype=torch.uint8))
         self._begun.add(key)
 
     def drop(self, peer: int) -> None:
@@ -104,6 +104,7 @@ class Bases:
         key = self._peers.pop(peer, None)
         if key is not None and key not in self._peers.values():
             self._bases.pop(key, None)
+            self._begun.discard(key)
 
     def invalidate(self, peer: int) -> None:
         """The stream with ``peer`` holds no valid version (its bytes stay, for the next sync to reuse)."""

@@ -252,11 +252,14 @@ def boxes_into(
     boxes = {w: box for w, (_, box) in dest.items()}
     device = _device_of([t for t, _ in dest.values()], taker.device)
     names, parts = taker.rename, _parts(session, taker.group.rank)
-    if not atomic:
-        return Boxes(taker, session, Streaming(taker.copier, names, parts, dest), device, deadline)
+    if not atomic:  # a target in another dtype than the wire's takes its box apart, then cast in
+        wire = {w: dtype_from_name(session.pairs.dtypes[w]) for w in dest}
+        streaming = Streaming(taker.copier, names, parts, dest,
+                              wire={w: d for w, d in wire.items() if dest[w][0].dtype != d})  # fmt: skip
+        return Boxes(taker, session, streaming, device, deadline)
     staged = allocated(taker.group, f"receiving version {session.header.version}", lambda: Staged(
         taker.copier, names, parts, _staging(taker, session.pairs, boxes, device),
-        dest=[(w, t) for w, (t, _) in dest.items()],
+        dest=[(w, t, names(w)) for w, (t, _) in dest.items()],
     ))  # fmt: skip
     return Boxes(taker, session, staged, device, deadline)
 
