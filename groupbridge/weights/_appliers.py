@@ -179,22 +179,25 @@ class Applier:
         """A bucket of ``parts`` landed in ``view`` (``in_place``: in their slots already, or unchanged by a
         delta); ``changed``: the tensors whose bytes it changed (None: all). Returns the (key, tensor) of the
         tensors it made whole that this mode hands on."""
-        moved = [p.key for p in parts if changed is None or p.key in changed]
+        keys = [p.key for p in parts]
+        moved = keys if changed is None else [key for key in keys if key in changed]
         self.changed.update(moved)
         if in_place:
             self.writing(moved)
         else:
             assert view is not None
-            out = [p.part(self.slot(p.key)) for p in parts]  # a slot made on demand: made on this thread
-            self.writing([p.key for p in parts])
+            slots = [self.slot(key) for key in keys]  # a slot made on demand: made on this thread
+            out = [p.part(slot) for p, slot in zip(parts, slots, strict=True)]
+            self.writing(keys)
             self.copier.run(partial(_bytes.unpack_parts, view, out))
         done = []
-        for p in parts:
-            self.left[p.key] -= 1
-            if not self.left[p.key]:
-                t = self.whole(p.key)
+        left = self.left
+        for key in keys:
+            left[key] -= 1
+            if not left[key]:
+                t = self.whole(key)
                 if t is not None:
-                    done.append((p.key, t))
+                    done.append((key, t))
         return done
 
     def writing(self, keys: list[Any]) -> None:

@@ -112,7 +112,9 @@ def pack_parts(view: torch.Tensor, parts: Iterable[Part]) -> None:
             if offset > prev:
                 view[prev:offset].zero_()
             out = view[offset : offset + nbytes]
-            if out.storage_offset() % dtype.itemsize == 0:
+            if dtype is torch.uint8 and src.dim() == 1:  # bytes as they lie (a segment of a tensor)
+                out.copy_(src)
+            elif out.storage_offset() % dtype.itemsize == 0:
                 out.view(dtype).view(src.shape).copy_(src)
             else:  # a dtype the piece's start is not aligned for: cast first
                 out.copy_(src.to(dtype).reshape(-1).view(torch.uint8))
@@ -125,7 +127,9 @@ def unpack_parts(view: torch.Tensor, parts: Iterable[Part]) -> None:
     """The inverse of :func:`pack_parts`: each piece of ``view`` into its tensor."""
     with torch.no_grad():
         for offset, nbytes, dest, dtype in parts:
-            dest.copy_(view[offset : offset + nbytes].view(dtype).view(dest.shape))
+            piece = view[offset : offset + nbytes]
+            flat = dtype is torch.uint8 and dest.dim() == 1  # bytes as they lie (a segment of a tensor)
+            dest.copy_(piece if flat else piece.view(dtype).view(dest.shape))
 
 
 def _segments(
