@@ -35,9 +35,9 @@ __all__ = [
 
 KEPT = "kept"
 """The receiver's one kept buffer (in its ``BufferCache``), whatever the plan: where an atomic receive stages,
-where a delta is applied (the version held, when the receiver's tag says so) and what ``receive(keep=True)``
-yields views of. Each sync lays it out as its plan does; a delta is applied to it only after a sync of the
-same plan that left it holding the base (``DeltaMemory.held``)."""
+where a delta is applied (the version held, when the receiver's store of bases says so) and what
+``receive(keep=True)`` yields views of. Each sync lays it out as its plan does; a delta is applied to it only
+after a sync of the same plan that left it holding the base (``Bases``, under ``FANOUT``)."""
 
 
 class RxStreams:
@@ -95,7 +95,7 @@ class Taker:
     copier: Copier
     buffers: _bytes.BufferCache
     memory: DeltaMemory
-    """The bases deltas are applied to: the version held in full, and one base per cut of many sources."""
+    """The bases deltas are applied to, one per stream's cut (``memory.bases``)."""
     plans: Plans
     rename: Callable[[str], str]
     held: int | None

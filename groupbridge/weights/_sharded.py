@@ -12,8 +12,9 @@ After the handshake's gather (:func:`._session.gather_posts`):
    pairs (``shm`` on one host, each receiver mapping each source's ring; ``p2p`` across hosts), in the
    order every member walks them (round, source, receiver), so that the streams never wait on each other in
    a cycle; each bucket is digested (XXH3-64, or the group's MAC with a token) and the digests follow on the
-   control plane. Receivers land the pieces in staging (an
-   atomic receive, ``receive()``) or in the target itself (streaming).
+   control plane. Receivers land the pieces through the one family of appliers (:mod:`._appliers`), as a
+   fan-out stream's segments: in staging (an atomic receive, ``receive(keep=True)``), in tensors of their own
+   (``receive()``) or in the target itself (streaming).
 4. **Vote**: every member says whether its part succeeded (one gather). Only when all did do receivers
    apply what they staged; each then acknowledges to every source, whose ``send`` returns only after all
    acknowledged. A failed vote leaves atomic targets untouched on every receiver; a member that dies or
@@ -70,6 +71,7 @@ class Exchange:
     group: StatelessGroup
     session: Session
     slots: Mapping[str, Slot]
+    """A source's boxes (a receiver's land through its applier: empty)."""
     copier: Copier
     buffers: _bytes.BufferCache
     deadline: Deadline
