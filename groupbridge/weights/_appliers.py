@@ -131,6 +131,8 @@ class Applier:
         """The tensors some landed bytes of which changed (a full sync: every one)."""
         self.written: list[str] = []
         """The target's tensors (partly) overwritten so far: a failure now leaves it torn."""
+        self.casts: list[tuple[torch.Tensor, torch.Tensor]] = []
+        """(target, assembled apart) of the tensors this bucket made whole, copied in by the bucket's job."""
 
     def slot(self, key: Key) -> Slot:
         raise NotImplementedError
@@ -182,6 +184,7 @@ class Applier:
         keys = [p.key for p in parts]
         moved = keys if changed is None else [key for key in keys if key in changed]
         self.changed.update(moved)
+        out: list[_bytes.Part] = []
         if in_place:
             self.writing(moved)
         else:
@@ -189,7 +192,6 @@ class Applier:
             slots = [self.slot(key) for key in keys]  # a slot made on demand: made on this thread
             out = [p.part(slot) for p, slot in zip(parts, slots, strict=True)]
             self.writing(keys)
-            self.copier.run(partial(_bytes.unpack_parts, view, out))
         done = []
         left = self.left
         for key in keys:
@@ -198,6 +200,9 @@ class Applier:
                 t = self.whole(key)
                 if t is not None:
                     done.append((key, t))
+        if out or self.casts:  # one job on the copy thread per bucket: its parts, then what it completed
+            casts, self.casts = self.casts, []
+            self.copier.run(partial(_unpack_and_cast, view, out, casts))
         return done
 
     def writing(self, keys: list[Any]) -> None:
@@ -361,7 +366,7 @@ class Streaming(Applier):
     def whole(self, key: Key) -> torch.Tensor | None:
         apart = self.apart.pop(key, None)
         if apart is not None:
-            self.copier.run(partial(_cast_into, self.targets[key][0], apart))
+            self.casts.append((self.targets[key][0], apart))
         return None
 
     def commit(self) -> None:
@@ -377,9 +382,15 @@ class Streaming(Applier):
         return torn(version, held, cause, self.written, self.total, how)
 
 
-def _cast_into(target: torch.Tensor, apart: torch.Tensor) -> None:
+def _unpack_and_cast(
+    view: torch.Tensor | None, parts: list[_bytes.Part], casts: list[tuple[torch.Tensor, torch.Tensor]]
+) -> None:
+    if parts:
+        assert view is not None
+        _bytes.unpack_parts(view, parts)
     with torch.no_grad():
-        target.copy_(apart)
+        for target, apart in casts:
+            target.copy_(apart)
 
 
 def fill_aliases(manifest: Manifest, dest: list[torch.Tensor], only: set[int] | None = None) -> list[int]:

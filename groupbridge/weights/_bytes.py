@@ -141,12 +141,7 @@ def _segments(
         assert t is not None
         dtype = wire[seg.index] if wire is not None else t.dtype
         if t.dtype == dtype:
-            yield (
-                seg.bucket_offset,
-                seg.nbytes,
-                byte_view(t)[seg.tensor_offset : seg.tensor_offset + seg.nbytes],
-                torch.uint8,
-            )
+            yield seg.part((t, None))
         else:
             first = seg.tensor_offset // dtype.itemsize
             yield (

@@ -65,11 +65,14 @@ class Piece:
     def bucket_offset(self) -> int:
         return self.offset
 
-    def part(self, slot: tuple[torch.Tensor, Box]) -> tuple[int, int, torch.Tensor, torch.dtype]:
-        """Where its bytes go in ``slot``: (a tensor in the wire dtype, whose dtype the bytes are read as;
-        the box of the global tensor it holds): its box of that tensor (see ``_bytes.Part``)."""
+    def part(
+        self, slot: tuple[torch.Tensor, Box], wire: torch.dtype | None = None
+    ) -> tuple[int, int, torch.Tensor, torch.dtype]:
+        """Where its bytes come from or go in ``slot`` (a tensor; the box of the global tensor it holds):
+        its box of that tensor, travelling as ``wire`` (default: the tensor's own dtype; see
+        ``_bytes.Part``)."""
         tensor, held = slot
-        return self.offset, self.nbytes, tensor[self.box.slices(held.offset)], tensor.dtype
+        return self.offset, self.nbytes, tensor[self.box.slices(held.offset)], wire or tensor.dtype
 
 
 @dataclass(frozen=True, slots=True)

@@ -290,5 +290,4 @@ def piece_parts(
     """A pair's bucket as parts (see :func:`._bytes.pack_parts`): each piece is a box of a tensor a slot holds
     (its box of the global tensor), at its offset in the bucket."""
     for p in pieces:
-        tensor, box = slots[p.name]
-        yield p.offset, p.nbytes, tensor[p.box.slices(box.offset)], dtype_from_name(dtypes[p.name])
+        yield p.part(slots[p.name], dtype_from_name(dtypes[p.name]))
