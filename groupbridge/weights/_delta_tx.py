@@ -23,7 +23,7 @@ from ._copier import Copier, Job
 from ._delta_sync import Policy, delta_groups, wire_plan, word_counts
 from ._session import Session, Stream
 from ._sharded_delta import FANOUT, Bases
-from ._source import Puller, Reads
+from ._source import Puller, SourceReads
 from ._tx_stream import Progress, Sent, post_stream
 from .manifest import Manifest
 from .plan import Plan
@@ -163,11 +163,11 @@ class Diffs:
     version) on demand: the one diff of every delta stream's source, a fan-out's or a pair's. The copy
     threads are kept a few buckets ahead of the caller, each packing its bucket (unless the source holds it
     where it lies) and diffing it; the source's tensors a bucket reads are pulled on the caller's thread
-    first (a lazy source yields them there) and let go once it is diffed (see :class:`._source.Reads`).
+    first (a lazy source yields them there) and let go once it is diffed (see :class:`._source.SourceReads`).
     Returns each bucket's diff and whether its new bytes were read in place."""
 
     def __init__(
-        self, reads: Reads, base: torch.Tensor, words: list[int], workers: list[Copier],
+        self, reads: SourceReads, base: torch.Tensor, words: list[int], workers: list[Copier],
         scratch: _bytes.BufferCache, kind: str, group: StatelessGroup,
     ) -> None:  # fmt: skip
         self.reads, self.cut, self.base, self.words, self.workers = reads, reads.cut, base, words, workers

@@ -26,7 +26,7 @@ from ._session import Session
 from ._shard_plan import Piece, ShardPlan
 from ._sharded import Slot, piece_parts
 from ._sharded_delta import Bases, bucket_word
-from ._source import Puller, Reads
+from ._source import Puller, SourceReads
 from ._tx_stream import Packed, Progress, Sent, post_stream
 from .manifest import Manifest
 from .plan import Plan
@@ -165,9 +165,9 @@ class SourceSlots(Mapping[str, Slot]):
     def __len__(self) -> int:
         return len(self._slots)
 
-    def reads(self, cut: Plan[Piece], plan: ShardPlan) -> Reads:
+    def reads(self, cut: Plan[Piece], plan: ShardPlan) -> SourceReads:
         """How a pair's stream cut by ``cut`` reads this source."""
-        return Reads(
+        return SourceReads(
             cut,
             pack=lambda k, into: _pack(cut.buckets[k], into, self, plan),
             pull=lambda k: self.need(cut.buckets[k]),

@@ -1,7 +1,7 @@
 """The sender's side of a sync's source: tensors pulled as buckets need them, checked, released. One puller
 for every sync: a one-source stream keeps what it pulled by manifest index (:meth:`Puller.pull_through`),
 a many-source stream by box (``_sharded_tx.SourceSlots``, through :meth:`Puller.take`). What a stream reads
-each of its buckets from is one interface, :class:`Reads`, whatever its cut holds."""
+each of its buckets from is one interface, :class:`SourceReads`, whatever its cut holds."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from . import _bytes
 from .manifest import Entry, Manifest
 from .plan import Plan
 
-__all__ = ["Puller", "Reads"]
+__all__ = ["Puller", "SourceReads"]
 
 
 def _nothing(k: int) -> None:
@@ -25,7 +25,7 @@ def _nothing(k: int) -> None:
 
 
 @dataclass(frozen=True, slots=True)
-class Reads:
+class SourceReads:
     """Where a source's stream reads each bucket of its cut from: what a full stream's fill
     (``_tx_stream.Packed``) and a delta's diff (``_delta_tx.Diffs``) take, whether the cut's buckets hold a
     manifest's segments (a fan-out, :meth:`Puller.reads`) or boxes (a pair, ``SourceSlots.reads``)."""
@@ -90,9 +90,9 @@ class Puller:
                     self.direct[i] = src
                 self.live[i] = src
 
-    def reads(self, plan: Plan) -> Reads:
+    def reads(self, plan: Plan) -> SourceReads:
         """How a fan-out stream cut by ``plan`` reads this source."""
-        return Reads(
+        return SourceReads(
             plan,
             pack=lambda k, into: _bytes.pack(into, plan.buckets[k], self.live, self.wire),
             pull=lambda k: self.pull_through(max(seg.index for seg in plan.buckets[k])),

@@ -29,7 +29,7 @@ from ._delta_sync import Policy, delta_digest
 from ._described import Pairs
 from ._session import Session, Stream, committed, merged_plan
 from ._sharded_delta import Bases
-from ._source import Puller, Reads
+from ._source import Puller, SourceReads
 from ._stats import SyncStats, finished
 from .plan import Plan
 from .transports import Sync, TxTransport
@@ -53,8 +53,9 @@ class Packed:
     the source's own storage."""
 
     def __init__(
-        self, reads: Reads, copier: Copier, digests: _bytes.Digests, *, base: torch.Tensor | None = None,
-        sample: Callable[[torch.Tensor, int], None] | None = None, to: int | None = None,
+        self, reads: SourceReads, copier: Copier, digests: _bytes.Digests, *,
+        base: torch.Tensor | None = None, sample: Callable[[torch.Tensor, int], None] | None = None,
+        to: int | None = None,
     ) -> None:  # fmt: skip
         self.reads, self.copier, self.digests = reads, copier, digests
         self.base, self.sample, self.to = base, sample, to
