@@ -101,15 +101,14 @@ def refused(
 class Ring:
     """The receiver's small ring of scratch buffers; its size is what the transport can use at once."""
 
-    def __init__(self, buffers: _bytes.BufferCache, device: torch.device) -> None:
-        self.buffers = buffers
-        self.device = device
+    def __init__(self, buffers: _bytes.BufferCache, device: torch.device, name: str = "bucket") -> None:
+        self.buffers, self.device, self.name = buffers, device, name
         self.size = 2
 
     def land(self, plan: Plan[Any], kind: Landing = Landing.SCRATCH) -> Land:
         def land(k: int) -> Landed:
             start, end = plan.bucket_range(k)
-            return Landed(self.buffers.get(f"bucket{k % self.size}", end - start, self.device), kind)
+            return Landed(self.buffers.get(f"{self.name}{k % self.size}", end - start, self.device), kind)
 
         return land
 
@@ -133,19 +132,17 @@ class Applier:
         """The target's tensors (partly) overwritten so far: a failure now leaves it torn."""
         self.casts: list[tuple[torch.Tensor, torch.Tensor]] = []
         """(target, assembled apart) of the tensors this bucket made whole, copied in by the bucket's job."""
+        self.flat: Sequence[torch.Tensor | None] = ()
+        """The slots by manifest index where they hold the wire bytes as they are (for :meth:`direct`)."""
 
     def slot(self, key: Key) -> Slot:
         raise NotImplementedError
-
-    def flat(self) -> Sequence[torch.Tensor | None]:
-        """The slots by manifest index where they hold the wire bytes as they are (for :meth:`direct`)."""
-        return ()
 
     def direct(self, k: int) -> torch.Tensor | None:
         """Bucket k of the fan-out plan where it belongs, when the slots lie in the plan's layout."""
         if self.plan is None:
             return None
-        return _bytes.in_place_bucket(self.plan, k, self.flat(), receiving=True)
+        return _bytes.in_place_bucket(self.plan, k, self.flat, receiving=True)
 
     def land(self, k: int) -> Landed:
         """Where bucket k of the fan-out plan lands: where it belongs, else the ring."""
@@ -166,13 +163,13 @@ class Applier:
         assert self.plan is not None and self.ring is not None
         start, end = self.plan.bucket_range(k)
         view = self.ring.buffers.get("delta-held", end - start, self.ring.device)
-        _bytes.pack(view, self.plan.buckets[k], self.flat())
+        _bytes.pack(view, self.plan.buckets[k], self.flat)
         return view
 
     def write_back(self, k: int, view: torch.Tensor) -> None:
         assert self.plan is not None
         if self.direct(k) is None:
-            _bytes.unpack(view, self.plan.buckets[k], self.flat())  # type: ignore[arg-type]
+            _bytes.unpack(view, self.plan.buckets[k], self.flat)  # type: ignore[arg-type]
 
     def landed(
         self, parts: Sequence[Part], view: torch.Tensor | None, in_place: bool,
@@ -341,13 +338,10 @@ class Streaming(Applier):
         plan: Plan | None = None, ring: Ring | None = None,
     ) -> None:  # fmt: skip
         super().__init__(copier, names, parts, plan=plan, ring=ring)
-        self.targets, self.wire, self._flat = targets, wire or {}, flat
+        self.targets, self.wire, self.flat = targets, wire or {}, flat
         self.tied, self.delta = tied, delta
         self.apart: dict[Any, torch.Tensor] = {}
         self._seen: set[Any] = set()
-
-    def flat(self) -> Sequence[torch.Tensor | None]:
-        return self._flat
 
     def slot(self, key: Key) -> Slot:
         if key not in self.wire:

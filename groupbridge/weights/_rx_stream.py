@@ -23,14 +23,7 @@ from .transports import RxTransport, Sync, pair_transport, spec
 
 T = TypeVar("T")
 
-__all__ = [
-    "KEPT",
-    "RxStreams",
-    "Taker",
-    "acknowledge",
-    "give_up",
-    "tell_failure",
-]
+__all__ = ["KEPT", "RxStreams", "Taker", "allocated", "give_up", "tell_failure"]
 
 
 KEPT = "kept"
@@ -107,40 +100,27 @@ class Taker:
     """What the consumer does with the version before the sources are acknowledged (``receive(ready=)``)."""
 
     def commit(self, version: int, sources: Iterable[int]) -> None:
-        """The sync's commit on this receiver, once its vote passed and what it received is applied: the
-        version held moves, the consumer's ``ready`` runs, every source is acknowledged."""
+        """Once the vote passed and what was received is applied: the version held moves, the consumer's
+        ``ready`` runs, every source is acknowledged. A ``ready`` that raises, or an acknowledgement that
+        cannot be sent, fails the sync (no source's ``send`` returns, so no commit follows anywhere)."""
+        group = self.group
         self.committed(version)
-        prepared(self.group, version, self.ready)
+        try:
+            if self.ready is not None:
+                self.ready()
+        except BaseException as e:
+            give_up(group, e, f"preparing version {version}", WeightSyncError(
+                f"rank {group.rank} holds version {version}, but preparing it failed: {type(e).__name__}: "
+                f"{e}; the sender fails this sync"
+            ))  # fmt: skip
         for src in sources:
-            acknowledge(self.group, src, version)
-
-
-def prepared(group: StatelessGroup, version: int, ready: Callable[[], None] | None) -> None:
-    """``ready()``: what the receiver's consumer does with ``version`` (landed, verified, held) before the
-    sources are acknowledged (an engine processing it into a second copy of its model, so that its commit
-    is only a swap). A failure is told to the peers as any other: no source's send returns, so no commit
-    follows anywhere."""
-    if ready is None:
-        return
-    try:
-        ready()
-    except BaseException as e:
-        give_up(group, e, f"preparing version {version}", WeightSyncError(
-            f"rank {group.rank} holds version {version}, but preparing it failed: {type(e).__name__}: {e}; "
-            "the sender fails this sync"
-        ))  # fmt: skip
-
-
-def acknowledge(group: StatelessGroup, src: int, version: int) -> None:
-    """Tell the source this receiver holds ``version``; a receive whose acknowledgement cannot be sent
-    fails (the source could not know it succeeded and fails the sync)."""
-    try:
-        group.send_obj({"ok": True, "error": None}, dst=src, tag=ACK_TAG)
-    except GroupBridgeError as e:
-        raise WeightSyncError(
-            f"rank {group.rank} holds version {version}, but could not acknowledge it to the sender "
-            f"(rank {src}): {e}; the sender fails this sync"
-        ) from e
+            try:
+                group.send_obj({"ok": True, "error": None}, dst=src, tag=ACK_TAG)
+            except GroupBridgeError as e:
+                raise WeightSyncError(
+                    f"rank {group.rank} holds version {version}, but could not acknowledge it to the sender "
+                    f"(rank {src}): {e}; the sender fails this sync"
+                ) from e
 
 
 def tell_failure(group: StatelessGroup, e: BaseException, what: str) -> None:
@@ -164,10 +144,13 @@ def allocated(group: StatelessGroup, what: str, make: Callable[[], T]) -> T:
         give_up(group, e, what, error)
 
 
-def give_up(group: StatelessGroup, cause: BaseException, what: str, error: Exception) -> NoReturn:
-    """Tell the peers ``what`` failed (see :func:`tell_failure`), then raise ``error`` from ``cause``;
-    an interrupt (a BaseException that is not an Exception) propagates unchanged."""
-    tell_failure(group, cause, what)
+def give_up(
+    group: StatelessGroup, cause: BaseException, what: str, error: Exception, tell: bool = True
+) -> NoReturn:
+    """Tell the peers ``what`` failed (see :func:`tell_failure`; not when ``tell`` is False), then raise
+    ``error`` from ``cause``; an interrupt (a BaseException that is not an Exception) propagates unchanged."""
+    if tell:
+        tell_failure(group, cause, what)
     try:
         if not isinstance(cause, Exception):
             raise cause

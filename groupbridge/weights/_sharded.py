@@ -1,24 +1,10 @@
-"""A sync with many sources: every sending member sends the boxes it holds, each receiver takes its boxes,
-and the sync commits on every receiver or on none.
-
-After the handshake's gather (:func:`._session.gather_posts`):
-
-1. **Manifests**: each source's manifest travels once per change (broadcast from that source when some
-   member does not know its digest); every source must announce the same version.
-2. **Plan**: every member computes the same :class:`._shard_plan.ShardPlan` from what each source holds and
-   each receiver wants; a problem there, or in a receiver's verdict on the assembled global manifest (one
-   more gather), refuses the sync on every member before any byte moves.
-3. **Transfer**: each source sends its receivers' buckets as one stream over a transport that carries
-   pairs (``shm`` on one host, each receiver mapping each source's ring; ``p2p`` across hosts), in the
-   order every member walks them (round, source, receiver), so that the streams never wait on each other in
-   a cycle; each bucket is digested (XXH3-64, or the group's MAC with a token) and the digests follow on the
-   control plane. Receivers land the pieces through the one family of appliers (:mod:`._appliers`), as a
-   fan-out stream's segments: in staging (an atomic receive, ``receive(keep=True)``), in tensors of their own
-   (``receive()``) or in the target itself (streaming).
-4. **Vote**: every member says whether its part succeeded (one gather). Only when all did do receivers
-   apply what they staged; each then acknowledges to every source, whose ``send`` returns only after all
-   acknowledged. A failed vote leaves atomic targets untouched on every receiver; a member that dies or
-   freezes aborts the group, and everyone raises within the liveness timeout, naming it.
+"""The plan of a sync of pair streams (several sources, or boxes held or wanted), on top of the one session
+(:mod:`._session`: handshake, verdicts, vote, commit): every member computes the same
+:class:`._shard_plan.ShardPlan` from what each source holds and each receiver wants (a problem there refuses
+the sync on every member before any byte moves), one stream per (source, receiver) pair, walked by every
+member in one order (round, turn, source: see ``Session.turns``) so that no stream waits on another in a
+cycle. Pairs travel over a transport that carries them (``shm`` on one host, ``p2p`` across hosts) and land
+through the one family of appliers (:mod:`._appliers`), as a fan-out stream's buckets do.
 """
 
 from __future__ import annotations
@@ -32,11 +18,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..codec import dtype_from_name
-from ..control import Deadline
 from ..errors import ProtocolError
-from ..stateless import StatelessGroup
 from . import _bytes
-from ._copier import Copier
 from ._header import Header, Verdict
 from ._shard_plan import Held, Piece, ShardPlan, plan_shards
 from ._sharded_delta import Bases, pair_key
@@ -49,12 +32,12 @@ if TYPE_CHECKING:
     from ._session import Session
 
 __all__ = [
-    "Exchange",
     "Pair",
     "Slot",
     "conditional",
     "holding",
     "pair_deltas",
+    "pairs_of",
     "piece_parts",
     "plan_pairs",
 ]
@@ -63,36 +46,19 @@ Slot = tuple[torch.Tensor, Box]
 """Where a tensor's box lives on this member: (the tensor holding it, the box of the global tensor)."""
 
 
-@dataclass(frozen=True, slots=True)
-class Exchange:
-    """One member's means for step 3: the session, where its boxes live, its copy thread, its buffers, the
-    sync's deadline, the device its buffers live on, and its pair bases when deltas are kept."""
-
-    group: StatelessGroup
-    session: Session
-    slots: Mapping[str, Slot]
-    """A source's boxes (a receiver's land through its applier: empty)."""
-    copier: Copier
-    buffers: _bytes.BufferCache
-    deadline: Deadline
-    device: torch.device
-    """Where this member's stream buffers and pair bases live: its tensors' device (a source's stream over a
-    host-only transport: the host)."""
-    bases: Bases | None = None
-
-    def pairs(self, sending: bool) -> list[Pair]:
-        """This member's pairs, their bases begun for this sync when bases are kept."""
-        me, session = self.group.rank, self.session
-        out = []
-        for (src, dst), cut in session.pairs.pairs.items():
-            if (src if sending else dst) != me:
-                continue
-            peer = dst if sending else src
-            key = session.keys[(src, dst)]
-            bases = self.bases
-            base = bases.begin(peer, key, cut.total_bytes, self.device)[0] if bases is not None else None
-            out.append(Pair(peer, cut, base, (src, dst) in session.deltas, key))
-        return out
+def pairs_of(
+    session: Session, me: int, sending: bool, bases: Bases | None, device: torch.device
+) -> list[Pair]:
+    """This member's pairs of the sync (as their source or receiver), their bases begun for it on
+    ``device`` when bases are kept."""
+    out = []
+    for (src, dst), cut in session.pairs.pairs.items():
+        if (src if sending else dst) != me:
+            continue
+        peer, key = (dst if sending else src), session.keys[(src, dst)]
+        base = bases.begin(peer, key, cut.total_bytes, device)[0] if bases is not None else None
+        out.append(Pair(peer, cut, base, (src, dst) in session.deltas, key))
+    return out
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,41 +16,42 @@ from ..codec import dtype_from_name, dtype_name
 from ..control import Deadline
 from ..stateless import StatelessGroup
 from . import _bytes, _delta_sync
-from ._appliers import Applier, Scratch, Staged, Streaming, counts, hand_on
+from ._appliers import Applier, Ring, Scratch, Staged, Streaming, counts, hand_on
 from ._delta_sync import Applied, delta_digest, wire_plan
 from ._receive import Intake
-from ._rx_stream import KEPT, RxStreams, Taker, allocated
+from ._rx_stream import KEPT, Taker, allocated
 from ._session import Session
 from ._shard_plan import Piece, ShardPlan, element_size
-from ._sharded import Exchange, Slot
+from ._sharded import Pair, Slot, pairs_of
 from ._sharded_delta import bucket_word
 from ._walk import Feed, Onward, take, walk_of
 from .plan import Plan
 from .shard import Box, Shard, box_of
-from .transports import Landed, Landing, stream_device
+from .transports import Landing, stream_device
 
 __all__ = ["Boxes", "boxes_into", "boxes_named", "data_ptr", "receive_shards", "wants_of"]
 
 
 def receive_shards(
-    x: Exchange, streams: RxStreams, applier: Applier, problems: list[str]
-) -> Iterator[tuple[str, torch.Tensor]]:
+    taker: Taker, session: Session, pairs: list[Pair], applier: Applier, device: torch.device,
+    deadline: Deadline, problems: list[str],
+) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
     """This receiver's part of step 3: land every source's pieces through ``applier`` (keyed by wire name).
     Each source's buckets come over its pair transport (attached in the handshake), read in the order every
     member walks them: round, turn (see ``Session.turns``), source. Yields what the applier hands on of each
     tensor once it is whole (every piece of it landed, from whichever sources); why the bytes are refused (a
     digest mismatch) goes to ``problems``."""
-    group, session = x.group, x.session
+    group = taker.group
     digests = _bytes.Digests(session.header.verify, group)
     checked: list[int] = []
     plan, me = session.pairs, group.rank
     feeds: dict[int, list[Feed]] = {}
     ready: list[tuple[str, torch.Tensor]] = []
-    for pair in x.pairs(sending=False):
+    for pair in pairs:
         src, cut = pair.peer, pair.cut
         lander = _Lander(group, session, src, cut, applier, pair.base, problems, ready, digests)
         if pair.delta:
-            feeds[src] = lander.delta(x.deadline)
+            feeds[src] = lander.delta(deadline)
             yield from hand_on(ready)  # its unchanged buckets were unpacked from the base
         else:
             feeds[src] = [(end - start, partial(lander.full, k)) for k, (start, end) in enumerate(cut.bounds)]
@@ -59,37 +60,29 @@ def receive_shards(
     walks: dict[int, Iterator[tuple[int, torch.Tensor, bool]]] = {}
     for feeder in sorted({plan.feeder(s, me) for s in feeds}):
         mine = [(s, k) for s, k in walk if plan.feeder(s, me) == feeder]
-        kind, rx, sync = streams.stream(feeder, session, x.deadline)
-        device = stream_device(kind, x.device)
+        kind, rx, sync = taker.streams.stream(feeder, session, deadline)
+        at = stream_device(kind, device)
         wire = Plan.of_sizes([feeds[s][k][0] for s, k in mine])
-        rx.open(wire, device, replace(sync, to=(me,) * len(mine)))
+        rx.open(wire, at, replace(sync, to=(me,) * len(mine)))
         # A bucket read where it lies (a shared slot) keeps the slot until this receiver comes back to that
         # source's stream; the source may wait for that only when no other receiver's bucket lies between
         # (it has no more receivers than slots), else it could wait on a later bucket: then copy out first.
         receivers = sum(1 for s, _ in plan.pairs if s == feeder)
         slots = getattr(sync.options, "slots", 0)
         landing = Landing.SCRATCH if receivers <= slots else Landing.STAGING
-        land = partial(_land, x.buffers, f"recv{feeder}", rx.scratch_buffers, wire, landing, device)
-        walks[feeder] = rx.buckets(wire, land, x.deadline)
-    onward = Onward(group, plan, walk, feeds, x.deadline, x.device)
+        ring = Ring(taker.buffers, at, f"recv{feeder}-")
+        ring.size = rx.scratch_buffers
+        walks[feeder] = rx.buckets(wire, ring.land(wire, landing), deadline)
+    onward = Onward(group, plan, walk, feeds, deadline, device)
     for (src, k), (_, view, _) in zip(walk, take(walks, (plan.feeder(s, me) for s, _ in walk)), strict=True):
         onward.post(src, view)
         feeds[src][k][1](view)
         yield from hand_on(ready)
     onward.finish()
     for src in checked:
-        problem = digests.check(src, x.deadline)
+        problem = digests.check(src, deadline)
         if problem is not None:
             problems.append(problem)
-
-
-def _land(
-    buffers: _bytes.BufferCache, name: str, ring: int, plan: Plan, kind: Landing, device: torch.device, k: int
-) -> Landed:
-    """Where a pair's bucket lands: the receiver's own buffer on ``device`` (a ring per source); SCRATCH
-    lets a transport with a shared slot hand out the slot itself instead."""
-    start, end = plan.bucket_range(k)
-    return Landed(buffers.get(f"{name}-{k % ring}", end - start, device), kind)
 
 
 class _Lander:
@@ -176,8 +169,7 @@ def wants_of(targets: dict[str, Any], renames: bool) -> dict[str, Any] | None:
 
 
 def data_ptr(t: Any) -> int:
-    shard = box_of(t)
-    return (shard.tensor if shard is not None else t).data_ptr()
+    return _slot(t)[0].data_ptr()
 
 
 def _slot(value: Any) -> Slot:
@@ -203,12 +195,6 @@ def _staging(
     }
 
 
-def _device_of(tensors: list[torch.Tensor], default: torch.device) -> torch.device:
-    """Where a receiver's targets are (its staging, landing buffers and bases go there too); targets on
-    several devices stage on the first one's."""
-    return tensors[0].device if tensors else default
-
-
 class Boxes(Intake):
     """Pair streams' pieces landed through ``applier`` (by wire name): a kept staging buffer, the target's own
     boxes, or tensors made as their first piece lands. What it hands on (``receive()``: each tensor once
@@ -229,9 +215,10 @@ class Boxes(Intake):
         bases = taker.memory.bases if any(h.keeps_base for h in session.headers.values()) else None
         if bases is None:
             taker.memory.bases.clear()  # the senders keep none: nothing to apply a delta to, memory back
-        x = Exchange(taker.group, session, {}, taker.copier, taker.buffers, self.deadline, self.device, bases)
+        pairs = pairs_of(session, taker.group.rank, False, bases, self.device)
         problems: list[str] = []
-        for wire, tensor in receive_shards(x, taker.streams, self.applier, problems):
+        for wire, tensor in receive_shards(taker, session, pairs, self.applier, self.device, self.deadline,
+                                           problems):  # fmt: skip
             yield taker.rename(wire), tensor
         self.problem = problems[0] if problems else None
         if self.problem is None:
@@ -250,7 +237,7 @@ def boxes_into(
     boxes."""
     dest = {wire: _slot(targets[taker.rename(wire)]) for wire in session.pairs.order}
     boxes = {w: box for w, (_, box) in dest.items()}
-    device = _device_of([t for t, _ in dest.values()], taker.device)
+    device = next((t.device for t, _ in dest.values()), taker.device)  # several devices: stage on the first
     names, parts = taker.rename, _parts(session, taker.group.rank)
     if not atomic:  # a target in another dtype than the wire's takes its box apart, then cast in
         wire = {w: dtype_from_name(session.pairs.dtypes[w]) for w in dest}

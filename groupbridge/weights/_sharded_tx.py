@@ -4,7 +4,7 @@ pulled as they are packed; the vote and the acknowledgements follow in :func:`._
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import replace
@@ -17,14 +17,14 @@ import xxhash
 from ..control import Deadline
 from ..errors import CopyTimeoutError
 from ..stateless import StatelessGroup
-from . import _bytes, _delta_sync, _sharded
+from . import _bytes, _delta_sync
 from ._copier import Copier
 from ._delta_sync import delta_digest
 from ._delta_tx import Diffs
 from ._described import Boxes, Pairs
 from ._session import Session
 from ._shard_plan import Piece, ShardPlan
-from ._sharded import Slot, piece_parts
+from ._sharded import Slot, pairs_of, piece_parts
 from ._sharded_delta import Bases, bucket_word
 from ._source import Puller, SourceReads
 from ._tx_stream import Packed, Progress, Sent, post_stream
@@ -33,70 +33,7 @@ from .plan import Plan
 from .shard import Box
 from .transports import Sync, TxTransport
 
-__all__ = ["SourceSlots", "pair_streams", "send_shards"]
-
-
-def send_shards(
-    x: _sharded.Exchange, tx: TxTransport, sync: Sync[Any], workers: list[Copier], progress: Progress | None
-) -> Sent:
-    """This source's part of step 3: every receiver's buckets as one stream over ``tx``, in the order every
-    member walks them (round, then turn: see ``Session.turns``), each full pair's packed as a fan-out's are
-    (:class:`._tx_stream.Packed`); a delta pair's description goes first on the control plane (its buckets
-    diffed by ``workers``), then its changed buckets' encodings take the place of its buckets.
-    ``progress(bytes_posted, total)`` after every bucket."""
-    group, session, slots = x.group, x.session, x.slots
-    me = group.rank
-    assert isinstance(slots, SourceSlots)
-    plan, verify, device = session.pairs, session.header.verify, x.device
-    stream: list[_Post] = []
-    digests = _bytes.Digests(verify, group)
-    sent = Sent()
-    pairs = x.pairs(sending=True)
-    # pairs of one cut share a base: a delta brings it up to date once (described before any full pair's
-    # bytes are packed, so it diffs the old bytes), and else the first full pair of the cut writes it
-    described: dict[str, tuple[_delta_sync.Description, list[torch.Tensor]]] = {}
-    written = {p.key for p in pairs if p.delta}
-    for pair in pairs:
-        dst, cut, base = pair.peer, pair.cut, pair.base
-        if pair.delta:
-            assert base is not None
-            if pair.key not in described:
-                described[pair.key] = _describe_delta(
-                    group, session, cut, slots, base, workers, x.buffers, sent
-                )
-            desc, payloads = described[pair.key]
-            _delta_sync.announce(group, desc, dst, x.deadline)
-            if plan.feeder(me, dst) == me:  # else a receiver forwards the payloads to it
-                stream += [_Post(j, dst, p.numel(), partial(_same, p)) for j, p in enumerate(payloads)]
-            continue
-        if plan.feeder(me, dst) != me:  # its bytes are forwarded by a receiver
-            continue
-        keep = base if pair.key not in written else None
-        written.add(pair.key)
-        reads = slots.reads(cut, plan)
-        fill = Packed(reads, x.copier, digests, base=keep, to=dst)
-        stream += [
-            _Post(k, dst, end - start, partial(fill, k), partial(reads.release, k))
-            for k, (start, end) in enumerate(cut.bounds)
-        ]
-    turns = session.turns()  # a source's pairs are each the first of its cut: walk_of's order, hop 0
-    stream.sort(key=lambda e: (e.round, turns[(me, e.receiver)]))
-    wire = Plan.of_sizes([e.nbytes for e in stream])
-
-    def posted(k: int) -> None:
-        stream[k].posted()
-        if progress is not None:
-            progress(wire.bounds[k][1], wire.total_bytes)
-
-    to = tuple(e.receiver for e in stream)
-    post_stream(tx, wire, device, replace(sync, to=to), lambda k, buf: stream[k].fill(buf), posted)
-    sent.wire_bytes += wire.total_bytes
-    digests.send((p.peer, plan.head(me, p.peer)) for p in pairs if not p.delta)
-    return sent
-
-
-def _sent(k: int = 0) -> None:
-    return None
+__all__ = ["SourceSlots", "pair_streams"]
 
 
 class _Post(NamedTuple):
@@ -107,7 +44,7 @@ class _Post(NamedTuple):
     receiver: int
     nbytes: int
     fill: Callable[[Callable[[], torch.Tensor]], torch.Tensor]
-    posted: Callable[[], None] = _sent
+    posted: Callable[[], None] | None = None
 
 
 def _describe_delta(
@@ -118,7 +55,7 @@ def _describe_delta(
     :class:`._delta_tx.Diffs`); the pair's description and the changed buckets' encodings, in order."""
     plan = session.pairs
     words = [bucket_word(pieces, plan.dtypes) for pieces in cut.buckets]
-    diffs = Diffs(slots.reads(cut, plan), base, words, workers, buffers, delta_digest(session.header), group)
+    diffs = Diffs(slots.reads(cut), base, words, workers, buffers, delta_digest(session.header), group)
     done = [diffs(k)[0] for k in range(len(cut.bounds))]
     sent.changed_words += sum(d.enc.count for d in done)
     sent.compared_words += sum(d.enc.words for d in done)
@@ -130,17 +67,13 @@ def _same(t: torch.Tensor, buffer: Callable[[], torch.Tensor]) -> torch.Tensor:
     return t  # a delta's payload is posted from where it lies (the transport copies it if it must)
 
 
-def _pack(pieces: tuple[Piece, ...], buf: torch.Tensor, slots: Mapping[str, Slot], plan: ShardPlan) -> None:
-    _bytes.pack_parts(buf, piece_parts(pieces, slots, plan.dtypes))
-
-
-class SourceSlots(Mapping[str, Slot]):
+class SourceSlots:
     """Where this source's boxes live, by wire name. A list of pairs is read at once; a lazy source is
     pulled (on the caller's thread) as the buckets that read its tensors are packed, each tensor checked
     against the manifest and let go once the last of those buckets is packed."""
 
     def __init__(self, manifest: Manifest, items: Pairs, shards: Boxes, plan: ShardPlan, me: int) -> None:
-        self._shards = shards
+        self._shards, self._dtypes = shards, plan.dtypes
         self._puller = Puller(manifest, iter(items))
         self._lazy = not isinstance(items, list)
         self._slots: dict[str, Slot] = {}
@@ -156,23 +89,17 @@ class SourceSlots(Mapping[str, Slot]):
         if not self._lazy:
             self.finish()
 
-    def __getitem__(self, name: str) -> Slot:
-        return self._slots[name]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._slots)
-
-    def __len__(self) -> int:
-        return len(self._slots)
-
-    def reads(self, cut: Plan[Piece], plan: ShardPlan) -> SourceReads:
+    def reads(self, cut: Plan[Piece]) -> SourceReads:
         """How a pair's stream cut by ``cut`` reads this source."""
         return SourceReads(
             cut,
-            pack=lambda k, into: _pack(cut.buckets[k], into, self, plan),
+            pack=lambda k, into: self.pack(cut.buckets[k], into),
             pull=lambda k: self.need(cut.buckets[k]),
             release=lambda k: self.packed(cut.buckets[k]),
         )
+
+    def pack(self, pieces: tuple[Piece, ...], into: torch.Tensor) -> None:
+        _bytes.pack_parts(into, piece_parts(pieces, self._slots, self._dtypes))
 
     def need(self, pieces: tuple[Piece, ...]) -> None:
         """Pull every tensor these pieces (a bucket's) read."""
@@ -237,16 +164,61 @@ def pair_streams(
     buffers: _bytes.BufferCache, tx: TxTransport, sync: Sync[Any], bases: Bases | None, device: torch.device,
     progress: Progress | None = None,
 ) -> Sent:  # fmt: skip
-    """This source's streams of a sync of pairs: its pieces to every receiver over ``tx`` (its buffers and
-    bases on ``device``; packed by the first of the copy threads ``workers``, a delta's buckets diffed by
-    all), every tensor of a lazy source pulled (see :func:`._tx_stream.source_sync` for what follows)."""
-    me = group.rank
-    exchange = _sharded.Exchange(group, session, slots, workers[0], buffers, sync.deadline, device, bases)
-    sent = send_shards(exchange, tx, sync, workers, progress)
+    """This source's streams of a sync of pairs: every receiver's buckets as one stream over ``tx`` (its
+    buffers and bases on ``device``), in the order every member walks them (round, then turn: see
+    ``Session.turns``). A full pair's buckets are packed as a fan-out's are (:class:`._tx_stream.Packed`, on
+    the first of the copy threads ``workers``); a delta pair's description goes first on the control plane
+    (its buckets diffed by all ``workers``), then its changed buckets' encodings take its buckets' place.
+    ``progress(bytes_posted, total)`` after every bucket; every tensor of a lazy source is pulled."""
+    me, plan = group.rank, session.pairs
+    stream: list[_Post] = []
+    digests = _bytes.Digests(session.header.verify, group)
+    sent = Sent(delta=any(pair[0] == me for pair in session.deltas))
+    pairs = pairs_of(session, me, True, bases, device)
+    # pairs of one cut share a base: a delta brings it up to date once (described before any full pair's
+    # bytes are packed, so it diffs the old bytes), and else the first full pair of the cut writes it
+    described: dict[str, tuple[_delta_sync.Description, list[torch.Tensor]]] = {}
+    written = {p.key for p in pairs if p.delta}
+    for pair in pairs:
+        dst, cut, base = pair.peer, pair.cut, pair.base
+        sent.total += cut.total_bytes
+        sent.buckets += len(cut.bounds)
+        if pair.delta:
+            assert base is not None
+            if pair.key not in described:
+                described[pair.key] = _describe_delta(
+                    group, session, cut, slots, base, workers, buffers, sent
+                )
+            desc, payloads = described[pair.key]
+            _delta_sync.announce(group, desc, dst, sync.deadline)
+            if plan.feeder(me, dst) == me:  # else a receiver forwards the payloads to it
+                stream += [_Post(j, dst, p.numel(), partial(_same, p)) for j, p in enumerate(payloads)]
+            continue
+        if plan.feeder(me, dst) != me:  # its bytes are forwarded by a receiver
+            continue
+        keep = base if pair.key not in written else None
+        written.add(pair.key)
+        reads = slots.reads(cut)
+        fill = Packed(reads, workers[0], digests, base=keep, to=dst)
+        stream += [
+            _Post(k, dst, end - start, partial(fill, k), partial(reads.release, k))
+            for k, (start, end) in enumerate(cut.bounds)
+        ]
+    turns = session.turns()  # a source's pairs are each the first of its cut: walk_of's order, hop 0
+    stream.sort(key=lambda e: (e.round, turns[(me, e.receiver)]))
+    wire = Plan.of_sizes([e.nbytes for e in stream])
+
+    def posted(k: int) -> None:
+        done = stream[k].posted
+        if done is not None:
+            done()
+        if progress is not None:
+            progress(wire.bounds[k][1], wire.total_bytes)
+
+    to = tuple(e.receiver for e in stream)
+    post_stream(tx, wire, device, replace(sync, to=to), lambda k, buf: stream[k].fill(buf), posted)
+    sent.wire_bytes += wire.total_bytes
+    digests.send((p.peer, plan.head(me, p.peer)) for p in pairs if not p.delta)
     slots.finish()
-    mine = {pair: cut for pair, cut in session.pairs.pairs.items() if pair[0] == me}
-    sent.total = sum(cut.total_bytes for cut in mine.values())
-    sent.buckets = sum(len(cut.bounds) for cut in mine.values())
-    sent.delta = any(pair[0] == me for pair in session.deltas)
-    sent.by_receiver = {dst: cut.total_bytes for (_, dst), cut in sorted(mine.items())}
+    sent.by_receiver = {p.peer: p.cut.total_bytes for p in sorted(pairs, key=lambda p: p.peer)}
     return sent

@@ -4,14 +4,14 @@ sync's protocol until it is read to the end, so dropping or closing it unread te
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Generator, Iterator
 
 import torch
 
 from ..stateless import StatelessGroup
 from ._session import Session
 
-__all__ = ["WeightUpdate", "abandon_update"]
+__all__ = ["WeightUpdate"]
 
 
 class WeightUpdate:
@@ -34,24 +34,20 @@ class WeightUpdate:
     """
 
     def __init__(
-        self,
-        session: Session,
-        pairs: Iterator[tuple[str, torch.Tensor]],
+        self, session: Session, pairs: Generator[tuple[str, torch.Tensor], None, None], group: StatelessGroup,
         kept: bool = False,
-        *,
-        abandon: Callable[[str], None] | None = None,
-    ) -> None:
+    ) -> None:  # fmt: skip
         self.version = session.header.version
         self.manifest = session.manifest
         self.delta = session.delta
         """This update travels as a delta against the version held."""
         self.kept = session.header.keeps_base or kept
         """The yielded tensors are views of the receiver's kept copy: valid until the next sync."""
-        self._pairs: Iterator[tuple[str, torch.Tensor]] | None = pairs
+        self._pairs: Generator[tuple[str, torch.Tensor], None, None] | None = pairs
         self._taken: Generator[tuple[str, torch.Tensor], None, None] | None = None
         reason = f"the update of version {self.version} was dropped before it was read"
         # a handle dropped unread (or closed) still owns its step of the protocol: the sources wait for it
-        self._finalizer = weakref.finalize(self, abandon or (lambda reason: None), reason)
+        self._finalizer = weakref.finalize(self, _abandon, group, reason)
         self._finalizer.atexit = False
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -59,8 +55,7 @@ class WeightUpdate:
             raise RuntimeError("a WeightUpdate can be iterated once")
         pairs, self._pairs = self._pairs, None
         self._finalizer.detach()  # from now on the iterator tells the peers if it is stopped early
-        if isinstance(pairs, Generator):
-            self._taken = pairs
+        self._taken = pairs
         return pairs
 
     def close(self) -> None:
@@ -79,7 +74,7 @@ class WeightUpdate:
         self.close()
 
 
-def abandon_update(group: StatelessGroup, reason: str) -> None:
+def _abandon(group: StatelessGroup, reason: str) -> None:
     """An update dropped or closed unread: abort its sync for every member (no-op once the group closed)."""
     if not group.closed:
         group.abort(f"rank {group.rank}: {reason}")

@@ -8,7 +8,7 @@ then one receive (:mod:`._receive`) of what lands: one source's fan-out stream o
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from functools import partial
 from typing import Any
@@ -30,7 +30,7 @@ from ._rx_whole import fanout_into, fanout_named
 from ._session import Session, Verdict, laid_out_in_place, make_renamer, open_session
 from ._sharded_delta import FANOUT, kept_key
 from ._sharded_rx import boxes_into, boxes_named, data_ptr, wants_of
-from ._update import WeightUpdate, abandon_update
+from ._update import WeightUpdate
 from .manifest import Manifest, expected_specs, tensors_of
 from .plan import Plans
 from .shard import Box
@@ -212,17 +212,15 @@ class WeightReceiver(Closing):
         finally:  # a refused sync still taught what the loader reads now
             if learning is not None:
                 self._reads = learning.learned
-        abandon = partial(abandon_update, self.group)
         every = not (session.delta and only_changed)
         taker = self._taker(ready)
         intake: Intake
-        if session.plan is not None:
+        if session.plan is None:
+            intake = fanout_named(taker, session, deadline, every, keep)
+        else:
             only = set(posted[1]) if posted and learning is not None and learning.used else None
             intake = boxes_named(taker, session, deadline, keep, only, every)
-        else:
-            intake = fanout_named(taker, session, deadline, every, keep)
-        pairs = named(taker, session, intake, deadline)
-        return WeightUpdate(session, _scoped(self.group, pairs), kept=keep, abandon=abandon)
+        return WeightUpdate(session, named(taker, session, intake, deadline), self.group, kept=keep)
 
     def _taker(self, ready: Callable[[], None] | None = None) -> Taker:
         """What a receive borrows from this receiver. The receive rewrites the kept buffer or its target: the
@@ -258,30 +256,19 @@ class WeightReceiver(Closing):
         sync. With deltas, the target must not be changed between syncs: its unchanged tensors are taken to
         hold the version last received (a target that differs is caught by the digests and raises).
         """
-        with self.group.depending_on(range(self.group.world_size)):
-            return self._receive_into(target, atomic, allow_stale, timeout)
-
-    def _receive_into(self, target: Any, atomic: bool, allow_stale: bool, timeout: timedelta | None) -> int:
         deadline = self.group.deadline(timeout)
         self._copier.deadline = deadline
         targets = tensors_of(target, "receive_into()")
         expected = self.expected if self.expected is not None else expected_specs(targets)
         keep = ("atomic" if atomic else "streaming", tuple(data_ptr(t) for t in targets.values()))
-        session = self._handshake(
-            deadline,
-            expected=expected,
-            allow_stale=allow_stale,
-            keep=keep,
-            targets=None if atomic else targets,
-            wants=wants_of(targets, self._renames),
-        )
-        taker = self._taker()
-        intake: Intake
-        if session.plan is not None:
-            intake = boxes_into(taker, session, targets, atomic, deadline)
-        else:
-            intake = fanout_into(taker, session, targets, atomic, deadline, keep)
-        return into(taker, session, intake, deadline)
+        with self.group.depending_on(range(self.group.world_size)):
+            session = self._handshake(deadline, expected=expected, allow_stale=allow_stale, keep=keep,
+                                      targets=None if atomic else targets,
+                                      wants=wants_of(targets, self._renames))  # fmt: skip
+            taker = self._taker()
+            intake = (fanout_into(taker, session, targets, atomic, deadline, keep) if session.plan is None
+                      else boxes_into(taker, session, targets, atomic, deadline))  # fmt: skip
+            return into(taker, session, intake, deadline)
 
 
 def _dest(
@@ -293,11 +280,3 @@ def _dest(
         d = targets.get(rename(e.name))
         dest.append(d if d is not None and d.dtype == dtype_from_name(e.wire_dtype) else None)
     return dest
-
-
-def _scoped(
-    group: StatelessGroup, pairs: Iterator[tuple[str, torch.Tensor]]
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """An update's pairs, read with every wait depending on every member (see ``depending_on``)."""
-    with group.depending_on(range(group.world_size)):
-        yield from pairs
