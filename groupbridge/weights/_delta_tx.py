@@ -14,6 +14,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
+from typing import Any
 
 import torch
 
@@ -21,13 +22,13 @@ from ..stateless import StatelessGroup
 from . import _bytes, _delta, _delta_sync
 from ._copier import Copier, Job
 from ._delta_sync import Policy, delta_groups, wire_plan, word_counts
-from ._session import Session, Stream
+from ._session import Session
 from ._sharded_delta import FANOUT, Bases
 from ._source import Puller, SourceReads
 from ._tx_stream import Progress, Sent, post_stream
 from .manifest import Manifest
 from .plan import Plan
-from .transports import TxTransport
+from .transports import Sync, TxTransport
 
 __all__ = ["DeltaSender"]
 
@@ -41,23 +42,14 @@ class DeltaSender:
     (:class:`~._sharded_delta.Bases`, under :data:`~._sharded_delta.FANOUT`) beside its pairs' bases."""
 
     def __init__(
-        self, group: StatelessGroup, copier: Copier, scratch: _bytes.BufferCache, always: bool, bases: Bases
-    ) -> None:
-        self.group = group
-        self.copier = copier
-        self.scratch = scratch
-        self.bases = bases
-        self.policy = Policy(always=always)
-        self._base: torch.Tensor | None = None
-        """The base this sync writes the new version into (see :meth:`prepare`)."""
+        self, group: StatelessGroup, copier: Copier, scratch: _bytes.BufferCache, always: bool, bases: Bases,
+        policy: Policy | None = None,
+    ) -> None:  # fmt: skip
+        self.group, self.copier, self.scratch, self.bases = group, copier, scratch, bases
+        self.policy = policy if policy is not None else Policy()
+        """An earlier sender's measurements of the link when its memory kept them (``always``: this one's)."""
+        self.policy.always = always
         self._second: Copier | None = None
-
-    def resume(self, policy: Policy | None) -> None:
-        """Start from an earlier sender of this rank's measurements of the link (this sender's ``always``
-        setting wins); its bases are in the store already."""
-        if policy is not None:
-            policy.always = self.policy.always
-            self.policy = policy
 
     def offer(self, manifest: Manifest) -> int | None:
         """The base version this sync's header offers a delta against, if the policy wants one."""
@@ -70,12 +62,10 @@ class DeltaSender:
         until the sync is acknowledged everywhere (:func:`._tx_stream.source_sync`; a sync that fails midway
         leaves receivers on different versions: the next one is then a full sync)."""
         sample = self.bases.held(FANOUT, session.manifest.digest) is not None and not session.delta
-        self._base = None
         if not (session.delta or self.policy.keep_base()):
             self.bases.invalidate(FANOUT)
             return None, False
-        self._base, _ = self.bases.begin(FANOUT, session.manifest.digest, plan.total_bytes, device)
-        return self._base, sample
+        return self.bases.begin(FANOUT, session.manifest.digest, plan.total_bytes, device)[0], sample
 
     def sample(self, puller: Puller, plan: Plan, old: torch.Tensor, k: int) -> None:
         """Pack bucket ``k`` into scratch and bring ``old`` (its base) up to it, diffing a slice on the
@@ -100,17 +90,11 @@ class DeltaSender:
         return [self.copier, self._second]
 
     def send(
-        self,
-        tx: TxTransport,
-        stream: Stream,
-        puller: Puller,
-        verify: str,
+        self, tx: TxTransport, plan: Plan, sync: Sync[Any], base: torch.Tensor, puller: Puller, verify: str,
         progress: Progress | None,
-    ) -> Sent:
-        """Diff every bucket against the base (bringing it up to the new version), describe each group of
+    ) -> Sent:  # fmt: skip
+        """Diff every bucket against ``base`` (bringing it up to the new version), describe each group of
         buckets, then send the changed buckets' payloads."""
-        plan, base = stream.plan, self._base
-        assert base is not None
         manifest = puller.manifest
         sizes, words = word_counts(plan, manifest)
 
@@ -122,7 +106,7 @@ class DeltaSender:
         reads = replace(puller.reads(plan), release=released)
         result = Diffs(reads, base, sizes, self.workers(), self.scratch, verify, self.group)
         wire_bytes = changed = in_place = 0
-        sync, opened = stream.sync, False
+        opened = False
         for a, b in delta_groups(plan):
             done = [result(k) for k in range(a, b)]
             desc = _delta_sync.describe([d for d, _ in done])
@@ -141,14 +125,12 @@ class DeltaSender:
             opened = True
         if opened:
             tx.finish()
-        puller.pull_through(len(manifest.entries) - 1)
         return Sent(plan.total_bytes, len(plan.buckets), wire_bytes, in_place, changed, sum(words), True)
 
     def close(self) -> None:
         if self._second is not None:
             self._second.close()
             self._second = None
-        self._base = None
 
 
 def _payload(payloads: list[torch.Tensor | None], j: int, buffer: Callable[[], torch.Tensor]) -> torch.Tensor:

@@ -10,7 +10,7 @@ The session is what every member of a sync agrees on, whatever moves the bytes:
    against what it holds, attaches to the transport, and says whether its tensors lie in the plan's byte
    layout and whether it holds the delta's base. One problem anywhere and every member raises the same
    error (a :class:`SyncRefusedError` subclass) before any tensor byte moves; the group stays usable.
-3. **Streams** (see :class:`Stream`): the bytes of each source travel by their own plan and transport.
+3. **Streams**: the bytes of each source travel by their stream's cut and transport (see :class:`Session`).
 4. **Vote** (one all-gather, :func:`vote`): every member says whether its part succeeded (the bytes sent;
    the bytes landed and matched their digests). Nothing is applied and no receiver's version moves before
    it: one problem anywhere and every member raises :class:`SyncRefusedError` (an atomic receiver's target
@@ -50,7 +50,7 @@ from ._sharded import conditional, holding, pair_deltas, plan_pairs
 from ._sharded_delta import Bases
 from .manifest import Manifest
 from .plan import Plan, Plans
-from .transports import TRANSPORTS, Sync
+from .transports import TRANSPORTS
 
 __all__ = [
     "ACK_TAG",
@@ -60,7 +60,6 @@ __all__ = [
     "Header",
     "Renamer",
     "Session",
-    "Stream",
     "Verdict",
     "committed",
     "conclude",
@@ -113,18 +112,6 @@ def make_renamer(rename: Callable[[str], str] | Mapping[str, str] | None) -> Ren
     if callable(rename):
         return rename
     raise TypeError(f"rename= must be a callable or a mapping, got {type(rename).__name__}")
-
-
-@dataclass(frozen=True, slots=True)
-class Stream:
-    """One source's bytes of a sync: who sends them, by which plan, over which transport."""
-
-    src: int
-    plan: Plan
-    sync: Sync[Any]
-    """What the stream's transport is told (sync id, deadline, its options, the copy function)."""
-    device: torch.device
-    """Where the source's tensors are."""
 
 
 @dataclass(frozen=True, slots=True)

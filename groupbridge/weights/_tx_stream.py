@@ -27,7 +27,7 @@ from . import _bytes
 from ._copier import Copier
 from ._delta_sync import Policy, delta_digest
 from ._described import Pairs
-from ._session import Session, Stream, committed, merged_plan
+from ._session import Session, committed, merged_plan
 from ._sharded_delta import Bases
 from ._source import Puller, SourceReads
 from ._stats import SyncStats, finished
@@ -37,7 +37,7 @@ from .transports import Sync, TxTransport
 if TYPE_CHECKING:
     from ._delta_tx import DeltaSender
 
-__all__ = ["Packed", "Progress", "Sent", "post_stream", "send_full", "send_stream", "source_sync"]
+__all__ = ["Packed", "Progress", "Sent", "post_stream", "send_stream", "source_sync"]
 
 Progress = Callable[[int, int], None]
 """``progress(bytes_sent, total_bytes)``, called after every bucket."""
@@ -79,27 +79,6 @@ class Packed:
             self.copier.run(partial(reads.pack, k, view))
         self.digests.take(view, self.to)
         return view
-
-
-def send_full(
-    tx: TxTransport, stream: Stream, puller: Puller, copier: Copier, digests: _bytes.Digests, *,
-    base: torch.Tensor | None = None, sample: Callable[[torch.Tensor, int], None] | None = None,
-    progress: Progress | None = None,
-) -> int:  # fmt: skip
-    """Send every bucket of a fan-out ``stream.plan`` (see :class:`Packed`), digested into ``digests``;
-    returns how many were posted straight from the tensors' own storage."""
-    plan = stream.plan
-    reads = puller.reads(plan)
-    fill = Packed(reads, copier, digests, base=base, sample=sample)
-
-    def posted(k: int) -> None:
-        if progress is not None:
-            progress(plan.bucket_range(k)[1], plan.total_bytes)
-        reads.release(k)
-
-    post_stream(tx, plan, stream.device, stream.sync, fill, posted)
-    puller.pull_through(len(puller.entries) - 1)  # trailing aliases and empty tensors
-    return fill.in_place
 
 
 Fill = Callable[[int, Callable[[], torch.Tensor]], torch.Tensor]
@@ -191,21 +170,29 @@ def send_stream(
     group: StatelessGroup, session: Session, plan: Plan, items: Pairs, device: torch.device, tx: TxTransport,
     sync: Sync[Any], copier: Copier, progress: Progress | None, delta: DeltaSender | None,
 ) -> Sent:  # fmt: skip
-    """A source's fan-out stream of the agreed one-source session: full, or a delta against ``delta``'s
-    base (see :func:`source_sync` for what follows)."""
+    """A source's fan-out stream of the agreed one-source session: every bucket filled (:class:`Packed`) and
+    posted, or a delta against ``delta``'s base (see :func:`source_sync` for what follows)."""
     header, manifest, me = session.header, session.manifest, group.rank
     if session.merged:
         plan = merged_plan(manifest)
-    stream = Stream(me, plan, sync, device)
     puller = Puller(manifest, iter(items))
-    base, sampler = None, None
-    if delta is not None:
-        base, sample = delta.prepare(session, plan, device)
-        sampler = partial(delta.sample, puller, plan) if sample else None
+    base, sample = delta.prepare(session, plan, device) if delta is not None else (None, False)
+    digests = _bytes.Digests("" if session.delta else header.verify, group)
     if session.delta:
-        assert delta is not None
-        return delta.send(tx, stream, puller, delta_digest(header), progress)
-    digests = _bytes.Digests(header.verify, group)
-    in_place = send_full(tx, stream, puller, copier, digests, base=base, sample=sampler, progress=progress)
+        assert delta is not None and base is not None
+        sent = delta.send(tx, plan, sync, base, puller, delta_digest(header), progress)
+    else:
+        reads = puller.reads(plan)
+        sampler = partial(delta.sample, puller, plan) if delta is not None and sample else None
+        fill = Packed(reads, copier, digests, base=base, sample=sampler)
+
+        def posted(k: int) -> None:
+            if progress is not None:
+                progress(plan.bucket_range(k)[1], plan.total_bytes)
+            reads.release(k)
+
+        post_stream(tx, plan, device, sync, fill, posted)
+        sent = Sent(plan.total_bytes, len(plan.buckets), plan.total_bytes, fill.in_place)
+    puller.pull_through(len(puller.entries) - 1)  # trailing aliases and empty tensors
     digests.send((r, None) for r in range(group.world_size) if r != me)
-    return Sent(plan.total_bytes, len(plan.buckets), plan.total_bytes, in_place)
+    return sent

@@ -11,7 +11,6 @@ from functools import partial
 import torch
 
 from .._closing import Closing
-from ..control import Deadline
 from ..errors import (
     GroupBridgeError,
     PeerTimeoutError,
@@ -22,11 +21,10 @@ from ..errors import (
 from ..stateless import StatelessGroup
 from . import _bytes
 from ._copier import Copier
-from ._delta_sync import Policy
 from ._delta_tx import DeltaSender
-from ._described import Boxes, Described, NamedTensors, Pairs, Specs, in_place, named_tensors_of, peek_device
+from ._described import Described, NamedTensors, Specs, in_place, named_tensors_of, peek_device
 from ._memory import DeltaMemory
-from ._session import Header, Session, make_renamer, open_session, refuse
+from ._session import Header, make_renamer, open_session, refuse
 from ._sharded import boxes_of
 from ._sharded_delta import Bases
 from ._sharded_tx import SourceSlots, pair_streams
@@ -131,17 +129,15 @@ class WeightSender(Closing):
         self._known: dict[str, Manifest] = {}
         self._described = Described(group, make_renamer(rename), wire_dtype)
         self._plans = Plans()
+        self._memory = memory if delta else None
         self._bases = (memory.bases if memory is not None else Bases()) if delta else None
         """With ``delta``: the bytes this member last sent, one base per stream's cut (fan-out or pair)."""
         self._delta = (
-            DeltaSender(group, self._copier, self._scratch, delta == "always", self._bases)
+            DeltaSender(group, self._copier, self._scratch, delta == "always", self._bases,
+                        memory.policy if memory is not None else None)
             if self._bases is not None
             else None
-        )
-        """Present when asked for deltas: the policy, the fan-out base and the diff."""
-        self._memory = memory if delta else None
-        if self._delta is not None and memory is not None:
-            self._delta.resume(memory.policy)
+        )  # fmt: skip
         self.forward = forward
         self._sending = threading.Lock()
         self._closed = False
@@ -235,15 +231,27 @@ class WeightSender(Closing):
                 in_place=in_place(items, manifest, self._delta is not None), bases=self._bases,
                 plans=self._plans,
             )  # fmt: skip
-            policy = self._delta.policy if self._delta is not None else None
-            if session.plan is not None:
-                return self._send_pairs(session, manifest, items, shards, kind, device, deadline, policy,
-                                        progress)  # fmt: skip
-            sync = Sync(header.sync_id, deadline, self.options[kind], self._copier.copy)
-            streams = partial(send_stream, self.group, session, plan, items, device, tx, sync, self._copier,
-                              progress, self._delta)  # fmt: skip
-            return source_sync(self.group, session, deadline, streams, transport=kind, bases=self._bases,
-                               policy=policy)  # fmt: skip
+            carrier = pair_transport(kind) if session.plan is not None else kind
+            if carrier != kind and self.transport != "auto":
+                self.group.log.info("transport=%r carries one source's stream; this sync's pairs go over %s",
+                                    self.transport, carrier)  # fmt: skip
+            options = self.options[kind] if carrier == kind else TRANSPORTS[carrier].options()
+            sync = Sync(header.sync_id, deadline, options, self._copier.copy)
+            tx = self._tx(carrier)
+            replicas: Callable[[], Mapping[str, str]] | None = None
+            cleanup: Callable[[], None] | None = None
+            if session.plan is not None:  # pair streams, over the transport that carries them
+                slots = SourceSlots(manifest, items, shards, session.pairs, self.src)
+                workers = self._delta.workers() if self._delta is not None else [self._copier]
+                streams = partial(pair_streams, self.group, session, slots, workers, self._scratch, tx, sync,
+                                  self._bases, stream_device(carrier, device), progress)  # fmt: skip
+                replicas, cleanup = partial(slots.replicas, deadline), slots.close
+            else:
+                streams = partial(send_stream, self.group, session, plan, items, device, tx, sync,
+                                  self._copier, progress, self._delta)  # fmt: skip
+            return source_sync(self.group, session, deadline, streams, transport=carrier, bases=self._bases,
+                               policy=self._delta.policy if self._delta is not None else None,
+                               replicas=replicas, cleanup=cleanup)  # fmt: skip
         except BaseException as e:
             if isinstance(e, SyncRefusedError):  # every member ended the sync alike: the group is fine
                 raise
@@ -255,26 +263,6 @@ class WeightSender(Closing):
                 raise err from e
             finally:  # no cycle through this frame: it would keep the sync's buffers until collected
                 del err
-
-    def _send_pairs(
-        self, session: Session, manifest: Manifest, items: Pairs, shards: Boxes, kind: str,
-        device: torch.device, deadline: Deadline, policy: Policy | None, progress: Progress | None,
-    ) -> SyncStats:  # fmt: skip
-        """A sync of pair streams: this source's pairs over the transport that carries them (see
-        ``pair_transport``: the chosen one when it can, else ``p2p``)."""
-        pairs = pair_transport(kind)
-        if pairs != kind and self.transport != "auto":
-            self.group.log.info("transport=%r carries one source's stream; this sync's pairs go over %s",
-                                self.transport, pairs)  # fmt: skip
-        options = self.options[kind] if pairs == kind else TRANSPORTS[pairs].options()
-        sync = Sync(session.headers[self.src].sync_id, deadline, options, self._copier.copy)
-        slots = SourceSlots(manifest, items, shards, session.pairs, self.src)
-        workers = self._delta.workers() if self._delta is not None else [self._copier]
-        streams = partial(pair_streams, self.group, session, slots, workers, self._scratch, self._tx(pairs),
-                          sync, self._bases, stream_device(pairs, device), progress)  # fmt: skip
-        return source_sync(self.group, session, deadline, streams, transport=pairs, bases=self._bases,
-                           policy=policy, replicas=partial(slots.replicas, deadline),
-                           cleanup=slots.close)  # fmt: skip
 
     def _tx(self, kind: str) -> TxTransport:
         tx = self._transports.get(kind)
