@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ._memory import DeltaMemory
+from ._sharded_delta import DeltaMemory
 from .flatten import flatten_
 from .manifest import Manifest
 from .plan import Plan

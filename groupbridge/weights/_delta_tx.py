@@ -108,8 +108,7 @@ class DeltaSender:
         wire_bytes = changed = in_place = 0
         opened = False
         for a, b in delta_groups(plan):
-            done = [result(k) for k in range(a, b)]
-            desc = _delta_sync.describe([d for d, _ in done])
+            desc, payloads, done = result.described(a, b)
             _delta_sync.announce(self.group, desc, None, sync.deadline)
             wplan, sources = wire_plan(desc, sizes[a:b], words[a:b])
             changed += sum(d.enc.count for d, _ in done)
@@ -120,8 +119,7 @@ class DeltaSender:
             if opened:
                 tx.finish()  # the previous group's bytes are out; the diff workers kept going meanwhile
                 sync = sync.next_part()
-            payloads = [done[i][0].payload(base[slice(*plan.bucket_range(a + i))]) for i in sources]
-            post_stream(tx, wplan, base.device, sync, partial(_payload, payloads), finish=False)
+            post_stream(tx, wplan, base.device, sync, partial(_nth, payloads), finish=False)
             opened = True
         if opened:
             tx.finish()
@@ -133,11 +131,8 @@ class DeltaSender:
             self._second = None
 
 
-def _payload(payloads: list[torch.Tensor | None], j: int, buffer: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """Wire bucket j of a delta's group: its payload, posted from where it lies."""
-    payload = payloads[j]
-    assert payload is not None, "a changed bucket has a payload"
-    return payload
+def _nth(payloads: list[torch.Tensor], j: int, buffer: Callable[[], torch.Tensor]) -> torch.Tensor:
+    return payloads[j]  # a delta's payload is posted from where it lies (the transport copies it if it must)
 
 
 class Diffs:
@@ -185,3 +180,12 @@ class Diffs:
         r = self.results[k]
         assert r is not None
         return r
+
+    def described(self, a: int, b: int) -> tuple[_delta_sync.Description, list[torch.Tensor], list[Diffed]]:
+        """Buckets [a, b) diffed: what the receivers are told of them, the payloads that travel (one per
+        bucket that changed, in order: the wire plan's buckets) and each one's diff."""
+        done = [self(k) for k in range(a, b)]
+        payloads = [
+            d.payload(self.base[slice(*self.cut.bucket_range(a + i))]) for i, (d, _) in enumerate(done)
+        ]
+        return _delta_sync.describe([d for d, _ in done]), [t for t in payloads if t is not None], done

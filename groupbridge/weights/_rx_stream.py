@@ -16,8 +16,8 @@ from ..errors import GroupBridgeError, WeightSyncError
 from ..stateless import StatelessGroup
 from . import _bytes
 from ._copier import Copier
-from ._memory import DeltaMemory
 from ._session import ACK_TAG, Header, Session
+from ._sharded_delta import DeltaMemory
 from .plan import Plans
 from .transports import RxTransport, Sync, pair_transport, spec
 

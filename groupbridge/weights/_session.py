@@ -63,7 +63,6 @@ __all__ = [
     "Verdict",
     "committed",
     "conclude",
-    "gather_posts",
     "is_sharded",
     "laid_out_in_place",
     "make_renamer",
@@ -71,7 +70,6 @@ __all__ = [
     "open_session",
     "refuse",
     "remember",
-    "settle",
     "sources_of",
     "vote",
 ]
@@ -185,32 +183,6 @@ def remember(known: dict[str, Manifest], manifest: Manifest) -> None:
         known.pop(next(iter(known)))
 
 
-def gather_posts(
-    group: StatelessGroup,
-    deadline: Deadline,
-    known: dict[str, Manifest],
-    *,
-    header: Header | None = None,
-    boxes: dict[str, Any] | None = None,
-    wants: dict[str, Any] | None = None,
-    wants_if: str | None = None,
-) -> list[Any]:
-    """Step 1's one all-gather: a source posts its header (and, holding boxes of global tensors, which),
-    a receiver what it wants when that is not every tensor whole (``wants_if``: only if the sources still
-    hold what they held when it learned those boxes, see :func:`._sharded.sources_key`); everyone the
-    manifests it knows."""
-    mine: dict[str, Any] = {"known": list(known)}
-    if header is not None:
-        mine["header"] = header.to_wire()
-        if boxes:
-            mine["boxes"] = boxes
-    elif wants is not None:
-        mine["wants"] = wants
-        if wants_if is not None:
-            mine["wants_if"] = wants_if
-    return group.all_gather_obj(mine, timeout=deadline)
-
-
 def sources_of(group: StatelessGroup, posts: list[Any], expected: int | None) -> list[int]:
     """The members that send this sync; a refusal by one of them raises here, on every member."""
     sources = [r for r, p in enumerate(posts) if isinstance(p, dict) and ("header" in p or "error" in p)]
@@ -242,25 +214,30 @@ def knows(post: Any, digest: str) -> bool:
     return isinstance(post, dict) and isinstance(post.get("known"), list) and digest in post["known"]
 
 
-def settle(
+def open_session(
     group: StatelessGroup,
     deadline: Deadline,
     known: dict[str, Manifest],
-    posts: list[Any],
-    sources: list[int],
     *,
+    header: Header | None = None,
+    boxes: dict[str, Any] | None = None,
     manifest: Manifest | None = None,
     in_place: bool = False,
+    wants: dict[str, Any] | None = None,
+    wants_if: str | None = None,
+    seen: Callable[[str, bool], None] | None = None,
+    src: int | None = None,
     judge: Judge | None = None,
     bases: Bases | None = None,
     plans: Plans | None = None,
 ) -> Session:
-    """Steps 1 and 2 above, after :func:`gather_posts`: each source's manifest (broadcast from it when some
-    member does not know it), the plan (one fan-out stream, or pair streams when several sources send or
-    some member holds or wants boxes), every member's verdict. A source passes its ``manifest`` (and
-    whether its tensors lie in the merged plan's layout), a receiver its ``judge``; a member that keeps pair
-    bases (for deltas) says which it holds; ``known`` caches the manifests seen, by digest, and ``plans``
-    the last pair plan.
+    """Steps 1 and 2 above, the same on every member. A source posts its ``header`` (and, holding boxes of
+    global tensors, which), and passes its ``manifest`` and whether its tensors lie in the merged plan's
+    layout (``in_place``); a receiver posts what it ``wants`` when that is not every tensor whole (on the
+    condition ``wants_if``: see :func:`._sharded.conditional`) and passes the source it expects (``src``)
+    and its ``judge``. ``seen(key, used)`` is told, before any check, the sources' key and whether the
+    conditional wants hold for this sync. ``known`` caches the manifests seen (each one's source broadcasts
+    it when some member does not know it), ``plans`` the last pair plan, ``bases`` the pair bases held.
 
     Raises:
         ManifestMismatchError: some receiver expects other tensors (the message lists every receiver's), or
@@ -269,6 +246,20 @@ def settle(
         SyncRefusedError: some receiver refused the version.
     """
     me = group.rank
+    post: dict[str, Any] = {"known": list(known)}
+    if header is not None:
+        post["header"] = header.to_wire()
+        if boxes:
+            post["boxes"] = boxes
+    elif wants is not None:
+        post["wants"] = wants
+        if wants_if is not None:
+            post["wants_if"] = wants_if
+    posts = group.all_gather_obj(post, timeout=deadline)
+    sources = sources_of(group, posts, src)
+    posts, key = conditional(posts, sources, keyed=seen is not None)
+    if seen is not None and key is not None:  # a receiver learning its boxes: the key, before its check
+        seen(key, wants is not None and isinstance(posts[me], dict) and "wants" in posts[me])
     headers = {s: Header.from_wire(posts[s]["header"]) for s in sources}
     manifests: dict[int, Manifest] = {}
     for s in sources:
@@ -305,37 +296,6 @@ def settle(
         return replace(draft, deltas=pair_deltas(plan, headers, verdicts))
     receivers = [r for r in range(group.world_size) if r != sources[0]]
     return replace(draft, merged=merged, deltas=frozenset((sources[0], r) for r in receivers if delta))
-
-
-def open_session(
-    group: StatelessGroup,
-    deadline: Deadline,
-    known: dict[str, Manifest],
-    *,
-    header: Header | None = None,
-    boxes: dict[str, Any] | None = None,
-    manifest: Manifest | None = None,
-    in_place: bool = False,
-    wants: dict[str, Any] | None = None,
-    wants_if: str | None = None,
-    seen: Callable[[str, bool], None] | None = None,
-    src: int | None = None,
-    judge: Judge | None = None,
-    bases: Bases | None = None,
-    plans: Plans | None = None,
-) -> Session:
-    """The whole handshake, for a source (``header``, ``manifest``, ``boxes``, ``in_place``) or a receiver
-    (``wants`` and ``wants_if``, ``src``, ``judge``). ``seen(key, used)`` is told, before any check, the
-    sources' key (:func:`._sharded.sources_key`) and whether the conditional wants (``wants_if``) hold for
-    this sync."""
-    posts = gather_posts(group, deadline, known, header=header, boxes=boxes, wants=wants, wants_if=wants_if)
-    sources = sources_of(group, posts, src)
-    posts, key = conditional(posts, sources, keyed=seen is not None)
-    if seen is not None and key is not None:  # a receiver learning its boxes: the key, before its check
-        mine = posts[group.rank]
-        seen(key, wants is not None and isinstance(mine, dict) and "wants" in mine)
-    return settle(group, deadline, known, posts, sources, manifest=manifest, in_place=in_place, judge=judge,
-                  bases=bases, plans=plans)  # fmt: skip
 
 
 def conclude(header: Header, source: int, verdicts: list[Verdict]) -> tuple[bool, bool]:

@@ -1,20 +1,17 @@
-"""Deltas with many sources: each (source, receiver) pair keeps the bytes it last exchanged and sends only
-what changed since.
+"""Every member's delta bases: one store (:class:`Bases`) of the bytes each stream last carried, by its cut
+and the version they hold, and what of it outlives one bridge (:class:`DeltaMemory`).
 
-A pair's base is its buckets back to back, as the plan cuts them (:func:`pair_key` names that cut). A source
-that keeps bases (``WeightSender(delta=True)``) and its receiver each say, in their verdicts, which version
-they hold for the pair; the pair travels as a delta when both hold the same one, and whole otherwise (a new
-or lagging receiver makes its own pairs whole, nobody else's). A delta pair's source diffs every bucket
-against its base (:mod:`._delta`), sends a :class:`~._delta_sync.Description` of the pair on the control
-plane and the changed buckets' encodings point to point; the receiver checks each payload's digest, applies
-it to its base, checks the result against the source's digest of the new bucket, and unpacks it. A base
-becomes the new version only once the sync committed (the source: every receiver acknowledged; a receiver:
-the vote passed); any failure leaves it invalid, so the next sync of that pair is whole.
+A pair's base is its buckets back to back, as the plan cuts them (:func:`pair_key` names that cut); a
+fan-out stream's is the plan-layout bytes of the manifest (:data:`FANOUT`). A stream travels as a delta only
+when both ends hold the same version of the same cut (a new or lagging receiver makes its own pairs whole,
+nobody else's), and a base holds the new version only once the sync committed: any failure leaves it
+invalid, so the next sync of that stream is whole.
 """
 
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -24,7 +21,7 @@ from . import _bytes
 from ._shard_plan import Piece
 from .plan import Plan
 
-__all__ = ["FANOUT", "Bases", "bucket_word", "kept_key", "pair_key"]
+__all__ = ["FANOUT", "Bases", "DeltaMemory", "bucket_word", "kept_key", "pair_key"]
 
 
 def pair_key(cut: Plan[Piece]) -> str:
@@ -135,3 +132,26 @@ class Bases:
     @property
     def nbytes(self) -> int:
         return sum(b[1].numel() for b in self._bases.values())
+
+
+@dataclass(eq=False, slots=True)
+class DeltaMemory:
+    """One member's delta state, owned by the caller and handed to the sender or receiver of each new bridge
+    of that member (use one per member and role): a framework that makes a bridge per update (verl's
+    checkpoint-engine manager does) would otherwise never send a delta. Nothing in it is trusted more than
+    within one bridge: a base is used only when the other side holds the same version of the same cut, and
+    every delta is checked against the source's digest of the new bytes."""
+
+    bases: Bases = field(default_factory=Bases)
+    """Every stream's base, one per cut, with the version it holds."""
+    buffers: _bytes.BufferCache = field(default_factory=_bytes.BufferCache)
+    """A receiver's buffers (its kept copy among them) when it is given no ``buffers=`` of its own."""
+    policy: Any = None
+    """A sender's delta policy (:class:`._delta_sync.Policy`): what it measured of the link, kept whether
+    or not a base is (a framework's bridge per update would otherwise never get past its warm-up)."""
+
+    def clear(self) -> None:
+        """Forget every base: the next sync of each stream is a full one."""
+        self.bases.clear()
+        self.buffers.clear()
+        self.policy = None

@@ -56,14 +56,13 @@ def _describe_delta(
     plan = session.pairs
     words = [bucket_word(pieces, plan.dtypes) for pieces in cut.buckets]
     diffs = Diffs(slots.reads(cut), base, words, workers, buffers, delta_digest(session.header), group)
-    done = [diffs(k)[0] for k in range(len(cut.bounds))]
-    sent.changed_words += sum(d.enc.count for d in done)
-    sent.compared_words += sum(d.enc.words for d in done)
-    payloads = [d.payload(base[slice(*cut.bucket_range(k))]) for k, d in enumerate(done)]
-    return _delta_sync.describe(done), [t for t in payloads if t is not None]
+    desc, payloads, done = diffs.described(0, len(cut.bounds))
+    sent.changed_words += sum(d.enc.count for d, _ in done)
+    sent.compared_words += sum(d.enc.words for d, _ in done)
+    return desc, payloads
 
 
-def _same(t: torch.Tensor, buffer: Callable[[], torch.Tensor]) -> torch.Tensor:
+def _lying(t: torch.Tensor, buffer: Callable[[], torch.Tensor]) -> torch.Tensor:
     return t  # a delta's payload is posted from where it lies (the transport copies it if it must)
 
 
@@ -192,7 +191,7 @@ def pair_streams(
             desc, payloads = described[pair.key]
             _delta_sync.announce(group, desc, dst, sync.deadline)
             if plan.feeder(me, dst) == me:  # else a receiver forwards the payloads to it
-                stream += [_Post(j, dst, p.numel(), partial(_same, p)) for j, p in enumerate(payloads)]
+                stream += [_Post(j, dst, p.numel(), partial(_lying, p)) for j, p in enumerate(payloads)]
             continue
         if plan.feeder(me, dst) != me:  # its bytes are forwarded by a receiver
             continue

@@ -23,10 +23,9 @@ from . import _bytes
 from ._copier import Copier
 from ._delta_tx import DeltaSender
 from ._described import Described, NamedTensors, Specs, in_place, named_tensors_of, peek_device
-from ._memory import DeltaMemory
 from ._session import Header, make_renamer, open_session, refuse
 from ._sharded import boxes_of
-from ._sharded_delta import Bases
+from ._sharded_delta import Bases, DeltaMemory
 from ._sharded_tx import SourceSlots, pair_streams
 from ._stats import SyncStats
 from ._tx_stream import Progress, send_stream, source_sync
