@@ -1,25 +1,10 @@
 """Where a receive's bytes go, and when a tensor is whole: one family of appliers for every plan.
 
-A receiver's streams bring buckets (a fan-out stream's, cut from the manifest; pairs', cut by boxes: see
-:mod:`.plan`). Each bucket holds parts of tensors, each keyed by its tensor: a ``Segment`` (a byte range of a
-whole tensor, keyed by its manifest index) or a ``Piece`` (a box of a global tensor, keyed by its name on the
-wire). An applier says where each tensor lives on this receiver (its *slot*), unpacks each bucket's parts
-into their slots (nothing to copy where the bucket landed in them already) and counts them: once a tensor's
-last part landed, from whichever stream, it is whole, and the receive mode says what that means:
-
-- :class:`Scratch` (``receive()``): each tensor is made as its first part lands and handed on (and let go
-  here) once whole; with ``views`` (a fan-out stream landing in this receiver's own ring), a tensor one bucket
-  holds whole is handed on as a view of that bucket instead, valid until the next bucket.
-- :class:`Staged` (atomic ``receive_into``, ``receive(keep=True)``, and ``receive()`` of a source that keeps
-  a base): one kept buffer holds every tensor; ``receive()`` hands on views of it as tensors become whole;
-  an atomic receive copies it into the target at the commit (only what changed, for a delta applied to the
-  version that target held).
-- :class:`Streaming` (``receive_into(atomic=False)``): the target's own tensors (or boxes); what lands is
-  written at once, and :attr:`Applier.written` names it for a torn update's error.
-
-A fan-out stream's bucket lies in the slots as it is (:meth:`Applier.direct`) where they are laid out as its
-plan (the kept buffer always; a ``flatten_``-ed target): it lands there, and a delta is applied there
-(:meth:`Applier.held` / :meth:`Applier.write_back`; elsewhere through scratch).
+Each bucket a receiver's streams bring holds parts of tensors, each keyed by its tensor: a ``Segment`` of a
+fan-out stream (a byte range, keyed by manifest index) or a ``Piece`` of a pair (a box, keyed by wire name).
+An applier keeps each tensor's slot, unpacks a bucket's parts into their slots (nothing to copy where the
+bucket landed there) and counts them: a tensor is whole once its last part landed, from whichever stream,
+and the receive mode (:class:`Scratch`, :class:`Staged`, :class:`Streaming`) says what that means.
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -15,35 +16,17 @@ if TYPE_CHECKING:
     from ..stateless import StatelessGroup
 
 __all__ = [
-    "DIGEST_TAG",
-    "BufferCache",
-    "Digests",
-    "byte_view",
-    "digest",
-    "in_place_bucket",
-    "new_buffer",
-    "pack",
-    "typed_view",
-    "unpack",
-]
+    "BufferCache", "Digests", "digest", "in_place_bucket", "new_buffer", "pack", "typed_view", "unpack"
+]  # fmt: skip
 
 MAX_GAP_BYTES = 8
 """Largest hole between two consecutive tensors that an in-place receive may write over: alignment padding
 is smaller than the largest element size (8); a real tensor hiding in it is not expected."""
 
 
-def byte_view(t: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view of a contiguous tensor's bytes."""
-    return t.reshape(-1).view(torch.uint8)
-
-
 def typed_view(buf: torch.Tensor, offset: int, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
     """View ``buf[offset:]`` (uint8) as a tensor of ``dtype`` and ``shape`` without copying."""
-    numel = 1
-    for s in shape:
-        numel *= s
-    size = torch.empty((), dtype=dtype).element_size()
-    return buf[offset : offset + numel * size].view(dtype).view(tuple(shape))
+    return buf[offset : offset + math.prod(shape) * dtype.itemsize].view(dtype).view(tuple(shape))
 
 
 def new_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
@@ -54,12 +37,9 @@ def new_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
 def in_place_bucket(
     plan: Plan, k: int, tensors: Sequence[torch.Tensor | None], *, receiving: bool
 ) -> torch.Tensor | None:
-    """A uint8 view of bucket ``k`` inside the tensors' own storage, or None if they are not laid out so.
-
-    That is the case when every piece of the bucket lies in one storage at the offsets the plan gives (as
-    after :func:`groupbridge.flatten_`). A receiving side also requires the holes between pieces to be
-    alignment padding only, since it will write over them.
-    """
+    """A uint8 view of bucket ``k`` inside the tensors' own storage (every piece in one storage at the plan's
+    offsets, as after :func:`groupbridge.flatten_`), or None. A receiving side, which writes over the holes
+    between pieces, also requires them to be alignment padding only."""
     segments = plan.buckets[k]
     if not segments:
         return None
@@ -104,8 +84,7 @@ def pack_parts(view: torch.Tensor, parts: Iterable[Part]) -> None:
     """Copy a bucket's pieces into ``view`` (uint8); the alignment holes between them are zeroed, so a
     bucket's bytes (and digest, and delta) depend on the tensors alone, not on what the buffer held before.
     A piece whose tensor has another dtype than it travels as is cast as it is copied: casting into this warm
-    buffer costs a quarter of casting into a fresh tensor first (its page faults). The one pack of every
-    stream: a fan-out stream's segments (:func:`pack`) and a pair's boxes alike."""
+    buffer costs a quarter of casting into a fresh tensor first (its page faults)."""
     prev = 0
     with torch.no_grad():
         for offset, nbytes, src, dtype in parts:
@@ -172,18 +151,16 @@ class BufferCache:
     """Reusable, pre-touched buffers kept between syncs (a fresh buffer's first touch costs several fold)."""
 
     def __init__(self) -> None:
-        self._buffers: dict[tuple[str, int], torch.Tensor] = {}
+        self._buffers: dict[str, torch.Tensor] = {}
 
     def get(self, slot: str, nbytes: int, device: torch.device) -> torch.Tensor:
-        key = (slot, 0)
-        buf = self._buffers.get(key)
+        buf = self._buffers.get(slot)
         same_device = (
             buf is not None and buf.device.type == device.type and device.index in (None, buf.device.index)
         )
         if buf is None or buf.numel() < nbytes or not same_device:
-            self._buffers.pop(key, None)  # free the old one before allocating its successor
-            buf = new_buffer(nbytes, device)
-            self._buffers[key] = buf
+            self._buffers.pop(slot, None)  # free the old one before allocating its successor
+            buf = self._buffers[slot] = new_buffer(nbytes, device)
         return buf[:nbytes]
 
     def clear(self) -> None:

@@ -31,15 +31,7 @@ from ..errors import ProtocolError
 from .manifest import Manifest
 from .plan import Plan
 
-__all__ = [
-    "Code",
-    "Encoded",
-    "apply",
-    "encode",
-    "head_nbytes",
-    "payload_nbytes",
-    "word_size",
-]
+__all__ = ["Code", "Encoded", "apply", "encode", "payload_nbytes", "word_size"]
 
 
 class Code(enum.IntEnum):
@@ -51,6 +43,7 @@ class Code(enum.IntEnum):
 
 
 _WORD = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_NP_WORD: dict[int, type[np.generic]] = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 
 
 def word_size(plan: Plan, manifest: Manifest, k: int) -> int:
@@ -90,34 +83,25 @@ class Encoded:
 
 
 def encode(new: torch.Tensor, base: torch.Tensor, w: int, mask: torch.Tensor | None = None) -> Encoded:
-    """Encode ``new`` against ``base`` (uint8 views of one bucket) and bring ``base`` up to ``new``.
-
-    Afterwards ``base`` holds exactly the bytes of ``new``, whatever the encoding chosen. ``mask``: a reusable
-    bool buffer of at least the bucket's word count (a fresh one per bucket costs its page faults).
-    """
+    """Encode ``new`` against ``base`` (uint8 views of one bucket) and bring ``base`` up to ``new``'s bytes.
+    ``mask``: a reusable bool buffer of at least the bucket's word count (a fresh one costs page faults)."""
     words = new.numel() // w
     if new.device.type == "cpu":
         buf = mask.numpy() if mask is not None else None
-        return _encode_np(new.numpy().view(_np_word(w)), base.numpy().view(_np_word(w)), w, words, buf)
+        return _encode_np(new.numpy().view(_NP_WORD[w]), base.numpy().view(_NP_WORD[w]), w, words, buf)
     return _encode_torch(new.view(_WORD[w]), base.view(_WORD[w]), w, words)
-
-
-_NP_WORD: dict[int, type[np.generic]] = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
-
-
-def _np_word(w: int) -> type[np.generic]:
-    return _NP_WORD[w]
 
 
 def _choose(count: int, words: int, w: int) -> Code:
     if count == 0:
         return Code.SAME
-    sizes = {
-        Code.DENSE: payload_nbytes(Code.DENSE, count, words, w),
-        Code.GAPS: payload_nbytes(Code.GAPS, count, words, w),
-        Code.BITS: payload_nbytes(Code.BITS, count, words, w),
-    }
-    return min(sizes, key=lambda c: (sizes[c], c))
+    return min((Code.DENSE, Code.GAPS, Code.BITS), key=lambda c: (payload_nbytes(c, count, words, w), c))
+
+
+def _index_or_bits(count: int, words: int, w: int) -> Code:
+    """What GAPS falls back to when a gap overflows 16 bits: the smaller of INDEX and BITS."""
+    index = payload_nbytes(Code.INDEX, count, words, w) < payload_nbytes(Code.BITS, count, words, w)
+    return Code.INDEX if index else Code.BITS
 
 
 def _encode_np(new: np.ndarray, base: np.ndarray, w: int, words: int, mask_buf: np.ndarray | None) -> Encoded:
@@ -136,9 +120,7 @@ def _encode_np(new: np.ndarray, base: np.ndarray, w: int, words: int, mask_buf: 
                 [_padded_np(gaps.astype(np.uint16).view(np.uint8)), new[pos].view(np.uint8)]
             )
         else:
-            code = Code.INDEX if payload_nbytes(Code.INDEX, count, words, w) < payload_nbytes(
-                Code.BITS, count, words, w
-            ) else Code.BITS  # fmt: skip
+            code = _index_or_bits(count, words, w)
             if code is Code.INDEX:
                 payload = np.concatenate(
                     [_padded_np(pos.astype(np.int32).view(np.uint8)), new[pos].view(np.uint8)]
@@ -163,9 +145,7 @@ def _encode_torch(new: torch.Tensor, base: torch.Tensor, w: int, words: int) -> 
                 [_padded(_bytes_of(gaps.to(torch.int16))), _bytes_of(new[pos])]
             )  # wraps to uint16 bits
         else:
-            code = Code.INDEX if payload_nbytes(Code.INDEX, count, words, w) < payload_nbytes(
-                Code.BITS, count, words, w
-            ) else Code.BITS  # fmt: skip
+            code = _index_or_bits(count, words, w)
             if code is Code.INDEX:
                 payload = torch.cat([_padded(_bytes_of(pos.to(torch.int32))), _bytes_of(new[pos])])
     if code is Code.BITS:
@@ -210,12 +190,9 @@ def _unpackbits(bits: torch.Tensor, words: int) -> torch.Tensor:
 
 
 def apply(base: torch.Tensor, payload: torch.Tensor, code: Code, count: int, w: int) -> torch.Tensor:
-    """Apply one bucket's payload (as it came off the wire) to ``base`` (its uint8 view) in place.
-
-    Returns the changed word positions (int64, sorted), for finding which tensors changed. Every size and
-    position is checked before anything is written: a malformed payload raises :class:`ProtocolError` and
-    leaves ``base`` untouched.
-    """
+    """Apply one bucket's payload (as it came off the wire) to ``base`` (its uint8 view) in place; the changed
+    word positions (int64, sorted). Every size and position is checked before anything is written: a
+    malformed payload raises :class:`ProtocolError` and leaves ``base`` untouched."""
     words = base.numel() // w
     if not 0 <= count <= words:
         raise ProtocolError(f"delta bucket claims {count} changed words of {words}")
@@ -228,7 +205,7 @@ def apply(base: torch.Tensor, payload: torch.Tensor, code: Code, count: int, w: 
         base.copy_(payload)
         return torch.arange(words, dtype=torch.int64)
     if base.device.type == "cpu":
-        pos = _apply_np(base.numpy().view(_np_word(w)), payload.cpu().numpy(), code, count, words, w)
+        pos = _apply_np(base.numpy().view(_NP_WORD[w]), payload.cpu().numpy(), code, count, words, w)
         return torch.from_numpy(pos)
     return _apply_torch(base.view(_WORD[w]), payload.to(base.device), code, count, words, w)
 
@@ -236,21 +213,19 @@ def apply(base: torch.Tensor, payload: torch.Tensor, code: Code, count: int, w: 
 def _apply_np(
     base: np.ndarray, payload: np.ndarray, code: Code, count: int, words: int, w: int
 ) -> np.ndarray:
+    head = head_nbytes(code, count, words)
     if code is Code.BITS:
-        head = head_nbytes(code, count, words)
         mask = np.unpackbits(payload[:head], count=words, bitorder="little").view(bool)
         if int(np.count_nonzero(mask)) != count:
             raise ProtocolError("delta bucket bitmap does not hold the number of changes it claims")
         np.place(base, mask, payload[head:].view(base.dtype))
         return np.flatnonzero(mask)
     if code is Code.GAPS:
-        head = head_nbytes(code, count, words)
         gaps = payload[: 2 * count].view(np.uint16)
         pos = np.cumsum(gaps, dtype=np.int64) - 1
         if count and (int(pos[-1]) >= words or int(gaps.min()) == 0):
             raise ProtocolError("delta bucket positions are out of range or repeated")
     else:
-        head = head_nbytes(code, count, words)
         pos = payload[: 4 * count].view(np.int32).astype(np.int64)
         if count and (int(pos.min()) < 0 or int(pos.max()) >= words or not bool(np.all(np.diff(pos) > 0))):
             raise ProtocolError("delta bucket positions are out of range or not increasing")
@@ -261,22 +236,19 @@ def _apply_np(
 def _apply_torch(
     base: torch.Tensor, payload: torch.Tensor, code: Code, count: int, words: int, w: int
 ) -> torch.Tensor:
-    dtype = base.dtype
+    dtype, head = base.dtype, head_nbytes(code, count, words)
     if code is Code.BITS:
-        head = head_nbytes(code, count, words)
         mask = _unpackbits(payload[:head], words)
         if int(torch.count_nonzero(mask)) != count:
             raise ProtocolError("delta bucket bitmap does not hold the number of changes it claims")
         base[mask] = payload[head:].view(dtype)
         return mask.nonzero().view(-1)
     if code is Code.GAPS:
-        head = head_nbytes(code, count, words)
         gaps = payload[: 2 * count].view(torch.int16).to(torch.int64) & 0xFFFF
         pos = gaps.cumsum(0) - 1
         if count and (int(pos[-1]) >= words or int(gaps.min()) == 0):
             raise ProtocolError("delta bucket positions are out of range or repeated")
     else:
-        head = head_nbytes(code, count, words)
         pos = payload[: 4 * count].view(torch.int32).to(torch.int64)
         if count and (int(pos.min()) < 0 or int(pos.max()) >= words or not bool((pos.diff() > 0).all())):
             raise ProtocolError("delta bucket positions are out of range or not increasing")

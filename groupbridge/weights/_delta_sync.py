@@ -1,19 +1,17 @@
 """The delta-sync session shared by sender and receivers: what is announced, what travels, what is kept.
 
-A stream travels as a delta after the usual handshake (:func:`._session.settle`), when its source offered a
-base version and its receivers said they hold it (a fan-out stream: every receiver; a pair: its one):
+A stream travels as a delta when its source offered a base version and its receivers (a fan-out's every one,
+a pair's one) said in the handshake (:func:`._session.open_session`) that they hold it:
 
-1. The source diffs every bucket of the stream against its copy of the base (:mod:`._delta`), bringing that
-   copy up to the new version as it goes, and announces a :class:`Description` of them (:func:`announce`:
-   per bucket the encoding and the changed-word count, the digest of the bucket's new bytes, and the digest
-   of what will travel). A fan-out stream does so in groups (:func:`delta_groups`), its diff threads going
-   on with the next group while one travels; a pair, once for all its buckets.
-2. The payloads travel through the sync's transport as a plan of their own (:func:`wire_plan`): one wire
-   bucket per bucket that changed, each as long as its encoding says (receivers compute the lengths from the
-   counts, never from a size off the wire).
-3. Every receiver checks each payload's digest before acting on it, applies it to its own copy of the base
-   and checks the result against the sender's digest of the new bucket: a receiver that did not hold exactly
-   the base (or applied it wrongly) raises instead of holding a silently different model.
+1. The source diffs each bucket against its copy of the base (:mod:`._delta`), bringing that copy up to the
+   new version, and announces a :class:`Description` (:func:`announce`: per bucket the encoding, the
+   changed-word count, the digest of the new bytes and of what travels): a fan-out stream in groups
+   (:func:`delta_groups`), diffing the next group while one travels; a pair, once for all its buckets.
+2. The payloads travel as a plan of their own (:func:`wire_plan`): one wire bucket per changed bucket, as
+   long as its encoding says (receivers compute the lengths from the counts, never from a size off the wire).
+3. Every receiver checks each payload's digest, applies it to its copy of the base and checks the result
+   against the sender's digest: a receiver that did not hold exactly the base (or applied it wrongly) raises
+   instead of holding a silently different model.
 """
 
 from __future__ import annotations
@@ -35,24 +33,12 @@ from .plan import Plan
 if TYPE_CHECKING:
     from ..control import Deadline
     from ..stateless import StatelessGroup
-    from ._session import Header
+    from ._header import Header
 
 __all__ = [
-    "DELTA_TAG",
-    "Description",
-    "Diffed",
-    "Policy",
-    "announce",
-    "announced",
-    "apply",
-    "check",
-    "delta_digest",
-    "delta_groups",
-    "describe",
-    "diff",
-    "wire_plan",
-    "word_counts",
-]
+    "Description", "Diffed", "Policy", "announce", "announced", "delta_digest", "delta_groups", "describe",
+    "diff", "wire_plan", "word_counts",
+]  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,15 +64,12 @@ class Description:
         ProtocolError if malformed."""
         if not isinstance(d, dict):
             raise ProtocolError(f"delta description is a {type(d).__name__}, not a dict")
+        lists: list[Any] = [d.get(k) for k in ("codes", "counts", "digests", "wire")]
+        codes, counts, digests, wire = lists
+        if not all(isinstance(v, list) for v in lists):
+            raise ProtocolError("delta description lacks its lists of codes, counts, digests or wire digests")
         n = len(words)
-        fields = {}
-        for key in ("codes", "counts", "digests", "wire"):
-            v = d.get(key)
-            if not isinstance(v, list):
-                raise ProtocolError(f"delta description field {key!r} is missing")
-            fields[key] = v
-        codes, counts = fields["codes"], fields["counts"]
-        if len(codes) != n or len(counts) != n or len(fields["digests"]) != n:
+        if len(codes) != n or len(counts) != n or len(digests) != n:
             raise ProtocolError(f"delta description does not describe the plan's {n} buckets")
         valid = {int(c) for c in Code}
         for k in range(n):
@@ -94,13 +77,11 @@ class Description:
             if type(c) is not int or c not in valid or type(m) is not int or not 0 <= m <= words[k]:
                 raise ProtocolError(f"delta description of bucket {k} is malformed")
         parsed = tuple(Code(c) for c in codes)
-        sent = sum(1 for c in parsed if c is not Code.SAME)
-        if len(fields["wire"]) != sent:
+        if len(wire) != sum(1 for c in parsed if c is not Code.SAME):
             raise ProtocolError("delta description's payload digests do not match its buckets")
-        for digest in (*fields["digests"], *fields["wire"]):
-            if not isinstance(digest, (int, bytes)):
-                raise ProtocolError("delta description holds a malformed digest")
-        return cls(parsed, tuple(counts), tuple(fields["digests"]), tuple(fields["wire"]))
+        if not all(isinstance(digest, (int, bytes)) for digest in (*digests, *wire)):
+            raise ProtocolError("delta description holds a malformed digest")
+        return cls(parsed, tuple(counts), tuple(digests), tuple(wire))
 
 
 DELTA_TAG = "weights-delta"
@@ -167,52 +148,46 @@ def describe(diffs: list[Diffed]) -> Description:
     )
 
 
-def apply(
-    old: torch.Tensor, payload: torch.Tensor, desc: Description, i: int, j: int, word: int, kind: str,
-    group: Any, run: Callable[[Callable[[], torch.Tensor]], torch.Tensor], what: str,
-) -> tuple[torch.Tensor | None, str | None]:  # fmt: skip
-    """Apply wire bucket ``j`` (``payload``, bucket ``i`` of ``desc``) to ``old`` (this receiver's copy of
-    the base), checking the payload before and the result after against the sender's digests; the one
-    apply every delta stream's receiver runs, fan-out or pair. Returns the changed word positions, or why
-    the result must not be used (``what`` names the bucket in it). ``run`` runs the apply (a copy thread)."""
-    if _bytes.digest(payload, kind, group) != desc.wire_digests[j]:
-        return None, f"the delta of {what} arrived corrupted (its {kind} does not match)"
-    moved = run(partial(_delta.apply, old, payload, desc.codes[i], desc.counts[i], word))
-    problem = check(old, desc, i, kind, group, what)
-    return (moved, None) if problem is None else (None, problem)
-
-
 class Applied:
-    """A receiver's end of one delta stream's description (``desc``, of buckets ``first`` on of ``cut``):
-    the one apply of every delta stream, a fan-out's or a pair's. A bucket the delta leaves as it was is
-    checked where it lies (the version held, ``base(k)``) against the source's digest of the new one; a
-    changed one's payload is checked, applied there (``put(k, view)`` writes it back where the base is not
-    where it lies) and checked again. Either is then handed on (``land(k, view, keys)``: the tensors whose
-    bytes changed); a mismatch is returned instead (this receiver's vote: the rest is taken, not applied)."""
+    """A receiver's end of one delta stream's description (``desc``, of buckets ``first`` on of ``cut``; word
+    ``sizes`` by bucket), the one apply of every delta stream. A bucket the delta leaves as it was is checked
+    where it lies (the version held, ``base(k)``) against the source's digest of the new one; a changed one's
+    payload is checked, applied there by ``run`` (a copy thread; ``put(k, view)`` writes it back where the
+    base is not where it lies) and checked again. Either is then handed on (``land(k, view, keys)``: the
+    tensors whose bytes changed); a mismatch is returned instead (this receiver's vote: the rest is taken,
+    not applied)."""
 
     def __init__(
-        self, desc: Description, cut: Plan[Any], words: list[int], kind: str, group: Any,
+        self, desc: Description, cut: Plan[Any], sizes: list[int], kind: str, group: Any,
         run: Callable[[Callable[[], torch.Tensor]], torch.Tensor], what: Callable[[int], str], *,
         base: Callable[[int], torch.Tensor], land: Callable[[int, torch.Tensor, set[Any]], None],
         put: Callable[[int, torch.Tensor], None] | None = None, first: int = 0,
     ) -> None:  # fmt: skip
-        self.desc, self.cut, self.words, self.kind, self.group = desc, cut, words, kind, group
+        self.desc, self.cut, self.sizes, self.kind, self.group = desc, cut, sizes, kind, group
         self.run, self.what, self.base, self.land, self.put, self.first = run, what, base, land, put, first
+
+    def _check(self, view: torch.Tensor, k: int) -> str | None:
+        """Why ``view`` (bucket ``k`` after its delta, or unchanged by it) is not the sender's new version."""
+        if _bytes.digest(view, self.kind, self.group) == self.desc.digests[k - self.first]:
+            return None
+        return (
+            f"{self.what(k)} does not match the sender's new version after the delta: this receiver's copy "
+            "of the version it held differs from the sender's"
+        )
 
     def unchanged(self, k: int) -> str | None:
         view = self.base(k)
-        problem = check(view, self.desc, k - self.first, self.kind, self.group, self.what(k))
-        if problem is None:
+        if (problem := self._check(view, k)) is None:
             self.land(k, view, set())
         return problem
 
     def changed(self, k: int, j: int, payload: torch.Tensor) -> str | None:
-        view, w = self.base(k), self.words[k]
-        i = k - self.first
-        moved, problem = apply(
-            view, payload, self.desc, i, j, w, self.kind, self.group, self.run, self.what(k)
-        )
-        if moved is None:
+        """Apply wire bucket ``j`` (``payload``) to bucket ``k``."""
+        view, w, i = self.base(k), self.sizes[k], k - self.first
+        if _bytes.digest(payload, self.kind, self.group) != self.desc.wire_digests[j]:
+            return f"the delta of {self.what(k)} arrived corrupted (its {self.kind} does not match)"
+        moved = self.run(partial(_delta.apply, view, payload, self.desc.codes[i], self.desc.counts[i], w))
+        if (problem := self._check(view, k)) is not None:
             return problem
         if self.put is not None:
             self.put(k, view)
@@ -220,17 +195,6 @@ class Applied:
         hit = _delta.spans_hit(moved, [(p.bucket_offset, p.nbytes) for p in parts], w) if parts else []
         self.land(k, view, {p.key for p, h in zip(parts, hit, strict=True) if h})
         return None
-
-
-def check(old: torch.Tensor, desc: Description, i: int, kind: str, group: Any, what: str) -> str | None:
-    """Why ``old`` (bucket ``i`` after its delta, or unchanged by it) is not the sender's new version, or
-    None."""
-    if _bytes.digest(old, kind, group) == desc.digests[i]:
-        return None
-    return (
-        f"{what} does not match the sender's new version after the delta: this receiver's copy of the "
-        "version it held differs from the sender's"
-    )
 
 
 GROUPS = 8
@@ -265,38 +229,24 @@ def word_counts(plan: Plan, manifest: Manifest) -> tuple[list[int], list[int]]:
 
 def wire_plan(desc: Description, sizes: list[int], words: list[int]) -> tuple[Plan, list[int]]:
     """The plan the payloads travel by, and for each wire bucket the bucket of the model plan it updates."""
-    bounds: list[tuple[int, int]] = []
-    sources: list[int] = []
-    pos = 0
-    for k, (code, count) in enumerate(zip(desc.codes, desc.counts, strict=True)):
-        if code is Code.SAME:
-            continue
-        nbytes = _delta.payload_nbytes(code, count, words[k], sizes[k])
-        bounds.append((pos, pos + nbytes))
-        sources.append(k)
-        pos += nbytes
-    biggest = max((e - s for s, e in bounds), default=1024)
-    plan = Plan((), pos, max(biggest, 1024), tuple(bounds), tuple(() for _ in bounds))
-    return plan, sources
+    sources = [k for k, code in enumerate(desc.codes) if code is not Code.SAME]
+    nbytes = [_delta.payload_nbytes(desc.codes[k], desc.counts[k], words[k], sizes[k]) for k in sources]
+    return Plan.of_sizes(nbytes), sources
 
 
 class Policy:
     """Whether diffing pays on this link: the sender's choice, per sync, between a delta and a full sync.
 
     A delta costs a pass over the model on every member (compare, encode, apply, digest) plus the changed
-    bytes on the wire; a full sync costs the model's bytes on the wire. On a slow link the first is far
-    cheaper; over loopback or shared memory the wire can be faster than the diff itself. The policy predicts
-    both per model byte and takes the delta when it is clearly cheaper (under ``margin`` of a full sync):
+    bytes on the wire; a full sync, the model's bytes on the wire: over a slow link the delta is far cheaper,
+    over loopback or shared memory the wire can beat the diff itself. The policy predicts both per model byte
+    and takes the delta under ``margin`` of a full sync: a full sync costs what the last one measured; a
+    delta, the diff's measured speed (a slice of one bucket diffed during full syncs, a synthetic one before
+    the first) times a factor learnt from the deltas made, plus its encoded bytes at the full sync's speed.
 
-    - full: the measured time of the last full sync;
-    - delta: the diff's measured speed (a small slice of one bucket is diffed during full syncs, and a
-      synthetic one before the first) times a factor learnt from the delta syncs made (receivers' apply and
-      everything else a delta adds), plus the encoded bytes (as the slice or the last delta encoded) at the
-      full sync's speed.
-
-    The first sync of a sender is always a full one, and a cold one (buffers touched for the first time on
-    every member, transports set up): its time overstates the link's cost, so the policy decides from the
-    second full sync on. A fast link never pays for a probe; a slow one switches to deltas at its third.
+    The first sync is always a full one, and cold (buffers touched for the first time, transports set up):
+    its time overstates the link's cost, so the policy decides from the second full sync on. A fast link
+    never pays for a probe; a slow one switches to deltas at its third.
     """
 
     WARM_FULL_SYNCS = 2

@@ -1,11 +1,5 @@
-"""What a source holds to send deltas (``WeightSender(delta=True)``): the policy, the fan-out base, the diff.
-
-The sender owns a :class:`DeltaSender` only when asked for deltas. Per sync it says which base version the
-header offers (:meth:`DeltaSender.offer`), which buffer a full sync also packs into (:meth:`prepare`: the
-base, refreshed while full syncs win on only some syncs, see ``Policy.keep_base``) and sends a delta stream
-(:meth:`send`, see :mod:`._delta_sync` for what travels); its policy learns from what each sync cost once
-it committed (:func:`._tx_stream.source_sync`).
-"""
+"""What a source holds to send deltas (``WeightSender(delta=True)``): the policy, the fan-out base, the diff
+(:class:`Diffs`, of every delta stream); see :mod:`._delta_sync` for what travels."""
 
 from __future__ import annotations
 

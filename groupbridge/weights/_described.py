@@ -1,10 +1,5 @@
-"""What a source sends: its (name, tensor) pairs on the wire's names, their manifest, and the boxes of
-global tensors among them.
-
-A mapping or a module is read at once. An iterator stays lazy (a generator that gathers or converts each
-parameter never holds the model): its manifest and boxes come from ``specs=`` or from the previous send, and
-each value is checked against them as it is pulled; only a first send with neither collects it once.
-"""
+"""What a source sends: its (name, tensor) pairs on the wire's names, their manifest, and the boxes of global
+tensors among them (an iterator stays lazy: see ``WeightSender.send``)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ how) and each receiver's :class:`Verdict` (whether it takes it), both parsed fro
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from ..errors import ProtocolError
@@ -54,23 +54,7 @@ class Header:
     see ``plan_shards``'s ``forward``)."""
 
     def to_wire(self) -> dict[str, Any]:
-        return {
-            "version": self.version,
-            "digest": self.digest,
-            "bucket_bytes": self.bucket_bytes,
-            "solo_bytes": self.solo_bytes,
-            "transport": self.transport,
-            "verify": self.verify,
-            "total_bytes": self.total_bytes,
-            "sync_id": self.sync_id,
-            "transport_options": self.transport_options,
-            "offer": self.offer,
-            "keeps_base": self.keeps_base,
-            "base": self.base,
-            "bucket_cap": self.bucket_cap,
-            "pair_deltas": self.pair_deltas,
-            "forward": self.forward,
-        }
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
     @classmethod
     def from_wire(cls, d: Any) -> Header:
@@ -151,15 +135,10 @@ class Verdict:
             and isinstance(d.get("base"), bool)
             and d.get("kind") in cls.KINDS
             and (d.get("problem") is None or isinstance(d["problem"], str))
+            and isinstance(held := d.get("held", []), list)
+            and all(isinstance(h, list) and len(h) == 2 and all(type(x) is int for x in h) for h in held)
+            and ((holds := d.get("holds")) is None or (type(holds) is int and -(1 << 62) <= holds < 1 << 62))
         ):
-            raise ProtocolError(f"rank {rank}'s verdict on the sync is malformed")
-        held = d.get("held", [])
-        if not isinstance(held, list) or not all(
-            isinstance(h, list) and len(h) == 2 and all(type(x) is int for x in h) for h in held
-        ):
-            raise ProtocolError(f"rank {rank}'s verdict on the sync is malformed")
-        holds = d.get("holds")
-        if holds is not None and (type(holds) is not int or not -(1 << 62) <= holds < 1 << 62):
             raise ProtocolError(f"rank {rank}'s verdict on the sync is malformed")
         held_pairs = tuple((h[0], h[1]) for h in held)
         return cls(d["problem"], d["kind"], d["in_place"], d["base"], held_pairs, holds)

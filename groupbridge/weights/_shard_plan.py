@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..codec import dtype_from_name
 from ..errors import ManifestMismatchError
 from .plan import Plan
 from .shard import Box
@@ -115,8 +116,6 @@ class ShardPlan:
 
 
 def element_size(dtype: str) -> int:
-    from ..codec import dtype_from_name
-
     return dtype_from_name(dtype).itemsize
 
 
@@ -130,15 +129,14 @@ def plan_shards(
     """The plan (see the module's docstring); ManifestMismatchError lists every problem found.
 
     ``caps``: per source, the most bytes one of its buckets may hold (0 or absent: ``bucket_bytes``), what
-    its transport reserved before the plan was known. A pair's bytes are not its source's bytes: pieces are
-    aligned and a cell split among holders is several pieces, so only the plan can keep to a reservation.
+    its transport reserved before the plan was known (pieces are aligned and a cell split among holders is
+    several pieces, so only the plan can keep to a reservation).
 
     ``forward``: the sources whose pairs may be forwarded (their pairs cross hosts point to point). Where
-    more receivers want one such source's cut (the same pieces) than there are sources, sending it to each
-    would load the source's link with the cut once per receiver while receivers' links idle: the cut goes
-    to one of them instead, and each passes every bucket on to the next as it lands (a chain, started at a
-    receiver rotated by source so that every receiver forwards about as much as it takes), in buckets of
-    :data:`FORWARD_BYTES`."""
+    more receivers want one such source's cut than there are sources, sending it to each would load the
+    source's link once per receiver while receivers' links idle: the cut goes to one of them, and each passes
+    every bucket on to the next as it lands (a chain started at a receiver rotated by source, so every
+    receiver forwards about as much as it takes), in buckets of :data:`FORWARD_BYTES`."""
     problems: list[str] = []
     order: list[str] = []
     dtypes: dict[str, str] = {}
@@ -232,18 +230,15 @@ def _assign(
         return []
     boxes = [b for _, b in holders] + [b for _, b in wants]
     dims = len(wants[0][1].shape)
-    if dims == 0:  # a scalar: one cell
-        cells = [Box((), ())]
-    else:
-        edges = [sorted({e for b in boxes for e in (b.offset[d], b.end()[d])}) for d in range(dims)]
-        cells = [
-            Box(tuple(lo for lo, _ in c), tuple(hi - lo for lo, hi in c))
-            for c in itertools.product(*(list(itertools.pairwise(e)) for e in edges))
-        ]
+    edges = [sorted({e for b in boxes for e in (b.offset[d], b.end()[d])}) for d in range(dims)]
+    cells = [  # a scalar: one cell, Box((), ())
+        Box(tuple(lo for lo, _ in c), tuple(hi - lo for lo, hi in c))
+        for c in itertools.product(*(list(itertools.pairwise(e)) for e in edges))
+    ]
     out: list[tuple[int, int, Box]] = []
     missing: list[Box] = []
     for cell in cells:
-        if cell.numel == 0 and dims:
+        if cell.numel == 0:
             continue
         takers = [dst for dst, b in wants if b.contains(cell)]
         if not takers:
@@ -252,11 +247,9 @@ def _assign(
         if not have:
             missing.append(cell)
             continue
-        rows = cell.shape[0] if dims else 1
         if len(have) > 1:
             replicated.append((name, cell, tuple(have)))
-        parts = _split_rows(cell, min(len(have), rows)) if len(have) > 1 else [cell]
-        for part in parts:
+        for part in _split_rows(cell, len(have)):
             src = min(have, key=lambda s: (load[s], s))
             load[src] += part.numel * itemsize * len(takers)
             out.extend((src, dst, part) for dst in takers)

@@ -1,7 +1,5 @@
-"""The sender's side of a sync's source: tensors pulled as buckets need them, checked, released. One puller
-for every sync: a one-source stream keeps what it pulled by manifest index (:meth:`Puller.pull_through`),
-a many-source stream by box (``_sharded_tx.SourceSlots``, through :meth:`Puller.take`). What a stream reads
-each of its buckets from is one interface, :class:`SourceReads`, whatever its cut holds."""
+"""A source's tensors pulled as its streams' buckets need them, checked against the manifest, released after
+their last bucket (:class:`Puller`), and what a stream reads each bucket from (:class:`SourceReads`)."""
 
 from __future__ import annotations
 

@@ -1,14 +1,7 @@
-"""A source's side of a full stream: pull, pack and post every bucket of the plan, pipelined.
-
-For each bucket: the source's tensors it needs are pulled (a lazy source yields them one at a time), the
-bucket is taken straight from their storage when they lie in the plan's layout, else packed (on the copy
-thread) into the transport's buffer, or into the kept base when the source keeps one for deltas; then
-posted. The transport's ``buffer()`` blocks while the buffer is still in flight: that is the pipeline's
-back-pressure. Tensors are released as soon as their last bucket is posted.
-
-Whatever the source's streams (this fan-out, or its pairs: :mod:`._sharded_tx`), :func:`post_stream` is
-the loop that posts each one and :func:`source_sync` the end of the sync: the vote, every receiver's
-acknowledgement, then the delta bases kept, the policy taught and the stats.
+"""A source's side of its streams: the one fill of a full stream (:class:`Packed`), the one send loop of every
+stream (:func:`post_stream`), the fan-out stream (:func:`send_stream`; pairs: :mod:`._sharded_tx`), and the
+one end of every source's sync (:func:`source_sync`: the vote, the acknowledgements, then the delta bases
+kept, the policy taught and the stats).
 """
 
 from __future__ import annotations
@@ -44,13 +37,11 @@ Progress = Callable[[int, int], None]
 
 
 class Packed:
-    """A full stream's fill (see :func:`post_stream`), a fan-out's or a pair's: each bucket of ``reads.cut``
-    taken where it lies when the source is laid out as the cut, else packed (on the copy thread) into the
-    source's ``base`` when it keeps one for deltas (one copy, not two; a bucket taken where it lies is copied
-    there), else into the transport's buffer; then digested into ``digests`` (for receiver ``to``). With
-    ``sample``, one bucket of at least half the policy's sample is brought up to date in the base by
-    ``sample(view, k)`` instead (which times a diff on the way). ``in_place`` counts the buckets sent from
-    the source's own storage."""
+    """A full stream's fill, a fan-out's or a pair's: each bucket of ``reads.cut`` taken where it lies (the
+    source laid out as the cut), else packed on the copy thread into the source's delta ``base`` (one copy,
+    not two) or the transport's buffer; then digested (for receiver ``to``). With ``sample``, one bucket of
+    at least half the policy's sample is brought up to date in the base by ``sample(view, k)``, which times
+    a diff on the way. ``in_place`` counts the buckets sent from the source's own storage."""
 
     def __init__(
         self, reads: SourceReads, copier: Copier, digests: _bytes.Digests, *,
@@ -82,19 +73,16 @@ class Packed:
 
 
 Fill = Callable[[int, Callable[[], torch.Tensor]], torch.Tensor]
-"""``fill(k, buffer)``: bucket k's bytes, packed into ``buffer()`` (the transport's) or lying elsewhere."""
 
 
 def post_stream(
     tx: TxTransport, plan: Plan, device: torch.device, sync: Sync[Any], fill: Fill,
     posted: Callable[[int], None] | None = None, *, finish: bool = True,
 ) -> None:  # fmt: skip
-    """The one send loop of every stream, a fan-out, each group of a fan-out delta, or a source's pairs: open
-    the transport on ``plan`` (its buckets' sizes), then for each bucket ``fill(k, buffer)`` (which packs it
-    into ``buffer()``, the transport's, or returns bytes that lie elsewhere) and post it; ``posted(k)``
-    after each. The transport's ``buffer()`` blocks while that buffer is still in flight: the pipeline's
-    back-pressure. ``finish=False`` leaves the last bytes on the wire (the caller finishes before it opens
-    the transport again: a delta's next group is diffed meanwhile)."""
+    """The one send loop of every stream (a fan-out, each group of a fan-out delta, a source's pairs): open
+    the transport on ``plan``, then per bucket ``fill(k, buffer)`` (packing into ``buffer()``, the
+    transport's, or returning bytes that lie elsewhere), post it, call ``posted(k)``. ``finish=False`` leaves
+    the last bytes on the wire (a delta's next group is diffed meanwhile)."""
     tx.open(plan, device, sync)
     for k in range(len(plan.bounds)):
         start, end = plan.bucket_range(k)

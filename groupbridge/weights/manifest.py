@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -31,11 +32,6 @@ MAX_TOTAL_BYTES = 1 << 44
 """Bounds on a manifest read from the wire (16 TiB, a million tensors): anything larger is hostile."""
 
 
-@functools.lru_cache(maxsize=64)
-def _element_size(dtype: str) -> int:
-    return torch.empty((), dtype=dtype_from_name(dtype)).element_size()
-
-
 @dataclass(frozen=True, slots=True)
 class Entry:
     name: str
@@ -49,14 +45,11 @@ class Entry:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
     @property
     def element_size(self) -> int:
-        return _element_size(self.wire_dtype)
+        return dtype_from_name(self.wire_dtype).itemsize
 
     @property
     def nbytes(self) -> int:
@@ -75,12 +68,9 @@ class Entry:
             raise ProtocolError(f"manifest entry name {str(name)[:80]!r} is not a str of 1-{MAX_NAME} chars")
         if not isinstance(shape, (list, tuple)) or len(shape) > MAX_DIMS:
             raise ProtocolError(f"{name}: shape is not a list of at most {MAX_DIMS} sizes")
-        numel = 1
-        for size in shape:
-            if type(size) is not int or size < 0:
-                raise ProtocolError(f"{name}: shape {str(shape)[:80]} holds a size that is not an int >= 0")
-            numel *= size
-        if numel > MAX_NUMEL:
+        if not all(type(size) is int and size >= 0 for size in shape):
+            raise ProtocolError(f"{name}: shape {str(shape)[:80]} holds a size that is not an int >= 0")
+        if (numel := math.prod(shape)) > MAX_NUMEL:
             raise ProtocolError(f"{name}: {numel} elements is more than {MAX_NUMEL}")
         if not isinstance(dtype, str) or not isinstance(wire, str):
             raise ProtocolError(f"{name}: dtypes are not strings")

@@ -19,6 +19,7 @@ exactly this byte layout for any bucket size, and a side laid out so sends or re
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, cast
@@ -93,12 +94,9 @@ class Plan(Generic[C]):
     def of_sizes(sizes: Sequence[int], contents: Sequence[tuple[C, ...]] | None = None) -> Plan[C]:
         """Buckets of these sizes back to back (holding ``contents``, or nothing: a stream whose transport
         reads only the bounds), for a stream that is not one manifest's bytes."""
-        bounds, pos = [], 0
-        for n in sizes:
-            bounds.append((pos, pos + n))
-            pos += n
+        ends = list(itertools.accumulate(sizes, initial=0))
         held = tuple(contents) if contents is not None else tuple(() for _ in sizes)
-        return Plan((), pos, max(sizes, default=0), tuple(bounds), held)
+        return Plan((), ends[-1], max(sizes, default=0), tuple(itertools.pairwise(ends)), held)
 
     @staticmethod
     def build(manifest: Manifest, bucket_bytes: int, solo_bytes: int | None = None) -> Plan[Segment]:

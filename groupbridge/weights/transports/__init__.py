@@ -30,7 +30,6 @@ from .base import (
     TransportOptions,
     TransportSpec,
     TxTransport,
-    unknown,
 )
 from .broadcast import SPEC as BROADCAST
 from .broadcast import BroadcastOptions
@@ -81,7 +80,9 @@ def spec(kind: str) -> TransportSpec[Any]:
     """The transport a header names; TransportUnavailableError for one this version does not know."""
     found = TRANSPORTS.get(kind)
     if found is None:
-        raise unknown(kind)
+        raise TransportUnavailableError(
+            f"the sender announced transport {kind!r}, which this version does not know"
+        )
     return found
 
 

@@ -9,22 +9,27 @@ control keys a transport uses live under its :attr:`Sync.key`.
 from __future__ import annotations
 
 import enum
+from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import Field, dataclass, fields, replace
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 import torch
 
 from ...control import Deadline
-from ...errors import ProtocolError, TransportUnavailableError
-from ...stateless import StatelessGroup
+from ...errors import ProtocolError
+from ...stateless import StatelessGroup, Work
+from .._bytes import BufferCache
 from ..plan import Plan
 
 __all__ = [
+    "GroupRx",
+    "GroupTx",
     "Land",
     "Landed",
     "Landing",
     "NoResources",
+    "PlainOptions",
     "RxTransport",
     "Sync",
     "TransportOptions",
@@ -76,6 +81,23 @@ class TransportOptions(Protocol):
         """These options as they go in the sync's header (JSON-like, sealed with the group's token when it has
         one); the transport's spec ``parse``-s them back on each receiver, checked as hostile."""
         ...
+
+
+_Self = TypeVar("_Self")
+
+
+class PlainOptions:
+    """For options whose defaults need nothing of the group (``resolved`` is themselves) and that go on the
+    wire field by field."""
+
+    __slots__ = ()
+    __dataclass_fields__: ClassVar[dict[str, Field[Any]]]
+
+    def resolved(self: _Self, world_size: int, src: int) -> _Self:
+        return self
+
+    def to_wire(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 def _copy_here(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -198,6 +220,73 @@ class NoResources:
         return {}
 
 
+class GroupTx(NoResources, Generic[OptionsT]):
+    """A source's side over the group's own operations: its buffers, kept between syncs; its sends in flight,
+    each with its bucket and its view (kept alive until sent); the deadline ``open`` gave them."""
+
+    def __init__(self, group: StatelessGroup, options: OptionsT) -> None:
+        self.group = group
+        self.options = options
+        self._buffers = BufferCache()
+        self._pending: deque[tuple[int, Work, torch.Tensor]] = deque()
+        self._deadline: Deadline | None = None
+
+    def open(self, plan: Plan, device: torch.device, sync: Sync[Any]) -> None:
+        self._deadline = sync.deadline
+
+    def _sent(self, k: int, work: Work | None, view: torch.Tensor) -> None:
+        assert work is not None
+        self._pending.append((k, work, view))
+
+    def _drain(self, upto: int) -> None:
+        """Wait for every send of a bucket up to ``upto``."""
+        while self._pending and self._pending[0][0] <= upto:
+            self._pending.popleft()[1].wait(self._deadline)
+
+    def finish(self) -> None:
+        while self._pending:
+            self._pending.popleft()[1].wait(self._deadline)
+
+    def close(self) -> None:
+        self._pending.clear()
+        self._buffers.clear()
+
+
+class GroupRx:
+    """A receiver's side over the group's own operations: nothing to map (``attach`` notes the source),
+    nothing to release."""
+
+    def __init__(self, group: StatelessGroup) -> None:
+        self.group = group
+        self.src = 0
+        self.scratch_buffers = 2
+
+    def attach(self, offer: dict[str, Any], src: int) -> str | None:
+        self.src = src
+        return None
+
+    def _ahead(
+        self, n: int, ahead: int, recv: Callable[[int], tuple[torch.Tensor, bool, Work | None]],
+        deadline: Deadline, *, early: bool,
+    ) -> Iterator[tuple[int, torch.Tensor, bool]]:  # fmt: skip
+        """Buckets ``0..n-1`` as they arrive; ``recv(k)`` posts bucket k's receive (its view, whether in
+        place, its work) ``ahead`` buckets early: before bucket ``k - ahead`` is yielded if ``early``, after
+        it otherwise."""
+        posted = deque(recv(k) for k in range(min(ahead, n)))
+        for k in range(n):
+            view, in_place, work = posted.popleft()
+            assert work is not None
+            work.wait(deadline)
+            if early and k + ahead < n:
+                posted.append(recv(k + ahead))
+            yield k, view, in_place
+            if not early and k + ahead < n:
+                posted.append(recv(k + ahead))
+
+    def close(self) -> None:
+        pass
+
+
 @dataclass(frozen=True)
 class TransportSpec(Generic[OptionsT]):
     """One transport, as data: the sender, the handshake and the receiver read it and never name a
@@ -229,9 +318,3 @@ def wire_int(d: Any, key: str, what: str, lo: int = 0, hi: int = 1 << 62) -> int
     if type(v) is not int or not lo <= v <= hi:
         raise ProtocolError(f"{what} field {key!r} is missing or out of range")
     return v
-
-
-def unknown(kind: str) -> TransportUnavailableError:
-    return TransportUnavailableError(
-        f"the sender announced transport {kind!r}, which this version does not know"
-    )

@@ -15,7 +15,6 @@ cannot wait on each other in a cycle.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -26,13 +25,15 @@ from ...control import Deadline
 from ...errors import ProtocolError
 from ...stateless import StatelessGroup, Work
 from ..plan import Plan
-from .base import Land, Landing, NoResources, Sync, TransportSpec, wire_int
+from .base import GroupRx, GroupTx, Land, PlainOptions, Sync, TransportSpec, wire_int
 
 __all__ = ["SPEC", "P2POptions", "P2PRx", "P2PTx"]
 
+MAX_IN_FLIGHT = 16
+
 
 @dataclass(frozen=True, slots=True)
-class P2POptions:
+class P2POptions(PlainOptions):
     """Options of transport ``p2p``."""
 
     transport: ClassVar[tuple[str, ...]] = ("p2p",)
@@ -40,109 +41,58 @@ class P2POptions:
     """Buckets a source has on the wire at once (each holds a buffer of its own)."""
 
     def __post_init__(self) -> None:
-        if type(self.in_flight) is not int or not 1 <= self.in_flight <= 16:
-            raise ValueError(f"in_flight={self.in_flight!r} must be an int in 1..16")
-
-    def resolved(self, world_size: int, src: int) -> P2POptions:
-        return self
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"in_flight": self.in_flight}
+        if type(self.in_flight) is not int or not 1 <= self.in_flight <= MAX_IN_FLIGHT:
+            raise ValueError(f"in_flight={self.in_flight!r} must be an int in 1..{MAX_IN_FLIGHT}")
 
     @classmethod
     def parse(cls, d: Any, world_size: int, src: int) -> P2POptions:
-        return cls(wire_int(d, "in_flight", "p2p options", 1, 16))
+        return cls(wire_int(d, "in_flight", "p2p options", 1, MAX_IN_FLIGHT))
 
 
-class P2PTx(NoResources):
+class P2PTx(GroupTx[P2POptions]):
     """The source's side: every bucket sent to its receiver, ``in_flight`` at once."""
 
     def __init__(self, group: StatelessGroup, options: P2POptions) -> None:
-        self.group = group
-        self.in_flight = options.in_flight
-        self._buffers: list[torch.Tensor | None] = [None] * self.in_flight
-        self._pending: deque[tuple[int, Work, torch.Tensor]] = deque()
+        super().__init__(group, options)
         self._to: tuple[int, ...] | None = None
         self._everyone = [r for r in range(group.world_size) if r != group.rank]
-        self._deadline: Deadline | None = None
 
     def open(self, plan: Plan, device: torch.device, sync: Sync[Any]) -> None:
         if sync.to is not None and len(sync.to) != len(plan.buckets):
             raise ProtocolError(f"p2p: {len(sync.to)} receivers named for {len(plan.buckets)} buckets")
         self._to = sync.to
-        self._deadline = sync.deadline
-
-    def _wait_for(self, k: int) -> None:
-        """Wait until the sends posted before bucket ``k - in_flight`` (inclusive) have left."""
-        assert self._deadline is not None
-        while self._pending and self._pending[0][0] <= k - self.in_flight:
-            self._pending.popleft()[1].wait(self._deadline)
+        super().open(plan, device, sync)
 
     def buffer(self, k: int, nbytes: int, device: torch.device) -> torch.Tensor:
-        self._wait_for(k)
-        i = k % self.in_flight
-        buf = self._buffers[i]
-        if buf is None or buf.numel() < nbytes or buf.device != device:
-            buf = self._buffers[i] = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        return buf[:nbytes]
+        self._drain(k - self.options.in_flight)
+        return self._buffers.get(f"bucket{k % self.options.in_flight}", nbytes, device)
 
     def post(self, k: int, view: torch.Tensor) -> None:
-        self._wait_for(k)
+        self._drain(k - self.options.in_flight)
         for dst in self._everyone if self._to is None else (self._to[k],):
-            work = self.group.send(view, dst, async_op=True)
-            assert work is not None
-            self._pending.append((k, work, view))  # the view stays alive until its send completed
-
-    def finish(self) -> None:
-        assert self._deadline is not None
-        while self._pending:
-            self._pending.popleft()[1].wait(self._deadline)
-
-    def close(self) -> None:
-        self._pending.clear()
-        self._buffers = [None] * self.in_flight
+            self._sent(k, self.group.send(view, dst, async_op=True), view)
 
 
-class P2PRx:
+class P2PRx(GroupRx):
     """A receiver's side for one source: its buckets received in order, a few posted ahead."""
 
     def __init__(self, group: StatelessGroup) -> None:
-        self.group = group
-        self.src = 0
+        super().__init__(group)
         self.in_flight = 2
         self.scratch_buffers = 3
-
-    def attach(self, offer: dict[str, Any], src: int) -> str | None:
-        self.src = src
-        return None
 
     def open(self, plan: Plan, device: torch.device, sync: Sync[Any]) -> None:
         self.in_flight = sync.options.in_flight
         self.scratch_buffers = self.in_flight + 1  # those posted, and the one the consumer reads
 
     def buckets(self, plan: Plan, land: Land, deadline: Deadline) -> Iterator[tuple[int, torch.Tensor, bool]]:
-        n = len(plan.buckets)
-        posted: deque[tuple[int, torch.Tensor, bool, Work]] = deque()
-
-        def post(k: int) -> None:
+        def recv(k: int) -> tuple[torch.Tensor, bool, Work | None]:
             start, end = plan.bucket_range(k)
             landed = land(k)
             view = landed.view[: end - start]
-            work = self.group.recv(view, self.src, async_op=True)
-            assert work is not None
-            posted.append((k, view, landed.landing is Landing.TARGET, work))
+            return view, landed.in_place, self.group.recv(view, self.src, async_op=True)
 
-        for k in range(min(self.in_flight, n)):
-            post(k)
-        while posted:
-            k, view, in_place, work = posted.popleft()
-            work.wait(deadline)
-            if k + self.in_flight < n:
-                post(k + self.in_flight)
-            yield k, view, in_place
-
-    def close(self) -> None:
-        pass
+        yield from self._ahead(len(plan.buckets), self.in_flight, recv, deadline, early=True)
 
 
 SPEC = TransportSpec("p2p", P2POptions, P2POptions.parse, P2PTx, P2PRx, pairs=True)

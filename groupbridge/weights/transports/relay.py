@@ -17,9 +17,8 @@ from ...control import Deadline
 from ...env import tuning_int
 from ...errors import ProtocolError
 from ...stateless import StatelessGroup, Work
-from .. import _bytes
 from ..plan import Plan
-from .base import Land, NoResources, Sync, TransportSpec, wire_int
+from .base import GroupRx, GroupTx, Land, Sync, TransportSpec, wire_int
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "SPEC", "RelayOptions", "RelayRx", "RelayTx"]
 
@@ -86,54 +85,37 @@ def _neighbours(chain: list[int], rank: int) -> tuple[int | None, int | None]:
     return (chain[i - 1] if i > 0 else None), (chain[i + 1] if i + 1 < len(chain) else None)
 
 
-class RelayTx(NoResources):
+class RelayTx(GroupTx[RelayOptions]):
     def __init__(self, group: StatelessGroup, options: RelayOptions) -> None:
-        self.group = group
-        self.options = options
-        self._buffers = _bytes.BufferCache()
-        self._sends: deque[tuple[int, Work]] = deque()  # (bucket, work)
-        self._deadline: Deadline | None = None
+        super().__init__(group, options)
         self._succ: int | None = None
 
     def open(self, plan: Plan, device: torch.device, sync: Sync[Any]) -> None:
-        self._deadline = sync.deadline
+        super().open(plan, device, sync)
         _, self._succ = _neighbours(list(self.options.chain or ()), self.group.rank)
 
     def buffer(self, k: int, nbytes: int, device: torch.device) -> torch.Tensor:
-        while self._sends and self._sends[0][0] <= k - 2:  # the buffer bucket k reuses must be sent
-            self._sends.popleft()[1].wait(self._deadline)
+        self._drain(k - 2)  # the buffer bucket k reuses must be sent
         return self._buffers.get(f"bucket{k % 2}", nbytes, device)
 
     def post(self, k: int, view: torch.Tensor) -> None:
         if self._succ is None:
             return
         for start, end in _chunks(view.numel(), self.options.chunk_bytes):
-            while len(self._sends) >= 2 * self.options.window:
-                self._sends.popleft()[1].wait(self._deadline)
-            work = self.group.send(view[start:end], self._succ, async_op=True)
-            assert work is not None
-            self._sends.append((k, work))
-
-    def finish(self) -> None:
-        while self._sends:
-            self._sends.popleft()[1].wait(self._deadline)
-
-    def close(self) -> None:
-        self._sends.clear()
-        self._buffers.clear()
+            while len(self._pending) >= 2 * self.options.window:
+                self._pending.popleft()[1].wait(self._deadline)
+            self._sent(k, self.group.send(view[start:end], self._succ, async_op=True), view)
 
 
-class RelayRx:
+class RelayRx(GroupRx):
+    """The chain, in the options, says who each receiver takes from (``attach``'s source is not used)."""
+
     def __init__(self, group: StatelessGroup) -> None:
-        self.group = group
-        self.scratch_buffers = 2
+        super().__init__(group)
         self._pred: int | None = None
         self._succ: int | None = None
         self._chunk = DEFAULT_CHUNK_BYTES
         self._window = 1
-
-    def attach(self, offer: dict[str, Any], src: int) -> str | None:
-        return None  # the chain, in the options, says who this receiver takes from
 
     def open(self, plan: Plan, device: torch.device, sync: Sync[RelayOptions]) -> None:
         options = sync.options
@@ -171,9 +153,6 @@ class RelayRx:
         work = self.group.recv(view[start:end], self._pred, async_op=True)
         assert work is not None
         return work
-
-    def close(self) -> None:
-        pass
 
 
 SPEC: TransportSpec[RelayOptions] = TransportSpec("relay", RelayOptions, RelayOptions.parse, RelayTx, RelayRx)

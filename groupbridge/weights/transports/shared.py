@@ -32,7 +32,7 @@ from ...control import Deadline
 from ...errors import GroupBridgeError, ProtocolError, TransportUnavailableError, WeightSyncError
 from ...stateless import StatelessGroup
 from ..plan import Plan
-from .base import Land, Landing, Sync, TransportSpec, wire_int
+from .base import Land, Landing, PlainOptions, Sync, TransportSpec, wire_int
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ MAX_SLOTS = 16
 
 
 @dataclass(frozen=True, slots=True)
-class SharedOptions:
+class SharedOptions(PlainOptions):
     """Options of transports ``shm`` and ``cuda_ipc``."""
 
     transport: ClassVar[tuple[str, ...]] = ("shm", "cuda_ipc")
@@ -52,12 +52,6 @@ class SharedOptions:
     def __post_init__(self) -> None:
         if type(self.slots) is not int or not 2 <= self.slots <= MAX_SLOTS:
             raise ValueError(f"slots={self.slots!r} must be an int in 2..{MAX_SLOTS}")
-
-    def resolved(self, world_size: int, src: int) -> SharedOptions:
-        return self
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"slots": self.slots}
 
     @classmethod
     def parse(cls, d: Any, world_size: int, src: int) -> SharedOptions:
@@ -96,9 +90,6 @@ class _Segment:
         self.ino = os.fstat(self.fd).st_ino
         self.tensor = tensor[:nbytes]
         self.tensor.fill_(0)  # fault every page in now, not inside a timed transfer
-
-    def describe(self) -> dict[str, int]:
-        return {"fd": self.fd, "ino": self.ino}
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -177,8 +168,6 @@ class SharedTx:
         """Buckets of the last sync that receivers read from the sender's own shared memory (no copy)."""
 
     def reserve(self, plan: Plan, device: torch.device) -> None:
-        """Make the slots now (before the sync is announced), so that a host short of memory is known
-        while another transport can still be chosen. Raises :class:`TransportUnavailableError`."""
         need = _max_bucket(plan)
         if self._slots and self._slots[0].numel() >= need and self._slots[0].device == device:
             return
@@ -196,15 +185,13 @@ class SharedTx:
             self._release()  # all slots or none: never a ring short of a slot
             raise
         descs: list[Any] = (
-            [seg.describe() for seg in self._segments]
+            [{"fd": seg.fd, "ino": seg.ino} for seg in self._segments]
             if self.kind == "shm"
             else [_torch_private.share_cuda(s.untyped_storage()) for s in self._slots]
         )
         self._offer = {"gen": self._gen, "nbytes": self._slots[0].numel(), "slots": descs}
 
     def offer(self) -> dict[str, Any]:
-        """The slots, described every sync (a few dozen bytes): a receiver maps them when their generation
-        is new to it, so that a receiver new to the group needs no round trip of its own."""
         return self._offer
 
     def open(self, plan: Plan, device: torch.device, sync: Sync[SharedOptions]) -> None:
