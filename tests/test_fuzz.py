@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 import groupbridge as gb
 from groupbridge import codec
 from groupbridge._liveness import decode_status
-from groupbridge.weights._session import Header
+from groupbridge.weights._header import Header
 from groupbridge.weights.manifest import Manifest
 
 FUZZ = settings(

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 import groupbridge as gb
-from groupbridge.weights._session import Header, Verdict, conclude
+from groupbridge.weights._header import Header, Verdict
+from groupbridge.weights._session import conclude
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -24,11 +24,6 @@ from .manifest import Entry, Manifest
 from .plan import Plan
 from .transports import Land, Landed, Landing
 
-__all__ = [
-    "Applier", "Ring", "Scratch", "Staged", "Streaming", "counts", "fill_aliases", "hand_on", "refused",
-    "torn", "wire_typed",
-]  # fmt: skip
-
 Key = Hashable
 """A tensor of the receive: a manifest index (a fan-out stream), a name on the wire (pairs)."""
 

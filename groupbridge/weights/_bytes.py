@@ -15,10 +15,6 @@ if TYPE_CHECKING:
     from ..control import Deadline
     from ..stateless import StatelessGroup
 
-__all__ = [
-    "BufferCache", "Digests", "digest", "in_place_bucket", "new_buffer", "pack", "typed_view", "unpack"
-]  # fmt: skip
-
 MAX_GAP_BYTES = 8
 """Largest hole between two consecutive tensors that an in-place receive may write over: alignment padding
 is smaller than the largest element size (8); a real tensor hiding in it is not expected."""

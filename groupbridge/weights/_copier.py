@@ -18,8 +18,6 @@ import torch
 from ..control import Deadline
 from ..errors import CopyTimeoutError
 
-__all__ = ["Copier", "Job"]
-
 T = TypeVar("T")
 
 

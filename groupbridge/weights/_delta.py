@@ -31,8 +31,6 @@ from ..errors import ProtocolError
 from .manifest import Manifest
 from .plan import Plan
 
-__all__ = ["Code", "Encoded", "apply", "encode", "payload_nbytes", "word_size"]
-
 
 class Code(enum.IntEnum):
     SAME = 0

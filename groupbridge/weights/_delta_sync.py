@@ -35,11 +35,6 @@ if TYPE_CHECKING:
     from ..stateless import StatelessGroup
     from ._header import Header
 
-__all__ = [
-    "Description", "Diffed", "Policy", "announce", "announced", "delta_digest", "delta_groups", "describe",
-    "diff", "wire_plan", "word_counts",
-]  # fmt: skip
-
 
 @dataclass(frozen=True, slots=True)
 class Description:

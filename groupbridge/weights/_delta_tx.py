@@ -24,8 +24,6 @@ from .manifest import Manifest
 from .plan import Plan
 from .transports import Sync, TxTransport
 
-__all__ = ["DeltaSender"]
-
 Diffed = tuple[_delta_sync.Diffed, bool]
 """A bucket's diff, and whether its new bytes were read in place."""
 

@@ -14,17 +14,6 @@ from ._session import laid_out_in_place
 from .manifest import Manifest, tensors_of
 from .shard import Shard, box_of
 
-__all__ = [
-    "Boxes",
-    "Described",
-    "NamedTensors",
-    "Pairs",
-    "Specs",
-    "in_place",
-    "named_tensors_of",
-    "peek_device",
-]
-
 Pairs = list[tuple[str, torch.Tensor]] | Iterator[tuple[str, torch.Tensor]]
 """A source's (name, tensor) pairs: a list, or an iterator consumed lazily."""
 

@@ -9,8 +9,6 @@ from typing import Any
 
 from ..errors import ProtocolError
 
-__all__ = ["MAX_BUCKET_BYTES", "MAX_OFFER_ITEMS", "VERIFY", "Header", "Verdict"]
-
 VERIFY = ("", "xxh3", "hmac")
 _SYNC_ID = re.compile(r"[0-9a-f]{1,64}")
 MAX_BUCKET_BYTES = 1 << 40

@@ -15,8 +15,6 @@ from ._appliers import Applier, refused
 from ._rx_stream import Taker, give_up, tell_failure
 from ._session import Session, vote
 
-__all__ = ["Intake", "into", "named"]
-
 
 class Intake:
     """What one receive lands, through its applier (:mod:`._appliers`): :meth:`tensors` yields each tensor

@@ -9,11 +9,9 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ._session import Header, Verdict
+from ._header import Header, Verdict
 from .manifest import Entry, Manifest, compare, mismatch_message
 from .shard import Box
-
-__all__ = ["Reads", "host_memory", "refusal"]
 
 
 def _renamed(e: Entry, rename: Callable[[str], str]) -> Entry:

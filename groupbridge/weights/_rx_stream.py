@@ -16,14 +16,13 @@ from ..errors import GroupBridgeError, WeightSyncError
 from ..stateless import StatelessGroup
 from . import _bytes
 from ._copier import Copier
-from ._session import ACK_TAG, Header, Session
+from ._header import Header
+from ._session import ACK_TAG, Session
 from ._sharded_delta import DeltaMemory
 from .plan import Plans
 from .transports import RxTransport, Sync, pair_transport, spec
 
 T = TypeVar("T")
-
-__all__ = ["KEPT", "RxStreams", "Taker", "allocated", "give_up", "tell_failure"]
 
 
 KEPT = "kept"

@@ -23,8 +23,6 @@ from ._walk import take
 from .manifest import Manifest
 from .plan import Plan
 
-__all__ = ["Fanout", "fanout_into", "fanout_named", "plan_of"]
-
 
 def plan_of(session: Session, taker: Taker) -> Plan:
     """The session's bucket plan, the merged one when every member agreed to it (reused while the manifest

@@ -44,35 +44,13 @@ from ..errors import (
 )
 from ..stateless import StatelessGroup
 from . import _bytes
-from ._header import MAX_BUCKET_BYTES, VERIFY, Header, Verdict
+from ._header import Header, Verdict
 from ._shard_plan import ShardPlan
 from ._sharded import conditional, holding, pair_deltas, plan_pairs
 from ._sharded_delta import Bases
 from .manifest import Manifest
 from .plan import Plan, Plans
 from .transports import TRANSPORTS
-
-__all__ = [
-    "ACK_TAG",
-    "MAX_BUCKET_BYTES",
-    "MERGED_BYTES",
-    "VERIFY",
-    "Header",
-    "Renamer",
-    "Session",
-    "Verdict",
-    "committed",
-    "conclude",
-    "is_sharded",
-    "laid_out_in_place",
-    "make_renamer",
-    "merged_plan",
-    "open_session",
-    "refuse",
-    "remember",
-    "sources_of",
-    "vote",
-]
 
 ACK_TAG = "weights-ack"
 """Receivers' acknowledgements travel on their own tag, never mixing with the caller's objects."""

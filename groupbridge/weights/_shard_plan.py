@@ -28,8 +28,6 @@ from ..errors import ManifestMismatchError
 from .plan import Plan
 from .shard import Box
 
-__all__ = ["Held", "Piece", "ShardPlan", "plan_shards"]
-
 ALIGN = 16
 FORWARD_BYTES = 1 << 20
 """The bucket size of a forwarded cut: each hop passes a bucket on once it landed whole, so a chain of

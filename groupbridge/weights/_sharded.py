@@ -31,17 +31,6 @@ from .transports import pair_transport
 if TYPE_CHECKING:
     from ._session import Session
 
-__all__ = [
-    "Pair",
-    "Slot",
-    "conditional",
-    "holding",
-    "pair_deltas",
-    "pairs_of",
-    "piece_parts",
-    "plan_pairs",
-]
-
 Slot = tuple[torch.Tensor, Box]
 """Where a tensor's box lives on this member: (the tensor holding it, the box of the global tensor)."""
 

@@ -21,8 +21,6 @@ from . import _bytes
 from ._shard_plan import Piece
 from .plan import Plan
 
-__all__ = ["FANOUT", "Bases", "DeltaMemory", "bucket_word", "kept_key", "pair_key"]
-
 
 def pair_key(cut: Plan[Piece]) -> str:
     """Names a pair's cut: two syncs with the same key lay the pair's bytes out alike."""

@@ -29,8 +29,6 @@ from .plan import Plan
 from .shard import Box, Shard, box_of
 from .transports import Landing, stream_device
 
-__all__ = ["Boxes", "boxes_into", "boxes_named", "data_ptr", "receive_shards", "wants_of"]
-
 
 def receive_shards(
     taker: Taker, session: Session, pairs: list[Pair], applier: Applier, device: torch.device,

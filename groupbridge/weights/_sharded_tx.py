@@ -33,8 +33,6 @@ from .plan import Plan
 from .shard import Box
 from .transports import Sync, TxTransport
 
-__all__ = ["SourceSlots", "pair_streams"]
-
 
 class _Post(NamedTuple):
     """One bucket of a source's stream: its round, its receiver, its size on the wire, ``fill(buffer)``,

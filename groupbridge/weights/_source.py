@@ -15,8 +15,6 @@ from . import _bytes
 from .manifest import Entry, Manifest
 from .plan import Plan
 
-__all__ = ["Puller", "SourceReads"]
-
 
 def _nothing(k: int) -> None:
     return None

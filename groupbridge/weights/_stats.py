@@ -9,8 +9,6 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ..stateless import StatelessGroup
 
-__all__ = ["SyncStats", "finished"]
-
 
 @dataclass(frozen=True, slots=True)
 class SyncStats:

@@ -30,8 +30,6 @@ from .transports import Sync, TxTransport
 if TYPE_CHECKING:
     from ._delta_tx import DeltaSender
 
-__all__ = ["Packed", "Progress", "Sent", "post_stream", "send_stream", "source_sync"]
-
 Progress = Callable[[int, int], None]
 """``progress(bytes_sent, total_bytes)``, called after every bucket."""
 

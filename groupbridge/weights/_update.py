@@ -11,8 +11,6 @@ import torch
 from ..stateless import StatelessGroup
 from ._session import Session
 
-__all__ = ["WeightUpdate"]
-
 
 class WeightUpdate:
     """One incoming version; iterate it for (name, tensor) pairs as buckets arrive.

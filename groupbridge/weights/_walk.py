@@ -17,8 +17,6 @@ from ._shard_plan import ShardPlan
 from .plan import Plan
 from .transports import Sync, TxTransport, spec
 
-__all__ = ["Feed", "Onward", "take", "walk_of"]
-
 Feed = tuple[int, Callable[[torch.Tensor], None]]
 """A pair's bucket as its receiver takes it: (bytes, what lands it)."""
 

@@ -22,11 +22,12 @@ from ..errors import WeightSyncError
 from ..stateless import StatelessGroup
 from . import _bytes
 from ._copier import Copier
+from ._header import Verdict
 from ._receive import Intake, into, named
 from ._rx_checks import Reads, refusal
 from ._rx_stream import RxStreams, Taker
 from ._rx_whole import fanout_into, fanout_named
-from ._session import Session, Verdict, laid_out_in_place, make_renamer, open_session
+from ._session import Session, laid_out_in_place, make_renamer, open_session
 from ._sharded_delta import FANOUT, DeltaMemory, kept_key
 from ._sharded_rx import boxes_into, boxes_named, data_ptr, wants_of
 from ._update import WeightUpdate

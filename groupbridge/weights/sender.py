@@ -23,7 +23,8 @@ from . import _bytes
 from ._copier import Copier
 from ._delta_tx import DeltaSender
 from ._described import Described, NamedTensors, Specs, in_place, named_tensors_of, peek_device
-from ._session import Header, make_renamer, open_session, refuse
+from ._header import Header
+from ._session import make_renamer, open_session, refuse
 from ._sharded import boxes_of
 from ._sharded_delta import Bases, DeltaMemory
 from ._sharded_tx import SourceSlots, pair_streams
