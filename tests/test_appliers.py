@@ -15,7 +15,7 @@ import groupbridge as gb
 from groupbridge.weights import _bytes, _delta
 from groupbridge.weights._appliers import Applier, Ring, Scratch, Staged, Streaming, counts
 from groupbridge.weights._copier import Copier
-from groupbridge.weights._rx_whole import _kept
+from groupbridge.weights._intake import _kept
 from groupbridge.weights.manifest import Manifest
 from groupbridge.weights.plan import Plan
 

@@ -77,10 +77,9 @@ dtype it travels as). The tensor is a slice of one tensor's bytes, or a box of i
 
 
 def pack_parts(view: torch.Tensor, parts: Iterable[Part]) -> None:
-    """Copy a bucket's pieces into ``view`` (uint8); the alignment holes between them are zeroed, so a
-    bucket's bytes (and digest, and delta) depend on the tensors alone, not on what the buffer held before.
-    A piece whose tensor has another dtype than it travels as is cast as it is copied: casting into this warm
-    buffer costs a quarter of casting into a fresh tensor first (its page faults)."""
+    """Copy a bucket's pieces into ``view`` (uint8), zeroing the alignment holes so that its bytes (and
+    digest, and delta) depend on the tensors alone. A piece is cast to the dtype it travels as while copied:
+    into this warm buffer, a quarter of the cost of casting into a fresh tensor first (its page faults)."""
     prev = 0
     with torch.no_grad():
         for offset, nbytes, src, dtype in parts:
@@ -144,7 +143,7 @@ def unpack(view: torch.Tensor, segs: Sequence[Segment], tensors: Sequence[torch.
 
 
 class BufferCache:
-    """Reusable, pre-touched buffers kept between syncs (a fresh buffer's first touch costs several fold)."""
+    """Reusable, pre-touched buffers kept between syncs (see :func:`new_buffer`)."""
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
@@ -182,8 +181,7 @@ DIGEST_TAG = "weights-digests"
 class Digests:
     """One member's digests of a sync's buckets (``kind``: see :func:`digest`; empty: none), one list per
     stream: a source takes one per bucket it posts and, after its last, sends each receiver the list of the
-    stream that reached it; a receiver takes one per bucket that lands and compares. A fan-out stream's
-    buckets reach every receiver (``to`` None), a pair's one."""
+    stream that reached it (:meth:`send`); a receiver takes one per bucket that lands and compares."""
 
     def __init__(self, kind: str, group: StatelessGroup) -> None:
         self.kind = kind

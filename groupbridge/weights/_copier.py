@@ -1,9 +1,8 @@
 """A thread the library owns for the bulk copies of a weight sync, running with one intra-op thread.
 
 On small machines torch's idle intra-op (OpenMP) workers spin after a multi-threaded copy and starve the
-transport's own threads (measured: a factor of up to two on 2 cores). Setting the thread count on the caller's
-thread would change it for the caller's own work (an engine's ``load_weights`` runs there too), so the copies
-run here instead; torch's intra-op setting is per thread, and this one is ours.
+transport's threads (measured: up to 2x slower on 2 cores). The setting is per thread: here it leaves the
+caller's own work (an engine's ``load_weights``) alone.
 """
 
 from __future__ import annotations

@@ -1,21 +1,19 @@
 """Delta encoding of one bucket: what changed between the version a receiver holds and the new one.
 
-Buckets are compared bitwise, as words of the bucket's smallest element size (so every dtype works, and a
-NaN that changes its payload or a 0.0 that becomes -0.0 is a change). A bucket then travels as whichever is
-smallest (sizes follow from the changed-word count alone, so the receiver computes them itself and never
-trusts a size off the wire):
+Buckets are compared bitwise, as words of the bucket's smallest element size (every dtype works; a NaN whose
+payload changes or a 0.0 that becomes -0.0 is a change), and travel as whichever is smallest (sizes follow
+from the changed-word count alone, so the receiver computes them and never trusts a size off the wire):
 
 - ``SAME``: nothing changed, nothing travels;
 - ``GAPS``: the changed positions as uint16 gaps from the previous one (the first from -1), then the new
-  words; taken when every gap fits in 16 bits (dense enough changes: a few percent or more of a bucket);
+  words; taken when every gap fits in 16 bits (changes dense enough: a few percent of a bucket or more);
 - ``INDEX``: the positions as int32, then the new words (sparse changes whose gaps overflow 16 bits);
-- ``BITS``: a bitmap of changed words (one bit per word, little-endian bit order), then the new words:
-  smaller than positions once more than about 1 in 16 words changed;
+- ``BITS``: a bitmap of changed words (little-endian), then the new words (beyond about 1 in 16 changed);
 - ``DENSE``: the new bucket as is, when most words changed.
 
-Measured on this machine kind (2 cores, one bucket diffed in a loop with each library): numpy's comparison,
-``flatnonzero`` and ``packbits`` run about twice as fast as torch's on CPU (torch's ``nonzero`` dominates), so
-CPU buckets are diffed with numpy on views of the same memory; other devices use torch.
+CPU buckets are diffed with numpy on views of the same memory: its comparison, ``flatnonzero`` and
+``packbits`` measured about twice as fast as torch's (whose ``nonzero`` dominates) on this machine kind
+(2 cores, one bucket diffed in a loop); other devices use torch.
 """
 
 from __future__ import annotations
@@ -188,9 +186,9 @@ def _unpackbits(bits: torch.Tensor, words: int) -> torch.Tensor:
 
 
 def apply(base: torch.Tensor, payload: torch.Tensor, code: Code, count: int, w: int) -> torch.Tensor:
-    """Apply one bucket's payload (as it came off the wire) to ``base`` (its uint8 view) in place; the changed
-    word positions (int64, sorted). Every size and position is checked before anything is written: a
-    malformed payload raises :class:`ProtocolError` and leaves ``base`` untouched."""
+    """Apply one bucket's payload, as it came off the wire, to ``base`` (its uint8 view) in place; return the
+    changed word positions (int64, sorted). A malformed payload raises :class:`ProtocolError` before
+    anything is written."""
     words = base.numel() // w
     if not 0 <= count <= words:
         raise ProtocolError(f"delta bucket claims {count} changed words of {words}")

@@ -3,15 +3,13 @@
 A stream travels as a delta when its source offered a base version and its receivers (a fan-out's every one,
 a pair's one) said in the handshake (:func:`._session.open_session`) that they hold it:
 
-1. The source diffs each bucket against its copy of the base (:mod:`._delta`), bringing that copy up to the
-   new version, and announces a :class:`Description` (:func:`announce`: per bucket the encoding, the
-   changed-word count, the digest of the new bytes and of what travels): a fan-out stream in groups
-   (:func:`delta_groups`), diffing the next group while one travels; a pair, once for all its buckets.
-2. The payloads travel as a plan of their own (:func:`wire_plan`): one wire bucket per changed bucket, as
-   long as its encoding says (receivers compute the lengths from the counts, never from a size off the wire).
+1. The source diffs each bucket against its copy of the base (:func:`diff`), bringing that copy up to the
+   new version, and announces a :class:`Description` (:func:`announce`): a fan-out stream per group of
+   buckets (:data:`GROUPS`), a pair once for all its buckets.
+2. The payloads travel as a plan of their own (:func:`wire_plan`), one wire bucket per changed bucket.
 3. Every receiver checks each payload's digest, applies it to its copy of the base and checks the result
-   against the sender's digest: a receiver that did not hold exactly the base (or applied it wrongly) raises
-   instead of holding a silently different model.
+   against the sender's digest (:class:`Applied`): a receiver that did not hold exactly the base (or applied
+   it wrongly) raises instead of holding a silently different model.
 """
 
 from __future__ import annotations
@@ -55,8 +53,7 @@ class Description:
 
     @classmethod
     def from_wire(cls, d: Any, words: list[int]) -> Description:
-        """Parse and check against the buckets it describes (``words``: each one's word count);
-        ProtocolError if malformed."""
+        """Parse, checked against its buckets' word counts ``words``; ProtocolError if malformed."""
         if not isinstance(d, dict):
             raise ProtocolError(f"delta description is a {type(d).__name__}, not a dict")
         lists: list[Any] = [d.get(k) for k in ("codes", "counts", "digests", "wire")]
@@ -83,9 +80,8 @@ DELTA_TAG = "weights-delta"
 
 
 def announce(group: StatelessGroup, desc: Description, to: int | None, deadline: Deadline) -> None:
-    """Tell a delta stream's receivers what its next buckets' diffs are, before their payloads travel: the
-    one announce of every delta stream, broadcast to a fan-out's receivers (``to`` None) or sent to a pair's
-    one (on its own tag, never mixing with the caller's objects)."""
+    """Tell a delta stream's receivers its next buckets' diffs, before their payloads: broadcast to a
+    fan-out's (``to`` None), or sent to a pair's one on its own tag (never mixed with the caller's)."""
     if to is None:
         group.broadcast_obj(desc.to_wire(), src=group.rank, timeout=deadline)
     else:
@@ -95,8 +91,7 @@ def announce(group: StatelessGroup, desc: Description, to: int | None, deadline:
 def announced(
     group: StatelessGroup, src: int, fanout: bool, words: list[int], deadline: Deadline
 ) -> Description:
-    """What :func:`announce` told this receiver of ``src``'s next buckets (``words``: each one's word count),
-    checked as hostile."""
+    """What :func:`announce` told of ``src``'s next buckets, checked by :meth:`Description.from_wire`."""
     if fanout:
         wire = group.broadcast_obj(None, src=src, timeout=deadline)
     else:
@@ -124,8 +119,7 @@ class Diffed:
 def diff(
     new: torch.Tensor, old: torch.Tensor, word: int, mask: torch.Tensor, kind: str, group: Any
 ) -> Diffed:
-    """Diff bucket ``new`` against ``old`` (the base's bucket, brought up to ``new``), digested by ``kind``:
-    the one diff every delta stream's source runs, fan-out or pair."""
+    """Diff bucket ``new`` against the base's ``old``, bringing ``old`` up to ``new``; digests by ``kind``."""
     enc = _delta.encode(new, old, word, mask)
     digest = _bytes.digest(old, kind, group)
     if enc.payload is not None:
@@ -144,13 +138,12 @@ def describe(diffs: list[Diffed]) -> Description:
 
 
 class Applied:
-    """A receiver's end of one delta stream's description (``desc``, of buckets ``first`` on of ``cut``; word
-    ``sizes`` by bucket), the one apply of every delta stream. A bucket the delta leaves as it was is checked
-    where it lies (the version held, ``base(k)``) against the source's digest of the new one; a changed one's
-    payload is checked, applied there by ``run`` (a copy thread; ``put(k, view)`` writes it back where the
-    base is not where it lies) and checked again. Either is then handed on (``land(k, view, keys)``: the
-    tensors whose bytes changed); a mismatch is returned instead (this receiver's vote: the rest is taken,
-    not applied)."""
+    """A receiver's end of one delta stream (``desc``: buckets ``first`` on of ``cut``; word ``sizes`` by
+    bucket). An unchanged bucket is checked where it lies (``base(k)``, the version held) against the
+    source's digest of the new one; a changed one's payload is checked, applied there on ``run`` (a copy
+    thread), checked again and written back by ``put(k, view)`` where the base lies elsewhere. Either is then
+    handed to ``land(k, view, keys)`` (keys: the tensors whose bytes changed); a mismatch is returned instead
+    (this receiver's vote: the rest is taken, not applied)."""
 
     def __init__(
         self, desc: Description, cut: Plan[Any], sizes: list[int], kind: str, group: Any,

@@ -26,8 +26,8 @@ class Header:
     solo_bytes: int
     transport: str
     verify: str
-    """How receivers check the bytes before accepting them: "" (not at all), "xxh3", or "hmac" (always with
-    a token: keyed from it, so bytes injected by anyone else are refused)."""
+    """How receivers check the bytes before accepting them (``_bytes.digest``): "" (not at all), "xxh3", or
+    "hmac" (only with a token, keyed from it: bytes injected by anyone else are refused)."""
     total_bytes: int
     sync_id: str
     """Names this sync's control keys (fresh per sync: a signal of one sync never passes for another's)."""
@@ -36,20 +36,16 @@ class Header:
     offer: dict[str, Any]
     """What receivers need to attach to the transport (shared slots to map), see ``TxTransport.offer``."""
     keeps_base: bool = False
-    """The source keeps a base (``WeightSender(delta=True)``): receivers keep the version they get, so
-    that later syncs can be deltas against it."""
+    """The source keeps a base (``WeightSender(delta=True)``): receivers keep this version as theirs."""
     base: int | None = None
     """The version this sync would be a delta against, when the source offers one."""
     pair_deltas: bool = False
     """Many sources: this source's delta policy wants its pairs sent as deltas this sync (where its receiver
     holds the same base); else they travel whole, and the bases are refreshed."""
     bucket_cap: int = 0
-    """The most bytes one bucket of this source's many-source stream may hold (what its transport reserved
-    before the sync was announced: shared slots are sized then); 0: no limit beyond ``bucket_bytes``. Every
-    member plans this source's pairs within it."""
+    """Many sources: the most bytes one of this source's buckets may hold (``plan_shards``'s ``caps``)."""
     forward: bool = True
-    """Many sources: receivers may pass this source's cut on to each other (``WeightSender(forward=...)``,
-    see ``plan_shards``'s ``forward``)."""
+    """Many sources: receivers may forward its cut (``WeightSender(forward=...)``; see ``plan_shards``)."""
 
     def to_wire(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -102,9 +98,8 @@ class Verdict:
     problem: str | None = None
     """Why this receiver cannot take the sync, or None."""
     kind: str = "other"
-    """What the problem is: ``stale`` (not a newer version), ``manifest`` (other tensors than expected),
-    ``transport`` (it cannot attach to the transport), ``size`` (more than the receiver may allocate) or
-    ``other``."""
+    """``stale`` (not a newer version), ``manifest`` (other tensors than expected), ``transport`` (cannot
+    attach), ``size`` (more than the receiver may allocate) or ``other``."""
     in_place: bool = False
     """Its tensors lie in the plan's byte layout (see :data:`MERGED_BYTES`)."""
     base: bool = False

@@ -1,6 +1,5 @@
-"""A receive, whatever its plan: the intake's loop over what lands, the vote, the commit. Where the bytes land
-and how they are taken apart is the intake's alone (:class:`._rx_whole.Fanout`, :class:`._sharded_rx.Boxes`).
-"""
+"""A receive, whatever its plan: the intake's loop over what lands (:class:`._intake.Intake`), the vote, the
+commit."""
 
 from __future__ import annotations
 
@@ -11,24 +10,10 @@ import torch
 
 from ..control import Deadline
 from ..errors import SyncRefusedError
-from ._appliers import Applier, refused
+from ._appliers import refused
+from ._intake import Intake
 from ._rx_stream import Taker, give_up, tell_failure
 from ._session import Session, vote
-
-
-class Intake:
-    """What one receive lands, through its applier (:mod:`._appliers`): :meth:`tensors` yields each tensor
-    (its name here) once whole, and leaves in :attr:`problem` why the bytes are refused (a digest mismatch:
-    this receiver's vote); anything else raises."""
-
-    def __init__(self, applier: Applier, total: int | None = None) -> None:
-        self.applier = applier
-        self.total = total if total is not None else applier.total
-        """The update's tensors (for the error texts)."""
-        self.problem: str | None = None
-
-    def tensors(self) -> Generator[tuple[str, torch.Tensor], None, None]:
-        raise NotImplementedError
 
 
 def named(

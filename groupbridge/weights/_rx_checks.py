@@ -1,7 +1,6 @@
-"""A receiver's part of the handshake, apart from its transports: whether it takes a sync (its verdict on
-the version, the size and the tensors), and, for a consumer that reads only boxes of some tensors
-(``receive(reads=...)``), what it posts for the next sync and whether the boxes still fit.
-"""
+"""A receiver's part of the handshake, transports aside: its verdict on version, size and tensors, the boxes
+it wants when its targets are boxes (:func:`wants_of`), and for ``receive(reads=...)`` what it posts for
+the next sync and whether the boxes still fit."""
 
 from __future__ import annotations
 
@@ -9,9 +8,10 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from ..codec import dtype_name
 from ._header import Header, Verdict
 from .manifest import Entry, Manifest, compare, mismatch_message
-from .shard import Box
+from .shard import Box, Shard, box_of
 
 
 def _renamed(e: Entry, rename: Callable[[str], str]) -> Entry:
@@ -29,9 +29,8 @@ def refusal(
     allow_stale: bool,
     rank: int,
 ) -> Verdict | None:
-    """A receiver's refusal of a sync (a version not newer than ``held``, more bytes than this host's memory
-    where no target or ``expected=`` bounds them, other tensors than expected, its ``accept`` saying no),
-    or None."""
+    """A receiver's refusal of a sync, or None: a version not newer than ``held``, more bytes than this host's
+    memory where no target or ``expected=`` bounds them, other tensors than expected, ``accept`` saying no."""
     if not allow_stale and held is not None and header.version <= held:
         return Verdict(f"holds version {held}; version {header.version} is not newer", "stale", holds=held)
     if expected is None and manifest.nbytes > (cap := host_memory()):
@@ -52,8 +51,7 @@ def refusal(
 
 
 def host_memory() -> int:
-    """This host's physical memory: the cap on what ``receive()`` allocates from the sizes a sender announced
-    (a receiver with targets or ``expected=`` allocates only what those say)."""
+    """This host's physical memory: the cap on what ``receive()`` allocates from announced sizes."""
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):  # not a POSIX host: a bound still, if a loose one
@@ -74,8 +72,7 @@ class Reads:
         self.key: str | None = None
         self.used = False
         self.learned = posted
-        """What to post next time: what this handshake's check learned, or (it did not get that far) the
-        same as this time."""
+        """What to post next time: what this handshake's check learned, else what was posted this time."""
 
     def seen(self, key: str, used: bool) -> None:
         self.key, self.used = key, used
@@ -125,3 +122,29 @@ def _outside(posted: dict[str, Any], now: dict[str, Any] | None, rank: int) -> s
     if now is None and posted:
         return f"rank {rank}: its loader now reads every tensor whole; the next sync brings them whole"
     return None
+
+
+def wants_of(targets: dict[str, Any], renames: bool) -> dict[str, Any] | None:
+    """What this receiver posts in the handshake when some target is a box of a global tensor (a
+    :class:`~.shard.Shard` or a DTensor): every target's box, by name on the wire; else None (every
+    tensor, whole)."""
+    shards = {n: box_of(v) for n, v in targets.items()}
+    if all(s is None for s in shards.values()):
+        return None
+    if renames:
+        raise ValueError("receiving into Shard targets takes the names on the wire: drop rename=")
+    wants = {}
+    for name, value in targets.items():
+        s = shards[name] or Shard(value, tuple(value.shape), (0,) * value.dim())
+        wants[name] = [
+            dtype_name(s.tensor.dtype),
+            list(s.global_shape),
+            list(s.offset),
+            list(s.tensor.shape),
+        ]
+    return wants
+
+
+def data_ptr(t: Any) -> int:
+    shard = box_of(t)
+    return (shard.tensor if shard is not None else t).data_ptr()

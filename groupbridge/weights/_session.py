@@ -1,28 +1,20 @@
 """A sync is a session: one handshake, one verdict, one commit, over one stream per source.
 
-The session is what every member of a sync agrees on, whatever moves the bytes:
+Every member of a sync takes the same steps, whatever moves the bytes:
 
-1. **Handshake** (one all-gather): every source posts a :class:`Header` (version, manifest digest, bucket
-   plan, transport and what receivers need to attach to it), every receiver posts the manifest digest it
-   already knows. The sources of the sync are the members that posted a header. When some receiver does not
-   know the manifest, its source broadcasts it (once per change of manifest).
-2. **Verdicts** (one all-gather): each receiver checks the manifest against what it expects, the version
-   against what it holds, attaches to the transport, and says whether its tensors lie in the plan's byte
-   layout and whether it holds the delta's base. One problem anywhere and every member raises the same
-   error (a :class:`SyncRefusedError` subclass) before any tensor byte moves; the group stays usable.
+1. **Handshake** (one all-gather): each source (a member that posts one) posts a :class:`Header`, each
+   receiver the manifest digests it knows; a source broadcasts its manifest when some receiver lacks it.
+2. **Verdicts** (one all-gather): each receiver checks manifest, version, transport, byte layout and delta
+   base; one refusal and every member raises the same :class:`SyncRefusedError` subclass, no byte moved.
 3. **Streams**: the bytes of each source travel by their stream's cut and transport (see :class:`Session`).
-4. **Vote** (one all-gather, :func:`vote`): every member says whether its part succeeded (the bytes sent;
-   the bytes landed and matched their digests). Nothing is applied and no receiver's version moves before
-   it: one problem anywhere and every member raises :class:`SyncRefusedError` (an atomic receiver's target
-   untouched, a streaming one's torn and said so), the group still usable. A member that dies or freezes
-   before it votes aborts the group through the liveness watcher, and everyone raises, naming it.
-5. **Commit**: once every member voted yes, atomic receivers apply what they staged, every receiver's
-   version moves, and each acknowledges to the sources, whose ``send`` returns only when every receiver
-   did. A receiver that dies after the vote leaves the live ones on the new version (they committed) and
-   the sources raising, naming it: the dead member is gone, and its replacement joins a new group.
+4. **Vote** (one all-gather, :func:`vote`): one failed part and all raise :class:`SyncRefusedError`, no
+   version moved (atomic targets untouched, streaming ones torn); a member dead or frozen aborts the group.
+5. **Commit**: atomic receivers apply what they staged, versions move, ``send`` returns once every receiver
+   acknowledged; a receiver dead after the vote leaves the others committed and the sources raising, named.
 
-One source sending whole tensors is one stream; many sources, or receivers that take boxes, are one stream
-per (source, receiver) pair (:mod:`._sharded`). The vote and the commit are the same for both.
+A refusal (steps 2, 4) leaves the group usable. A member that dies is named by every member that raises (the
+liveness watcher aborts the group); its replacement joins a new group. One source sending whole tensors is one
+stream; many sources, or receivers that take boxes, one stream per (source, receiver) pair (:mod:`._sharded`).
 """
 
 from __future__ import annotations
@@ -56,10 +48,9 @@ ACK_TAG = "weights-ack"
 """Receivers' acknowledgements travel on their own tag, never mixing with the caller's objects."""
 
 MERGED_BYTES = 1 << 30
-"""When every member's tensors lie in the plan's byte layout (both sides ``flatten_``-ed) and the transport
-can cut the stream anywhere (``TransportSpec.cut_anywhere``: the group's broadcast), nothing is packed
-whatever the cut, and fewer, bigger operations are faster (each gloo operation costs a handshake): all
-members then cut the stream at this size instead of ``bucket_bytes``."""
+"""The cut of a stream whose members all lie in the plan's byte layout (both sides ``flatten_``-ed) over a
+transport that cuts anywhere (``TransportSpec.cut_anywhere``: the group's broadcast), instead of
+``bucket_bytes``: nothing is packed, and fewer operations are faster (each gloo one costs a handshake)."""
 
 
 def merged_plan(manifest: Manifest) -> Plan:
@@ -92,10 +83,8 @@ def make_renamer(rename: Callable[[str], str] | Mapping[str, str] | None) -> Ren
 
 @dataclass(frozen=True, slots=True)
 class Session:
-    """The outcome of the handshake, the same on every member: who sends, what, and the plan of the streams
-    that carry it. One source sending whole tensors to every receiver is one fan-out stream (``plan`` None:
-    its buckets are cut from the manifest by :class:`.plan.Plan`); any other sync is one stream per (source,
-    receiver) pair, cut by the :class:`._shard_plan.ShardPlan` in ``plan``."""
+    """The handshake's outcome, the same on every member: who sends what, over one fan-out stream (``plan``
+    None: one source of whole tensors) or one stream per (source, receiver) pair cut by ``plan``."""
 
     sources: tuple[int, ...]
     header: Header
@@ -106,8 +95,7 @@ class Session:
     """Every source's own header: its stream's sync id, transport and offer."""
     plan: ShardPlan | None = None
     merged: bool = False
-    """The fan-out stream's members all lie in the plan's layout and its transport cuts anywhere: the merged
-    plan."""
+    """The fan-out stream is cut by the merged plan (see :data:`MERGED_BYTES`)."""
     deltas: frozenset[tuple[int, int]] = frozenset()
     """The (source, receiver) pairs that travel as deltas (a fan-out stream's: all of them, or none)."""
     keys: Mapping[tuple[int, int], str] = field(default_factory=dict)
@@ -128,11 +116,9 @@ class Session:
         return self.plan
 
     def turns(self) -> dict[tuple[int, int], int]:
-        """Each pair's turn within a round of a walk of pair streams: the receivers rotated by source (turn
-        ``(receiver's index - source's index) mod receivers``), so that in every turn each source sends to
-        another receiver and every link is busy, where walking every source to the same receiver first
-        would leave the others idle. Every member walks its pairs by (round, turn, source): one total order,
-        so no stream waits on another in a cycle."""
+        """Each pair's turn in a round of pair streams, ``(receiver's index - source's index) mod receivers``:
+        each turn, every source sends to another receiver, so every link is busy. Every member walks its
+        pairs by (round, turn, source), one total order, so no stream waits on another in a cycle."""
         pairs = self.pairs.pairs
         receivers = sorted({d for _, d in pairs})
         at = {r: i for i, r in enumerate(receivers)}
@@ -209,13 +195,11 @@ def open_session(
     bases: Bases | None = None,
     plans: Plans | None = None,
 ) -> Session:
-    """Steps 1 and 2 above, the same on every member. A source posts its ``header`` (and, holding boxes of
-    global tensors, which), and passes its ``manifest`` and whether its tensors lie in the merged plan's
-    layout (``in_place``); a receiver posts what it ``wants`` when that is not every tensor whole (on the
-    condition ``wants_if``: see :func:`._sharded.conditional`) and passes the source it expects (``src``)
-    and its ``judge``. ``seen(key, used)`` is told, before any check, the sources' key and whether the
-    conditional wants hold for this sync. ``known`` caches the manifests seen (each one's source broadcasts
-    it when some member does not know it), ``plans`` the last pair plan, ``bases`` the pair bases held.
+    """Steps 1 and 2 above, on every member. A source passes ``header``, ``boxes`` (of global tensors held),
+    ``manifest`` and ``in_place`` (its tensors lie in the merged plan's layout); a receiver ``wants`` (unless
+    every tensor whole; on condition ``wants_if``, see :func:`._sharded.conditional`), the ``src`` it expects
+    and its ``judge``. ``seen(key, used)`` learns, before any check, the sources' key and whether the
+    conditional wants hold. ``known`` caches manifests, ``plans`` the last pair plan, ``bases`` pair bases.
 
     Raises:
         ManifestMismatchError: some receiver expects other tensors (the message lists every receiver's), or
@@ -302,17 +286,15 @@ def conclude(header: Header, source: int, verdicts: list[Verdict]) -> tuple[bool
 
 
 def refuse(group: StatelessGroup, reason: str, deadline: Deadline, kind: str = "input") -> None:
-    """The source cannot make this sync: its handshake post says why, so every member raises instead of
-    waiting."""
+    """The source cannot make this sync: its handshake post says why, so every member raises, not waits."""
     group.all_gather_obj({"error": reason, "kind": kind}, timeout=deadline)
 
 
 def committed(
     group: StatelessGroup, session: Session, deadline: Deadline, replicas: Mapping[str, str] | None = None
 ) -> list[int]:
-    """A source's end of a sync it sent its part of: its vote (see :func:`vote`), then every receiver's
-    acknowledgement; returns the receivers. Raises :class:`SyncRefusedError` when some receiver refused
-    (every member finished the sync and said how: the group itself is fine)."""
+    """A source's end of a sync it sent its part of: its :func:`vote`, then every receiver's acknowledgement;
+    returns the receivers. Raises :class:`SyncRefusedError` when some receiver refused (the group is fine)."""
     version = session.header.version
     vote(group, version, None, deadline, replicas)
     receivers = [r for r in range(group.world_size) if r not in session.sources]
@@ -334,10 +316,9 @@ def vote(
     deadline: Deadline,
     replicas: Mapping[str, str] | None = None,
 ) -> None:
-    """Step 4's gather: raise :class:`SyncRefusedError` on every member unless every member succeeded
-    (``problem``: why this member's part failed, or None). A source of a many-source sync adds ``replicas``:
-    the digest of every replicated cell it holds (see ``ShardPlan.replicated``); cells whose holders'
-    digests differ fail the sync on every member alike."""
+    """Step 4: raise :class:`SyncRefusedError` on every member unless all succeeded (``problem``: why this
+    member's part failed, or None). A source of a many-source sync adds ``replicas``, the digest of each
+    replicated cell it holds (see ``ShardPlan.replicated``): holders' digests that differ fail the sync."""
     ballot: Any = problem if replicas is None else {"problem": problem, "replicas": dict(replicas)}
     votes = group.all_gather_obj(ballot, timeout=deadline)
     failed: list[tuple[int, str]] = []

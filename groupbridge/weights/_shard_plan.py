@@ -1,18 +1,14 @@
-"""One plan for a sync with many sources, computed alike by every member from what each holds and wants.
-
-Inputs (from the handshake): per source, the boxes it holds (one per tensor it sends: the whole tensor, or
-a :class:`~.shard.Shard`'s box); per receiver, the boxes it wants. The plan:
+"""One plan for a sync with many sources, computed alike by every member from the boxes (whole tensors or
+:class:`~.shard.Shard` boxes) each source holds and each receiver wants, as the handshake told them:
 
 1. **Checks** before any byte moves (every member raises the same :class:`ManifestMismatchError`, naming
-   the tensor and the box): holders that disagree on dtype or global shape, a receiver that expects another
-   dtype or global shape, a box outside its tensor, a wanted box (or part of one) nobody holds.
-2. **Cells**: per tensor, the grid cut by every held and wanted box's edges; each cell lies wholly inside or
-   outside every box. A cell some receiver wants is taken from exactly one of its holders, the one that has
-   been given the fewest bytes so far (replicas and overlapping shards share the work); a cell several
-   sources hold is first split by rows, one part per holder.
-3. **Pairs**: the pieces each (source, receiver) pair moves, in tensor order, cut by rows so that none is
-   much bigger than a bucket, packed into buckets (pieces aligned to 16 bytes): each pair's stream is a
-   :class:`.plan.Plan` of pieces. Bytes travel once per pair.
+   the tensor and the box): holders or receivers that disagree on dtype or global shape, a box outside its
+   tensor, a wanted box (or part of one) nobody holds.
+2. **Cells**: per tensor, the grid cut by every held and wanted box's edges, so each cell lies wholly inside
+   or outside every box. A wanted cell is taken from the holder given the fewest bytes so far; one several
+   sources hold is first split by rows, one part per holder (replicas and overlapping shards share the work).
+3. **Pairs**: each (source, receiver) pair's pieces in tensor order, cut by rows to about a bucket and packed
+   into buckets (aligned to :data:`ALIGN`): a :class:`.plan.Plan` per pair. Bytes travel once per pair.
 """
 
 from __future__ import annotations
@@ -30,9 +26,9 @@ from .shard import Box
 
 ALIGN = 16
 FORWARD_BYTES = 1 << 20
-"""The bucket size of a forwarded cut: each hop passes a bucket on once it landed whole, so a chain of
-receivers adds a bucket's time per hop (1 MiB, a relay chain's chunk: 0.04 s at 200 Mbit/s; 2 MiB measured
-1.31x the lower bound for 2 sources into 4 replicas where 1 MiB gives 1.19x)."""
+"""The bucket size of a forwarded cut: each hop passes a bucket on once it landed whole, so a chain adds a
+bucket's time per hop (1 MiB, a relay chunk: 0.04 s at 200 Mbit/s; for 2 sources into 4 replicas 2 MiB
+measured 1.31x the lower bound, 1 MiB 1.19x)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,9 +63,8 @@ class Piece:
     def part(
         self, slot: tuple[torch.Tensor, Box], wire: torch.dtype | None = None
     ) -> tuple[int, int, torch.Tensor, torch.dtype]:
-        """Where its bytes come from or go in ``slot`` (a tensor; the box of the global tensor it holds):
-        its box of that tensor, travelling as ``wire`` (default: the tensor's own dtype; see
-        ``_bytes.Part``)."""
+        """Its box of ``slot`` (a tensor; the box of the global tensor it holds), travelling as ``wire``
+        (default: the tensor's own dtype), as a ``_bytes.Part``."""
         tensor, held = slot
         return self.offset, self.nbytes, tensor[self.box.slices(held.offset)], wire or tensor.dtype
 
@@ -85,12 +80,11 @@ class ShardPlan:
     sent: Mapping[int, int]
     """Bytes each source sends in all."""
     replicated: tuple[tuple[str, Box, tuple[int, ...]], ...] = ()
-    """(tensor, cell, its holders) of every wanted cell more than one source holds (replicas, overlapping
-    shards): each holder digests the whole cell and the vote compares them, so replicas that disagree are
-    refused instead of mixed."""
+    """(tensor, cell, its holders) of every wanted cell several sources hold: each holder digests the whole
+    cell and the vote compares them, so replicas that disagree are refused instead of mixed."""
     upstream: Mapping[tuple[int, int], int] = field(default_factory=dict)
-    """The forwarded pairs: (source, receiver) -> the receiver that passes the pair's buckets on to it as
-    they land (see :func:`plan_shards`'s ``forward``); every other pair comes from its source."""
+    """Forwarded pairs: (source, receiver) -> the receiver that passes the pair's buckets on to it (see
+    :func:`plan_shards`'s ``forward``); every other pair comes from its source."""
 
     def feeder(self, src: int, dst: int) -> int:
         """Who sends pair (src, dst)'s bytes: its source, or the receiver that forwards them."""
@@ -126,15 +120,15 @@ def plan_shards(
 ) -> ShardPlan:
     """The plan (see the module's docstring); ManifestMismatchError lists every problem found.
 
-    ``caps``: per source, the most bytes one of its buckets may hold (0 or absent: ``bucket_bytes``), what
-    its transport reserved before the plan was known (pieces are aligned and a cell split among holders is
-    several pieces, so only the plan can keep to a reservation).
+    ``caps``: per source, the most bytes one of its buckets may hold (0 or absent: ``bucket_bytes``), as its
+    transport reserved before the plan was known; only the plan can keep to it (pieces are aligned, and a
+    cell split among holders is several pieces).
 
-    ``forward``: the sources whose pairs may be forwarded (their pairs cross hosts point to point). Where
-    more receivers want one such source's cut than there are sources, sending it to each would load the
-    source's link once per receiver while receivers' links idle: the cut goes to one of them, and each passes
-    every bucket on to the next as it lands (a chain started at a receiver rotated by source, so every
-    receiver forwards about as much as it takes), in buckets of :data:`FORWARD_BYTES`."""
+    ``forward``: the sources whose pairs may be forwarded (pairs across hosts, point to point). Where more
+    receivers want one such source's cut than there are sources, sending it to each would load its link
+    once per receiver while theirs idle: it goes to one, and each passes every bucket on to the next as it
+    lands (a chain started at a receiver rotated by source, so each forwards about as much as it takes), in
+    buckets of :data:`FORWARD_BYTES`."""
     problems: list[str] = []
     order: list[str] = []
     dtypes: dict[str, str] = {}

@@ -1,12 +1,8 @@
-"""Every member's delta bases: one store (:class:`Bases`) of the bytes each stream last carried, by its cut
-and the version they hold, and what of it outlives one bridge (:class:`DeltaMemory`).
+"""Every member's delta bases (:class:`Bases`) and what of them outlives one bridge (:class:`DeltaMemory`).
 
-A pair's base is its buckets back to back, as the plan cuts them (:func:`pair_key` names that cut); a
-fan-out stream's is the plan-layout bytes of the manifest (:data:`FANOUT`). A stream travels as a delta only
-when both ends hold the same version of the same cut (a new or lagging receiver makes its own pairs whole,
-nobody else's), and a base holds the new version only once the sync committed: any failure leaves it
-invalid, so the next sync of that stream is whole.
-"""
+A pair's base is its buckets back to back (cut named by :func:`pair_key`), a fan-out stream's the manifest's
+plan-layout bytes (:data:`FANOUT`). A base holds a version only once its sync committed, so after any failure
+that stream's next sync is whole; a new or lagging receiver makes only its own pairs whole."""
 
 from __future__ import annotations
 
@@ -32,15 +28,14 @@ def pair_key(cut: Plan[Piece]) -> str:
 
 
 def bucket_word(pieces: tuple[Piece, ...], dtypes: Any) -> int:
-    """The comparison word of a pair's bucket: its smallest element size (pieces are 16-byte aligned and each
-    a whole number of its elements, so every piece and the bucket are whole words)."""
+    """The comparison word of a pair's bucket: its smallest element size (pieces are 16-byte aligned whole
+    elements, so every piece and the bucket are whole words)."""
     return min((dtype_from_name(dtypes[p.name]).itemsize for p in pieces), default=1)
 
 
 FANOUT = -1
-"""The peer a fan-out stream's base is kept under in :class:`Bases`: a source's (every receiver of a
-one-source sync of whole tensors: one base, keyed by the manifest's digest, whose plan lays its bytes out),
-a receiver's (its kept buffer, or its target itself, keyed by how it is kept and the manifest's digest)."""
+"""The peer under which :class:`Bases` keeps a fan-out stream's base: a source's one base for all receivers
+(keyed by the manifest's digest), a receiver's kept buffer or target (keyed by :func:`kept_key`)."""
 
 
 def kept_key(how: tuple[Any, ...], digest: str) -> str:
@@ -50,10 +45,8 @@ def kept_key(how: tuple[Any, ...], digest: str) -> str:
 
 
 class Bases:
-    """One member's delta bases, one per cut with the version it holds: the one store of every stream's base.
-    A source's fan-out stream keeps one (peer :data:`FANOUT`); pairs with the same cut share one (a source's
-    replicas of a receiver's box: both tensor-parallel rank 0s of two replicas want the same rows from it),
-    so a source diffs those bytes once and keeps them once."""
+    """One member's delta bases, one per cut with the version it holds. Pairs with the same cut share one
+    (two replicas' tensor-parallel rank 0s want the same rows from a source), diffed and kept once."""
 
     def __init__(self) -> None:
         self._bases: dict[str, tuple[int | None, torch.Tensor]] = {}
@@ -68,9 +61,8 @@ class Bases:
         return base[0] if base is not None else None
 
     def begin(self, peer: int, key: str, nbytes: int, device: torch.device) -> tuple[torch.Tensor, bool]:
-        """The base of the pair with ``peer`` for this sync, invalid until :meth:`commit` (kept bytes when
-        the cut is the same: a delta is applied to them); and whether this sync began it already (for a
-        pair of the same cut: its bytes are being brought up to date once, for both)."""
+        """The base of the pair with ``peer`` for this sync, invalid until :meth:`commit` (the kept bytes if
+        the cut is the same), and whether this sync began it already for a pair of the same cut."""
         again = key in self._begun
         self._peers[peer] = key
         self._drop_unused()  # free what no pair cuts so any more before allocating
@@ -88,8 +80,8 @@ class Bases:
         return buffer, again
 
     def adopt(self, peer: int, key: str) -> None:
-        """A base of the stream with ``peer`` whose bytes live elsewhere (a receiver's kept buffer, or its
-        target), known by ``key`` only, invalid until :meth:`commit`."""
+        """A base with ``peer`` whose bytes live elsewhere (a receiver's kept buffer or target), known by
+        ``key`` only, invalid until :meth:`commit`."""
         self._peers[peer] = key
         self._bases[key] = (None, torch.empty(0, dtype=torch.uint8))
         self._begun.add(key)
@@ -135,18 +127,17 @@ class Bases:
 @dataclass(eq=False, slots=True)
 class DeltaMemory:
     """One member's delta state, owned by the caller and handed to the sender or receiver of each new bridge
-    of that member (use one per member and role): a framework that makes a bridge per update (verl's
-    checkpoint-engine manager does) would otherwise never send a delta. Nothing in it is trusted more than
-    within one bridge: a base is used only when the other side holds the same version of the same cut, and
-    every delta is checked against the source's digest of the new bytes."""
+    (one per member and role): a framework that makes a bridge per update would otherwise never send a
+    delta. Nothing in it is trusted more than within one bridge: a base is used only when the other side
+    holds the same version of the same cut, and every delta is checked against the source's digest."""
 
     bases: Bases = field(default_factory=Bases)
     """Every stream's base, one per cut, with the version it holds."""
     buffers: _bytes.BufferCache = field(default_factory=_bytes.BufferCache)
     """A receiver's buffers (its kept copy among them) when it is given no ``buffers=`` of its own."""
     policy: Any = None
-    """A sender's delta policy (:class:`._delta_sync.Policy`): what it measured of the link, kept whether
-    or not a base is (a framework's bridge per update would otherwise never get past its warm-up)."""
+    """A sender's :class:`._delta_sync.Policy` (what it measured of the link), kept even where no base is: a
+    bridge per update would otherwise never get past its warm-up."""
 
     def clear(self) -> None:
         """Forget every base: the next sync of each stream is a full one."""

@@ -209,11 +209,10 @@ def pair_streams(
         done = stream[k].posted
         if done is not None:
             done()
-        if progress is not None:
-            progress(wire.bounds[k][1], wire.total_bytes)
 
     to = tuple(e.receiver for e in stream)
-    post_stream(tx, wire, device, replace(sync, to=to), lambda k, buf: stream[k].fill(buf), posted)
+    post_stream(tx, wire, device, replace(sync, to=to), lambda k, buf: stream[k].fill(buf), posted,
+                progress=progress)  # fmt: skip
     sent.wire_bytes += wire.total_bytes
     digests.send((p.peer, plan.head(me, p.peer)) for p in pairs if not p.delta)
     slots.finish()

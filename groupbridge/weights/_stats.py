@@ -31,9 +31,8 @@ class SyncStats:
     base_bytes: int = 0
     """Memory the sender holds for deltas (``WeightSender(delta=True)``): a copy of the model's wire bytes."""
     by_receiver: Mapping[int, int] = field(default_factory=dict)
-    """Payload bytes each receiver (by rank) took from this sender: all of ``bytes`` when one source sends
-    whole tensors; its boxes with many sources, or when a receiver takes only the slices it reads (a
-    tensor-parallel engine worker)."""
+    """Payload bytes each receiver (by rank) took from this sender: all of ``bytes`` from one source of whole
+    tensors, else its boxes (many sources, or a receiver taking only the slices it reads)."""
 
     @property
     def gbps(self) -> float:

@@ -75,18 +75,20 @@ Fill = Callable[[int, Callable[[], torch.Tensor]], torch.Tensor]
 
 def post_stream(
     tx: TxTransport, plan: Plan, device: torch.device, sync: Sync[Any], fill: Fill,
-    posted: Callable[[int], None] | None = None, *, finish: bool = True,
+    posted: Callable[[int], None] | None = None, *, finish: bool = True, progress: Progress | None = None,
 ) -> None:  # fmt: skip
     """The one send loop of every stream (a fan-out, each group of a fan-out delta, a source's pairs): open
     the transport on ``plan``, then per bucket ``fill(k, buffer)`` (packing into ``buffer()``, the
-    transport's, or returning bytes that lie elsewhere), post it, call ``posted(k)``. ``finish=False`` leaves
-    the last bytes on the wire (a delta's next group is diffed meanwhile)."""
+    transport's, or returning bytes that lie elsewhere), post it, call ``posted(k)`` and ``progress``.
+    ``finish=False`` leaves the last bytes on the wire (a delta's next group is diffed meanwhile)."""
     tx.open(plan, device, sync)
     for k in range(len(plan.bounds)):
         start, end = plan.bucket_range(k)
         tx.post(k, fill(k, partial(tx.buffer, k, end - start, device)))
         if posted is not None:
             posted(k)
+        if progress is not None:
+            progress(end, plan.total_bytes)
     if finish:
         tx.finish()
 
@@ -171,13 +173,7 @@ def send_stream(
         reads = puller.reads(plan)
         sampler = partial(delta.sample, puller, plan) if delta is not None and sample else None
         fill = Packed(reads, copier, digests, base=base, sample=sampler)
-
-        def posted(k: int) -> None:
-            if progress is not None:
-                progress(plan.bucket_range(k)[1], plan.total_bytes)
-            reads.release(k)
-
-        post_stream(tx, plan, device, sync, fill, posted)
+        post_stream(tx, plan, device, sync, fill, reads.release, progress=progress)
         sent = Sent(plan.total_bytes, len(plan.buckets), plan.total_bytes, fill.in_place)
     puller.pull_through(len(puller.entries) - 1)  # trailing aliases and empty tensors
     digests.send((r, None) for r in range(group.world_size) if r != me)

@@ -15,20 +15,16 @@ from ._session import Session
 class WeightUpdate:
     """One incoming version; iterate it for (name, tensor) pairs as buckets arrive.
 
-    A yielded tensor is a view into one of the receiver's own buffers (never a mapping of the sender's
-    memory, whatever the transport) and stays valid only until the tensors of the next bucket are yielded:
-    consume or copy it before asking for more (``load_weights`` copies each tensor at once). A tensor that
-    spans buckets is yielded as its own copy.
-    Tied names are yielded right after the tensor they share. The receiver's ``version`` becomes this
-    update's version only once iteration has finished and the digests (when on) matched: a consumer that
-    applies tensors as they come must treat a failure as a torn update. Stopping early (``break``, an
-    exception in the consumer, dropping the iterator) aborts the sync for everyone, since the sender cannot
-    finish it; the ``timeout`` given to :meth:`WeightReceiver.receive` bounds the whole update.
+    A yielded tensor is a view into one of the receiver's own buffers (never the sender's memory), valid
+    only until the next bucket's tensors are yielded: consume or copy it first (``load_weights`` copies each
+    at once). A tensor spanning buckets is yielded as its own copy; tied names follow the tensor they share.
+    The receiver's ``version`` moves only once iteration finished and the digests (when on) matched: a
+    consumer applying tensors as they come must treat a failure as a torn update. Stopping early (``break``,
+    an exception, dropping the iterator) aborts the sync for everyone: the sender cannot finish it.
 
-    When the sender sends deltas (``WeightSender(delta=True)``) the receiver keeps the version it holds (one
-    copy of the model's wire bytes) and yields views of that copy instead, valid until the next sync and
-    not to be written to; a delta update (``delta`` True) yields only the tensors that changed, each whole,
-    so an engine's ``load_weights`` touches only them.
+    With deltas (``WeightSender(delta=True)``) tensors are views of the receiver's kept copy of the version
+    (one copy of the model's wire bytes), read-only and valid until the next sync; a delta update (``delta``
+    True) yields only the tensors that changed, each whole, so ``load_weights`` touches only them.
     """
 
     def __init__(
@@ -44,7 +40,6 @@ class WeightUpdate:
         self._pairs: Generator[tuple[str, torch.Tensor], None, None] | None = pairs
         self._taken: Generator[tuple[str, torch.Tensor], None, None] | None = None
         reason = f"the update of version {self.version} was dropped before it was read"
-        # a handle dropped unread (or closed) still owns its step of the protocol: the sources wait for it
         self._finalizer = weakref.finalize(self, _abandon, group, reason)
         self._finalizer.atexit = False
 
@@ -57,8 +52,8 @@ class WeightUpdate:
         return pairs
 
     def close(self) -> None:
-        """Give up this update if it was not read to the end: the sync is aborted for every member (they
-        raise within the liveness bound). Idempotent; a finished update is left as it is."""
+        """Give up this update if not read to the end: the sync is aborted for every member (they raise
+        within the liveness bound). Idempotent; a finished update is left as it is."""
         if self._pairs is not None:
             self._pairs = None
             self._finalizer()

@@ -1,8 +1,7 @@
 """The manifest: what a weight sync carries, checked against what each receiver expects before bytes move.
 
-Entries are ordered (the order of the sender's named tensors) and describe name, shape, dtype, the dtype on
-the wire and byte count. A name whose tensor shares storage with an earlier one (tied weights) is an alias:
-it travels once and lands in both names.
+Entries are in the order of the sender's named tensors. A name whose tensor shares storage with an earlier
+one (tied weights) is an alias: it travels once and lands in both names.
 """
 
 from __future__ import annotations
@@ -181,10 +180,8 @@ def expected_specs(expected: Any) -> dict[str, tuple[tuple[int, ...], str]]:
 
 
 def compare(manifest: Manifest, expected: Mapping[str, tuple[tuple[int, ...], str]]) -> dict[str, list[str]]:
-    """Return the problems by kind (missing, unexpected, shape, dtype); empty lists when all match.
-
-    Names are the receiver's (after any rename). The dtype compared is the wire dtype: what will arrive.
-    """
+    """The problems by kind (missing, unexpected, shape, dtype; empty lists when all match), by the
+    receiver's names (after any rename). The dtype compared is the wire dtype: what will arrive."""
     sent = {e.name: e for e in manifest.entries}
     problems: dict[str, list[str]] = {"missing": [], "unexpected": [], "shape": [], "dtype": []}
     for name in expected:

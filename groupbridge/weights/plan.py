@@ -1,20 +1,19 @@
 """The cut of a stream: its buckets' bounds and what each holds, one type for every stream of a sync.
 
-A fan-out stream carries a manifest's bytes (buckets of :class:`Segment`, built here by :meth:`Plan.build`);
-a pair carries boxes of global tensors (buckets of :class:`._shard_plan.Piece`, cut by the sync's
-:class:`._shard_plan.ShardPlan`); a delta's payloads and a forwarder's stream are buckets of bytes only.
+A fan-out stream carries a manifest's bytes (buckets of :class:`Segment`, cut by :meth:`Plan.build`);
+a pair, boxes of global tensors (of :class:`._shard_plan.Piece`, cut by :class:`._shard_plan.ShardPlan`);
+a delta's payloads and a forwarder's stream, bytes only.
 
-A fan-out stream's cut is computed by both sides from the manifest alone, so no per-bucket metadata crosses
-the wire. Tensors are laid one after another, each at an offset aligned to its element size (so a received
-byte range can be viewed as that dtype in place). The stream is then cut into buckets:
+Both sides compute a fan-out stream's cut from the manifest alone, so no per-bucket metadata crosses the
+wire. Tensors lie one after another, each at an offset aligned to its element size (so a received byte range
+can be viewed as that dtype in place), and the stream is cut into buckets:
 
-- a tensor of at least ``solo_bytes`` travels in buckets of its own (cut at ``bucket_bytes``), so both sides
-  send and receive it straight from and into its own storage, with no packing copy, whatever their memory
-  layout;
+- a tensor of at least ``solo_bytes`` travels in buckets of its own (cut at ``bucket_bytes``), sent from
+  and received into its own storage with no packing copy, whatever either side's memory layout;
 - smaller tensors are packed together into buckets of up to ``bucket_bytes``.
 
-The layout of the stream does not depend on the cuts, so :func:`groupbridge.flatten_` lays a model out in
-exactly this byte layout for any bucket size, and a side laid out so sends or receives every bucket in place.
+The layout does not depend on the cut, so :func:`groupbridge.flatten_` lays a model out in it for any bucket
+size, and a side laid out so sends or receives every bucket in place.
 """
 
 from __future__ import annotations
@@ -52,8 +51,7 @@ class Segment:
         return self.index
 
     def part(self, slot: tuple[torch.Tensor, Any]) -> tuple[int, int, torch.Tensor, torch.dtype]:
-        """Where its bytes go in the tensor ``slot`` holds (contiguous, in the wire dtype): a byte range (see
-        ``_bytes.Part``)."""
+        """Its bytes in the tensor ``slot`` holds (contiguous, wire dtype), as a ``_bytes.Part``."""
         flat = slot[0].reshape(-1).view(torch.uint8)[self.tensor_offset : self.tensor_offset + self.nbytes]
         return self.bucket_offset, self.nbytes, flat, torch.uint8
 
@@ -92,8 +90,8 @@ class Plan(Generic[C]):
 
     @staticmethod
     def of_sizes(sizes: Sequence[int], contents: Sequence[tuple[C, ...]] | None = None) -> Plan[C]:
-        """Buckets of these sizes back to back (holding ``contents``, or nothing: a stream whose transport
-        reads only the bounds), for a stream that is not one manifest's bytes."""
+        """Buckets of these sizes back to back, for a stream that is not one manifest's bytes (holding
+        ``contents``, or nothing: a stream whose transport reads only the bounds)."""
         ends = list(itertools.accumulate(sizes, initial=0))
         held = tuple(contents) if contents is not None else tuple(() for _ in sizes)
         return Plan((), ends[-1], max(sizes, default=0), tuple(itertools.pairwise(ends)), held)
@@ -146,10 +144,10 @@ class Plan(Generic[C]):
 
 
 class Plans:
-    """A member's last plans (a fan-out stream's, a pair plan's), each reused while what it depends on is
-    unchanged: building one walks every tensor (a fan-out plan: milliseconds for thousands of tensors; a pair
-    plan every cell of every tensor in Python: about 0.2 s per sync on every member, 290 tensors, 4 sources,
-    4 receivers, 2 cores, as long as the dense sync it plans on one host)."""
+    """A member's last plans (fan-out, pair), each reused while what it depends on is unchanged: building
+    one walks every tensor (a fan-out plan: milliseconds for thousands of tensors; a pair plan every cell of
+    every tensor in Python: about 0.2 s per sync on every member, 290 tensors, 4 sources, 4 receivers,
+    2 cores, as long as the dense sync it plans on one host)."""
 
     KEPT = 2
 

@@ -1,10 +1,7 @@
 """WeightReceiver: take weights from the sending members, streamed or all-or-nothing, verified on request.
 
-A receive is the receiver's part of a sync session (:mod:`._session`): the handshake with its verdict here,
-then one receive (:mod:`._receive`) of what lands: one source's fan-out stream of whole tensors
-(:mod:`._rx_whole`) or pair streams of boxes (:mod:`._sharded_rx`), each borrowing this receiver's means as a
-:class:`._rx_stream.Taker`.
-"""
+Its handshake verdict is here; :mod:`._receive` takes what lands (a fan-out stream of whole tensors or pair
+streams of boxes) through an :class:`._intake.Intake`, borrowing a :class:`._rx_stream.Taker`."""
 
 from __future__ import annotations
 
@@ -23,13 +20,12 @@ from ..stateless import StatelessGroup
 from . import _bytes
 from ._copier import Copier
 from ._header import Verdict
-from ._receive import Intake, into, named
-from ._rx_checks import Reads, refusal
+from ._intake import Intake, boxes_into, boxes_named, fanout_into, fanout_named
+from ._receive import into, named
+from ._rx_checks import Reads, data_ptr, refusal, wants_of
 from ._rx_stream import RxStreams, Taker
-from ._rx_whole import fanout_into, fanout_named
 from ._session import Session, laid_out_in_place, make_renamer, open_session
 from ._sharded_delta import FANOUT, DeltaMemory, kept_key
-from ._sharded_rx import boxes_into, boxes_named, data_ptr, wants_of
 from ._update import WeightUpdate
 from .manifest import Manifest, expected_specs, tensors_of
 from .plan import Plans
@@ -45,16 +41,15 @@ class WeightReceiver(Closing):
         group: the bridge.
         src: the member expected to send (default: whichever member sends; the handshake finds it). A sync
             sent by another member is refused with a :class:`WeightSyncError` on every member.
-        expected: the receiver's own module, state dict, or mapping name -> (shape, dtype); the sender's
-            manifest is checked against it before any bytes move. ``receive_into`` checks against its target
-            when this is not given.
+        expected: the receiver's own module, state dict, or mapping name -> (shape, dtype), checked against
+            the sender's manifest before any bytes move (default: ``receive_into``'s target).
         rename: a callable or mapping from names on the wire to this receiver's names.
         device: where received buckets land for ``receive()`` (default: CPU).
-        buffers: receive buffers owned by the caller, kept across receivers (an engine's worker keeps one
-            across bridges: a new bridge's first update lands in memory already touched, not page-faulting).
-        memory: a :class:`~groupbridge.weights.DeltaMemory` this rank keeps across bridges (a framework that
-            makes a new group per update): the version this receiver's last predecessor held in full (and
-            its buffers, unless ``buffers`` is given) is a base a sender's delta can be applied to.
+        buffers: receive buffers owned by the caller, kept across bridges so that a new bridge's first
+            update lands in memory already touched, not page-faulting.
+        memory: a :class:`~groupbridge.weights.DeltaMemory` kept across bridges (a new group per update): the
+            version the last receiver given it held in full (and its buffers, unless ``buffers`` is given)
+            is a base a sender's delta can be applied to.
     """
 
     def __init__(
@@ -89,8 +84,7 @@ class WeightReceiver(Closing):
         self._own_buffers = buffers is None
         self._own_memory = memory is None
         self._memory = memory if memory is not None else DeltaMemory(buffers=self._buffers)
-        """The bases deltas are applied to, one per stream's cut (a fan-out stream's: the kept buffer or the
-        target, under ``FANOUT``); the caller's, when given, so that they outlive this receiver's group."""
+        """Delta bases, one per stream's cut: the caller's, if given, so that they outlive this group."""
         self._plans = Plans()
         self._bases = self._memory.bases
         self._reads: tuple[str, dict[str, Any]] | None = None
@@ -149,8 +143,6 @@ class WeightReceiver(Closing):
             self._bases.clear()
         self._copier.close()
 
-    # ------------------------------------------------------------------ receive()
-
     def receive(
         self,
         *,
@@ -164,31 +156,26 @@ class WeightReceiver(Closing):
     ) -> WeightUpdate:
         """Start receiving the next version; the returned update yields (name, tensor) as buckets arrive.
 
-        ``timeout`` (default: the group's) bounds the whole update, the handshake here and the iteration.
-        ``accept`` sees the (renamed) manifest before any bytes move and returns None to take it, or a
-        message saying why this receiver cannot: every member then raises ManifestMismatchError with that
-        message and the group stays usable (an inference engine uses this to dry-run its own loader).
-        Without targets, what is allocated comes from the sizes the sender announced: a sync announcing
-        more than this host's memory is refused on every member before anything is allocated, and
-        ``accept`` states a tighter cap (``lambda m: "too big" if m.nbytes > cap else None``).
-        ``only_changed=False``: a delta update yields every tensor too (of the kept copy, once the delta is
-        applied), for an engine whose loader needs whole layers; only the changes travel either way.
-        ``keep=True``: every bucket lands in one buffer this receiver keeps across syncs (the model's wire
-        bytes, laid out as the plan lays them) and the update yields views of it: whole tensors, never
-        copied or re-assembled, valid until the next sync (a loader may hold them until the update ends);
-        as when the sender keeps a base (``update.kept``).
-        ``reads`` (with ``keep``): after ``accept`` took a manifest, the box of each tensor this receiver's
-        consumer reads, where that is not the whole tensor (a tensor-parallel worker's loader keeps its slice;
-        an engine learns it in its dry run). The next sync from sources holding the same manifests brings
-        only those boxes (the first, or one after the sources changed, brings every tensor whole), when
-        its pairs travel as well as whole tensors would (several sources, or ``shm``: not over a one-source
-        broadcast, relay or CUDA IPC, where every tensor stays whole); each tensor is still yielded
-        whole-shaped, its bytes outside the box left as they were. A dry run that then reads outside the
-        boxes brought refuses the sync on every member (the next one brings what it reads now).
-        ``ready``: called once the sync committed here (the version held, every tensor yielded), before the
-        sources are acknowledged: what the consumer must finish before the sources' ``send`` returns (an
-        engine processing the tensors into a second copy of its model). One that raises fails the sync for
-        every member, as a receiver that stops early does.
+        ``timeout`` (default: the group's) bounds the whole update, handshake and iteration.
+        ``accept`` sees the (renamed) manifest before any bytes move and returns None to take it, or why
+        not: every member then raises ManifestMismatchError with that message, the group usable (an engine
+        dry-runs its loader here). Without targets, allocation follows the sender's announced sizes: a sync
+        announcing more than this host's memory is refused on every member before anything is allocated;
+        ``accept`` can set a tighter cap (``lambda m: "too big" if m.nbytes > cap else None``).
+        ``only_changed=False``: a delta update yields every tensor (of the kept copy, delta applied), for a
+        loader that needs whole layers; only the changes travel either way.
+        ``keep=True``: buckets land in one buffer kept across syncs (the wire bytes in the plan's layout) and
+        the update yields views of it, whole tensors never copied, valid until the next sync; as when the
+        sender keeps a base (``update.kept``).
+        ``reads`` (with ``keep``): after ``accept`` took a manifest, the box of each tensor the consumer
+        reads, where not whole (a tensor-parallel worker's slice, learnt in a dry run). Later syncs from
+        sources with the same manifests bring only those boxes (tensors still yielded whole-shaped, bytes
+        outside a box as they were) where pairs travel as well as whole tensors (several sources, or ``shm``;
+        not a one-source broadcast, relay or CUDA IPC). A dry run that then reads outside the boxes brought
+        refuses the sync on every member; the next one brings what it reads now.
+        ``ready``: called once the sync committed here (version held, every tensor yielded), before the
+        sources are acknowledged, for what must finish before their ``send`` returns (an engine building a
+        second copy of its model). If it raises, the sync fails for every member, as on an early stop.
 
         Raises:
             ManifestMismatchError: the manifest differs from ``expected``; nothing moved.
@@ -223,8 +210,7 @@ class WeightReceiver(Closing):
         return WeightUpdate(session, named(taker, session, intake, deadline), self.group, kept=keep)
 
     def _taker(self, ready: Callable[[], None] | None = None) -> Taker:
-        """What a receive borrows from this receiver. The receive rewrites the kept buffer or its target: the
-        fan-out base either held (the verdict said whether) holds no version until it commits."""
+        """What a receive borrows; the fan-out base it rewrites holds no version until it commits."""
         self._bases.drop(FANOUT)
 
         def committed(version: int) -> None:
@@ -232,8 +218,6 @@ class WeightReceiver(Closing):
 
         return Taker(self.group, self._streams, self._copier, self._buffers, self._memory, self._plans,
                      self._rename, self.version, committed, self.device, ready)  # fmt: skip
-
-    # ------------------------------------------------------------------ receive_into()
 
     def receive_into(
         self,
@@ -245,16 +229,15 @@ class WeightReceiver(Closing):
     ) -> int:
         """Receive the next version into ``target`` (a module or state dict) and return the version held.
 
-        ``atomic=True`` stages the whole update (one model-size buffer) and copies into ``target`` only after
-        every bucket arrived and the digests (when on) matched (a delta is applied to the staged copy of the
-        version held, and only the tensors that changed are copied): on any failure ``target`` is
-        bit-identical to before and ``version`` unchanged. ``atomic=False`` writes bucket by bucket
-        (receiving straight into the target's storage where it is laid out as the plan is, e.g. after
-        :func:`groupbridge.flatten_`); a failure then raises :class:`TornUpdateError` naming the tensors
-        already written; a delta is applied to the target itself when its tensors are contiguous and in the
-        wire dtype (otherwise every sync is a full one). ``timeout`` (default: the group's) bounds the whole
-        sync. With deltas, the target must not be changed between syncs: its unchanged tensors are taken to
-        hold the version last received (a target that differs is caught by the digests and raises).
+        ``atomic=True`` stages the whole update (one model-size buffer; a delta applied to the staged copy)
+        and copies into ``target`` (only changed tensors) once every bucket arrived and the digests (when on)
+        matched: on any failure ``target`` is bit-identical to before and ``version`` unchanged.
+        ``atomic=False`` writes bucket by bucket, straight into the target's storage where it is laid out as
+        the plan is (:func:`groupbridge.flatten_`); a failure raises :class:`TornUpdateError` naming the
+        tensors written. A delta is applied to the target itself when its tensors are contiguous and in the
+        wire dtype (otherwise every sync is full). ``timeout`` (default: the group's) bounds the whole sync.
+        With deltas, do not change the target between syncs: its unchanged tensors are taken to hold the
+        version last received (one that differs is caught by the digests and raises).
         """
         deadline = self.group.deadline(timeout)
         self._copier.deadline = deadline

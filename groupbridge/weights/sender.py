@@ -59,32 +59,28 @@ class WeightSender(Closing):
         bucket_bytes: bucket size (default :data:`DEFAULT_BUCKET_BYTES`).
         solo_bytes: tensors at least this big travel in buckets of their own, straight from their storage
             (default ``bucket_bytes // 8``); smaller ones are packed together.
-        transport: ``"auto"`` (same host: ``shm`` for CPU tensors, ``cuda_ipc`` for CUDA tensors; across
-            hosts ``broadcast`` to one receiver, ``relay`` to more: see ``transports.across_hosts``), or one
-            of them by name. An explicit transport that cannot work between these members raises, never
-            falls back.
+        transport: ``"auto"`` (same host: ``shm`` for CPU tensors, ``cuda_ipc`` for CUDA ones; across hosts
+            ``broadcast`` or ``relay``, see ``transports.across_hosts``), or one by name: an explicit one that
+            cannot work between these members raises, never falls back.
         transport_options: options of one transport or several (``RelayOptions(chain=..., chunk_bytes=...)``,
-            ``BroadcastOptions(in_flight=...)``, ``SharedOptions(slots=...)``); each transport not named
-            here takes its defaults. Checked against the group now.
+            ``BroadcastOptions(in_flight=...)``, ``SharedOptions(slots=...)``), checked against the group
+            now; a transport not named here takes its defaults.
         wire_dtype: cast floating tensors to this dtype for the wire (fp32 master weights sent as bf16).
         checksum: send an XXH3-64 checksum of every bucket (about 16 GB/s); receivers verify before applying.
         rename: a callable or mapping from the sender's names to the names on the wire.
-        delta: send only what changed since the version every receiver acknowledged, when that pays (see
-            :class:`._delta_sync.Policy`): buckets are compared bitwise and each travels as the smaller of
-            its bytes and an encoding of its changed words; receivers apply it to the version they hold and
-            check the result against the sender's digest of the new bytes (XXH3-64, or the group's MAC;
-            full syncs are verified as ``checksum`` says). Costs one copy of the model's
-            wire bytes on this rank (``SyncStats.base_bytes``) and, on receivers, one copy for ``receive()``
-            and atomic ``receive_into`` (a streaming ``receive_into`` diffs against its target itself).
-            A receiver that holds another version (it missed one, it is new) makes the sync a full one for
-            all; so does a new group. ``"always"``
-            diffs every sync, even where the wire is faster than the diff (tests, benchmarks).
-        memory: with ``delta``, a :class:`~groupbridge.weights.DeltaMemory` this rank keeps across bridges
-            (a framework that makes a new group per update): this sender starts from the bases the last
-            sender given it committed, and leaves its own there when closed.
-        forward: with many sources across hosts, let receivers pass this rank's cut on to each other where
-            more receivers want it than there are sources (each of its bytes leaves this host once; the
-            receivers' links carry the rest, every hop checked); False: each receiver takes it from here.
+        delta: send only what changed (compared bitwise: see :mod:`._delta`) since the version every
+            receiver acknowledged, when that pays (see :class:`._delta_sync.Policy`; ``"always"``: every
+            sync, even where the wire beats the diff, for tests); receivers check the result against the
+            sender's digest of the new bytes (XXH3-64, or the group's MAC; full syncs as ``checksum`` says).
+            Costs one copy of the model's wire bytes here (``SyncStats.base_bytes``) and on receivers for
+            ``receive()`` and atomic ``receive_into`` (a streaming one diffs against its target). A receiver
+            holding another version, or a new group, makes the sync a full one for all.
+        memory: with ``delta``, a :class:`~groupbridge.weights.DeltaMemory` kept across bridges (a new group
+            per update): this sender starts from the bases the last one given it committed, and leaves its
+            own there when closed.
+        forward: with many sources across hosts, receivers pass this rank's cut on to each other where more
+            want it than there are sources (its bytes leave this host once, every hop checked); False: each
+            receiver takes it from here.
     """
 
     def __init__(
@@ -157,26 +153,21 @@ class WeightSender(Closing):
     ) -> SyncStats:
         """Send ``named_tensors`` as ``version``; returns once every receiver confirmed it applied it.
 
-        One commit: receivers apply the version only after every member voted that its part succeeded, so a
-        receiver that refuses the bytes (digests) or dies before the vote leaves every receiver on the
-        version it held.
-
         ``named_tensors`` is a Mapping, an ``nn.Module`` or an iterable of (name, tensor) pairs. An iterator
-        is consumed lazily, one tensor at a time, so a generator that gathers sharded parameters never holds
-        the model: the manifest then comes from ``specs`` (name -> (shape, dtype), in order; (shape, dtype,
-        global_shape, offset) for a box of a global tensor, yielded as a ``gb.Shard`` or a DTensor), or from
-        the previous send; only a first send with neither collects the iterator once to describe it. With
-        many sources a lazy source's tensors are pulled as the buckets that read them are packed and let go
-        after the last one (a delta pair packs all of its buckets first, holding what other pairs still
-        need).
-        ``progress(bytes_sent, total_bytes)`` is called after every bucket (for a progress bar).
-        ``timeout`` (default: the group's) bounds the whole sync, handshake to last acknowledgement.
+        is consumed lazily, so a generator gathering sharded parameters never holds the model; the manifest
+        then comes from ``specs`` (name -> (shape, dtype), in order; (shape, dtype, global_shape, offset)
+        for a box of a global tensor, yielded as a ``gb.Shard`` or a DTensor) or the previous send, and a
+        first send with neither collects the iterator once. With many sources a lazy source's tensors are
+        pulled as the buckets reading them are packed and let go after the last (a delta pair packs all its
+        buckets first, holding what other pairs still need). ``progress(bytes_sent, total_bytes)`` is called
+        after each bucket. ``timeout`` (default: the group's) bounds it all, to the last acknowledgement.
 
-        One sync is one session: if anything fails on this side once receivers are engaged (a transport
-        error, the source iterator raising, ``progress`` raising, an interrupt), the group is aborted with
-        the reason, so every receiver raises within the group's liveness timeout instead of waiting. A
-        mistake found before the sync starts (bad names, an unusable transport) is told to the receivers as
-        a refusal and leaves the group usable.
+        Receivers apply the version only once every member voted its part succeeded (:mod:`._session`): a
+        receiver that refuses the bytes or dies before the vote leaves every receiver on the version it held.
+        A failure here once receivers are engaged (a transport error, the iterator or ``progress`` raising,
+        an interrupt) aborts the group with the reason, so every receiver raises within the liveness
+        timeout; a mistake found before the sync starts (bad names, an unusable transport) is told to the
+        receivers as a refusal and leaves the group usable.
 
         Raises:
             ValueError, TypeError: bad arguments (receivers are told and raise WeightSyncError).
@@ -271,10 +262,8 @@ class WeightSender(Closing):
         return tx
 
     def _choose(self, device: torch.device, manifest: Manifest) -> tuple[str, int]:
-        """The transport for this sync, its resources claimed, and the most one bucket of a many-source
-        stream over it may hold (``Header.bucket_cap``: what it reserved, for one that carries pairs; else
-        0): ``auto`` falls back (and says why) when a same-host transport cannot get them; an explicit
-        choice raises instead."""
+        """The transport for this sync, its resources claimed (where a same-host one cannot, ``auto`` falls
+        back, a named one raises), and ``Header.bucket_cap``: what it reserved if it carries pairs, else 0."""
         kind = choose(self.transport, self.group, device)
         reserved = _reservation(self._plan(manifest), manifest, kind, self.bucket_bytes)
         try:
@@ -337,9 +326,8 @@ def _options_by_transport(
 
 
 def _as_sync_error(e: BaseException, version: int) -> BaseException:
-    """What a failed send raises (the group is aborted by then): a :class:`WeightSyncError`, except that a
-    timeout stays a :class:`PeerTimeoutError` (a ``TimeoutError`` for generic handlers) and an interrupt
-    propagates unchanged."""
+    """What a failed send raises, the group aborted: a :class:`WeightSyncError`, but a timeout stays a
+    :class:`PeerTimeoutError` (a ``TimeoutError`` for generic handlers) and an interrupt propagates as is."""
     if isinstance(e, PeerTimeoutError):
         return PeerTimeoutError(f"sending version {version} timed out: {e}")
     if isinstance(e, WeightSyncError) or not isinstance(e, Exception):
@@ -350,9 +338,8 @@ def _as_sync_error(e: BaseException, version: int) -> BaseException:
 
 
 def _reservation(plan: Plan, manifest: Manifest, kind: str, bucket_bytes: int) -> Plan:
-    """What transport ``kind`` reserves for: the bucket plan; for one that also carries a many-source sync's
-    pairs (known only after the handshake), buckets as big as a pair's may be too (``bucket_bytes``, or one
-    row of a tensor when that is bigger, at most every byte this source holds)."""
+    """What transport ``kind`` reserves for: the bucket plan, or, where it may carry pairs (known only after
+    the handshake), a pair's biggest bucket: ``bucket_bytes`` or one tensor row, at most all bytes held."""
     if not TRANSPORTS[kind].pairs:
         return plan
     held = sum(-(-e.nbytes // 16) * 16 for e in manifest.entries if e.alias_of is None)

@@ -1,9 +1,8 @@
 """``gb.Shard``: a box of a global tensor, as a value a source sends or a receiver wants.
 
-A trainer that shards its model (FSDP2, tensor or expert parallel) holds, for each parameter, a box of the
-global tensor: ``Shard(local, global_shape, offset)`` says which. A DTensor says it itself (its placements
-and the mesh give the box; no ``full_tensor()`` is ever called). A receiver's ``Shard`` target asks for only
-its box (a tensor-parallel slice); a plain tensor, on either side, is the whole tensor.
+A trainer that shards its model (FSDP2, tensor or expert parallel) holds, per parameter, a box of the global
+tensor: ``Shard(local, global_shape, offset)`` says which, and a DTensor says it itself (:func:`box_of`). A
+plain tensor, on either side, is the whole tensor.
 """
 
 from __future__ import annotations
@@ -63,11 +62,9 @@ class Box:
 
 
 class Shard:
-    """``tensor`` holds the box of a global tensor of ``global_shape`` that starts at ``offset``.
-
-    Valid as a value on both sides: a source sends the bytes of its box; a receiver's target receives only
-    its box. Raises ValueError or TypeError at once when the box does not fit the global shape.
-    """
+    """``tensor`` holds the box of a global tensor of ``global_shape`` that starts at ``offset``: a source
+    sends its box's bytes, a receiver's target (a tensor-parallel slice) receives only its box. Raises
+    ValueError or TypeError at once when the box does not fit the global shape."""
 
     __slots__ = ("global_shape", "offset", "tensor")
 
@@ -107,12 +104,10 @@ class Shard:
 
 
 def box_of(value: Any) -> Shard | None:
-    """The value as a :class:`Shard` (a Shard, or a DTensor's local box), or None for a plain tensor.
-
-    A DTensor's box is read from its placements: ``Shard(dim)`` placements split the global tensor as
-    ``torch.chunk`` does (what FSDP2 and tensor parallel use), ``Replicate`` holds it whole along that mesh
-    dimension. ``Partial`` placements (a pending reduction) cannot be sent and raise ValueError.
-    """
+    """The value as a :class:`Shard` (a Shard, or a DTensor's local box), or None for a plain tensor. A
+    DTensor's box is read from its placements and mesh (no ``full_tensor()``): ``Shard(dim)`` splits the
+    global tensor as ``torch.chunk`` does (as FSDP2 and tensor parallel do), ``Replicate`` holds it whole
+    along that mesh dimension; ``Partial`` (a pending reduction) cannot be sent and raises ValueError."""
     if isinstance(value, Shard):
         return value
     module = sys.modules.get("torch.distributed.tensor")  # never imported: no DTensor exists

@@ -1,16 +1,12 @@
-"""Transports move a sync's buckets; all plug in behind WeightSender / WeightReceiver.
+"""The transports that move a sync's buckets, each described by its :class:`TransportSpec`:
 
 - ``broadcast``: the group's own broadcast (gloo on CPU, NCCL & co. on devices).
 - ``relay``: a chunked, pipelined chain over the group's send/recv, so each link carries the bytes once.
 - ``shm``: a ring of shared-memory segments on one host; the sender fills, receivers copy out in parallel.
 - ``cuda_ipc``: the same over CUDA IPC buffers, for CUDA tensors on one host.
-- ``p2p``: the group's point-to-point send/recv, each bucket to its own receiver: a many-source sync's
-  pairs across hosts (``shm`` and ``cuda_ipc`` carry them on one host).
+- ``p2p``: point-to-point send/recv, each bucket to its own receiver: a many-source sync's pairs across hosts.
 
-Each states what it needs and can do in its :class:`TransportSpec`, and takes its own options dataclass
-(:class:`BroadcastOptions`, :class:`RelayOptions`, :class:`SharedOptions`), which the sender announces in
-the sync's header. The sender chooses (``auto``: same host -> shm or cuda_ipc; else see
-:func:`across_hosts`); receivers follow the header.
+The sender chooses one (:func:`choose`) and names it, with its options, in the sync's header.
 """
 
 from __future__ import annotations
@@ -64,14 +60,14 @@ TRANSPORTS: dict[str, TransportSpec[Any]] = {s.name: s for s in (BROADCAST, RELA
 
 
 def pair_transport(kind: str) -> str:
-    """What carries a many-source sync's pairs from a source whose header names ``kind``: ``kind`` itself
-    when it can (``shm`` on one host), else ``p2p``."""
+    """What carries a many-source sync's pairs from a source whose header names ``kind``: ``kind`` if its
+    spec says ``pairs`` (``shm`` on one host), else ``p2p``."""
     return kind if spec(kind).pairs else "p2p"
 
 
 def stream_device(kind: str, device: torch.device) -> torch.device:
-    """Where the buffers of a stream over transport ``kind`` live, for a member whose tensors are on
-    ``device``: there, unless the transport carries host memory only (``shm``'s slots: the host)."""
+    """Where a stream's buffers over ``kind`` live: on the tensors' ``device``, unless ``kind`` carries host
+    memory only (``shm``: the host)."""
     carried = spec(kind).devices
     return device if not carried or device.type in carried else torch.device("cpu")
 
@@ -105,12 +101,12 @@ def _where(host_id: str) -> str:
 
 
 def choose(requested: str, group: StatelessGroup, device: torch.device) -> str:
-    """The transport for this sync; an explicit one that cannot work here is an error, never a fallback.
+    """The transport for this sync (``auto``: a one-host one where it fits, else :func:`across_hosts`'s);
+    an explicit one that cannot work here is an error, never a fallback.
 
     Raises:
         ValueError: an unknown name.
-        TransportUnavailableError: a one-host transport across hosts, or tensors on a device it does not
-            carry.
+        TransportUnavailableError: a one-host transport across hosts, or a device it does not carry.
     """
     local = len(set(group.host_ids)) == 1
     if requested == "auto":

@@ -1,10 +1,5 @@
-"""The transport contract: what a transport is told, what it must do, and what it states about itself.
-
-The sender, the handshake and the receiver never name a transport: they read its :class:`TransportSpec`
-(the options it takes, what it can carry, what it can do) from :data:`TRANSPORTS`. The order of the calls
-and the rules each side may rely on are written on :class:`TxTransport` and :class:`RxTransport`; the
-control keys a transport uses live under its :attr:`Sync.key`.
-"""
+"""The transport contract: the calls each side gets and what it may rely on (:class:`TxTransport`,
+:class:`RxTransport`), what it is told (:class:`Sync`), what it says of itself (:class:`TransportSpec`)."""
 
 from __future__ import annotations
 
@@ -45,11 +40,9 @@ class Landing(enum.Enum):
     TARGET = "target"
     """The caller's own tensors, in place: nothing to copy afterwards."""
     STAGING = "staging"
-    """A buffer the caller keeps or hands on (an atomic update's staging, ``receive()``'s ring): the
-    transport copies into it."""
+    """A buffer the caller keeps or hands on (an atomic update's staging, ``receive()``'s ring)."""
     SCRATCH = "scratch"
-    """A reusable buffer the caller only reads and never hands on; a transport with a shared buffer may hand
-    that out instead."""
+    """A reusable buffer the caller only reads: a transport with a shared buffer may hand that out instead."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,13 +66,11 @@ class TransportOptions(Protocol):
     """The transports that take these options."""
 
     def resolved(self, world_size: int, src: int) -> TransportOptions:
-        """These options completed for a group of ``world_size`` sending from ``src`` (defaults that depend
-        on it); ValueError if they do not fit it."""
+        """These options completed for a group of ``world_size`` sending from ``src``; ValueError if unfit."""
         ...
 
     def to_wire(self) -> dict[str, Any]:
-        """These options as they go in the sync's header (JSON-like, sealed with the group's token when it has
-        one); the transport's spec ``parse``-s them back on each receiver, checked as hostile."""
+        """These options for the sync's header (JSON-like); :attr:`TransportSpec.parse` reads them back."""
         ...
 
 
@@ -87,8 +78,7 @@ _Self = TypeVar("_Self")
 
 
 class PlainOptions:
-    """For options whose defaults need nothing of the group (``resolved`` is themselves) and that go on the
-    wire field by field."""
+    """For options whose defaults need nothing of the group and that go on the wire field by field."""
 
     __slots__ = ()
     __dataclass_fields__: ClassVar[dict[str, Field[Any]]]
@@ -116,18 +106,14 @@ class Sync(Generic[OptionsT]):
     options: OptionsT
     """The transport's own options, as the source announced them."""
     copy: Callable[[torch.Tensor, torch.Tensor], None] = _copy_here
-    """``copy(dst, src)``: how a transport copies bulk bytes. The sender and the receiver run it on the copy
-    thread they own (one intra-op thread): a copy on the caller's thread uses its intra-op pool, whose idle
-    workers then spin and starve the other processes of a small host (measured: shm to two receivers on two
-    cores 3x slower)."""
+    """``copy(dst, src)``: how a transport copies bulk bytes, on the sender's or receiver's own copy thread
+    (one intra-op thread): the caller's intra-op pool has idle workers spin and starve the other processes
+    of a small host (measured: shm to two receivers on two cores 3x slower)."""
     part: int = 0
-    """Which opening of the transport within this sync: a delta sync opens it once per group of buckets,
-    each with a plan of its own."""
+    """Which opening within this sync: a delta sync opens the transport once per group of buckets."""
     to: tuple[int, ...] | None = None
-    """The receiver of each bucket of the plan, when each goes to one receiver (a many-source sync: a
-    source's stream interleaves its pairs, and each receiver reads only its own); None: every receiver reads
-    every bucket. A receiver opens its pair's own plan with its own rank for every bucket. Only a transport
-    whose spec says ``pairs`` takes it."""
+    """A many-source sync's receiver of each bucket (a source's stream interleaves its pairs; a receiver opens
+    its pair's own plan, with its own rank for every bucket); None: every receiver reads every bucket."""
 
     @property
     def key(self) -> str:
@@ -142,18 +128,16 @@ class Sync(Generic[OptionsT]):
 class TxTransport(Protocol):
     """The source's side of a transport. The calls, in order:
 
-    - ``reserve(plan, device)`` before a sync is announced: claim what it needs (shared slots) so that a
-      host short of memory is found while another transport can still be chosen; raises
-      :class:`TransportUnavailableError` if it cannot, and then holds nothing. Called every sync; cheap when
-      what it holds already fits.
+    - ``reserve(plan, device)`` before every sync is announced (cheap when what it holds fits): claim what
+      it needs (shared slots), so that a host short of memory is found while another transport can still be
+      chosen; if it cannot, it raises :class:`TransportUnavailableError` and holds nothing.
     - ``offer()`` then goes into the sync's header: what receivers need to attach (JSON-like, small, sealed
       with the group's token). Called every sync: a receiver new to the group attaches from it.
     - ``open(plan, device, sync)`` starts a stream of buckets, with no round trip to the receivers. Within one
       sync it may be called again after ``finish()`` with another plan and ``sync.part`` one higher (a delta
-      sync sends each group of buckets by its own plan). With ``sync.to`` (a transport that carries pairs)
-      bucket k goes to receiver ``sync.to[k]`` alone, which opens a plan of its own buckets only; every
-      wait of the transport must then be for an earlier bucket of the source's stream (many streams run at
-      once, and every member walks them in one order: round, source, receiver).
+      sync sends each group of buckets by its own plan). With ``sync.to``, bucket k goes to receiver
+      ``sync.to[k]`` alone, and every wait of the transport must be for an earlier bucket of the source's
+      stream: many streams run at once, walked by every member in one order (``Session.turns``).
     - for every bucket k in order: ``buffer(k, nbytes, device)`` where the source may pack it (it blocks
       until that buffer is free again: this is the back-pressure of the pipeline), then ``post(k, view)``.
       ``view`` need not come from ``buffer()``: a bucket laid out in the tensors' own storage, a kept base or
@@ -190,10 +174,9 @@ class RxTransport(Protocol):
     - ``open(plan, device, sync)`` per stream, as on the source (again per group of a delta sync); after it,
       ``scratch_buffers`` says how many scratch landings may be in use at once (the receiver's ring).
     - ``buckets(plan, land, deadline)`` yields ``(k, view, in_place)`` for every bucket in order, as it
-      arrives. ``land(k)`` says where bucket k should land (:class:`Landed`); a transport with a buffer of
-      its own (a shared slot) may yield that buffer instead of copying into a SCRATCH landing: the view is
-      then valid only until the next bucket is asked for. ``in_place`` is True when the bytes are already in
-      the caller's own tensors (a TARGET landing).
+      arrives; ``land(k)`` says where bucket k should land (:class:`Landed`; ``in_place``: a TARGET one).
+      A transport with a buffer of its own (a shared slot) may yield that buffer instead of copying into a
+      SCRATCH landing: the view is then valid only until the next bucket is asked for.
     - ``close()`` releases mappings and buffers.
     """
 
@@ -221,8 +204,7 @@ class NoResources:
 
 
 class GroupTx(NoResources, Generic[OptionsT]):
-    """A source's side over the group's own operations: its buffers, kept between syncs; its sends in flight,
-    each with its bucket and its view (kept alive until sent); the deadline ``open`` gave them."""
+    """A source's side over the group's own operations: buffers kept between syncs, views kept until sent."""
 
     def __init__(self, group: StatelessGroup, options: OptionsT) -> None:
         self.group = group
@@ -253,8 +235,7 @@ class GroupTx(NoResources, Generic[OptionsT]):
 
 
 class GroupRx:
-    """A receiver's side over the group's own operations: nothing to map (``attach`` notes the source),
-    nothing to release."""
+    """A receiver's side over the group's own operations: nothing to map; ``attach`` notes the source."""
 
     def __init__(self, group: StatelessGroup) -> None:
         self.group = group
@@ -289,15 +270,13 @@ class GroupRx:
 
 @dataclass(frozen=True)
 class TransportSpec(Generic[OptionsT]):
-    """One transport, as data: the sender, the handshake and the receiver read it and never name a
-    transport."""
+    """One transport as data: the sender, handshake and receiver read it and never name a transport."""
 
     name: str
     options: type[OptionsT]
     """Its options class; ``options()`` gives the defaults."""
     parse: Callable[[Any, int, int], OptionsT]
-    """Options from the wire, ``parse(d, world_size, src)`` (hostile until checked: ProtocolError for
-    anything malformed)."""
+    """``parse(d, world_size, src)``: options off the wire, checked as hostile (ProtocolError)."""
     make_tx: Callable[[StatelessGroup, OptionsT], TxTransport]
     make_rx: Callable[[StatelessGroup], RxTransport]
     one_host: bool = False
@@ -308,8 +287,7 @@ class TransportSpec(Generic[OptionsT]):
     """When every member's tensors lie in the plan's byte layout, it can cut the stream at any size without
     packing, so all members may use the merged plan (fewer, bigger operations)."""
     pairs: bool = False
-    """It carries streams whose buckets each go to one receiver (``Sync.to``): a many-source sync's pairs.
-    A source whose transport cannot travels its pairs over ``p2p``."""
+    """It carries a many-source sync's pairs (``Sync.to``); else they go over ``p2p`` (``pair_transport``)."""
 
 
 def wire_int(d: Any, key: str, what: str, lo: int = 0, hi: int = 1 << 62) -> int:

@@ -1,16 +1,11 @@
-"""``p2p``: a stream of buckets over the group's point-to-point send/recv, each bucket to its own receiver.
+"""``p2p``: buckets over the group's point-to-point send/recv, each to its own receiver (``Sync.to``).
 
-The transport of a many-source sync's pairs across hosts: a source's stream interleaves its receivers'
-buckets (``Sync.to`` names the receiver of each), and each receiver reads only its own. Without ``Sync.to``
-(one source to every receiver) each bucket is sent to every receiver in turn: a star, which ``broadcast``
-and ``relay`` beat; it is there for completeness. A few buckets are in
-flight per source (sends posted asynchronously, receives posted ahead), so packing the next bucket overlaps
-the wire. gloo matches a pair's sends and receives in order, so no bucket needs a name on the wire.
-
-Every member walks the buckets of a sync in one global order (round, turn, source: see ``Session.turns``),
-and every wait is for an earlier bucket in that order (a source reusing a buffer waits for a send it posted
-before; a receiver waits for the bucket it needs next): the streams of many sources to many receivers
-cannot wait on each other in a cycle.
+It carries a many-source sync's pairs across hosts. Without ``Sync.to`` every bucket goes to every receiver
+in turn: a star, which ``broadcast`` and ``relay`` beat. ``in_flight`` buckets per source are on the wire
+(sends asynchronous, receives posted ahead), so packing the next bucket overlaps the wire; gloo matches a
+pair's sends and receives in order, so no bucket needs a name on the wire. No wait can close a cycle: a
+source reusing a buffer waits for a send it posted earlier, a receiver for the bucket it needs next, both
+earlier in the one order every member walks (``Session.turns``).
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""Chained relay: src -> r1 -> r2 -> ..., each bucket cut into chunks that are forwarded as they arrive.
-
-A star broadcast splits the sender's link among its receivers; in a chain each link carries the bytes once,
-so the time to N receivers stays near the time to one (plus one chunk per hop).
-"""
+"""Chained relay: src -> r1 -> r2 -> ..., each bucket cut into chunks forwarded as they arrive. A star
+broadcast splits the sender's link among its receivers; in a chain each link carries the bytes once, so the
+time to N receivers stays near the time to one (plus one chunk per hop)."""
 
 from __future__ import annotations
 
@@ -34,11 +32,9 @@ class RelayOptions:
     chain: tuple[int, ...] | None = None
     """The relay order: ranks starting with the sender, each once (default: the sender, then by rank)."""
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    """What each hop forwards at a time: smaller chunks start the next hop sooner, bigger ones cost fewer
-    operations."""
+    """What each hop forwards at a time: smaller starts the next hop sooner, bigger costs fewer operations."""
     window: int = field(default_factory=lambda: tuning_int("RELAY_WINDOW", 4))
-    """Chunks posted ahead on each link (``GROUPBRIDGE_RELAY_WINDOW`` overrides the default, for
-    measurements)."""
+    """Chunks posted ahead per link (``GROUPBRIDGE_RELAY_WINDOW`` sets the default, for measurements)."""
 
     def __post_init__(self) -> None:
         if self.chain is not None:

@@ -1,16 +1,16 @@
 """Shared buffers on one host: anonymous shared memory (``shm``) or CUDA IPC (``cuda_ipc``).
 
-The sender owns a ring of bucket-sized slots that every receiver maps; for each bucket the sender fills a
-slot and says so through the group's control channel, the receivers copy out in parallel and say they are
-done, and the sender refills the slot two buckets later.
+The sender owns a ring of bucket-sized slots that every receiver maps; per bucket the sender fills a slot
+and signals it on the group's control channel, the receivers copy out in parallel and signal they are done,
+and the sender refills the slot ``slots`` buckets later.
 
-Shared-memory slots are ``memfd_create`` files: they have no name in any file system, so nothing can be left
-in /dev/shm whoever is killed at whatever moment, and a small /dev/shm (Docker's 64 MiB) does not limit them.
-Their pages are reserved with ``posix_fallocate`` before use, so a host short of memory refuses the transport
-with an error instead of killing the sender with SIGBUS at the first write. Receivers open a slot through
-``/proc/<sender pid>/fd/<n>``, and only one the sender announced on the (sealed, with a token) control
-channel, from the pid the sender declared at join, with the inode it announced. CUDA IPC slots live as long as
-the sender's transport; receivers drop their mappings when the sender announces new slots or when they close.
+Shared-memory slots are ``memfd_create`` files: nameless, so nothing is left in /dev/shm whoever is killed
+when, and a small /dev/shm (Docker's 64 MiB) does not limit them. Their pages are reserved with
+``posix_fallocate`` first, so a host short of memory refuses the transport with an error instead of killing
+the sender with SIGBUS at its first write. A receiver opens only a slot the sender announced on the (sealed,
+with a token) control channel, through ``/proc/<pid>/fd/<n>`` of the pid the sender declared at join, and
+checks the announced inode. CUDA IPC slots live as long as the sender's transport; receivers drop their
+mappings when the sender announces new slots or when they close.
 """
 
 from __future__ import annotations
@@ -76,8 +76,7 @@ class _Segment:
             ) from e
         try:
             os.posix_fallocate(self.fd, 0, max(nbytes, 1))  # reserve now: ENOSPC here, never SIGBUS later
-            # torch maps the file itself and keeps no descriptor of its own: once close() has closed
-            # self.fd, no descriptor is left, whoever still holds a view of the slot
+            # torch maps the file and keeps no descriptor: after close(), none is left, whoever holds a view
             size = max(nbytes, 1)
             tensor = torch.from_file(f"/proc/self/fd/{self.fd}", shared=True, size=size, dtype=torch.uint8)
         except (OSError, RuntimeError) as e:
@@ -101,10 +100,10 @@ _F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)  # Linux 5.
 
 
 def _seal_memfd(fd: int) -> None:
-    """After the sender's own writable mapping exists, nobody may write the file any more (a process of the
-    same user opening /proc/<sender>/fd/<n> read-write, a compromised receiver) nor change its size (which
-    would make a receiver's read fault): bytes in a slot are the sender's, so digesting the slot digests
-    what the sender packed. Kernels without the future-write seal (before 5.1) keep the size seals only."""
+    """Once the sender's own writable mapping exists, nobody may write the file (a process of the same user
+    opening /proc/<sender>/fd/<n> read-write, a compromised receiver) nor resize it (a receiver's read would
+    fault): a slot's bytes are the sender's, so its digest is that of what the sender packed. Kernels before
+    5.1 (no future-write seal) get the size seals only."""
     seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
     try:
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals | _F_SEAL_FUTURE_WRITE)
@@ -376,11 +375,9 @@ class SharedRx:
 
 
 def _shared_source(view: torch.Tensor) -> dict[str, int] | None:
-    """Where a receiver on this host can map ``view`` from, if it is in shared memory (``share_memory_()``).
-
-    torch's file-descriptor sharing keeps an unlinked shm file open; a process of the same user on the same
-    host can reopen it through /proc/<pid>/fd/<n>. The inode guards against a reused descriptor number.
-    """
+    """Where a receiver on this host can map ``view`` from, if it is in shared memory (``share_memory_()``):
+    torch keeps such an unlinked file open, which a process of the same user and host can reopen through
+    /proc/<pid>/fd/<n>; the inode guards against a reused descriptor number."""
     if view.device.type != "cpu":
         return None
     storage = view.untyped_storage()
