@@ -910,3 +910,28 @@ def _cast(rank: int, ports: Any, atomic: bool, dtype: torch.dtype) -> Any:
 def test_many_sources_cast_into_targets_of_another_dtype(atomic: bool, dtype: torch.dtype) -> None:
     """The wire carries bfloat16; each target takes its values in its own dtype, streaming as atomic."""
     assert run_ranks(_cast, 3, CTX.Queue(), atomic, dtype, timeout=50)[2]
+
+
+def _missing_target(rank: int, ports: Any) -> Any:
+    """Two sources; the receiver's expected= names a tensor its receive_into target lacks."""
+    with make_group(rank, 3, "127.0.0.1", ports) as g:
+        try:
+            if rank < 2:
+                gb.WeightSender(g).send(_source(rank, 2, 1), version=1)
+                return "sent"
+            expected = {k: torch.zeros(SHAPES[k], dtype=DTYPES[k]) for k in ("w", "v", "b", "e")}
+            target = {k: v for k, v in expected.items() if k != "e"}
+            gb.WeightReceiver(g, expected=expected).receive_into(target)
+            return "received"
+        except gb.GroupBridgeError as e:
+            return f"{type(e).__name__}: {e}"
+
+
+@pytest.mark.timeout(60)
+def test_a_many_source_receive_into_a_target_without_a_tensor_fails_every_member_quickly() -> None:
+    t0 = time.monotonic()
+    res = run_ranks(_missing_target, 3, CTX.Queue(), timeout=50)
+    assert res[2].startswith("WeightSyncError: target has no tensor named e"), res
+    for r in res[:2]:
+        assert "rank 2 gave up receiving version 1" in r and "target has no tensor named e" in r, res
+    assert time.monotonic() - t0 < 30, res
