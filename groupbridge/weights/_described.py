@@ -125,9 +125,7 @@ def in_place(items: Pairs, manifest: Manifest, delta: bool) -> bool:
     return laid_out_in_place(manifest, [t for _, t in items], receiving=False)
 
 
-def peek_device(
-    items: list[tuple[str, torch.Tensor]] | Iterator[tuple[str, torch.Tensor]],
-) -> tuple[list[tuple[str, torch.Tensor]] | Iterator[tuple[str, torch.Tensor]], torch.device]:
+def peek_device(items: Pairs) -> tuple[Pairs, torch.device]:
     """The device the tensors live on (the first non-empty one's), without consuming a lazy source."""
     if isinstance(items, list):
         device = next((t.device for _, t in items if t.numel()), torch.device("cpu"))

@@ -192,17 +192,10 @@ class _Lander:
     (what it hands on goes to ``ready``)."""
 
     def __init__(
-        self,
-        group: StatelessGroup,
-        session: Session,
-        src: int,
-        cut: Plan[Piece],
-        applier: Applier,
-        base: torch.Tensor | None,
-        problems: list[str],
-        ready: list[tuple[str, torch.Tensor]],
+        self, group: StatelessGroup, session: Session, src: int, cut: Plan[Piece], applier: Applier,
+        base: torch.Tensor | None, problems: list[str], ready: list[tuple[str, torch.Tensor]],
         digests: _bytes.Digests,
-    ) -> None:
+    ) -> None:  # fmt: skip
         self.group, self.session, self.src, self.cut = group, session, src, cut
         self.applier, self.copier, self.base = applier, applier.copier, base
         self.problems, self.ready, self.digests = problems, ready, digests

@@ -19,16 +19,10 @@ def _renamed(e: Entry, rename: Callable[[str], str]) -> Entry:
 
 
 def refusal(
-    held: int | None,
-    header: Header,
-    manifest: Manifest,
-    *,
-    rename: Callable[[str], str],
-    expected: dict[str, tuple[tuple[int, ...], str]] | None,
-    accept: Callable[[Manifest], str | None] | None,
-    allow_stale: bool,
-    rank: int,
-) -> Verdict | None:
+    held: int | None, header: Header, manifest: Manifest, *, rename: Callable[[str], str],
+    expected: dict[str, tuple[tuple[int, ...], str]] | None, accept: Callable[[Manifest], str | None] | None,
+    allow_stale: bool, rank: int,
+) -> Verdict | None:  # fmt: skip
     """A receiver's refusal of a sync, or None: a version not newer than ``held``, more bytes than this host's
     memory where no target or ``expected=`` bounds them, other tensors than expected, ``accept`` saying no."""
     if not allow_stale and held is not None and header.version <= held:

@@ -179,22 +179,12 @@ def knows(post: Any, digest: str) -> bool:
 
 
 def open_session(
-    group: StatelessGroup,
-    deadline: Deadline,
-    known: dict[str, Manifest],
-    *,
-    header: Header | None = None,
-    boxes: dict[str, Any] | None = None,
-    manifest: Manifest | None = None,
-    in_place: bool = False,
-    wants: dict[str, Any] | None = None,
-    wants_if: str | None = None,
-    seen: Callable[[str, bool], None] | None = None,
-    src: int | None = None,
-    judge: Judge | None = None,
-    bases: Bases | None = None,
-    plans: Plans | None = None,
-) -> Session:
+    group: StatelessGroup, deadline: Deadline, known: dict[str, Manifest], *,
+    header: Header | None = None, boxes: dict[str, Any] | None = None, manifest: Manifest | None = None,
+    in_place: bool = False, wants: dict[str, Any] | None = None, wants_if: str | None = None,
+    seen: Callable[[str, bool], None] | None = None, src: int | None = None, judge: Judge | None = None,
+    bases: Bases | None = None, plans: Plans | None = None,
+) -> Session:  # fmt: skip
     """Steps 1 and 2 above, on every member. A source passes ``header``, ``boxes`` (of global tensors held),
     ``manifest`` and ``in_place`` (its tensors lie in the merged plan's layout); a receiver ``wants`` (unless
     every tensor whole; on condition ``wants_if``, see :func:`._sharded.conditional`), the ``src`` it expects
@@ -310,12 +300,9 @@ def committed(
 
 
 def vote(
-    group: StatelessGroup,
-    version: int,
-    problem: str | None,
-    deadline: Deadline,
+    group: StatelessGroup, version: int, problem: str | None, deadline: Deadline,
     replicas: Mapping[str, str] | None = None,
-) -> None:
+) -> None:  # fmt: skip
     """Step 4: raise :class:`SyncRefusedError` on every member unless all succeeded (``problem``: why this
     member's part failed, or None). A source of a many-source sync adds ``replicas``, the digest of each
     replicated cell it holds (see ``ShardPlan.replicated``): holders' digests that differ fail the sync."""

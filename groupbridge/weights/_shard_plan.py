@@ -208,14 +208,9 @@ def _chains(
 
 
 def _assign(
-    name: str,
-    holders: list[tuple[int, Box]],
-    wants: list[tuple[int, Box]],
-    load: dict[int, int],
-    problems: list[str],
-    itemsize: int,
-    replicated: list[tuple[str, Box, tuple[int, ...]]],
-) -> list[tuple[int, int, Box]]:
+    name: str, holders: list[tuple[int, Box]], wants: list[tuple[int, Box]], load: dict[int, int],
+    problems: list[str], itemsize: int, replicated: list[tuple[str, Box, tuple[int, ...]]],
+) -> list[tuple[int, int, Box]]:  # fmt: skip
     """(source, receiver, box) for every cell of tensor ``name`` some receiver wants; each such cell that
     several sources hold goes to ``replicated`` too."""
     if not wants:

@@ -114,10 +114,7 @@ def conditional(posts: list[Any], sources: list[int], *, keyed: bool = False) ->
         return posts, None
     headers = {s: Header.from_wire(posts[s]["header"]) for s in sources}
     key = sources_key(posts, sources, headers)
-    try:
-        carried = all(pair_transport(h.transport) == h.transport for h in headers.values())
-    except Exception:  # a transport this member does not know: the handshake refuses it later
-        carried = False
+    carried = all(_carrier(h) == h.transport for h in headers.values())
     sharded = len(sources) > 1 or any(
         isinstance(p, dict) and ("boxes" in p or ("wants" in p and "wants_if" not in p)) for p in posts
     )
@@ -170,13 +167,10 @@ def plan_pairs(
 
 def holding(bases: Bases | None, keys: Mapping[tuple[int, int], str], me: int) -> tuple[tuple[int, int], ...]:
     """(peer, version) of every pair base this member holds for its pairs' cuts."""
-    out = []
-    for (src, dst), key in keys.items() if bases is not None else ():
-        assert bases is not None
-        version = bases.held(dst if src == me else src, key)
-        if version is not None:
-            out.append((dst if src == me else src, version))
-    return tuple(out)
+    if bases is None:
+        return ()
+    held = ((dst if src == me else src, key) for (src, dst), key in keys.items())
+    return tuple((peer, v) for peer, key in held if (v := bases.held(peer, key)) is not None)
 
 
 def pair_deltas(
@@ -225,10 +219,16 @@ def _layout_key(posts: list[Any], sources: list[int], headers: Mapping[int, Head
 def _forwards(header: Header) -> bool:
     """Whether this source's pairs may be forwarded by receivers: its sender allows it and they cross hosts
     point to point."""
+    return header.forward and _carrier(header) == "p2p"
+
+
+def _carrier(header: Header) -> str | None:
+    """What carries this source's pairs (``pair_transport``); None for a transport this member does not
+    know (the handshake refuses it later)."""
     try:
-        return header.forward and pair_transport(header.transport) == "p2p"
-    except Exception:  # a transport this member does not know: the handshake refuses it later
-        return False
+        return pair_transport(header.transport)
+    except Exception:
+        return None
 
 
 def _union(held: Mapping[int, list[Held]]) -> list[Held]:

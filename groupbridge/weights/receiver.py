@@ -91,18 +91,11 @@ class WeightReceiver(Closing):
         """``receive(reads=...)``: (the sources' key, the wants to post) learned in the last handshake."""
 
     def _handshake(
-        self,
-        deadline: Deadline,
-        *,
-        expected: dict[str, tuple[tuple[int, ...], str]] | None,
-        allow_stale: bool,
-        keep: tuple[Any, ...],
-        targets: dict[str, torch.Tensor] | None = None,
-        accept: Callable[[Manifest], str | None] | None = None,
-        wants: dict[str, Any] | None = None,
-        wants_if: str | None = None,
-        seen: Callable[[str, bool], None] | None = None,
-    ) -> Session:
+        self, deadline: Deadline, *, expected: dict[str, tuple[tuple[int, ...], str]] | None,
+        allow_stale: bool, keep: tuple[Any, ...], targets: dict[str, torch.Tensor] | None = None,
+        accept: Callable[[Manifest], str | None] | None = None, wants: dict[str, Any] | None = None,
+        wants_if: str | None = None, seen: Callable[[str, bool], None] | None = None,
+    ) -> Session:  # fmt: skip
         """This receiver's part of the handshake: its verdict on the sources' headers and manifest."""
         check = partial(refusal, self.version, rename=self._rename, expected=expected, accept=accept,
                         allow_stale=allow_stale, rank=self.group.rank)  # fmt: skip

@@ -186,13 +186,9 @@ class WeightSender(Closing):
             self._sending.release()
 
     def _send(
-        self,
-        named_tensors: NamedTensors,
-        version: int,
-        specs: Specs | None,
-        timeout: timedelta | None,
+        self, named_tensors: NamedTensors, version: int, specs: Specs | None, timeout: timedelta | None,
         progress: Progress | None,
-    ) -> SyncStats:
+    ) -> SyncStats:  # fmt: skip
         deadline = self.group.deadline(timeout)
         self.group.check_open()
         self._copier.deadline = deadline
@@ -310,19 +306,16 @@ def _options_by_transport(
         if not isinstance(names, tuple) or not all(
             TRANSPORTS.get(n) and TRANSPORTS[n].options is type(opts) for n in names
         ):
-            raise TypeError(
-                f"transport_options takes transport options (RelayOptions, BroadcastOptions, SharedOptions, "
-                f"P2POptions), "
-                f"got {type(opts).__name__}"
-            )
+            raise TypeError(f"transport_options takes transport options (RelayOptions, BroadcastOptions, "
+                            f"SharedOptions, P2POptions), got {type(opts).__name__}")  # fmt: skip
         for name in names:
             if name in chosen:
                 raise ValueError(f"transport_options names {type(opts).__name__} twice")
             chosen[name] = opts
-    out: dict[str, TransportOptions] = {}
-    for name, spec in TRANSPORTS.items():
-        out[name] = chosen.get(name, spec.options()).resolved(group.world_size, src)
-    return out
+    return {
+        name: chosen.get(name, spec.options()).resolved(group.world_size, src)
+        for name, spec in TRANSPORTS.items()
+    }
 
 
 def _as_sync_error(e: BaseException, version: int) -> BaseException:
