@@ -581,9 +581,10 @@ def test_an_acknowledgement_that_cannot_be_sent_fails_the_receive() -> None:
 
 def _kept(rank: int, ports: Any, transport: str) -> Any:
     """``receive(keep=True)``: whole tensors as views of one buffer kept across syncs, all valid until the
-    update ends (a loader may hold them), a tensor larger than a bucket included, never re-assembled."""
+    update ends (a loader may hold them), a tensor larger than a bucket included, never re-assembled; an empty
+    tensor is one of its own (a view of the kept buffer would keep it alive in whoever holds the tensor)."""
     with make_group(rank, 2, "127.0.0.1", ports) as g:
-        shapes = [("big", (40000,)), ("w", (64, 64)), ("b", (64,))]  # big: 160 kB over 32 kB buckets
+        shapes = [("big", (40000,)), ("w", (64, 64)), ("b", (64,)), ("z", (0, 4))]  # big: 160 kB
         if rank == 0:
             with gb.WeightSender(g, transport=transport, bucket_bytes=32 << 10) as snd:
                 for v in (1, 2):
@@ -595,8 +596,9 @@ def _kept(rank: int, ports: Any, transport: str) -> Any:
             upd = rcv.receive(keep=True)
             held = list(upd)  # no copies: every view must still hold its bytes at the end
             want = make_model(shapes, seed=v)
-            storages = {t.untyped_storage().data_ptr() for _, t in held}
-            out.append((upd.kept, len(storages), all(torch.equal(t, want[n]) for n, t in held)))
+            storages = {t.untyped_storage().data_ptr() for _, t in held if t.numel()}
+            fresh = [t.untyped_storage().nbytes() == 0 for _, t in held if not t.numel()]
+            out.append((upd.kept, len(storages), all(torch.equal(t, want[n]) for n, t in held), fresh))
         return out
 
 
@@ -604,7 +606,7 @@ def _kept(rank: int, ports: Any, transport: str) -> Any:
 @pytest.mark.parametrize("transport", ["broadcast", "shm"])
 def test_receive_keep_yields_views_of_one_kept_buffer(transport: str) -> None:
     res = run_ranks(_kept, 2, CTX.Queue(), transport, timeout=50)
-    assert res[1] == [(True, 1, True), (True, 1, True)], res
+    assert res[1] == [(True, 1, True, [True]), (True, 1, True, [True])], res
 
 
 def _written(rank: int, ports: Any, transport: str) -> Any:

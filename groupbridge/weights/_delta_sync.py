@@ -56,10 +56,12 @@ class Description:
         """Parse, checked against its buckets' word counts ``words``; ProtocolError if malformed."""
         if not isinstance(d, dict):
             raise ProtocolError(f"delta description is a {type(d).__name__}, not a dict")
-        lists: list[Any] = [d.get(k) for k in ("codes", "counts", "digests", "wire")]
+        keys = ("codes", "counts", "digests", "wire")
+        lists: list[Any] = [d.get(k) for k in keys]
         codes, counts, digests, wire = lists
-        if not all(isinstance(v, list) for v in lists):
-            raise ProtocolError("delta description lacks its lists of codes, counts, digests or wire digests")
+        for key, v in zip(keys, lists, strict=True):
+            if not isinstance(v, list):
+                raise ProtocolError(f"delta description field {key!r} is missing")
         n = len(words)
         if len(codes) != n or len(counts) != n or len(digests) != n:
             raise ProtocolError(f"delta description does not describe the plan's {n} buckets")

@@ -34,14 +34,16 @@ from .transports import Landing, stream_device
 class Intake:
     """What one receive lands through ``applier``: the fan-out stream cut by ``plan``, or (``plan`` None) this
     receiver's pair streams. :meth:`tensors` yields each tensor (its name here; a fan-out's tied names right
-    after it) once whole, then the ones with no byte to wait for (``empty``), and leaves in :attr:`problem`
+    after it) once whole, then the ones with no byte to wait for (``empty``: key, dtype, shape; each a fresh
+    tensor, never a view that would keep a buffer alive), and leaves in :attr:`problem`
     why the bytes are refused (a digest mismatch: this receiver's vote); anything else raises. ``tag``: how
     a fan-out stream's version is kept for the next delta once committed (the kept buffer, or the target
     itself), or None."""
 
     def __init__(
         self, taker: Taker, session: Session, applier: Applier, deadline: Deadline, *,
-        plan: Plan | None = None, empty: tuple[Any, ...] = (), tag: tuple[Any, ...] | None = None,
+        plan: Plan | None = None, empty: tuple[tuple[Any, torch.dtype, tuple[int, ...]], ...] = (),
+        tag: tuple[Any, ...] | None = None,
         device: torch.device | None = None,
     ) -> None:  # fmt: skip
         self.taker, self.session, self.applier, self.deadline = taker, session, applier, deadline
@@ -67,8 +69,8 @@ class Intake:
         for key, t in whole:
             for name in (names(key), *aliases.get(key, [])):
                 yield name, t
-        for key in self.empty if self.problem is None else ():  # no byte to wait for: whole already
-            t = self.applier.slot(key)[0]
+        for key, dtype, shape in self.empty if self.problem is None else ():  # whole already
+            t = torch.empty(shape, dtype=dtype, device=self.device)
             for name in (names(key), *aliases.get(key, [])):
                 yield name, t
 
@@ -286,11 +288,8 @@ def fanout_named(taker: Taker, session: Session, deadline: Deadline, every: bool
         if header.keeps_base or keep
         else Scratch(taker.copier, names, parts, spec, taker.device, views=True, plan=plan, ring=ring)
     )
-    empty = (
-        tuple(i for i, e in enumerate(manifest.entries) if e.alias_of is None and not e.nbytes)
-        if every
-        else ()
-    )
+    entries = manifest.entries if every else ()
+    empty = tuple((i, *spec(i)[:2]) for i, e in enumerate(entries) if e.alias_of is None and not e.nbytes)
     return Intake(taker, session, applier, deadline, plan=plan, empty=empty,
                   tag=("receive",) if header.keeps_base else None)  # fmt: skip
 
@@ -416,5 +415,5 @@ def boxes_named(
             return dtype_from_name(plan.dtypes[wire]), whole[wire].shape, whole[wire]
 
         applier = Scratch(taker.copier, names, parts, spec, taker.device, every=every)
-    empty = tuple(w for w, box in whole.items() if box.numel == 0) if every else ()
-    return Intake(taker, session, applier, deadline, empty=empty)
+    empty = tuple((w, dtype_from_name(plan.dtypes[w]), b.shape) for w, b in whole.items() if not b.numel)
+    return Intake(taker, session, applier, deadline, empty=empty if every else ())

@@ -100,8 +100,9 @@ class Taker:
 
     def commit(self, version: int, sources: Iterable[int]) -> None:
         """Once the vote passed and what was received is applied: the version held moves, the consumer's
-        ``ready`` runs, every source is acknowledged. A ``ready`` that raises, or an acknowledgement that
-        cannot be sent, fails the sync (no source's ``send`` returns, so no commit follows anywhere)."""
+        ``ready`` runs, every source is acknowledged. A ``ready`` that raises fails the sync (no source's
+        ``send`` returns, so no commit follows anywhere); an acknowledgement that cannot be sent fails this
+        receive and that source's sync (it cannot know this receiver holds the version)."""
         group = self.group
         self.committed(version)
         try:

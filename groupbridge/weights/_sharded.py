@@ -2,9 +2,9 @@
 (:mod:`._session`: handshake, verdicts, vote, commit): every member computes the same
 :class:`._shard_plan.ShardPlan` from what each source holds and each receiver wants (a problem there refuses
 the sync on every member before any byte moves), one stream per (source, receiver) pair, walked by every
-member in one order (round, turn, source: see ``Session.turns``) so that no stream waits on another in a
-cycle. Pairs travel over a transport that carries them (``shm`` on one host, ``p2p`` across hosts) and land
-through the one family of appliers (:mod:`._appliers`), as a fan-out stream's buckets do.
+member in one order (:func:`._walk.walk_of`) so that no stream waits on another in a cycle. Pairs travel
+over a transport that carries them (``shm`` on one host, ``p2p`` across hosts) and land through the one
+family of appliers (:mod:`._appliers`), as a fan-out stream's buckets do.
 """
 
 from __future__ import annotations

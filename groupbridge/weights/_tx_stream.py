@@ -79,16 +79,16 @@ def post_stream(
 ) -> None:  # fmt: skip
     """The one send loop of every stream (a fan-out, each group of a fan-out delta, a source's pairs): open
     the transport on ``plan``, then per bucket ``fill(k, buffer)`` (packing into ``buffer()``, the
-    transport's, or returning bytes that lie elsewhere), post it, call ``posted(k)`` and ``progress``.
+    transport's, or returning bytes that lie elsewhere), post it, call ``progress`` and ``posted(k)``.
     ``finish=False`` leaves the last bytes on the wire (a delta's next group is diffed meanwhile)."""
     tx.open(plan, device, sync)
     for k in range(len(plan.bounds)):
         start, end = plan.bucket_range(k)
         tx.post(k, fill(k, partial(tx.buffer, k, end - start, device)))
-        if posted is not None:
-            posted(k)
         if progress is not None:
             progress(end, plan.total_bytes)
+        if posted is not None:
+            posted(k)
     if finish:
         tx.finish()
 
