@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
 from typing import Any
@@ -19,7 +18,7 @@ from ._delta_sync import Policy, delta_groups, wire_plan, word_counts
 from ._session import Session
 from ._sharded_delta import FANOUT, Bases
 from ._source import Puller, SourceReads
-from ._tx_stream import Progress, Sent, post_stream
+from ._tx_stream import Progress, Sent, as_is, post_stream
 from .manifest import Manifest
 from .plan import Plan
 from .transports import Sync, TxTransport
@@ -111,7 +110,7 @@ class DeltaSender:
             if opened:
                 tx.finish()  # the previous group's bytes are out; the diff workers kept going meanwhile
                 sync = sync.next_part()
-            post_stream(tx, wplan, base.device, sync, partial(_nth, payloads), finish=False)
+            post_stream(tx, wplan, base.device, sync, partial(as_is, payloads), finish=False)
             opened = True
         if opened:
             tx.finish()
@@ -121,10 +120,6 @@ class DeltaSender:
         if self._second is not None:
             self._second.close()
             self._second = None
-
-
-def _nth(payloads: list[torch.Tensor], j: int, buffer: Callable[[], torch.Tensor]) -> torch.Tensor:
-    return payloads[j]  # a delta's payload is posted from where it lies (the transport copies it if it must)
 
 
 class Diffs:

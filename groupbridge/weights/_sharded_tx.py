@@ -27,7 +27,7 @@ from ._shard_plan import Piece, ShardPlan
 from ._sharded import Slot, pairs_of, piece_parts
 from ._sharded_delta import Bases, bucket_word
 from ._source import Puller, SourceReads
-from ._tx_stream import Packed, Progress, Sent, post_stream
+from ._tx_stream import Packed, Progress, Sent, as_is, post_stream
 from .manifest import Manifest
 from .plan import Plan
 from .shard import Box
@@ -58,10 +58,6 @@ def _describe_delta(
     sent.changed_words += sum(d.enc.count for d, _ in done)
     sent.compared_words += sum(d.enc.words for d, _ in done)
     return desc, payloads
-
-
-def _lying(t: torch.Tensor, buffer: Callable[[], torch.Tensor]) -> torch.Tensor:
-    return t  # a delta's payload is posted from where it lies (the transport copies it if it must)
 
 
 class SourceSlots:
@@ -189,7 +185,9 @@ def pair_streams(
             desc, payloads = described[pair.key]
             _delta_sync.announce(group, desc, dst, sync.deadline)
             if plan.feeder(me, dst) == me:  # else a receiver forwards the payloads to it
-                stream += [_Post(j, dst, p.numel(), partial(_lying, p)) for j, p in enumerate(payloads)]
+                stream += [
+                    _Post(j, dst, p.numel(), partial(as_is, payloads, j)) for j, p in enumerate(payloads)
+                ]
             continue
         if plan.feeder(me, dst) != me:  # its bytes are forwarded by a receiver
             continue
