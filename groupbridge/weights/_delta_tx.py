@@ -5,23 +5,19 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import replace
 from functools import partial
-from typing import Any
 
 import torch
 
 from ..stateless import StatelessGroup
 from . import _bytes, _delta, _delta_sync
 from ._copier import Copier, Job
-from ._delta_sync import Policy, delta_groups, wire_plan, word_counts
+from ._delta_sync import Policy
 from ._session import Session
 from ._sharded_delta import FANOUT, Bases
 from ._source import Puller, SourceReads
-from ._tx_stream import Progress, Sent, as_is, post_stream
 from .manifest import Manifest
 from .plan import Plan
-from .transports import Sync, TxTransport
 
 Diffed = tuple[_delta_sync.Diffed, bool]
 """A bucket's diff, and whether its new bytes were read in place."""
@@ -73,48 +69,12 @@ class DeltaSender:
         old[m:].copy_(new[m:])
 
     def workers(self) -> list[Copier]:
-        """Two copy threads diff buckets side by side (the diff is the source's bottleneck and nothing else
-        runs while it does: the transfer starts once every bucket is described)."""
+        """Two copy threads diff buckets side by side (the diff is the source's bottleneck; they run ahead
+        into the next group of buckets while this one travels)."""
         if self._second is None:
             self._second = Copier(f"{self.group.name}-{self.group.rank}-diff")
         self._second.deadline = self.copier.deadline
         return [self.copier, self._second]
-
-    def send(
-        self, tx: TxTransport, plan: Plan, sync: Sync[Any], base: torch.Tensor, puller: Puller, verify: str,
-        progress: Progress | None,
-    ) -> Sent:  # fmt: skip
-        """Diff every bucket against ``base`` (bringing it up to the new version), describe each group of
-        buckets, then send the changed buckets' payloads."""
-        manifest = puller.manifest
-        sizes, words = word_counts(plan, manifest)
-
-        def released(j: int) -> None:
-            puller.release(plan, j)
-            if progress is not None:
-                progress(plan.bucket_range(j)[1], plan.total_bytes)
-
-        reads = replace(puller.reads(plan), release=released)
-        result = Diffs(reads, base, sizes, self.workers(), self.scratch, verify, self.group)
-        wire_bytes = changed = in_place = 0
-        opened = False
-        for a, b in delta_groups(plan):
-            desc, payloads, done = result.described(a, b)
-            _delta_sync.announce(self.group, desc, None, sync.deadline)
-            wplan, sources = wire_plan(desc, sizes[a:b], words[a:b])
-            changed += sum(d.enc.count for d, _ in done)
-            in_place += sum(flat for _, flat in done)
-            wire_bytes += wplan.total_bytes
-            if not sources:
-                continue
-            if opened:
-                tx.finish()  # the previous group's bytes are out; the diff workers kept going meanwhile
-                sync = sync.next_part()
-            post_stream(tx, wplan, base.device, sync, partial(as_is, payloads), finish=False)
-            opened = True
-        if opened:
-            tx.finish()
-        return Sent(plan.total_bytes, len(plan.buckets), wire_bytes, in_place, changed, sum(words), True)
 
     def close(self) -> None:
         if self._second is not None:

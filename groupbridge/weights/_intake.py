@@ -1,6 +1,6 @@
 """What one receive lands, from the streams that feed this receiver (one source's fan-out stream of whole
-tensors, or pair streams of boxes), through the applier of its receive mode (:mod:`._appliers`);
-:mod:`._receive` runs it, votes and commits alike whatever the plan."""
+tensors, or pair streams of boxes), taken by one loop through the applier of its receive mode
+(:mod:`._appliers`); :mod:`._receive` runs it, votes and commits alike whatever the plan."""
 
 from __future__ import annotations
 
@@ -15,16 +15,15 @@ import torch
 from ..codec import dtype_from_name
 from ..control import Deadline
 from ..errors import WeightSyncError
-from ..stateless import StatelessGroup
 from . import _bytes, _delta_sync
 from ._appliers import Applier, Ring, Scratch, Staged, Streaming, counts, fill_aliases, hand_on, wire_typed
-from ._delta_sync import Applied, delta_digest, delta_groups, wire_plan, word_counts
+from ._delta_sync import Applied, delta_digest, wire_plan
 from ._rx_stream import KEPT, Taker, allocated, tell_failure
 from ._session import Session, merged_plan
-from ._shard_plan import Piece, ShardPlan, element_size
-from ._sharded import Pair, Slot, pairs_of
-from ._sharded_delta import FANOUT, bucket_word, kept_key
-from ._walk import Feed, Onward, take, walk_of
+from ._shard_plan import ShardPlan, element_size
+from ._sharded import Slot, Stream, fanout, streams_of
+from ._sharded_delta import FANOUT, kept_key
+from ._walk import Feed, Onward, Opened, take, walk_of
 from .manifest import Manifest
 from .plan import Plan
 from .shard import Box, box_of
@@ -32,41 +31,37 @@ from .transports import Landing, stream_device
 
 
 class Intake:
-    """What one receive lands through ``applier``: the fan-out stream cut by ``plan``, or (``plan`` None) this
-    receiver's pair streams. :meth:`tensors` yields each tensor (its name here; a fan-out's tied names right
-    after it) once whole, then the ones with no byte to wait for (``empty``: key, dtype, shape; each a fresh
-    tensor, never a view that would keep a buffer alive), and leaves in :attr:`problem`
-    why the bytes are refused (a digest mismatch: this receiver's vote); anything else raises. ``tag``: how
-    a fan-out stream's version is kept for the next delta once committed (the kept buffer, or the target
-    itself), or None."""
+    """What one receive lands through ``applier``: the ``streams`` that feed this receiver (one source's
+    fan-out stream of whole tensors, or pair streams of boxes). :meth:`tensors` yields each tensor (its name
+    here; a fan-out's tied names right after it) once whole, then the ones with no byte to wait for
+    (``empty``: key, dtype, shape; each a fresh tensor, never a view that would keep a buffer alive), and
+    leaves in :attr:`problem` why the bytes are refused (a digest mismatch: this receiver's vote); anything
+    else raises. ``tag``: how a fan-out stream's version is kept for the next delta once committed (the kept
+    buffer, or the target itself), or None."""
 
     def __init__(
-        self, taker: Taker, session: Session, applier: Applier, deadline: Deadline, *,
-        plan: Plan | None = None, empty: tuple[tuple[Any, torch.dtype, tuple[int, ...]], ...] = (),
-        tag: tuple[Any, ...] | None = None,
-        device: torch.device | None = None,
+        self, taker: Taker, session: Session, applier: Applier, deadline: Deadline, streams: list[Stream], *,
+        empty: tuple[tuple[Any, torch.dtype, tuple[int, ...]], ...] = (), tag: tuple[Any, ...] | None = None,
+        device: torch.device | None = None, total: int | None = None,
     ) -> None:  # fmt: skip
         self.taker, self.session, self.applier, self.deadline = taker, session, applier, deadline
-        self.plan, self.empty, self.tag = plan, empty, tag
+        self.streams, self.empty, self.tag = streams, empty, tag
         self.device = device if device is not None else taker.device
-        self.total = len(session.manifest.entries) if plan is not None else applier.total
+        self.total = total if total is not None else applier.total
         """The update's tensors (for the error texts)."""
         self.problem: str | None = None
+        self.ready: list[tuple[Any, torch.Tensor]] = []
+        """What the applier made whole and this receive has yet to hand on."""
 
     def tensors(self) -> Generator[tuple[str, torch.Tensor], None, None]:
-        session, names = self.session, self.applier.names
+        manifest, names = self.session.manifest, self.applier.names
+        if self.tag is not None:  # what a delta may next be applied to, once this sync commits
+            self.taker.memory.bases.adopt(FANOUT, kept_key(self.tag, manifest.digest))
         aliases: dict[Any, list[str]] = {}
-        if self.plan is None:
-            whole = self._pairs()
-        else:
-            manifest = session.manifest
-            if self.tag is not None:  # what a delta may next be applied to, once this sync commits
-                self.taker.memory.bases.adopt(FANOUT, kept_key(self.tag, manifest.digest))
-            for i, e in enumerate(manifest.entries):
-                if e.alias_of is not None:
-                    aliases.setdefault(manifest.sources[i], []).append(names(i))
-            whole = self._delta() if session.delta else self._full()
-        for key, t in whole:
+        for i, e in enumerate(manifest.entries):
+            if e.alias_of is not None:
+                aliases.setdefault(manifest.sources[i], []).append(names(i))
+        for key, t in self._streams():
             for name in (names(key), *aliases.get(key, [])):
                 yield name, t
         for key, dtype, shape in self.empty if self.problem is None else ():  # whole already
@@ -74,174 +69,139 @@ class Intake:
             for name in (names(key), *aliases.get(key, [])):
                 yield name, t
 
-    def _full(self) -> Iterator[tuple[Any, torch.Tensor]]:
-        """Every bucket of the fan-out stream as it arrives; the digests, when asked for, are checked last."""
-        session, applier, deadline, plan = self.session, self.applier, self.deadline, self.plan
-        src = session.src
-        assert plan is not None and applier.ring is not None
-        _, rx, sync = self.taker.streams.stream(src, session, deadline)
-        rx.open(plan, applier.ring.device, sync)
-        applier.ring.size = rx.scratch_buffers
-        digests = _bytes.Digests(session.header.verify, self.taker.group)
-        landed = rx.buckets(plan, applier.land, deadline)
-        for k, view, in_place in take({src: landed}, [src] * len(plan.buckets)):
-            digests.take(view, src)
-            yield from hand_on(applier.landed(plan.buckets[k], view, in_place))
-        self.problem = digests.check(src, deadline)
+    def vote(self, check: Callable[[], str | None]) -> None:
+        """This receiver's vote is the first problem found; after one, the rest is taken, not applied."""
+        if self.problem is None:
+            self.problem = check()
 
-    def _delta(self) -> Iterator[tuple[Any, torch.Tensor]]:
-        """The delta (see :mod:`._delta_sync`), group by group, each bucket checked or applied where the
-        applier holds the version (:class:`._delta_sync.Applied`): the buckets it leaves as they were at
-        once, each changed one as it lands. A mismatch takes the rest without applying it (the source is
-        still sending) and is this receiver's vote."""
-        session, applier, deadline, src = self.session, self.applier, self.deadline, self.session.src
-        header, plan, group, ring = session.header, self.plan, self.taker.group, applier.ring
-        assert plan is not None and ring is not None
-        _, rx, sync = self.taker.streams.stream(src, session, deadline)
-        sizes, words = word_counts(plan, session.manifest)
-        ready: list[tuple[Any, torch.Tensor]] = []
+    def _streams(self) -> Iterator[tuple[Any, torch.Tensor]]:
+        """Every stream part by part (see ``Stream.groups``): a delta's description of the part first (its
+        unchanged buckets checked and handed on at once), then every bucket of the part as it lands, from
+        whichever stream, in the one order every member walks them; the digests of full streams, when asked
+        for, are checked last."""
+        digests = _bytes.Digests(self.session.header.verify, self.taker.group)
+        landers = [_Lander(self, s, digests) for s in self.streams]
+        for g in range(max((len(s.groups()) for s in self.streams), default=0)):
+            feeds: dict[int, list[Feed]] = {}
+            for lander in landers:
+                part = lander.part(g)
+                if part is not None:
+                    feeds[lander.stream.source] = part
+                yield from hand_on(self.ready)
+            yield from self._walk(g, feeds)
+        for s in self.streams:
+            if not s.delta:
+                self.vote(partial(digests.check, s.source, self.deadline))
 
-        def land(k: int, view: torch.Tensor, keys: set[Any]) -> None:
-            ready.extend(applier.landed(plan.buckets[k], view, True, keys))
-
-        for a, b in delta_groups(plan):
-            desc = _delta_sync.announced(group, src, True, words[a:b], deadline)
-            wplan, sources = wire_plan(desc, sizes[a:b], words[a:b])
-            applied = Applied(desc, plan, sizes, delta_digest(header), group, self.taker.copier.run,
-                              lambda k: f"bucket {k} of version {header.version}", base=applier.held,
-                              land=land, put=applier.write_back, first=a)  # fmt: skip
-            for k in range(a, b):
-                if k - a not in sources and self.problem is None:
-                    self.problem = applied.unchanged(k)
-                    yield from hand_on(ready)
-            if not sources:
+    def _walk(self, g: int, feeds: dict[int, list[Feed]]) -> Iterator[tuple[Any, torch.Tensor]]:
+        """Part ``g``'s buckets (``feeds``: by source), each feeder's stream opened over its transport
+        (attached in the handshake), passed on where this receiver forwards them."""
+        taker, session, me, deadline = self.taker, self.session, self.taker.group.rank, self.deadline
+        feeder = {s.source: s for s in self.streams}
+        walk = walk_of(session, me, {s: len(f) for s, f in feeds.items()})
+        walks: dict[int, Opened] = {}
+        for by in sorted({feeder[s].feeder for s in feeds}):
+            mine = [(s, k) for s, k in walk if feeder[s].feeder == by]
+            if not mine:
                 continue
-            rx.open(wplan, ring.device, sync)
-            sync = sync.next_part()
+            stream = feeder[mine[0][0]]
+            kind, rx, sync = taker.streams.stream(by, session, deadline)
+            wire = Plan.of_sizes([feeds[s][k][0] for s, k in mine])
+            if stream.to is None:  # the fan-out: whole buckets land where the applier says
+                ring = self.applier.ring
+                assert ring is not None
+                rx.open(wire, ring.device, replace(sync, part=g))
+                land = ring.land(wire) if stream.delta else self.applier.land
+            else:
+                # A bucket read where it lies (a shared slot) keeps the slot until this receiver comes back to
+                # that source's stream; the source may wait for that only when no other receiver's bucket lies
+                # between (it has no more receivers than slots), else it could wait on a later bucket: then
+                # copy out first.
+                receivers = sum(1 for s, _ in session.pairs.pairs if s == by)
+                landing = (
+                    Landing.SCRATCH if receivers <= getattr(sync.options, "slots", 0) else Landing.STAGING
+                )
+                ring = Ring(taker.buffers, stream_device(kind, self.device), f"recv{by}-")
+                rx.open(wire, ring.device, replace(sync, part=g, to=(me,) * len(mine)))
+                land = ring.land(wire, landing)
             ring.size = rx.scratch_buffers
-            landed = rx.buckets(wplan, ring.land(wplan), deadline)
-            for j, view, _ in take({src: landed}, [src] * len(wplan.buckets)):
-                if self.problem is None:  # else the source is still sending: take the rest, apply nothing
-                    self.problem = applied.changed(a + sources[j], j, view)
-                    yield from hand_on(ready)
-
-    def _pairs(self) -> Iterator[tuple[Any, torch.Tensor]]:
-        taker, session = self.taker, self.session
-        # bases when any source keeps them (each source's header says whether its pairs may be deltas)
-        bases = taker.memory.bases if any(h.keeps_base for h in session.headers.values()) else None
-        if bases is None:
-            taker.memory.bases.clear()  # the senders keep none: nothing to apply a delta to, memory back
-        pairs = pairs_of(session, taker.group.rank, False, bases, self.device)
-        problems: list[str] = []
-        yield from receive_shards(taker, session, pairs, self.applier, self.device, self.deadline, problems)
-        self.problem = problems[0] if problems else None
-
-
-def receive_shards(
-    taker: Taker, session: Session, pairs: list[Pair], applier: Applier, device: torch.device,
-    deadline: Deadline, problems: list[str],
-) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
-    """This receiver's pair streams, each feeder's over its transport (attached in the handshake), in the one
-    order every member walks them (:func:`._walk.walk_of`), landed through ``applier`` (keyed by wire name):
-    yields each tensor it hands on once whole, from whichever sources; a digest mismatch goes to
-    ``problems``."""
-    group = taker.group
-    digests = _bytes.Digests(session.header.verify, group)
-    checked: list[int] = []
-    plan, me = session.pairs, group.rank
-    feeds: dict[int, list[Feed]] = {}
-    ready: list[tuple[str, torch.Tensor]] = []
-    for pair in pairs:
-        src, cut = pair.peer, pair.cut
-        lander = _Lander(group, session, src, cut, applier, pair.base, problems, ready, digests)
-        if pair.delta:
-            feeds[src] = lander.delta(deadline)
-            yield from hand_on(ready)  # its unchanged buckets were unpacked from the base
-        else:
-            feeds[src] = [(end - start, partial(lander.full, k)) for k, (start, end) in enumerate(cut.bounds)]
-            checked.append(src)
-    walk = walk_of(session, me, {s: len(f) for s, f in feeds.items()})
-    walks: dict[int, Iterator[tuple[int, torch.Tensor, bool]]] = {}
-    for feeder in sorted({plan.feeder(s, me) for s in feeds}):
-        mine = [(s, k) for s, k in walk if plan.feeder(s, me) == feeder]
-        kind, rx, sync = taker.streams.stream(feeder, session, deadline)
-        at = stream_device(kind, device)
-        wire = Plan.of_sizes([feeds[s][k][0] for s, k in mine])
-        rx.open(wire, at, replace(sync, to=(me,) * len(mine)))
-        # A bucket read where it lies (a shared slot) keeps the slot until this receiver comes back to that
-        # source's stream; the source may wait for that only when no other receiver's bucket lies between
-        # (it has no more receivers than slots), else it could wait on a later bucket: then copy out first.
-        receivers = sum(1 for s, _ in plan.pairs if s == feeder)
-        slots = getattr(sync.options, "slots", 0)
-        landing = Landing.SCRATCH if receivers <= slots else Landing.STAGING
-        ring = Ring(taker.buffers, at, f"recv{feeder}-")
-        ring.size = rx.scratch_buffers
-        walks[feeder] = rx.buckets(wire, ring.land(wire, landing), deadline)
-    onward = Onward(group, plan, walk, feeds, deadline, device)
-    for (src, k), (_, view, _) in zip(walk, take(walks, (plan.feeder(s, me) for s, _ in walk)), strict=True):
-        onward.post(src, view)
-        feeds[src][k][1](view)
-        yield from hand_on(ready)
-    onward.finish()
-    for src in checked:
-        problem = digests.check(src, deadline)
-        if problem is not None:
-            problems.append(problem)
+            walks[by] = rx.buckets(wire, land, deadline)
+        onward = Onward(taker.group, session.plan, walk, feeds, deadline, self.device)
+        for (src, k), (_, view, in_place) in zip(walk, take(walks, (feeder[s].feeder for s, _ in walk)),
+                                                 strict=True):  # fmt: skip
+            onward.post(src, view)
+            feeds[src][k][1](view, in_place)
+            yield from hand_on(self.ready)
+        onward.finish()
 
 
 class _Lander:
-    """One pair's buckets on its receiver: checked, kept in the base (when kept), landed through the applier
-    (what it hands on goes to ``ready``)."""
+    """One stream's buckets on this receiver, part by part: checked, kept in its base (a pair's, when kept),
+    landed through the applier (what it makes whole goes to the intake's ``ready``). A delta is applied where
+    the version held lies: a pair's base, or a fan-out's tensors as its applier holds them (``held``)."""
 
-    def __init__(
-        self, group: StatelessGroup, session: Session, src: int, cut: Plan[Piece], applier: Applier,
-        base: torch.Tensor | None, problems: list[str], ready: list[tuple[str, torch.Tensor]],
-        digests: _bytes.Digests,
-    ) -> None:  # fmt: skip
-        self.group, self.session, self.src, self.cut = group, session, src, cut
-        self.applier, self.copier, self.base = applier, applier.copier, base
-        self.problems, self.ready, self.digests = problems, ready, digests
+    def __init__(self, intake: Intake, stream: Stream, digests: _bytes.Digests) -> None:
+        self.intake, self.stream, self.digests = intake, stream, digests
+        self.applier, self.cut = intake.applier, stream.cut
+        fanout = stream.to is None
+        self.held = self.applier.held if fanout else self._base
+        self.put = self.applier.write_back if fanout else None
+        self.in_place = fanout
+        """A delta's bucket is applied where the applier holds it: nothing to unpack afterwards."""
 
-    def _land(self, k: int, view: torch.Tensor, moved: set[str] | None = None) -> None:
-        """Bucket k's pieces through the applier; ``moved``: the tensors whose bytes changed (None: all)."""
-        self.ready += self.applier.landed(self.cut.buckets[k], view, False, moved)
-
-    def full(self, k: int, buf: torch.Tensor) -> None:
-        self.digests.take(buf, self.src)
-        if self.base is not None:
-            self.copier.copy(self._view(k), buf)
-        self._land(k, buf)
-
-    def delta(self, deadline: Deadline) -> list[tuple[int, Callable[[torch.Tensor], None]]]:
-        """The pair's changed buckets to receive (as its source announced them), each applied to the base
-        then landed from it; the unchanged ones are checked and landed from the base at once (see
-        :class:`._delta_sync.Applied`)."""
-        cut, dtypes = self.cut, self.session.pairs.dtypes
-        sizes = [bucket_word(b, dtypes) for b in cut.buckets]
-        words = [(end - start) // w for (start, end), w in zip(cut.bounds, sizes, strict=True)]
-        desc = _delta_sync.announced(self.group, self.src, False, words, deadline)
-        wplan, changed = wire_plan(desc, sizes, words)
-        what = f"from rank {self.src}"
-        applied = Applied(desc, cut, sizes, delta_digest(self.session.header), self.group, self.copier.run,
-                          lambda k: f"bucket {k} {what}", base=self._view, land=self._land)  # fmt: skip
-        for k in range(len(cut.bounds)):
-            if k not in changed:
-                self._vote(applied.unchanged(k))
+    def part(self, g: int) -> list[Feed] | None:
+        """Part ``g``'s buckets to take (a delta's changed ones, as its source announced them; its unchanged
+        ones are checked and landed at once), or None when the stream has no such part."""
+        s, intake = self.stream, self.intake
+        groups = s.groups()
+        if g >= len(groups):
+            return None
+        a, b = groups[g]
+        if not s.delta:
+            return [
+                (end - start, partial(self.full, k)) for k, (start, end) in enumerate(s.cut.bounds[a:b], a)
+            ]
+        group, header = intake.taker.group, intake.session.header
+        words = s.word_counts(a, b)
+        desc = _delta_sync.announced(group, s.source, s.to is None, words, intake.deadline)
+        wplan, changed = wire_plan(desc, list(s.words[a:b]), words)
+        what = f"version {header.version} from rank {s.source}"
+        applied = Applied(desc, self.cut, list(s.words), delta_digest(header), group, self.applier.copier.run,
+                          lambda k: f"bucket {k} of {what}", base=self.held, land=self._land, put=self.put,
+                          first=a)  # fmt: skip
+        for k in range(a, b):
+            if k - a not in changed:
+                intake.vote(partial(applied.unchanged, k))
         return [
-            (end - start, partial(self._changed, applied, k, j))
+            (end - start, partial(self._changed, applied, a + k, j))
             for j, (k, (start, end)) in enumerate(zip(changed, wplan.bounds, strict=True))
         ]
 
-    def _changed(self, applied: Applied, k: int, j: int, payload: torch.Tensor) -> None:
-        self._vote(applied.changed(k, j, payload))
+    def full(self, k: int, view: torch.Tensor, in_place: bool) -> None:
+        self.digests.take(view, self.stream.source)
+        if self.stream.base is not None:
+            self.applier.copier.copy(self._base(k), view)
+        self.intake.ready += self.applier.landed(self.cut.buckets[k], view, in_place)
 
-    def _view(self, k: int) -> torch.Tensor:
-        assert self.base is not None
-        return self.base[slice(*self.cut.bucket_range(k))]
+    def _land(self, k: int, view: torch.Tensor, moved: set[Any]) -> None:
+        """Bucket k after its delta: ``moved``, the tensors whose bytes it changed."""
+        self.intake.ready += self.applier.landed(self.cut.buckets[k], view, self.in_place, moved)
 
-    def _vote(self, problem: str | None) -> None:
-        if problem is not None:
-            self.problems.append(problem)
+    def _changed(self, applied: Applied, k: int, j: int, payload: torch.Tensor, in_place: bool) -> None:
+        self.intake.vote(partial(applied.changed, k, j, payload))
+
+    def _base(self, k: int) -> torch.Tensor:
+        assert self.stream.base is not None
+        return self.stream.base[slice(*self.cut.bucket_range(k))]
+
+
+def pair_streams(taker: Taker, session: Session, device: torch.device) -> list[Stream]:
+    """This receiver's pair streams, with bases when any source keeps them (each source's header says whether
+    its pairs may be deltas)."""
+    bases = taker.memory.bases if any(h.keeps_base for h in session.headers.values()) else None
+    if bases is None:
+        taker.memory.bases.clear()  # the senders keep none: nothing to apply a delta to, memory back
+    return streams_of(session, taker.group.rank, False, bases, device)
 
 
 def plan_of(session: Session, taker: Taker) -> Plan:
@@ -290,8 +250,8 @@ def fanout_named(taker: Taker, session: Session, deadline: Deadline, every: bool
     )
     entries = manifest.entries if every else ()
     empty = tuple((i, *spec(i)[:2]) for i, e in enumerate(entries) if e.alias_of is None and not e.nbytes)
-    return Intake(taker, session, applier, deadline, plan=plan, empty=empty,
-                  tag=("receive",) if header.keeps_base else None)  # fmt: skip
+    return Intake(taker, session, applier, deadline, [fanout(session, plan, None, "")], empty=empty,
+                  tag=("receive",) if header.keeps_base else None, total=len(manifest.entries))  # fmt: skip
 
 
 def fanout_into(
@@ -328,7 +288,8 @@ def fanout_into(
 
     applier = allocated(taker.group, what, staged if atomic else streaming)
     kept = header.keeps_base and (atomic or all(typed))
-    return Intake(taker, session, applier, deadline, plan=plan, tag=keep if kept else None)
+    return Intake(taker, session, applier, deadline, [fanout(session, plan, None, "")],
+                  tag=keep if kept else None, total=len(entries))  # fmt: skip
 
 
 def _found(taker: Taker, targets: Mapping[str, Any], wire: list[str], what: str) -> list[Any]:
@@ -383,12 +344,14 @@ def boxes_into(
         wire = {w: dtype_from_name(session.pairs.dtypes[w]) for w in dest}
         streaming = Streaming(taker.copier, names, parts, dest,
                               wire={w: d for w, d in wire.items() if dest[w][0].dtype != d})  # fmt: skip
-        return Intake(taker, session, streaming, deadline, device=device)
+        return Intake(
+            taker, session, streaming, deadline, pair_streams(taker, session, device), device=device
+        )
     staged = allocated(taker.group, what, lambda: Staged(
         taker.copier, names, parts, _staging(taker, session.pairs, boxes, device),
         dest=[(w, t, names(w)) for w, (t, _) in dest.items()],
     ))  # fmt: skip
-    return Intake(taker, session, staged, deadline, device=device)
+    return Intake(taker, session, staged, deadline, pair_streams(taker, session, device), device=device)
 
 
 def boxes_named(
@@ -416,4 +379,5 @@ def boxes_named(
 
         applier = Scratch(taker.copier, names, parts, spec, taker.device, every=every)
     empty = tuple((w, dtype_from_name(plan.dtypes[w]), b.shape) for w, b in whole.items() if not b.numel)
-    return Intake(taker, session, applier, deadline, empty=empty if every else ())
+    streams = pair_streams(taker, session, taker.device)
+    return Intake(taker, session, applier, deadline, streams, empty=empty if every else ())

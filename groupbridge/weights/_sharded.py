@@ -19,10 +19,11 @@ import torch
 
 from ..codec import dtype_from_name
 from ..errors import ProtocolError
-from . import _bytes
+from . import _bytes, _delta
+from ._delta_sync import delta_groups
 from ._header import Header, Verdict
 from ._shard_plan import Held, Piece, ShardPlan, plan_shards
-from ._sharded_delta import Bases, pair_key
+from ._sharded_delta import Bases, bucket_word, pair_key
 from .manifest import Entry, Manifest
 from .plan import Plan, Plans
 from .shard import Box
@@ -35,33 +36,60 @@ Slot = tuple[torch.Tensor, Box]
 """Where a tensor's box lives on this member: (the tensor holding it, the box of the global tensor)."""
 
 
-def pairs_of(
+def streams_of(
     session: Session, me: int, sending: bool, bases: Bases | None, device: torch.device
-) -> list[Pair]:
-    """This member's pairs of the sync (as their source or receiver), their bases begun for it on
+) -> list[Stream]:
+    """This member's pair streams of the sync (as their source or receiver), their bases begun for it on
     ``device`` when bases are kept."""
-    out = []
-    for (src, dst), cut in session.pairs.pairs.items():
+    plan, out = session.pairs, []
+    for (src, dst), cut in plan.pairs.items():
         if (src if sending else dst) != me:
             continue
         peer, key = (dst if sending else src), session.keys[(src, dst)]
         base = bases.begin(peer, key, cut.total_bytes, device)[0] if bases is not None else None
-        out.append(Pair(peer, cut, base, (src, dst) in session.deltas, key))
+        words = tuple(bucket_word(pieces, plan.dtypes) for pieces in cut.buckets)
+        out.append(
+            Stream(src, dst, plan.feeder(src, dst), cut, words, base, (src, dst) in session.deltas, key)
+        )
     return out
 
 
-@dataclass(frozen=True, slots=True)
-class Pair:
-    """One of this member's pairs in a sync."""
+def fanout(session: Session, cut: Plan, base: torch.Tensor | None, key: str) -> Stream:
+    """The one stream of a one-source sync of whole tensors: to every receiver, cut by the bucket plan."""
+    words = tuple(_delta.word_size(cut, session.manifest, k) for k in range(len(cut.bounds)))
+    return Stream(session.src, None, session.src, cut, words, base, session.delta, key)
 
-    peer: int
-    cut: Plan[Piece]
+
+@dataclass(frozen=True, slots=True)
+class Stream:
+    """One of this member's streams in a sync: its source's bytes cut by ``cut``, to one receiver (a pair) or
+    to every receiver (``to`` None: the fan-out of one source's whole tensors)."""
+
+    source: int
+    to: int | None
+    feeder: int
+    """Who posts its bytes to its receiver: the source, or a receiver that forwards them (a chain)."""
+    cut: Plan[Any]
+    words: tuple[int, ...]
+    """Each bucket's comparison word, for a delta (see :mod:`._delta`)."""
     base: torch.Tensor | None
-    """Its base for this sync, when bases are kept (shared by the pairs of one cut)."""
+    """Its base for this sync, when bases are kept (shared by the pairs of one cut); a fan-out's receiver
+    keeps it where its applier holds the tensors."""
     delta: bool
     """It travels as a delta."""
     key: str
-    """Its cut (:func:`._sharded_delta.pair_key`)."""
+    """Its cut (:func:`._sharded_delta.pair_key`), or how a fan-out's base is kept."""
+
+    def groups(self) -> list[tuple[int, int]]:
+        """The parts it travels in, buckets [a, b) each: a delta's groups (each described, then its changed
+        buckets sent, while the source diffs the next: :func:`._delta_sync.delta_groups`), a full stream's
+        one."""
+        return delta_groups(self.cut) if self.delta else [(0, len(self.cut.bounds))]
+
+    def word_counts(self, a: int, b: int) -> list[int]:
+        return [
+            (end - start) // w for (start, end), w in zip(self.cut.bounds[a:b], self.words[a:b], strict=True)
+        ]
 
 
 def boxes_of(shards: Mapping[str, tuple[tuple[int, ...], tuple[int, ...]]]) -> dict[str, Any] | None:

@@ -1,63 +1,26 @@
-"""A source's streams of a sync of pairs (see :mod:`._sharded`): its pieces to each receiver, a lazy source
-pulled as they are packed; the vote and the acknowledgements follow in :func:`._tx_stream.source_sync`."""
+"""What a source's pair streams read (see :mod:`._sharded`): its boxes by wire name, a lazy source pulled as
+the buckets that read them are packed (:class:`SourceSlots`), and the digests of the replicated cells it
+holds, for the vote."""
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import replace
-from functools import partial
-from typing import Any, NamedTuple
 
 import torch
 import xxhash
 
 from ..control import Deadline
 from ..errors import CopyTimeoutError
-from ..stateless import StatelessGroup
-from . import _bytes, _delta_sync
-from ._copier import Copier
-from ._delta_sync import delta_digest
-from ._delta_tx import Diffs
+from . import _bytes
 from ._described import Boxes, Pairs
-from ._session import Session
 from ._shard_plan import Piece, ShardPlan
-from ._sharded import Slot, pairs_of, piece_parts
-from ._sharded_delta import Bases, bucket_word
+from ._sharded import Slot, piece_parts
 from ._source import Puller, SourceReads
-from ._tx_stream import Packed, Progress, Sent, as_is, post_stream
 from .manifest import Manifest
 from .plan import Plan
 from .shard import Box
-from .transports import Sync, TxTransport
-
-
-class _Post(NamedTuple):
-    """One bucket of a source's stream: its round, its receiver, its size on the wire, ``fill(buffer)``,
-    which packs it (into ``buffer()``, the transport's) and returns the bytes to post, and ``posted()``."""
-
-    round: int
-    receiver: int
-    nbytes: int
-    fill: Callable[[Callable[[], torch.Tensor]], torch.Tensor]
-    posted: Callable[[], None] | None = None
-
-
-def _describe_delta(
-    group: StatelessGroup, session: Session, cut: Plan[Piece], slots: SourceSlots, base: torch.Tensor,
-    workers: list[Copier], buffers: _bytes.BufferCache, sent: Sent,
-) -> tuple[_delta_sync.Description, list[torch.Tensor]]:  # fmt: skip
-    """A delta pair: diff every bucket against the base (bringing it up to the new version, see
-    :class:`._delta_tx.Diffs`); the pair's description and the changed buckets' encodings, in order."""
-    plan = session.pairs
-    words = [bucket_word(pieces, plan.dtypes) for pieces in cut.buckets]
-    diffs = Diffs(slots.reads(cut), base, words, workers, buffers, delta_digest(session.header), group)
-    desc, payloads, done = diffs.described(0, len(cut.bounds))
-    sent.changed_words += sum(d.enc.count for d, _ in done)
-    sent.compared_words += sum(d.enc.words for d, _ in done)
-    return desc, payloads
 
 
 class SourceSlots:
@@ -150,69 +113,3 @@ class SourceSlots:
 def _cell_digest(cell: torch.Tensor) -> str:
     data = cell.contiguous().reshape(-1).view(torch.uint8).cpu().numpy().data
     return f"{xxhash.xxh3_64_intdigest(data):016x}"
-
-
-def pair_streams(
-    group: StatelessGroup, session: Session, slots: SourceSlots, workers: list[Copier],
-    buffers: _bytes.BufferCache, tx: TxTransport, sync: Sync[Any], bases: Bases | None, device: torch.device,
-    progress: Progress | None = None,
-) -> Sent:  # fmt: skip
-    """This source's streams of a sync of pairs: every receiver's buckets as one stream over ``tx`` (its
-    buffers and bases on ``device``), in the order every member walks them (round, then turn: see
-    ``Session.turns``). A full pair's buckets are packed as a fan-out's are (:class:`._tx_stream.Packed`, on
-    the first of the copy threads ``workers``); a delta pair's description goes first on the control plane
-    (its buckets diffed by all ``workers``), then its changed buckets' encodings take its buckets' place.
-    ``progress(bytes_posted, total)`` after every bucket; every tensor of a lazy source is pulled."""
-    me, plan = group.rank, session.pairs
-    stream: list[_Post] = []
-    digests = _bytes.Digests(session.header.verify, group)
-    sent = Sent(delta=any(pair[0] == me for pair in session.deltas))
-    pairs = pairs_of(session, me, True, bases, device)
-    # pairs of one cut share a base: a delta brings it up to date once (described before any full pair's
-    # bytes are packed, so it diffs the old bytes), and else the first full pair of the cut writes it
-    described: dict[str, tuple[_delta_sync.Description, list[torch.Tensor]]] = {}
-    written = {p.key for p in pairs if p.delta}
-    for pair in pairs:
-        dst, cut, base = pair.peer, pair.cut, pair.base
-        sent.total += cut.total_bytes
-        sent.buckets += len(cut.bounds)
-        if pair.delta:
-            assert base is not None
-            if pair.key not in described:
-                described[pair.key] = _describe_delta(
-                    group, session, cut, slots, base, workers, buffers, sent
-                )
-            desc, payloads = described[pair.key]
-            _delta_sync.announce(group, desc, dst, sync.deadline)
-            if plan.feeder(me, dst) == me:  # else a receiver forwards the payloads to it
-                stream += [
-                    _Post(j, dst, p.numel(), partial(as_is, payloads, j)) for j, p in enumerate(payloads)
-                ]
-            continue
-        if plan.feeder(me, dst) != me:  # its bytes are forwarded by a receiver
-            continue
-        keep = base if pair.key not in written else None
-        written.add(pair.key)
-        reads = slots.reads(cut)
-        fill = Packed(reads, workers[0], digests, base=keep, to=dst)
-        stream += [
-            _Post(k, dst, end - start, partial(fill, k), partial(reads.release, k))
-            for k, (start, end) in enumerate(cut.bounds)
-        ]
-    turns = session.turns()  # a source's pairs are each the first of its cut: walk_of's order, hop 0
-    stream.sort(key=lambda e: (e.round, turns[(me, e.receiver)]))
-    wire = Plan.of_sizes([e.nbytes for e in stream])
-
-    def posted(k: int) -> None:
-        done = stream[k].posted
-        if done is not None:
-            done()
-
-    to = tuple(e.receiver for e in stream)
-    post_stream(tx, wire, device, replace(sync, to=to), lambda k, buf: stream[k].fill(buf), posted,
-                progress=progress)  # fmt: skip
-    sent.wire_bytes += wire.total_bytes
-    digests.send((p.peer, plan.head(me, p.peer)) for p in pairs if not p.delta)
-    slots.finish()
-    sent.by_receiver = {p.peer: p.cut.total_bytes for p in sorted(pairs, key=lambda p: p.peer)}
-    return sent

@@ -86,6 +86,10 @@ class Puller:
                     self.direct[i] = src
                 self.live[i] = src
 
+    def finish(self) -> None:
+        """Pull the rest: trailing tied names and empty tensors, and a generator run to its end."""
+        self.pull_through(len(self.entries) - 1)
+
     def reads(self, plan: Plan) -> SourceReads:
         """How a fan-out stream cut by ``plan`` reads this source."""
         return SourceReads(

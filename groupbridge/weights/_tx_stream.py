@@ -1,34 +1,32 @@
 """A source's side of its streams: the one fill of a full stream (:class:`Packed`), the one send loop of every
-stream (:func:`post_stream`), the fan-out stream (:func:`send_stream`; pairs: :mod:`._sharded_tx`), and the
-one end of every source's sync (:func:`source_sync`: the vote, the acknowledgements, then the delta bases
-kept, the policy taught and the stats).
+stream (:func:`post_stream`), a source's streams of a sync, the fan-out or its pairs (:func:`send_streams`),
+and the one end of every source's sync (:func:`source_sync`: the vote, the acknowledgements, then the delta
+bases kept, the policy taught and the stats).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
 from ..control import Deadline
 from ..stateless import StatelessGroup
-from . import _bytes
+from . import _bytes, _delta_sync
 from ._copier import Copier
 from ._delta_sync import Policy, delta_digest
-from ._described import Pairs
-from ._session import Session, committed, merged_plan
+from ._delta_tx import Diffs
+from ._session import Session, committed
+from ._sharded import Stream
 from ._sharded_delta import Bases
-from ._source import Puller, SourceReads
+from ._source import SourceReads
 from ._stats import SyncStats, finished
 from .plan import Plan
 from .transports import Sync, TxTransport
-
-if TYPE_CHECKING:
-    from ._delta_tx import DeltaSender
 
 Progress = Callable[[int, int], None]
 """``progress(bytes_sent, total_bytes)``, called after every bucket."""
@@ -160,27 +158,131 @@ def source_sync(
     )  # fmt: skip
 
 
-def send_stream(
-    group: StatelessGroup, session: Session, plan: Plan, items: Pairs, device: torch.device, tx: TxTransport,
-    sync: Sync[Any], copier: Copier, progress: Progress | None, delta: DeltaSender | None,
+class _Post(NamedTuple):
+    """One bucket of a source's part: its round, its receiver (None: every one), its size on the wire,
+    ``fill(buffer)``, which packs it (into ``buffer()``, the transport's) and returns the bytes to post, and
+    ``posted()``."""
+
+    round: int
+    to: int | None
+    nbytes: int
+    fill: Callable[[Callable[[], torch.Tensor]], torch.Tensor]
+    posted: Callable[[], None] | None = None
+
+
+class Source(Protocol):
+    """What a source's streams read: its tensors in a fan-out's (:class:`._source.Puller`) or a pair's cut
+    (``_sharded_tx.SourceSlots``)."""
+
+    def reads(self, cut: Plan[Any]) -> SourceReads: ...
+
+    def finish(self) -> None: ...
+
+
+def send_streams(
+    group: StatelessGroup, session: Session, streams: list[Stream], source: Source, workers: list[Copier],
+    buffers: _bytes.BufferCache, tx: TxTransport, sync: Sync[Any], device: torch.device,
+    progress: Progress | None = None, sample: Callable[[torch.Tensor, int], None] | None = None,
 ) -> Sent:  # fmt: skip
-    """A source's fan-out stream of the agreed one-source session: every bucket filled (:class:`Packed`) and
-    posted, or a delta against ``delta``'s base (see :func:`source_sync` for what follows)."""
-    header, manifest, me = session.header, session.manifest, group.rank
-    if session.merged:
-        plan = merged_plan(manifest)
-    puller = Puller(manifest, iter(items))
-    base, sample = delta.prepare(session, plan, device) if delta is not None else (None, False)
-    digests = _bytes.Digests("" if session.delta else header.verify, group)
-    if session.delta:
-        assert delta is not None and base is not None
-        sent = delta.send(tx, plan, sync, base, puller, delta_digest(header), progress)
-    else:
-        reads = puller.reads(plan)
-        sampler = partial(delta.sample, puller, plan) if delta is not None and sample else None
-        fill = Packed(reads, copier, digests, base=base, sample=sampler)
-        post_stream(tx, plan, device, sync, fill, reads.release, progress=progress)
-        sent = Sent(plan.total_bytes, len(plan.buckets), plan.total_bytes, fill.in_place)
-    puller.pull_through(len(puller.entries) - 1)  # trailing aliases and empty tensors
-    digests.send((r, None) for r in range(group.world_size) if r != me)
+    """A source's streams of a sync (the fan-out, or its pairs), over ``tx`` in parts: every stream's part
+    ``g`` (see ``Stream.groups``), interleaved as every member walks them (round, then turn: see
+    ``Session.turns``), then the next part. A full stream's buckets are packed as they are posted
+    (:class:`Packed`, on the first of the copy threads ``workers``; ``sample`` times a diff on the way, see
+    there), all in the first part; a delta stream's group is diffed by all ``workers`` (the streams of one cut
+    once) and described to its receivers, then its changed buckets' encodings are posted, while the workers
+    diff the next group. ``progress(bytes_done, total)`` after every bucket posted or diffed; every tensor of
+    a lazy source is pulled. See :func:`source_sync` for what follows."""
+    me, header = group.rank, session.header
+    digests = _bytes.Digests(header.verify, group)
+    sent = Sent(delta=any(s.delta for s in streams))
+    mine = [s for s in streams if s.feeder == me]  # else a receiver forwards its bytes
+    done, total = 0, sum(s.cut.total_bytes for s in {s.key: s for s in streams if s.delta}.values())
+    total += sum(s.cut.total_bytes for s in mine if not s.delta)
+
+    def reads_of(s: Stream) -> SourceReads:
+        reads = source.reads(s.cut)
+
+        def released(k: int) -> None:
+            nonlocal done
+            if progress is not None:
+                start, end = s.cut.bucket_range(k)
+                done += end - start
+                progress(done, total)
+            reads.release(k)
+
+        return replace(reads, release=released)
+
+    diffs: dict[str, Diffs] = {}
+    fills: list[Packed] = []
+    first: list[_Post] = []
+    # the streams of one cut share a base: a delta brings it up to date once (as it diffs it), and else the
+    # first full stream of the cut writes it
+    written = {s.key for s in streams if s.delta}
+    for s in streams:
+        sent.total += s.cut.total_bytes
+        sent.buckets += len(s.cut.bounds)
+        if s.delta:
+            if s.key not in diffs:
+                assert s.base is not None
+                verify = delta_digest(header)
+                diffs[s.key] = Diffs(reads_of(s), s.base, list(s.words), workers, buffers, verify, group)
+        elif s.feeder == me:
+            keep = s.base if s.key not in written else None
+            written.add(s.key)
+            reads = reads_of(s)
+            fills.append(Packed(reads, workers[0], digests, base=keep, sample=sample, to=s.to))
+            sent.wire_bytes += s.cut.total_bytes
+            first += [_Post(k, s.to, end - start, partial(fills[-1], k), partial(reads.release, k))
+                      for k, (start, end) in enumerate(s.cut.bounds)]  # fmt: skip
+    turns = session.turns() if session.plan is not None else {}
+    opened = False
+    for g in range(max(len(s.groups()) for s in streams)):
+        posts, described = first if g == 0 else [], {}
+        for s in streams:
+            if not s.delta or g >= len(s.groups()):
+                continue
+            if s.key not in described:
+                desc, payloads, diffed = diffs[s.key].described(*s.groups()[g])
+                described[s.key] = desc, payloads
+                sent.changed_words += sum(d.enc.count for d, _ in diffed)
+                sent.compared_words += sum(d.enc.words for d, _ in diffed)
+                sent.in_place += sum(flat for _, flat in diffed)
+            desc, payloads = described[s.key]
+            _delta_sync.announce(group, desc, s.to, sync.deadline)
+            if s.feeder == me:
+                sent.wire_bytes += sum(p.numel() for p in payloads)
+                posts += [
+                    _Post(j, s.to, p.numel(), partial(as_is, payloads, j)) for j, p in enumerate(payloads)
+                ]
+        if not posts:
+            continue
+        posts.sort(key=lambda e: (e.round, 0 if e.to is None else turns[(me, e.to)]))
+        if opened:
+            tx.finish()  # the previous part's bytes are out; the diff workers kept going meanwhile
+        opened = True
+        to = tuple(e.to for e in posts if e.to is not None) if session.plan is not None else None
+        _post_part(tx, posts, device, replace(sync, part=g, to=to))
+    if opened:
+        tx.finish()
+    sent.in_place += sum(f.in_place for f in fills)
+    receivers = [r for r in range(group.world_size) if r not in session.sources]
+    digests.send(  # each full stream's, by the receiver it was posted to (a forwarded pair's: its head)
+        (r, None if s.to is None else session.pairs.head(me, s.to))
+        for s in streams if not s.delta for r in ([s.to] if s.to is not None else receivers)
+    )  # fmt: skip
+    source.finish()
+    if session.plan is not None:
+        sent.by_receiver = dict(sorted((s.to, s.cut.total_bytes) for s in streams if s.to is not None))
     return sent
+
+
+def _post_part(tx: TxTransport, posts: list[_Post], device: torch.device, sync: Sync[Any]) -> None:
+    """Post one part of a source's streams (its last bytes left on the wire)."""
+
+    def posted(k: int) -> None:
+        done = posts[k].posted
+        if done is not None:
+            done()
+
+    wire = Plan.of_sizes([e.nbytes for e in posts])
+    post_stream(tx, wire, device, sync, lambda k, buf: posts[k].fill(buf), posted, finish=False)

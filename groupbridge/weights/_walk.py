@@ -17,8 +17,9 @@ from ._shard_plan import ShardPlan
 from .plan import Plan
 from .transports import Sync, TxTransport, spec
 
-Feed = tuple[int, Callable[[torch.Tensor], None]]
-"""A pair's bucket as its receiver takes it: (bytes, what lands it)."""
+Feed = tuple[int, Callable[[torch.Tensor, bool], None]]
+"""A stream's bucket as its receiver takes it: (bytes, what lands it, given the view and whether it landed in
+place)."""
 
 
 Opened = Iterator[tuple[int, torch.Tensor, bool]]
@@ -51,6 +52,8 @@ def walk_of(session: Session, me: int, lengths: Mapping[int, int]) -> list[tuple
     wait for its longest chain), then hop, the turn of the cut's first receiver (see ``Session.turns``) and
     source. Along a chain every receiver walks the cut alike, so what a forwarder passes on to a receiver
     arrives in the order that receiver takes it (``p2p`` matches a pair's sends and receives in order)."""
+    if session.plan is None:  # the fan-out: one stream
+        return [(s, k) for s, n in lengths.items() for k in range(n)]
     plan, turns = session.pairs, session.turns()
     hops = {s: plan.hop(s, me) for s in lengths}
     key = {s: (hops[s], turns[(s, plan.head(s, me))], s) for s in lengths}
@@ -64,11 +67,11 @@ class Onward:
     while the send may still be on the wire), in the order this receiver takes them, over ``p2p``."""
 
     def __init__(
-        self, group: StatelessGroup, plan: ShardPlan, walk: list[tuple[int, int]],
+        self, group: StatelessGroup, plan: ShardPlan | None, walk: list[tuple[int, int]],
         feeds: Mapping[int, list[Feed]], deadline: Deadline, device: torch.device,
     ) -> None:  # fmt: skip
         me = group.rank
-        self.to = {s: d for (s, d), u in plan.upstream.items() if u == me}
+        self.to = {s: d for (s, d), u in plan.upstream.items() if u == me} if plan is not None else {}
         self.tx: TxTransport | None = None
         self.device = device
         self.posted = 0

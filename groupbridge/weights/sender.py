@@ -24,12 +24,13 @@ from ._copier import Copier
 from ._delta_tx import DeltaSender
 from ._described import Described, NamedTensors, Specs, in_place, named_tensors_of, peek_device
 from ._header import Header
-from ._session import make_renamer, open_session, refuse
-from ._sharded import boxes_of
+from ._session import make_renamer, merged_plan, open_session, refuse
+from ._sharded import boxes_of, fanout, streams_of
 from ._sharded_delta import Bases, DeltaMemory
-from ._sharded_tx import SourceSlots, pair_streams
+from ._sharded_tx import SourceSlots
+from ._source import Puller
 from ._stats import SyncStats
-from ._tx_stream import Progress, send_stream, source_sync
+from ._tx_stream import Progress, Source, send_streams, source_sync
 from .manifest import Manifest
 from .plan import Plan, Plans
 from .transports import (
@@ -158,8 +159,7 @@ class WeightSender(Closing):
         then comes from ``specs`` (name -> (shape, dtype), in order; (shape, dtype, global_shape, offset)
         for a box of a global tensor, yielded as a ``gb.Shard`` or a DTensor) or the previous send, and a
         first send with neither collects the iterator once. With many sources a lazy source's tensors are
-        pulled as the buckets reading them are packed and let go after the last (a delta pair packs all its
-        buckets first, holding what other pairs still need). ``progress(bytes_sent, total_bytes)`` is called
+        pulled as the buckets reading them are packed or diffed and let go after the last. ``progress(bytes_sent, total_bytes)`` is called
         after each bucket. ``timeout`` (default: the group's) bounds it all, to the last acknowledgement.
 
         Receivers apply the version only once every member voted its part succeeded (:mod:`._session`): a
@@ -225,18 +225,27 @@ class WeightSender(Closing):
             options = self.options[kind] if carrier == kind else TRANSPORTS[carrier].options()
             sync = Sync(header.sync_id, deadline, options, self._copier.copy)
             tx = self._tx(carrier)
+            at = stream_device(carrier, device)
             replicas: Callable[[], Mapping[str, str]] | None = None
             cleanup: Callable[[], None] | None = None
+            sample: Callable[[torch.Tensor, int], None] | None = None
+            source: Source
             if session.plan is not None:  # pair streams, over the transport that carries them
-                slots = SourceSlots(manifest, items, shards, session.pairs, self.src)
-                workers = self._delta.workers() if self._delta is not None else [self._copier]
-                streams = partial(pair_streams, self.group, session, slots, workers, self._scratch, tx, sync,
-                                  self._bases, stream_device(carrier, device), progress)  # fmt: skip
+                source = slots = SourceSlots(manifest, items, shards, session.pairs, self.src)
+                streams = streams_of(session, self.src, True, self._bases, at)
                 replicas, cleanup = partial(slots.replicas, deadline), slots.close
-            else:
-                streams = partial(send_stream, self.group, session, plan, items, device, tx, sync,
-                                  self._copier, progress, self._delta)  # fmt: skip
-            return source_sync(self.group, session, deadline, streams, transport=carrier, bases=self._bases,
+            else:  # the fan-out, cut by the merged plan where every member agreed to it
+                cut = merged_plan(manifest) if session.merged else plan
+                source = puller = Puller(manifest, iter(items))
+                base = None
+                if self._delta is not None:
+                    base, sampled = self._delta.prepare(session, cut, at)
+                    sample = partial(self._delta.sample, puller, cut) if sampled else None
+                streams = [fanout(session, cut, base, manifest.digest)]
+            workers = self._delta.workers() if self._delta is not None else [self._copier]
+            send = partial(send_streams, self.group, session, streams, source, workers, self._scratch, tx,
+                           sync, at, progress, sample)  # fmt: skip
+            return source_sync(self.group, session, deadline, send, transport=carrier, bases=self._bases,
                                policy=self._delta.policy if self._delta is not None else None,
                                replicas=replicas, cleanup=cleanup)  # fmt: skip
         except BaseException as e:

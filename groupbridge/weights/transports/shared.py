@@ -156,6 +156,7 @@ class SharedTx:
         self._offer: dict[str, Any] = {}
         self._gen = 0
         self._key = ""
+        self._sync_id = ""
         self._deadline: Deadline | None = None
         self._copy: Any = None
         self._posted = 0
@@ -210,7 +211,8 @@ class SharedTx:
             for dst in sync.to:
                 self._index.append(seen.get(dst, 0))
                 seen[dst] = self._index[-1] + 1
-        if sync.part == 0:
+        if sync.sync_id != self._sync_id:  # a sync's first part (a delta's may not be its part 0)
+            self._sync_id = sync.sync_id
             self.external = 0
 
     def _signal(self, what: str, k: int) -> str:
