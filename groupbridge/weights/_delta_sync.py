@@ -4,8 +4,9 @@ A stream travels as a delta when its source offered a base version and its recei
 a pair's one) said in the handshake (:func:`._session.open_session`) that they hold it:
 
 1. The source diffs each bucket against its copy of the base (:func:`diff`), bringing that copy up to the
-   new version, and announces a :class:`Description` (:func:`announce`) per group of buckets
-   (:data:`GROUPS`): the next group is diffed while this one travels.
+   new version, and announces a :class:`Description` (:func:`announce`): a fan-out stream per group of
+   buckets (:data:`GROUPS`; the next group is diffed while this one travels), a pair once for all its
+   buckets (see ``_sharded.Stream.groups``).
 2. The payloads travel as a plan of their own (:func:`wire_plan`), one wire bucket per changed bucket.
 3. Every receiver checks each payload's digest, applies it to its copy of the base and checks the result
    against the sender's digest (:class:`Applied`): a receiver that did not hold exactly the base (or applied
@@ -188,7 +189,7 @@ class Applied:
 
 
 GROUPS = 8
-"""A delta stream travels in about this many groups of buckets, each described and sent as soon as it is
+"""A fan-out delta travels in about this many groups of buckets, each described and sent as soon as it is
 diffed: the sender's diff of the next group overlaps the transfer (and the receivers' apply) of this one."""
 
 

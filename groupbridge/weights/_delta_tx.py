@@ -70,7 +70,7 @@ class DeltaSender:
 
     def workers(self) -> list[Copier]:
         """Two copy threads diff buckets side by side (the diff is the source's bottleneck; they run ahead
-        into the next group of buckets while this one travels)."""
+        into a fan-out's next group of buckets while this one travels)."""
         if self._second is None:
             self._second = Copier(f"{self.group.name}-{self.group.rank}-diff")
         self._second.deadline = self.copier.deadline

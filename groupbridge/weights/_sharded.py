@@ -81,10 +81,15 @@ class Stream:
     """Its cut (:func:`._sharded_delta.pair_key`), or how a fan-out's base is kept."""
 
     def groups(self) -> list[tuple[int, int]]:
-        """The parts it travels in, buckets [a, b) each: a delta's groups (each described, then its changed
-        buckets sent, while the source diffs the next: :func:`._delta_sync.delta_groups`), a full stream's
-        one."""
-        return delta_groups(self.cut) if self.delta else [(0, len(self.cut.bounds))]
+        """The parts it travels in, buckets [a, b) each: a fan-out delta's groups (each described, then its
+        changed buckets sent, while the source diffs the next: :func:`._delta_sync.delta_groups`), else one.
+        A pair's delta goes in one part: between parts a source waits for its last bytes to land, and across
+        hosts that pause cost more than the overlap won (``p2p`` at 200 Mbit/s, 2 sources of 32 MiB to 2
+        receivers: one eighth changed, 0.51 s a sync in one part, 0.56 to 0.64 s in four; one in 64 changed,
+        0.12 s against 0.11 s)."""
+        if self.delta and self.to is None:
+            return delta_groups(self.cut)
+        return [(0, len(self.cut.bounds))]
 
     def word_counts(self, a: int, b: int) -> list[int]:
         return [

@@ -159,7 +159,8 @@ class WeightSender(Closing):
         then comes from ``specs`` (name -> (shape, dtype), in order; (shape, dtype, global_shape, offset)
         for a box of a global tensor, yielded as a ``gb.Shard`` or a DTensor) or the previous send, and a
         first send with neither collects the iterator once. With many sources a lazy source's tensors are
-        pulled as the buckets reading them are packed or diffed and let go after the last. ``progress(bytes_sent, total_bytes)`` is called
+        pulled as the buckets reading them are packed and let go after the last (a delta pair packs all its
+        buckets first, holding what other pairs still need). ``progress(bytes_sent, total_bytes)`` is called
         after each bucket. ``timeout`` (default: the group's) bounds it all, to the last acknowledgement.
 
         Receivers apply the version only once every member voted its part succeeded (:mod:`._session`): a
