@@ -19,9 +19,9 @@ from . import _bytes, _delta_sync
 from ._appliers import Applier, Ring, Scratch, Staged, Streaming, counts, fill_aliases, hand_on, wire_typed
 from ._delta_sync import Applied, delta_digest, wire_plan
 from ._rx_stream import KEPT, Taker, allocated, tell_failure
-from ._session import Session, merged_plan
+from ._session import Session
 from ._shard_plan import ShardPlan, element_size
-from ._sharded import Slot, Stream, fanout, streams_of
+from ._sharded import Slot, Stream, streams_of
 from ._sharded_delta import FANOUT, kept_key
 from ._walk import Feed, Onward, Opened, take, walk_of
 from .manifest import Manifest
@@ -204,15 +204,6 @@ def pair_streams(taker: Taker, session: Session, device: torch.device) -> list[S
     return streams_of(session, taker.group.rank, False, bases, device)
 
 
-def plan_of(session: Session, taker: Taker) -> Plan:
-    """The session's bucket plan, the merged one when every member agreed to it (reused while the manifest
-    and the bucket sizes are unchanged)."""
-    if session.merged:
-        return merged_plan(session.manifest)
-    header = session.header
-    return taker.plans.whole(session.manifest, header.bucket_bytes, header.solo_bytes)
-
-
 def _namer(manifest: Manifest, rename: Callable[[str], str]) -> Callable[[Any], str]:
     return lambda i: rename(manifest.entries[i].name)
 
@@ -230,7 +221,7 @@ def fanout_named(taker: Taker, session: Session, deadline: Deadline, every: bool
     """``receive()``: views of the kept buffer (``keep``, or a source that keeps a base), else tensors of
     their own (or views of the ring); ``every=False``: a delta yields only the tensors it changed."""
     header, manifest = session.header, session.manifest
-    plan = plan_of(session, taker)
+    plan = session.fanout
     ring = Ring(taker.buffers, taker.device)
     names, parts = _namer(manifest, taker.rename), counts(plan.buckets)
 
@@ -250,7 +241,8 @@ def fanout_named(taker: Taker, session: Session, deadline: Deadline, every: bool
     )
     entries = manifest.entries if every else ()
     empty = tuple((i, *spec(i)[:2]) for i, e in enumerate(entries) if e.alias_of is None and not e.nbytes)
-    return Intake(taker, session, applier, deadline, [fanout(session, plan, None, "")], empty=empty,
+    streams = streams_of(session, taker.group.rank, False, None, taker.device)
+    return Intake(taker, session, applier, deadline, streams, empty=empty,
                   tag=("receive",) if header.keeps_base else None, total=len(manifest.entries))  # fmt: skip
 
 
@@ -262,7 +254,7 @@ def fanout_into(
     or written bucket by bucket into them; ``keep`` tags the base a delta may next be applied to."""
     header, manifest = session.header, session.manifest
     what = f"receiving version {header.version}"
-    plan = plan_of(session, taker)
+    plan = session.fanout
     entries = manifest.entries
     dest: list[torch.Tensor] = _found(taker, targets, [e.name for e in entries], what)
     device = next((d.device for d in dest), taker.device)
@@ -288,8 +280,8 @@ def fanout_into(
 
     applier = allocated(taker.group, what, staged if atomic else streaming)
     kept = header.keeps_base and (atomic or all(typed))
-    return Intake(taker, session, applier, deadline, [fanout(session, plan, None, "")],
-                  tag=keep if kept else None, total=len(entries))  # fmt: skip
+    streams = streams_of(session, taker.group.rank, False, None, device)
+    return Intake(taker, session, applier, deadline, streams, tag=keep if kept else None, total=len(entries))
 
 
 def _found(taker: Taker, targets: Mapping[str, Any], wire: list[str], what: str) -> list[Any]:

@@ -83,8 +83,9 @@ def make_renamer(rename: Callable[[str], str] | Mapping[str, str] | None) -> Ren
 
 @dataclass(frozen=True, slots=True)
 class Session:
-    """The handshake's outcome, the same on every member: who sends what, over one fan-out stream (``plan``
-    None: one source of whole tensors) or one stream per (source, receiver) pair cut by ``plan``."""
+    """The handshake's outcome, the same on every member: who sends what, over one fan-out stream cut by
+    ``cut`` (one source of whole tensors) or one stream per (source, receiver) pair cut by ``plan`` (see
+    ``_sharded.streams_of``)."""
 
     sources: tuple[int, ...]
     header: Header
@@ -94,8 +95,9 @@ class Session:
     headers: Mapping[int, Header]
     """Every source's own header: its stream's sync id, transport and offer."""
     plan: ShardPlan | None = None
-    merged: bool = False
-    """The fan-out stream is cut by the merged plan (see :data:`MERGED_BYTES`)."""
+    cut: Plan | None = None
+    """The fan-out stream's bucket plan (the merged one where every member agreed to it, see
+    :data:`MERGED_BYTES`); None with pairs, each cut by ``plan``."""
     deltas: frozenset[tuple[int, int]] = frozenset()
     """The (source, receiver) pairs that travel as deltas (a fan-out stream's: all of them, or none)."""
     keys: Mapping[tuple[int, int], str] = field(default_factory=dict)
@@ -108,6 +110,12 @@ class Session:
     @property
     def delta(self) -> bool:
         return bool(self.deltas)
+
+    @property
+    def fanout(self) -> Plan:
+        """The bucket plan of a sync's one fan-out stream."""
+        assert self.cut is not None, "a sync of pairs has no fan-out stream"
+        return self.cut
 
     @property
     def pairs(self) -> ShardPlan:
@@ -247,7 +255,9 @@ def open_session(
     if plan is not None:
         return replace(draft, deltas=pair_deltas(plan, headers, verdicts))
     receivers = [r for r in range(group.world_size) if r != sources[0]]
-    return replace(draft, merged=merged, deltas=frozenset((sources[0], r) for r in receivers if delta))
+    plans = plans or Plans()
+    cut = merged_plan(whole) if merged else plans.whole(whole, lead.bucket_bytes, lead.solo_bytes)
+    return replace(draft, cut=cut, deltas=frozenset((sources[0], r) for r in receivers if delta))
 
 
 def conclude(header: Header, source: int, verdicts: list[Verdict]) -> tuple[bool, bool]:

@@ -37,10 +37,17 @@ Slot = tuple[torch.Tensor, Box]
 
 
 def streams_of(
-    session: Session, me: int, sending: bool, bases: Bases | None, device: torch.device
-) -> list[Stream]:
-    """This member's pair streams of the sync (as their source or receiver), their bases begun for it on
-    ``device`` when bases are kept."""
+    session: Session, me: int, sending: bool, bases: Bases | None, device: torch.device,
+    fanout_base: torch.Tensor | None = None,
+) -> list[Stream]:  # fmt: skip
+    """This member's streams of the sync, as their source or receiver: the one fan-out stream (its source's
+    base ``fanout_base``, see ``DeltaSender.prepare``; a receiver keeps its own where its applier holds the
+    tensors), or its pair streams, their bases begun for it on ``device`` when bases are kept."""
+    if session.plan is None:
+        whole = session.fanout
+        words = tuple(_delta.word_size(whole, session.manifest, k) for k in range(len(whole.bounds)))
+        key = session.manifest.digest
+        return [Stream(session.src, None, session.src, whole, words, fanout_base, session.delta, key)]
     plan, out = session.pairs, []
     for (src, dst), cut in plan.pairs.items():
         if (src if sending else dst) != me:
@@ -48,16 +55,9 @@ def streams_of(
         peer, key = (dst if sending else src), session.keys[(src, dst)]
         base = bases.begin(peer, key, cut.total_bytes, device)[0] if bases is not None else None
         words = tuple(bucket_word(pieces, plan.dtypes) for pieces in cut.buckets)
-        out.append(
-            Stream(src, dst, plan.feeder(src, dst), cut, words, base, (src, dst) in session.deltas, key)
-        )
+        delta = (src, dst) in session.deltas
+        out.append(Stream(src, dst, plan.feeder(src, dst), cut, words, base, delta, key))
     return out
-
-
-def fanout(session: Session, cut: Plan, base: torch.Tensor | None, key: str) -> Stream:
-    """The one stream of a one-source sync of whole tensors: to every receiver, cut by the bucket plan."""
-    words = tuple(_delta.word_size(cut, session.manifest, k) for k in range(len(cut.bounds)))
-    return Stream(session.src, None, session.src, cut, words, base, session.delta, key)
 
 
 @dataclass(frozen=True, slots=True)

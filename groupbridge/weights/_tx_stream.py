@@ -234,7 +234,7 @@ def send_streams(
             sent.wire_bytes += s.cut.total_bytes
             first += [_Post(k, s.to, end - start, partial(fills[-1], k), partial(reads.release, k))
                       for k, (start, end) in enumerate(s.cut.bounds)]  # fmt: skip
-    turns = session.turns() if session.plan is not None else {}
+    turns = session.turns() if any(s.to is not None for s in streams) else {}
     opened = False
     for g in range(max(len(s.groups()) for s in streams)):
         posts, described = first if g == 0 else [], {}
@@ -260,7 +260,7 @@ def send_streams(
         if opened:
             tx.finish()  # the previous part's bytes are out; the diff workers kept going meanwhile
         opened = True
-        to = tuple(e.to for e in posts if e.to is not None) if session.plan is not None else None
+        to = None if posts[0].to is None else tuple(e.to for e in posts if e.to is not None)
         _post_part(tx, posts, device, replace(sync, part=g, to=to))
     if opened:
         tx.finish()
@@ -271,8 +271,7 @@ def send_streams(
         for s in streams if not s.delta for r in ([s.to] if s.to is not None else receivers)
     )  # fmt: skip
     source.finish()
-    if session.plan is not None:
-        sent.by_receiver = dict(sorted((s.to, s.cut.total_bytes) for s in streams if s.to is not None))
+    sent.by_receiver = dict(sorted((s.to, s.cut.total_bytes) for s in streams if s.to is not None)) or None
     return sent
 
 

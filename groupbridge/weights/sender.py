@@ -24,8 +24,8 @@ from ._copier import Copier
 from ._delta_tx import DeltaSender
 from ._described import Described, NamedTensors, Specs, in_place, named_tensors_of, peek_device
 from ._header import Header
-from ._session import make_renamer, merged_plan, open_session, refuse
-from ._sharded import boxes_of, fanout, streams_of
+from ._session import make_renamer, open_session, refuse
+from ._sharded import boxes_of, streams_of
 from ._sharded_delta import Bases, DeltaMemory
 from ._sharded_tx import SourceSlots
 from ._source import Puller
@@ -231,18 +231,16 @@ class WeightSender(Closing):
             cleanup: Callable[[], None] | None = None
             sample: Callable[[torch.Tensor, int], None] | None = None
             source: Source
+            base: torch.Tensor | None = None
             if session.plan is not None:  # pair streams, over the transport that carries them
                 source = slots = SourceSlots(manifest, items, shards, session.pairs, self.src)
-                streams = streams_of(session, self.src, True, self._bases, at)
                 replicas, cleanup = partial(slots.replicas, deadline), slots.close
-            else:  # the fan-out, cut by the merged plan where every member agreed to it
-                cut = merged_plan(manifest) if session.merged else plan
+            else:
                 source = puller = Puller(manifest, iter(items))
-                base = None
                 if self._delta is not None:
-                    base, sampled = self._delta.prepare(session, cut, at)
-                    sample = partial(self._delta.sample, puller, cut) if sampled else None
-                streams = [fanout(session, cut, base, manifest.digest)]
+                    base, sampled = self._delta.prepare(session, session.fanout, at)
+                    sample = partial(self._delta.sample, puller, session.fanout) if sampled else None
+            streams = streams_of(session, self.src, True, self._bases, at, base)
             workers = self._delta.workers() if self._delta is not None else [self._copier]
             send = partial(send_streams, self.group, session, streams, source, workers, self._scratch, tx,
                            sync, at, progress, sample)  # fmt: skip
