@@ -65,6 +65,34 @@ def test_progress_chain_and_solo_bytes() -> None:
     assert res[1]["exact"] and res[2]["exact"]  # the relay went 0 -> 2 -> 1
 
 
+def _progress_with_gaps(rank: int, ports: Any, delta: Any) -> Any:
+    """Tensors whose bytes do not end on the plan's alignment: the plan leaves gaps between its buckets."""
+    half = torch.float16
+    model = {"h": torch.ones(3, dtype=half), "f": torch.ones(5), "g": torch.ones(7, dtype=half)}
+    with make_group(rank, 2, "127.0.0.1", ports) as g:
+        if rank == 1:
+            rcv = gb.WeightReceiver(g)
+            return [rcv.receive_into(zeros_like_model(model)) for _ in range(2)]
+        with gb.WeightSender(g, bucket_bytes=1024, solo_bytes=4, delta=delta) as snd:
+            seen: list[list[tuple[int, int]]] = []
+            for v in (1, 2):
+                seen.append([])
+                model["f"] += 1
+                stats = snd.send(model, version=v, progress=lambda *done: seen[-1].append(done))
+            return seen, stats.bytes
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("delta", [False, "always"])
+def test_progress_ends_at_the_sync_bytes_where_the_plan_has_gaps(delta: Any) -> None:
+    res = run_ranks(_progress_with_gaps, 2, CTX.Queue(), delta, timeout=50)
+    seen, total = res[0]
+    for calls in seen:  # the full sync, then (with delta) a delta one
+        assert calls[-1] == (total, total) and len(calls) == 3, calls
+        assert all(a[0] < b[0] for a, b in itertools.pairwise(calls)), calls
+    assert res[1] == [1, 2]
+
+
 def _send_timeout(rank: int, ports: Any) -> str:
     g = make_group(rank, 2, "127.0.0.1", ports, timeout=timedelta(seconds=60))
     if rank == 1:

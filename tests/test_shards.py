@@ -858,7 +858,9 @@ def _corrupt_hop(rank: int, ports: Any) -> Any:
                     end = "sent"
                 except gb.SyncRefusedError as e:
                     end = str(e)
-                snd.send(held, version=2)  # the group goes on: the next sync lands everywhere
+                # the group goes on: the next sync lands everywhere, each receiver having taken every source's
+                # digests of the refused one off the wire (a leftover would be compared with this sync's)
+                snd.send({f"w{i}": _chunk(_forwarded_version(i, 2), 2, rank, 0) for i in range(4)}, version=2)
                 return end
             rcv = gb.WeightReceiver(g)
             target = {f"w{i}": torch.zeros(FWD_SHAPE) for i in range(4)}
@@ -869,7 +871,7 @@ def _corrupt_hop(rank: int, ports: Any) -> Any:
                 end = (str(e), all(not t.any() for t in target.values()))
             faults.post = None
             rcv.receive_into(target)
-            return end, all(torch.equal(target[f"w{i}"], _forwarded_version(i, 1)) for i in range(4))
+            return end, all(torch.equal(target[f"w{i}"], _forwarded_version(i, 2)) for i in range(4))
 
 
 @pytest.mark.timeout(60)
@@ -935,3 +937,33 @@ def test_a_many_source_receive_into_a_target_without_a_tensor_fails_every_member
     for r in res[:2]:
         assert "rank 2 gave up receiving version 1" in r and "target has no tensor named e" in r, res
     assert time.monotonic() - t0 < 30, res
+
+
+def _idle_source(rank: int, ports: Any) -> Any:
+    """Sources 0 and 1 both hold the one-row ``b``; source 0 also holds ``w``. The plan takes ``b`` from the
+    least loaded holder, source 0 (it assigns ``b`` first, both idle): source 1 sends no byte."""
+    with make_group(rank, 3, "127.0.0.1", ports) as g:
+
+        def model(v: int) -> dict[str, torch.Tensor]:
+            return {"b": torch.full((1, 16), float(v)), "w": torch.arange(128.0).reshape(8, 16) * v}
+
+        if rank < 2:
+            with gb.WeightSender(g) as snd:
+                held = model(1) if rank == 0 else {"b": model(1)["b"]}
+                first = snd.send(held, version=1)
+                second = snd.send(model(2) if rank == 0 else {"b": model(2)["b"]}, version=2)
+                return first.bytes, second.bytes
+        rcv = gb.WeightReceiver(g)
+        target = {k: torch.zeros_like(t) for k, t in model(1).items()}
+        exact = []
+        for v in (1, 2):
+            rcv.receive_into(target)
+            exact.append(all(torch.equal(target[k], t) for k, t in model(v).items()))
+        return exact
+
+
+@pytest.mark.timeout(60)
+def test_a_source_whose_tensors_all_come_from_another_holder_takes_part_and_sends_nothing() -> None:
+    res = run_ranks(_idle_source, 3, CTX.Queue(), timeout=50)
+    assert res[2] == [True, True], res
+    assert res[1] == (0, 0) and res[0][0] > 0, res

@@ -40,12 +40,15 @@ class Intake:
     buffer, or the target itself), or None."""
 
     def __init__(
-        self, taker: Taker, session: Session, applier: Applier, deadline: Deadline, streams: list[Stream], *,
+        self, taker: Taker, session: Session, applier: Applier, deadline: Deadline,
+        streams: Callable[[], list[Stream]], *,
         empty: tuple[tuple[Any, torch.dtype, tuple[int, ...]], ...] = (), tag: tuple[Any, ...] | None = None,
         device: torch.device | None = None, total: int | None = None,
     ) -> None:  # fmt: skip
         self.taker, self.session, self.applier, self.deadline = taker, session, applier, deadline
-        self.streams, self.empty, self.tag = streams, empty, tag
+        self.streams_of, self.empty, self.tag = streams, empty, tag
+        self.streams: list[Stream] = []
+        """The streams that feed this receiver, once the receive begins (a pair's base is begun then)."""
         self.device = device if device is not None else taker.device
         self.total = total if total is not None else applier.total
         """The update's tensors (for the error texts)."""
@@ -80,6 +83,7 @@ class Intake:
         whichever stream, in the one order every member walks them; the digests of full streams, when asked
         for, are checked last."""
         digests = _bytes.Digests(self.session.header.verify, self.taker.group)
+        self.streams = self.streams_of()
         landers = [_Lander(self, s, digests) for s in self.streams]
         for g in range(max((len(s.groups()) for s in self.streams), default=0)):
             feeds: dict[int, list[Feed]] = {}
@@ -89,9 +93,9 @@ class Intake:
                     feeds[lander.stream.source] = part
                 yield from hand_on(self.ready)
             yield from self._walk(g, feeds)
-        for s in self.streams:
-            if not s.delta:
-                self.vote(partial(digests.check, s.source, self.deadline))
+        for s in (s for s in self.streams if not s.delta):  # each one's digests taken, whatever was found
+            problem = digests.check(s.source, self.deadline)
+            self.problem = self.problem or problem
 
     def _walk(self, g: int, feeds: dict[int, list[Feed]]) -> Iterator[tuple[Any, torch.Tensor]]:
         """Part ``g``'s buckets (``feeds``: by source), each feeder's stream opened over its transport
@@ -197,7 +201,7 @@ class _Lander:
 
 def pair_streams(taker: Taker, session: Session, device: torch.device) -> list[Stream]:
     """This receiver's pair streams, with bases when any source keeps them (each source's header says whether
-    its pairs may be deltas)."""
+    its pairs may be deltas), begun as the receive begins."""
     bases = taker.memory.bases if any(h.keeps_base for h in session.headers.values()) else None
     if bases is None:
         taker.memory.bases.clear()  # the senders keep none: nothing to apply a delta to, memory back
@@ -241,7 +245,7 @@ def fanout_named(taker: Taker, session: Session, deadline: Deadline, every: bool
     )
     entries = manifest.entries if every else ()
     empty = tuple((i, *spec(i)[:2]) for i, e in enumerate(entries) if e.alias_of is None and not e.nbytes)
-    streams = streams_of(session, taker.group.rank, False, None, taker.device)
+    streams = partial(streams_of, session, taker.group.rank, False, None, taker.device)
     return Intake(taker, session, applier, deadline, streams, empty=empty,
                   tag=("receive",) if header.keeps_base else None, total=len(manifest.entries))  # fmt: skip
 
@@ -280,7 +284,7 @@ def fanout_into(
 
     applier = allocated(taker.group, what, staged if atomic else streaming)
     kept = header.keeps_base and (atomic or all(typed))
-    streams = streams_of(session, taker.group.rank, False, None, device)
+    streams = partial(streams_of, session, taker.group.rank, False, None, device)
     return Intake(taker, session, applier, deadline, streams, tag=keep if kept else None, total=len(entries))
 
 
@@ -337,13 +341,15 @@ def boxes_into(
         streaming = Streaming(taker.copier, names, parts, dest,
                               wire={w: d for w, d in wire.items() if dest[w][0].dtype != d})  # fmt: skip
         return Intake(
-            taker, session, streaming, deadline, pair_streams(taker, session, device), device=device
+            taker, session, streaming, deadline, partial(pair_streams, taker, session, device), device=device
         )
     staged = allocated(taker.group, what, lambda: Staged(
         taker.copier, names, parts, _staging(taker, session.pairs, boxes, device),
         dest=[(w, t, names(w)) for w, (t, _) in dest.items()],
     ))  # fmt: skip
-    return Intake(taker, session, staged, deadline, pair_streams(taker, session, device), device=device)
+    return Intake(
+        taker, session, staged, deadline, partial(pair_streams, taker, session, device), device=device
+    )
 
 
 def boxes_named(
@@ -371,5 +377,5 @@ def boxes_named(
 
         applier = Scratch(taker.copier, names, parts, spec, taker.device, every=every)
     empty = tuple((w, dtype_from_name(plan.dtypes[w]), b.shape) for w, b in whole.items() if not b.numel)
-    streams = pair_streams(taker, session, taker.device)
+    streams = partial(pair_streams, taker, session, taker.device)
     return Intake(taker, session, applier, deadline, streams, empty=empty if every else ())

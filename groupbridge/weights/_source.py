@@ -87,7 +87,7 @@ class Puller:
                 self.live[i] = src
 
     def finish(self) -> None:
-        """Pull the rest: trailing tied names and empty tensors, and a generator run to its end."""
+        """Pull the rest of the manifest's entries (trailing tied names and empty tensors)."""
         self.pull_through(len(self.entries) - 1)
 
     def reads(self, plan: Plan) -> SourceReads:

@@ -68,27 +68,27 @@ class Packed:
         return view
 
 
-Fill = Callable[[int, Callable[[], torch.Tensor]], torch.Tensor]
+class Post(NamedTuple):
+    """One bucket of a source's part: its round, its receiver (None: every one), its size on the wire,
+    ``fill(buffer)``, which packs it (into ``buffer()``, the transport's) or returns bytes that lie elsewhere,
+    and ``posted()``."""
+
+    round: int
+    to: int | None
+    nbytes: int
+    fill: Callable[[Callable[[], torch.Tensor]], torch.Tensor]
+    posted: Callable[[], None] | None = None
 
 
-def post_stream(
-    tx: TxTransport, plan: Plan, device: torch.device, sync: Sync[Any], fill: Fill,
-    posted: Callable[[int], None] | None = None, *, finish: bool = True, progress: Progress | None = None,
-) -> None:  # fmt: skip
-    """The one send loop of every stream (a fan-out, each group of a fan-out delta, a source's pairs): open
-    the transport on ``plan``, then per bucket ``fill(k, buffer)`` (packing into ``buffer()``, the
-    transport's, or returning bytes that lie elsewhere), post it, call ``progress`` and ``posted(k)``.
-    ``finish=False`` leaves the last bytes on the wire (a delta's next group is diffed meanwhile)."""
-    tx.open(plan, device, sync)
-    for k in range(len(plan.bounds)):
-        start, end = plan.bucket_range(k)
-        tx.post(k, fill(k, partial(tx.buffer, k, end - start, device)))
-        if progress is not None:
-            progress(end, plan.total_bytes)
-        if posted is not None:
-            posted(k)
-    if finish:
-        tx.finish()
+def post_stream(tx: TxTransport, posts: list[Post], device: torch.device, sync: Sync[Any]) -> None:
+    """The one send loop of every stream's part (see :func:`send_streams`): open the transport on the posts'
+    sizes, then per bucket fill it, post it and call its ``posted()``. The last bytes are left on the wire
+    (a fan-out delta's next group is diffed meanwhile): the caller finishes."""
+    tx.open(Plan.of_sizes([e.nbytes for e in posts]), device, sync)
+    for k, e in enumerate(posts):
+        tx.post(k, e.fill(partial(tx.buffer, k, e.nbytes, device)))
+        if e.posted is not None:
+            e.posted()
 
 
 def as_is(payloads: list[torch.Tensor], k: int, buffer: Callable[[], torch.Tensor]) -> torch.Tensor:
@@ -158,18 +158,6 @@ def source_sync(
     )  # fmt: skip
 
 
-class _Post(NamedTuple):
-    """One bucket of a source's part: its round, its receiver (None: every one), its size on the wire,
-    ``fill(buffer)``, which packs it (into ``buffer()``, the transport's) and returns the bytes to post, and
-    ``posted()``."""
-
-    round: int
-    to: int | None
-    nbytes: int
-    fill: Callable[[Callable[[], torch.Tensor]], torch.Tensor]
-    posted: Callable[[], None] | None = None
-
-
 class Source(Protocol):
     """What a source's streams read: its tensors in a fan-out's (:class:`._source.Puller`) or a pair's cut
     (``_sharded_tx.SourceSlots``)."""
@@ -195,48 +183,46 @@ def send_streams(
     me, header = group.rank, session.header
     digests = _bytes.Digests(header.verify, group)
     sent = Sent(delta=any(s.delta for s in streams))
-    mine = [s for s in streams if s.feeder == me]  # else a receiver forwards its bytes
-    done, total = 0, sum(s.cut.total_bytes for s in {s.key: s for s in streams if s.delta}.values())
-    total += sum(s.cut.total_bytes for s in mine if not s.delta)
+    ends: dict[int, int] = {}  # how far each stream's buckets are posted (a delta's: diffed, once per cut)
 
-    def reads_of(s: Stream) -> SourceReads:
-        reads = source.reads(s.cut)
+    def reads_of(i: int) -> SourceReads:
+        reads, cut = source.reads(streams[i].cut), streams[i].cut
+        ends[i] = 0
 
         def released(k: int) -> None:
-            nonlocal done
             if progress is not None:
-                start, end = s.cut.bucket_range(k)
-                done += end - start
-                progress(done, total)
+                ends[i] = cut.bucket_range(k)[1]
+                progress(sum(ends.values()), total)
             reads.release(k)
 
         return replace(reads, release=released)
 
     diffs: dict[str, Diffs] = {}
     fills: list[Packed] = []
-    first: list[_Post] = []
+    first: list[Post] = []
     # the streams of one cut share a base: a delta brings it up to date once (as it diffs it), and else the
     # first full stream of the cut writes it
     written = {s.key for s in streams if s.delta}
-    for s in streams:
+    for i, s in enumerate(streams):
         sent.total += s.cut.total_bytes
         sent.buckets += len(s.cut.bounds)
         if s.delta:
             if s.key not in diffs:
                 assert s.base is not None
                 verify = delta_digest(header)
-                diffs[s.key] = Diffs(reads_of(s), s.base, list(s.words), workers, buffers, verify, group)
+                diffs[s.key] = Diffs(reads_of(i), s.base, list(s.words), workers, buffers, verify, group)
         elif s.feeder == me:
             keep = s.base if s.key not in written else None
             written.add(s.key)
-            reads = reads_of(s)
+            reads = reads_of(i)
             fills.append(Packed(reads, workers[0], digests, base=keep, sample=sample, to=s.to))
             sent.wire_bytes += s.cut.total_bytes
-            first += [_Post(k, s.to, end - start, partial(fills[-1], k), partial(reads.release, k))
+            first += [Post(k, s.to, end - start, partial(fills[-1], k), partial(reads.release, k))
                       for k, (start, end) in enumerate(s.cut.bounds)]  # fmt: skip
+    total = sum(streams[i].cut.total_bytes for i in ends)
     turns = session.turns() if any(s.to is not None for s in streams) else {}
     opened = False
-    for g in range(max(len(s.groups()) for s in streams)):
+    for g in range(max((len(s.groups()) for s in streams), default=0)):
         posts, described = first if g == 0 else [], {}
         for s in streams:
             if not s.delta or g >= len(s.groups()):
@@ -252,7 +238,7 @@ def send_streams(
             if s.feeder == me:
                 sent.wire_bytes += sum(p.numel() for p in payloads)
                 posts += [
-                    _Post(j, s.to, p.numel(), partial(as_is, payloads, j)) for j, p in enumerate(payloads)
+                    Post(j, s.to, p.numel(), partial(as_is, payloads, j)) for j, p in enumerate(payloads)
                 ]
         if not posts:
             continue
@@ -261,7 +247,7 @@ def send_streams(
             tx.finish()  # the previous part's bytes are out; the diff workers kept going meanwhile
         opened = True
         to = None if posts[0].to is None else tuple(e.to for e in posts if e.to is not None)
-        _post_part(tx, posts, device, replace(sync, part=g, to=to))
+        post_stream(tx, posts, device, replace(sync, part=g, to=to))
     if opened:
         tx.finish()
     sent.in_place += sum(f.in_place for f in fills)
@@ -273,15 +259,3 @@ def send_streams(
     source.finish()
     sent.by_receiver = dict(sorted((s.to, s.cut.total_bytes) for s in streams if s.to is not None)) or None
     return sent
-
-
-def _post_part(tx: TxTransport, posts: list[_Post], device: torch.device, sync: Sync[Any]) -> None:
-    """Post one part of a source's streams (its last bytes left on the wire)."""
-
-    def posted(k: int) -> None:
-        done = posts[k].posted
-        if done is not None:
-            done()
-
-    wire = Plan.of_sizes([e.nbytes for e in posts])
-    post_stream(tx, wire, device, sync, lambda k, buf: posts[k].fill(buf), posted, finish=False)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import enum
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import Field, dataclass, fields, replace
+from dataclasses import Field, dataclass, fields
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 import torch
@@ -110,7 +110,8 @@ class Sync(Generic[OptionsT]):
     (one intra-op thread): the caller's intra-op pool has idle workers spin and starve the other processes
     of a small host (measured: shm to two receivers on two cores 3x slower)."""
     part: int = 0
-    """Which opening within this sync: a delta sync opens the transport once per group of buckets."""
+    """Which part of this sync's streams (see ``_sharded.Stream.groups``): a fan-out delta opens the transport
+    once per group of buckets that has changed ones, numbered by the group."""
     to: tuple[int, ...] | None = None
     """A many-source sync's receiver of each bucket (a source's stream interleaves its pairs; a receiver opens
     its pair's own plan, with its own rank for every bucket); None: every receiver reads every bucket."""
@@ -120,9 +121,6 @@ class Sync(Generic[OptionsT]):
         """The prefix of every control key this opening may use (``wx/<sync id>/<part>``): never reused, so
         that a signal sealed for one sync or part cannot pass for another's."""
         return f"wx/{self.sync_id}/{self.part}"
-
-    def next_part(self) -> Sync[OptionsT]:
-        return replace(self, part=self.part + 1)
 
 
 class TxTransport(Protocol):
@@ -134,8 +132,8 @@ class TxTransport(Protocol):
     - ``offer()`` then goes into the sync's header: what receivers need to attach (JSON-like, small, sealed
       with the group's token). Called every sync: a receiver new to the group attaches from it.
     - ``open(plan, device, sync)`` starts a stream of buckets, with no round trip to the receivers. Within one
-      sync it may be called again after ``finish()`` with another plan and ``sync.part`` one higher (a delta
-      sync sends each group of buckets by its own plan). With ``sync.to``, bucket k goes to receiver
+      sync it may be called again after ``finish()`` with another plan and a higher ``sync.part`` (a fan-out
+      delta sends each group of buckets by its own plan). With ``sync.to``, bucket k goes to receiver
       ``sync.to[k]`` alone, and every wait of the transport must be for an earlier bucket of the source's
       stream: many streams run at once, walked by every member in one order (``Session.turns``).
     - for every bucket k in order: ``buffer(k, nbytes, device)`` where the source may pack it (it blocks

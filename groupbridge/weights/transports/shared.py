@@ -156,7 +156,6 @@ class SharedTx:
         self._offer: dict[str, Any] = {}
         self._gen = 0
         self._key = ""
-        self._sync_id = ""
         self._deadline: Deadline | None = None
         self._copy: Any = None
         self._posted = 0
@@ -168,6 +167,7 @@ class SharedTx:
         """Buckets of the last sync that receivers read from the sender's own shared memory (no copy)."""
 
     def reserve(self, plan: Plan, device: torch.device) -> None:
+        self.external = 0  # called before every sync
         need = _max_bucket(plan)
         if self._slots and self._slots[0].numel() >= need and self._slots[0].device == device:
             return
@@ -211,9 +211,6 @@ class SharedTx:
             for dst in sync.to:
                 self._index.append(seen.get(dst, 0))
                 seen[dst] = self._index[-1] + 1
-        if sync.sync_id != self._sync_id:  # a sync's first part (a delta's may not be its part 0)
-            self._sync_id = sync.sync_id
-            self.external = 0
 
     def _signal(self, what: str, k: int) -> str:
         if self._to is None:
