@@ -12,6 +12,7 @@ import torch
 from ..stateless import StatelessGroup
 from ._session import laid_out_in_place
 from .manifest import Manifest, tensors_of
+from .plan import Plans
 from .shard import Shard, box_of
 
 Pairs = list[tuple[str, torch.Tensor]] | Iterator[tuple[str, torch.Tensor]]
@@ -115,14 +116,14 @@ class Described:
             yield name, shard.tensor if shard is not None else value
 
 
-def in_place(items: Pairs, manifest: Manifest, delta: bool) -> bool:
+def in_place(items: Pairs, manifest: Manifest, delta: bool, plans: Plans) -> bool:
     """This source's tensors lie in the merged plan's layout (it may then be agreed; never with deltas,
     whose base is kept in the bucket plan's layout)."""
     if delta or not isinstance(items, list):
         return False
     if any(e.dtype != e.wire_dtype for e in manifest.entries):
         return False
-    return laid_out_in_place(manifest, [t for _, t in items], receiving=False)
+    return laid_out_in_place(plans.merged(manifest), [t for _, t in items], receiving=False)
 
 
 def peek_device(items: Pairs) -> tuple[Pairs, torch.device]:

@@ -101,7 +101,7 @@ class Verdict:
     """``stale`` (not a newer version), ``manifest`` (other tensors than expected), ``transport`` (cannot
     attach), ``size`` (more than the receiver may allocate) or ``other``."""
     in_place: bool = False
-    """Its tensors lie in the plan's byte layout (see :data:`MERGED_BYTES`)."""
+    """Its tensors lie in the plan's byte layout (see :data:`.plan.MERGED_BYTES`)."""
     base: bool = False
     """It holds the version the header offers a delta against."""
     held: tuple[tuple[int, int], ...] = ()

@@ -47,23 +47,14 @@ from .transports import TRANSPORTS
 ACK_TAG = "weights-ack"
 """Receivers' acknowledgements travel on their own tag, never mixing with the caller's objects."""
 
-MERGED_BYTES = 1 << 30
-"""The cut of a stream whose members all lie in the plan's byte layout (both sides ``flatten_``-ed) over a
-transport that cuts anywhere (``TransportSpec.cut_anywhere``: the group's broadcast), instead of
-``bucket_bytes``: nothing is packed, and fewer operations are faster (each gloo one costs a handshake)."""
 
-
-def merged_plan(manifest: Manifest) -> Plan:
-    return Plan.build(manifest, MERGED_BYTES, MERGED_BYTES)
-
-
-def laid_out_in_place(manifest: Manifest, tensors: list[torch.Tensor | None], *, receiving: bool) -> bool:
-    """Whether ``tensors`` (in manifest order) lie in the merged plan's byte layout, so that every bucket of
-    any cut is a view of their own storage (see :func:`._bytes.in_place_bucket`)."""
-    plan = merged_plan(manifest)
+def laid_out_in_place(merged: Plan, tensors: list[torch.Tensor | None], *, receiving: bool) -> bool:
+    """Whether ``tensors`` (in manifest order) lie in the byte layout of the ``merged`` plan
+    (``Plans.merged``), so that every bucket of any cut is a view of their own storage (see
+    :func:`._bytes.in_place_bucket`)."""
     return all(
-        _bytes.in_place_bucket(plan, k, tensors, receiving=receiving) is not None
-        for k in range(len(plan.buckets))
+        _bytes.in_place_bucket(merged, k, tensors, receiving=receiving) is not None
+        for k in range(len(merged.buckets))
     )
 
 
@@ -97,7 +88,7 @@ class Session:
     plan: ShardPlan | None = None
     cut: Plan | None = None
     """The fan-out stream's bucket plan (the merged one where every member agreed to it, see
-    :data:`MERGED_BYTES`); None with pairs, each cut by ``plan``."""
+    ``plan.MERGED_BYTES``); None with pairs, each cut by ``plan``."""
     deltas: frozenset[tuple[int, int]] = frozenset()
     """The (source, receiver) pairs that travel as deltas (a fan-out stream's: all of them, or none)."""
     keys: Mapping[tuple[int, int], str] = field(default_factory=dict)
@@ -256,7 +247,7 @@ def open_session(
         return replace(draft, deltas=pair_deltas(plan, headers, verdicts))
     receivers = [r for r in range(group.world_size) if r != sources[0]]
     plans = plans or Plans()
-    cut = merged_plan(whole) if merged else plans.whole(whole, lead.bucket_bytes, lead.solo_bytes)
+    cut = plans.merged(whole) if merged else plans.whole(whole, lead.bucket_bytes, lead.solo_bytes)
     return replace(draft, cut=cut, deltas=frozenset((sources[0], r) for r in receivers if delta))
 
 

@@ -44,18 +44,18 @@ def streams_of(
     base ``fanout_base``, see ``DeltaSender.prepare``; a receiver keeps its own where its applier holds the
     tensors), or its pair streams, their bases begun for it on ``device`` when bases are kept."""
     if session.plan is None:
-        whole = session.fanout
-        words = tuple(_delta.word_size(whole, session.manifest, k) for k in range(len(whole.bounds)))
+        whole, delta = session.fanout, session.delta
+        words = tuple(_delta.word_size(whole, session.manifest, k) for k in range(len(whole.bounds)) if delta)
         key = session.manifest.digest
-        return [Stream(session.src, None, session.src, whole, words, fanout_base, session.delta, key)]
+        return [Stream(session.src, None, session.src, whole, words, fanout_base, delta, key)]
     plan, out = session.pairs, []
     for (src, dst), cut in plan.pairs.items():
         if (src if sending else dst) != me:
             continue
         peer, key = (dst if sending else src), session.keys[(src, dst)]
         base = bases.begin(peer, key, cut.total_bytes, device)[0] if bases is not None else None
-        words = tuple(bucket_word(pieces, plan.dtypes) for pieces in cut.buckets)
         delta = (src, dst) in session.deltas
+        words = tuple(bucket_word(pieces, plan.dtypes) for pieces in cut.buckets if delta)
         out.append(Stream(src, dst, plan.feeder(src, dst), cut, words, base, delta, key))
     return out
 
@@ -71,7 +71,7 @@ class Stream:
     """Who posts its bytes to its receiver: the source, or a receiver that forwards them (a chain)."""
     cut: Plan[Any]
     words: tuple[int, ...]
-    """Each bucket's comparison word, for a delta (see :mod:`._delta`)."""
+    """Each bucket's comparison word, where it travels as a delta (see :mod:`._delta`)."""
     base: torch.Tensor | None
     """Its base for this sync, when bases are kept (shared by the pairs of one cut); a fan-out's receiver
     keeps it where its applier holds the tensors."""

@@ -115,7 +115,9 @@ class WeightReceiver(Closing):
                 return Verdict()
             header, manifest = draft.header, draft.manifest
             dest = _dest(manifest, targets, self._rename) if targets is not None else None
-            in_place = dest is not None and laid_out_in_place(manifest, dest, receiving=True)
+            in_place = dest is not None and laid_out_in_place(
+                self._plans.merged(manifest), dest, receiving=True
+            )
             # the held tag names the version (a receiver of a new bridge, given a memory, has no version yet)
             base = (
                 header.base is not None

@@ -216,7 +216,7 @@ class WeightSender(Closing):
         try:
             session = open_session(
                 self.group, deadline, self._known, header=header, boxes=boxes_of(shards), manifest=manifest,
-                in_place=in_place(items, manifest, self._delta is not None), bases=self._bases,
+                in_place=in_place(items, manifest, self._delta is not None, self._plans), bases=self._bases,
                 plans=self._plans,
             )  # fmt: skip
             carrier = pair_transport(kind) if session.plan is not None else kind
