@@ -399,6 +399,26 @@ def test_policy_takes_deltas_where_the_link_is_slower_than_the_diff() -> None:
     assert Policy(always=True).wants_delta()
 
 
+def test_policy_sends_whole_the_streams_whose_own_bytes_all_change() -> None:
+    from groupbridge.weights._delta_sync import Policy
+
+    p = Policy()
+    for _ in range(2):
+        p.record_full(10.0, 10**9)  # an 800 Mbit link
+    p.record_sample(0.0125, 8 << 20, 0.03, 6 << 18)
+    assert p.wants_delta() and p.pays("a") and p.pays("b")  # nothing known of either stream: as the source
+    p.record_delta(2.0, 2 * 10**8, 101 * 10**6, 0.5)
+    p.record_stream("a", 10**8, 10**8)  # every byte of a's cut changed: its delta is as big as a full copy
+    p.record_stream("b", 10**6, 10**8)
+    assert not p.pays("a") and p.pays("b")
+    for _ in range(Policy.REFRESH - 1):
+        p.record_full(10.0, 10**9)
+    assert not p.pays("a")
+    p.record_full(10.0, 10**9)  # a's share is REFRESH syncs old: a tries a delta again
+    assert p.pays("a")
+    assert Policy(always=True).pays("a")
+
+
 def test_policy_refreshes_the_base_now_and_then_while_full_syncs_win() -> None:
     from groupbridge.weights._delta_sync import Policy
 

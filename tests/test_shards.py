@@ -967,3 +967,49 @@ def test_a_source_whose_tensors_all_come_from_another_holder_takes_part_and_send
     res = run_ranks(_idle_source, 3, CTX.Queue(), timeout=50)
     assert res[2] == [True, True], res
     assert res[1] == (0, 0) and res[0][0] > 0, res
+
+
+def _per_stream(rank: int, ports: Any) -> Any:
+    """One source, two receivers taking row halves of ``w``: each version rewrites every value of the top
+    half and one of the bottom half. Once the sender's policy has seen a delta of each pair, the top half
+    travels whole and the bottom half as a delta."""
+    from groupbridge.weights import DeltaMemory
+
+    def version(v: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(v)
+        w = torch.zeros(64, 256)
+        w[:32] = torch.randn(32, 256, generator=g)
+        w[32:, 0] = v
+        return w
+
+    with make_group(rank, 3, "127.0.0.1", ports) as g:
+        if rank == 0:
+            memory = DeltaMemory()
+            out = []
+            with gb.WeightSender(g, delta=True, bucket_bytes=8192, memory=memory) as snd:
+                for v in (1, 2, 3):
+                    if v > 1:  # the link as a slow one measures (1 MB/s), the diff as this host does
+                        p = snd._delta.policy  # type: ignore[union-attr]
+                        p.full_spb, p.diff_spb, p.factor, p.full_syncs = 1e-6, 1e-9, 1.5, 2
+                    st = snd.send({"w": version(v)}, version=v)
+                    out.append((st.delta, st.changed_fraction, st.by_receiver))
+            return out
+        rows = slice(0, 32) if rank == 1 else slice(32, 64)
+        offset = (0, 0) if rank == 1 else (32, 0)
+        rcv = gb.WeightReceiver(g)
+        target = torch.zeros(32, 256)
+        exact = []
+        for v in (1, 2, 3):
+            rcv.receive_into({"w": gb.Shard(target, (64, 256), offset)})
+            exact.append(torch.equal(target, version(v)[rows]))
+        return exact
+
+
+@pytest.mark.timeout(60)
+def test_each_pair_of_a_source_takes_a_delta_only_where_its_own_bytes_pay_for_it() -> None:
+    res = run_ranks(_per_stream, 3, CTX.Queue(), timeout=50)
+    assert res[1] == res[2] == [True] * 3, res
+    (d1, _, by), (d2, c2, _), (d3, c3, _) = res[0]
+    assert by == {1: by[1], 2: by[1]} and not d1 and d2 and d3, res[0]
+    assert c2 > 0.45, res[0]  # both halves diffed: every word of the top one changed, one in 256 of the other
+    assert c3 < 0.01, res[0]  # only the bottom half diffed: the top one went whole

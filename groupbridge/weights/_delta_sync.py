@@ -237,7 +237,8 @@ class Policy:
 
     The first sync is always a full one, and cold (buffers touched for the first time, transports set up):
     its time overstates the link's cost, so the policy decides from the second full sync on. A fast link
-    never pays for a probe; a slow one switches to deltas at its third.
+    never pays for a probe; a slow one switches to deltas at its third. Where the source chose deltas, each of
+    its streams then goes by what changed in its own cut (:meth:`pays`).
     """
 
     WARM_FULL_SYNCS = 2
@@ -262,6 +263,11 @@ class Policy:
         self.full_syncs = 0
         self.chose_delta = False
         self._full_run = 0
+        self.syncs = 0
+        self.streams: dict[str, tuple[float, int]] = {}
+        """By a stream's cut: its own wire share (its delta's bytes over its cut's) and the sync that measured
+        it. A source's streams share its link and its diff, not what changed: where one cut changes whole
+        (its delta costs the diff and all its bytes) and another barely, each goes its own way."""
 
     def wants_delta(self) -> bool:
         self.chose_delta = self._wants_delta()
@@ -277,6 +283,21 @@ class Policy:
         predicted = self.diff_spb * self.factor + self.wire * self.full_spb
         return predicted < self.margin * self.full_spb
 
+    def pays(self, key: str) -> bool:
+        """Whether the stream of cut ``key`` travels as a delta in a sync whose source chose deltas: by its
+        own wire share where a delta of it measured one in the last :data:`REFRESH` syncs (older, it tries
+        again), else as the source's other streams."""
+        seen = self.streams.get(key)
+        if self.always or seen is None or self.syncs - seen[1] >= self.REFRESH:
+            return True
+        if self.diff_spb is None or self.full_spb is None:
+            return True
+        return self.diff_spb * self.factor + seen[0] * self.full_spb < self.margin * self.full_spb
+
+    def record_stream(self, key: str, wire_bytes: int, nbytes: int) -> None:
+        """A delta of the stream of cut ``key`` moved ``wire_bytes`` of its ``nbytes``."""
+        self.streams[key] = (wire_bytes / max(nbytes, 1), self.syncs)
+
     def keep_base(self) -> bool:
         """Whether this full sync refreshes the sender's base. Packing into the base costs nothing over the
         network, but a copy more into shared memory (or from a ``flatten_``-ed model): while full syncs win,
@@ -290,6 +311,7 @@ class Policy:
     def record_full(self, seconds: float, model_bytes: int) -> None:
         self.full_spb = seconds / max(model_bytes, 1)
         self.full_syncs += 1
+        self.syncs += 1
 
     def record_sample(self, seconds: float, nbytes: int, changed: float, wire_bytes: int) -> None:
         self.diff_spb = seconds / max(nbytes, 1)
@@ -297,6 +319,7 @@ class Policy:
         self.wire = wire_bytes / max(nbytes, 1)
 
     def record_delta(self, seconds: float, model_bytes: int, wire_bytes: int, changed: float) -> None:
+        self.syncs += 1
         self.changed = changed
         self.wire = wire_bytes / max(model_bytes, 1)
         if self.diff_spb is not None and self.full_spb is not None:

@@ -182,13 +182,14 @@ def open_session(
     header: Header | None = None, boxes: dict[str, Any] | None = None, manifest: Manifest | None = None,
     in_place: bool = False, wants: dict[str, Any] | None = None, wants_if: str | None = None,
     seen: Callable[[str, bool], None] | None = None, src: int | None = None, judge: Judge | None = None,
-    bases: Bases | None = None, plans: Plans | None = None,
+    bases: Bases | None = None, plans: Plans | None = None, pays: Callable[[str], bool] | None = None,
 ) -> Session:  # fmt: skip
     """Steps 1 and 2 above, on every member. A source passes ``header``, ``boxes`` (of global tensors held),
     ``manifest`` and ``in_place`` (its tensors lie in the merged plan's layout); a receiver ``wants`` (unless
     every tensor whole; on condition ``wants_if``, see :func:`._sharded.conditional`), the ``src`` it expects
     and its ``judge``. ``seen(key, used)`` learns, before any check, the sources' key and whether the
-    conditional wants hold. ``known`` caches manifests, ``plans`` the last pair plan, ``bases`` pair bases.
+    conditional wants hold. ``known`` caches manifests, ``plans`` the last pair plan, ``bases`` pair bases
+    (of which a source offers those ``pays`` says travel as deltas).
 
     Raises:
         ManifestMismatchError: some receiver expects other tensors (the message lists every receiver's), or
@@ -239,7 +240,7 @@ def open_session(
         plan, whole, keys = plan_pairs(posts, sources, headers, manifests, me, plans)
     draft = Session(tuple(sources), lead, whole, headers, plan, keys=keys)
     verdict = judge(draft) if judge is not None else Verdict(in_place=in_place)
-    verdict = replace(verdict, held=holding(bases, keys, me))
+    verdict = replace(verdict, held=holding(bases, keys, me, pays))
     gathered = group.all_gather_obj(verdict.to_wire(), timeout=deadline)
     verdicts = [Verdict.from_wire(v, r) for r, v in enumerate(gathered)]
     merged, delta = conclude(lead, sources[0], verdicts)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -198,11 +198,17 @@ def plan_pairs(
     return plans.get(_layout_key(posts, sources, headers, me), planned) if plans else planned()
 
 
-def holding(bases: Bases | None, keys: Mapping[tuple[int, int], str], me: int) -> tuple[tuple[int, int], ...]:
-    """(peer, version) of every pair base this member holds for its pairs' cuts."""
+def holding(
+    bases: Bases | None,
+    keys: Mapping[tuple[int, int], str],
+    me: int,
+    pays: Callable[[str], bool] | None = None,
+) -> tuple[tuple[int, int], ...]:
+    """(peer, version) of every pair base this member holds for its pairs' cuts; a source leaves out those
+    its policy would send whole this sync (``pays``: see ``Policy.pays``), so that they travel whole."""
     if bases is None:
         return ()
-    held = ((dst if src == me else src, key) for (src, dst), key in keys.items())
+    held = ((dst if src == me else src, key) for (src, dst), key in keys.items() if pays is None or pays(key))
     return tuple((peer, v) for peer, key in held if (v := bases.held(peer, key)) is not None)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any, NamedTuple, Protocol
 
@@ -111,6 +111,8 @@ class Sent:
     delta: bool = False
     by_receiver: dict[int, int] | None = None
     """Bytes each receiver took (None: every receiver took them all)."""
+    streams: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """By the cut of each delta stream: its payloads' bytes and its own (for ``Policy.record_stream``)."""
 
     @property
     def changed(self) -> float:
@@ -149,6 +151,8 @@ def source_sync(
             policy.record_delta(seconds, sent.total, sent.wire_bytes, sent.changed)
         else:
             policy.record_full(seconds, sent.total)
+        for key, (wire, nbytes) in sent.streams.items():
+            policy.record_stream(key, wire, nbytes)
     return finished(
         group, version, sent.total, seconds,
         buckets=sent.buckets, in_place_buckets=sent.in_place, transport=transport, receivers=len(receivers),
@@ -230,6 +234,8 @@ def send_streams(
             if s.key not in described:
                 desc, payloads, diffed = diffs[s.key].described(*s.groups()[g])
                 described[s.key] = desc, payloads
+                wire, nbytes = sent.streams.get(s.key, (0, s.cut.total_bytes))
+                sent.streams[s.key] = wire + sum(p.numel() for p in payloads), nbytes
                 sent.changed_words += sum(d.enc.count for d, _ in diffed)
                 sent.compared_words += sum(d.enc.words for d, _ in diffed)
                 sent.in_place += sum(flat for _, flat in diffed)

@@ -217,7 +217,7 @@ class WeightSender(Closing):
             session = open_session(
                 self.group, deadline, self._known, header=header, boxes=boxes_of(shards), manifest=manifest,
                 in_place=in_place(items, manifest, self._delta is not None, self._plans), bases=self._bases,
-                plans=self._plans,
+                plans=self._plans, pays=self._delta.policy.pays if self._delta is not None else None,
             )  # fmt: skip
             carrier = pair_transport(kind) if session.plan is not None else kind
             if carrier != kind and self.transport != "auto":
