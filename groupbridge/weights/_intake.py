@@ -78,14 +78,14 @@ class Intake:
             self.problem = check()
 
     def _streams(self) -> Iterator[tuple[Any, torch.Tensor]]:
-        """Every stream part by part (see ``Stream.groups``): a delta's description of the part first (its
+        """Every stream part by part (see ``Stream.parts``): a delta's description of the part first (its
         unchanged buckets checked and handed on at once), then every bucket of the part as it lands, from
         whichever stream, in the one order every member walks them; the digests of full streams, when asked
         for, are checked last."""
         digests = _bytes.Digests(self.session.header.verify, self.taker.group)
         self.streams = self.streams_of()
         landers = [_Lander(self, s, digests) for s in self.streams]
-        for g in range(max((len(s.groups()) for s in self.streams), default=0)):
+        for g in range(max((len(s.parts) for s in self.streams), default=0)):
             feeds: dict[int, list[Feed]] = {}
             for lander in landers:
                 part = lander.part(g)
@@ -101,14 +101,14 @@ class Intake:
         """Part ``g``'s buckets (``feeds``: by source), each feeder's stream opened over its transport
         (attached in the handshake), passed on where this receiver forwards them."""
         taker, session, me, deadline = self.taker, self.session, self.taker.group.rank, self.deadline
-        feeder = {s.source: s for s in self.streams}
+        of = {s.source: s for s in self.streams}  # the stream from each source
         walk = walk_of(session, me, {s: len(f) for s, f in feeds.items()})
         walks: dict[int, Opened] = {}
-        for by in sorted({feeder[s].feeder for s in feeds}):
-            mine = [(s, k) for s, k in walk if feeder[s].feeder == by]
+        for by in sorted({of[s].feeder for s in feeds}):
+            mine = [(s, k) for s, k in walk if of[s].feeder == by]
             if not mine:
                 continue
-            stream = feeder[mine[0][0]]
+            stream = of[mine[0][0]]
             kind, rx, sync = taker.streams.stream(by, session, deadline)
             wire = Plan.of_sizes([feeds[s][k][0] for s, k in mine])
             if stream.to is None:  # the fan-out: whole buckets land where the applier says
@@ -131,7 +131,7 @@ class Intake:
             ring.size = rx.scratch_buffers
             walks[by] = rx.buckets(wire, land, deadline)
         onward = Onward(taker.group, session.plan, walk, feeds, deadline, self.device)
-        for (src, k), (_, view, in_place) in zip(walk, take(walks, (feeder[s].feeder for s, _ in walk)),
+        for (src, k), (_, view, in_place) in zip(walk, take(walks, (of[s].feeder for s, _ in walk)),
                                                  strict=True):  # fmt: skip
             onward.post(src, view)
             feeds[src][k][1](view, in_place)
@@ -157,10 +157,9 @@ class _Lander:
         """Part ``g``'s buckets to take (a delta's changed ones, as its source announced them; its unchanged
         ones are checked and landed at once), or None when the stream has no such part."""
         s, intake = self.stream, self.intake
-        groups = s.groups()
-        if g >= len(groups):
+        if g >= len(s.parts):
             return None
-        a, b = groups[g]
+        a, b = s.parts[g]
         if not s.delta:
             return [
                 (end - start, partial(self.full, k)) for k, (start, end) in enumerate(s.cut.bounds[a:b], a)

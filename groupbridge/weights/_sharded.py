@@ -47,7 +47,8 @@ def streams_of(
         whole, delta = session.fanout, session.delta
         words = tuple(_delta.word_size(whole, session.manifest, k) for k in range(len(whole.bounds)) if delta)
         key = session.manifest.digest
-        return [Stream(session.src, None, session.src, whole, words, fanout_base, delta, key)]
+        parts = parts_of(whole, delta)
+        return [Stream(session.src, None, session.src, whole, words, fanout_base, delta, key, parts)]
     plan, out = session.pairs, []
     for (src, dst), cut in plan.pairs.items():
         if (src if sending else dst) != me:
@@ -56,8 +57,20 @@ def streams_of(
         base = bases.begin(peer, key, cut.total_bytes, device)[0] if bases is not None else None
         delta = (src, dst) in session.deltas
         words = tuple(bucket_word(pieces, plan.dtypes) for pieces in cut.buckets if delta)
-        out.append(Stream(src, dst, plan.feeder(src, dst), cut, words, base, delta, key))
+        out.append(
+            Stream(src, dst, plan.feeder(src, dst), cut, words, base, delta, key, parts_of(cut, False))
+        )
     return out
+
+
+def parts_of(cut: Plan[Any], groups: bool) -> tuple[tuple[int, int], ...]:
+    """The parts a stream travels in, buckets [a, b) each: a fan-out delta's groups (``groups``: each
+    described, then its changed buckets sent, while the source diffs the next; see
+    :func:`._delta_sync.delta_groups`), else one. A pair's delta goes in one part: between parts a source
+    waits for its last bytes to land, and across hosts that pause cost more than the overlap won (``p2p`` at
+    200 Mbit/s, 2 sources of 32 MiB to 2 receivers: one eighth changed, 0.51 s a sync in one part, 0.56 to
+    0.64 s in four; one in 64 changed, 0.12 s against 0.11 s)."""
+    return tuple(delta_groups(cut)) if groups else ((0, len(cut.bounds)),)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,17 +92,8 @@ class Stream:
     """It travels as a delta."""
     key: str
     """Its cut (:func:`._sharded_delta.pair_key`), or how a fan-out's base is kept."""
-
-    def groups(self) -> list[tuple[int, int]]:
-        """The parts it travels in, buckets [a, b) each: a fan-out delta's groups (each described, then its
-        changed buckets sent, while the source diffs the next: :func:`._delta_sync.delta_groups`), else one.
-        A pair's delta goes in one part: between parts a source waits for its last bytes to land, and across
-        hosts that pause cost more than the overlap won (``p2p`` at 200 Mbit/s, 2 sources of 32 MiB to 2
-        receivers: one eighth changed, 0.51 s a sync in one part, 0.56 to 0.64 s in four; one in 64 changed,
-        0.12 s against 0.11 s)."""
-        if self.delta and self.to is None:
-            return delta_groups(self.cut)
-        return [(0, len(self.cut.bounds))]
+    parts: tuple[tuple[int, int], ...]
+    """The parts it travels in, buckets [a, b) each (see :func:`parts_of`)."""
 
     def word_counts(self, a: int, b: int) -> list[int]:
         return [

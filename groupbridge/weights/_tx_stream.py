@@ -177,7 +177,7 @@ def send_streams(
     progress: Progress | None = None, sample: Callable[[torch.Tensor, int], None] | None = None,
 ) -> Sent:  # fmt: skip
     """A source's streams of a sync (the fan-out, or its pairs), over ``tx`` in parts: every stream's part
-    ``g`` (see ``Stream.groups``), interleaved as every member walks them (round, then turn: see
+    ``g`` (see ``Stream.parts``), interleaved as every member walks them (round, then turn: see
     ``Session.turns``), then the next part. A full stream's buckets are packed as they are posted
     (:class:`Packed`, on the first of the copy threads ``workers``; ``sample`` times a diff on the way, see
     there), all in the first part; a delta stream's group is diffed by all ``workers`` (the streams of one cut
@@ -226,13 +226,13 @@ def send_streams(
     total = sum(streams[i].cut.total_bytes for i in ends)
     turns = session.turns() if any(s.to is not None for s in streams) else {}
     opened = False
-    for g in range(max((len(s.groups()) for s in streams), default=0)):
+    for g in range(max((len(s.parts) for s in streams), default=0)):
         posts, described = first if g == 0 else [], {}
         for s in streams:
-            if not s.delta or g >= len(s.groups()):
+            if not s.delta or g >= len(s.parts):
                 continue
             if s.key not in described:
-                desc, payloads, diffed = diffs[s.key].described(*s.groups()[g])
+                desc, payloads, diffed = diffs[s.key].described(*s.parts[g])
                 described[s.key] = desc, payloads
                 wire, nbytes = sent.streams.get(s.key, (0, s.cut.total_bytes))
                 sent.streams[s.key] = wire + sum(p.numel() for p in payloads), nbytes
