@@ -413,16 +413,20 @@ class ControlChannel:
     def _timeout(
         self, keys: Sequence[str], owners: Sequence[int], what: str, deadline: Deadline
     ) -> PeerTimeoutError:
-        missing: set[int] = set()
+        return self._late(what, set(self.missing(keys, owners)) or set(owners), deadline)
+
+    def missing(self, keys: Sequence[str], owners: Sequence[int]) -> list[int]:
+        """The owners whose keys are not in the store (a timeout's slow path: one check per key)."""
         store = self.client.get()
         try:
             store.set_timeout(timedelta(seconds=5))
-            for k, r in zip(keys, owners, strict=True):
-                if not store.check([self.key(k)]):
-                    missing.add(r)
-        except RuntimeError:  # the store is gone too; name everyone waited for
-            missing = set(owners)
-        return self._late(what, missing or set(owners), deadline)
+            return [r for k, r in zip(keys, owners, strict=True) if not store.check([self.key(k)])]
+        except RuntimeError:  # the store is gone too: name everyone
+            return list(owners)
+
+    def late(self, what: str, owners: Iterable[int], deadline: Deadline) -> PeerTimeoutError:
+        """The error of a wait for ``what`` from ``owners`` that ran past ``deadline``."""
+        return self._late(what, owners, deadline)
 
     def _late(self, what: str, owners: Iterable[int], deadline: Deadline) -> PeerTimeoutError:
         return PeerTimeoutError(

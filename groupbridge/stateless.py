@@ -286,7 +286,9 @@ class StatelessGroup:
         return self._objects.broadcast_obj(obj, src, timeout)
 
     def all_gather_obj(self, obj: Any, timeout: timedelta | Deadline | None = None) -> list[Any]:
-        """Every rank returns the list of every rank's ``obj``, in rank order."""
+        """Every rank returns the list of every rank's ``obj``, in rank order. Above ``DIRECT_MAX`` members
+        it goes through rank 0 (linear in members at the store), and objects posted alike may come back as
+        one object: treat the list as read-only."""
         return self._objects.all_gather_obj(obj, timeout)
 
     def barrier(self, timeout: timedelta | Deadline | None = None) -> None:

@@ -75,15 +75,14 @@ def test_delta_only_when_every_receiver_holds_the_base() -> None:
 def test_every_turn_of_a_walk_of_pairs_keeps_every_link_busy(sources: int, receivers: int) -> None:
     """In every turn of a round each source sends to another receiver (as many receivers busy as there can
     be), every pair has one turn, and the turns are what every member computes alike from the session."""
-    from groupbridge.weights._session import Session
     from groupbridge.weights._shard_plan import ShardPlan
     from groupbridge.weights.plan import Plan
 
     rx = range(sources, sources + receivers)
     pairs = {(s, r): Plan.of_sizes([16], [()]) for s in range(sources) for r in rx}
-    plan = ShardPlan(("w",), {"w": "float32"}, {"w": (4,)}, pairs, dict.fromkeys(range(sources), 0))
-    session = Session(tuple(range(sources)), _header(), gb.weights.manifest.Manifest(()), {}, plan)
-    turns = session.turns()
+    plan = ShardPlan(("w",), {"w": "float32"}, {"w": (4,)}, pairs, dict.fromkeys(range(sources), 0),
+                     receivers=tuple(rx), sources=tuple(range(sources)))  # fmt: skip
+    turns = {pair: plan.turn(*pair) for pair in pairs}
     assert set(turns) == set(pairs)
     for turn in range(receivers):
         taking = [r for (s, r), t in turns.items() if t == turn]

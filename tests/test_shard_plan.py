@@ -107,12 +107,11 @@ def test_shard_checks_its_box_at_once() -> None:
 
 
 def test_a_source_s_buckets_stay_within_what_its_transport_reserved() -> None:
-    """A pair can carry more bytes than its source holds (pieces aligned to 16 bytes, a replicated cell cut
-    into one piece per holder): each source's cap, announced before the plan is known, bounds its buckets,
-    and one row (which cannot be cut) never exceeds it when the cap is at least a row."""
+    """A pair can carry more bytes than its source reserved per box (pieces aligned to 16 bytes, a box that
+    others partly hold cut into several pieces): each source's cap, announced before the plan is known,
+    bounds its buckets, and one row (which cannot be cut) never exceeds it when the cap is at least a row."""
     shape = (48, 64)
     v, b = _held("v", (8, 64), (0, 0), (8, 64)), _held("b", (5,), (0,), (5,))
-    # rank 2 holds the least, so it is given every part of the replicated b
     held = {s: [_rows("w", shape, 3, s), *([v] if s < 2 else []), b] for s in range(3)}
     wanted = {
         3: [
@@ -122,10 +121,72 @@ def test_a_source_s_buckets_stay_within_what_its_transport_reserved() -> None:
         ]
     }
     caps = {s: sum(-(-h.box.numel * 4 // 16) * 16 for h in held[s]) for s in held}  # as a sender reserves
-    free = plan_shards(held, wanted, bucket_bytes=1 << 20)
-    assert free.cut(2, 3).bucket_bytes > caps[2]  # the case in point: 3 pieces of b
     plan = plan_shards(held, wanted, bucket_bytes=1 << 20, caps=caps)
     for (src, _), cut in plan.pairs.items():
         assert cut.bucket_bytes <= caps[src], (src, cut.bounds)
     for name in ("w", "b", "v"):
         assert bool((_covered(plan, 3, name) == 1).all()), name
+
+
+def _random_layout(seed: int) -> tuple[dict[int, list[Held]], dict[int, list[Held]]]:
+    """Sources holding row slices, column slices, overlapping slices and replicas of three tensors, and
+    receivers (some posting one shared layout, as replicas do) wanting whole tensors and tensor-parallel
+    blocks."""
+    g = torch.Generator().manual_seed(seed)
+
+    def cuts(n: int, parts: int) -> list[int]:
+        inner = sorted(torch.randperm(n - 1, generator=g)[: parts - 1].add(1).tolist())
+        return [0, *inner, n]
+
+    shapes = {"a": (12, 10), "b": (9,), "c": (6, 8)}
+    sources = int(torch.randint(2, 5, (1,), generator=g))
+    held: dict[int, list[Held]] = {s: [] for s in range(sources)}
+    for name, shape in shapes.items():
+        dim = int(torch.randint(0, len(shape), (1,), generator=g))
+        edges = cuts(shape[dim], min(sources, shape[dim]))
+        for s in range(sources):
+            i = s % (len(edges) - 1)
+            lo, hi = edges[i], edges[i + 1]
+            if s == sources - 1 and shape[dim] > 2:  # an overlap with its neighbour
+                lo = max(0, lo - 1)
+            offset = tuple(lo if d == dim else 0 for d in range(len(shape)))
+            size = tuple(hi - lo if d == dim else n for d, n in enumerate(shape))
+            held[s].append(_held(name, shape, offset, size))
+    shared: list[Held] = []
+    wanted: dict[int, list[Held]] = {}
+    for r in range(sources, sources + 4):
+        if r >= sources + 2 and shared:
+            wanted[r] = shared  # one layout, two receivers
+            continue
+        mine = []
+        for name, shape in shapes.items():
+            dim = int(torch.randint(0, len(shape), (1,), generator=g))
+            edges = cuts(shape[dim], 2)
+            i = r % 2
+            offset = tuple(edges[i] if d == dim else 0 for d in range(len(shape)))
+            size = tuple(edges[i + 1] - edges[i] if d == dim else n for d, n in enumerate(shape))
+            mine.append(_held(name, shape, offset, size))
+        wanted[r] = mine
+        if not shared:
+            shared = mine
+    return held, wanted
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_each_member_s_share_agrees_with_its_peers_and_covers_every_wanted_element_once(seed: int) -> None:
+    held, wanted = _random_layout(seed)
+    shares = {m: plan_shards(held, wanted, bucket_bytes=96, forward=frozenset(held), me=m)
+              for m in (*held, *wanted)}  # fmt: skip
+    merged = plan_shards(held, wanted, bucket_bytes=96, forward=frozenset(held))
+    for (src, dst), cut in merged.pairs.items():
+        assert shares[src].pairs[(src, dst)] == cut == shares[dst].pairs[(src, dst)]
+        assert shares[src].feeder(src, dst) == shares[dst].feeder(src, dst)
+    for dst, wants in wanted.items():
+        assert {p for p in shares[dst].pairs if p[1] == dst} == {p for p in merged.pairs if p[1] == dst}
+        for w in wants:
+            count = _covered(merged, dst, w.name)[w.box.slices([0] * len(w.global_shape))]
+            assert bool((count == 1).all()), (dst, w.name)
+    for s in held:  # each replicated region is named alike by its holders
+        for name, region, holders in shares[s].replicated:
+            for other in holders:
+                assert any(n == name and b == region for n, b, _ in shares[other].replicated)

@@ -264,7 +264,9 @@ def _refused(rank: int, ports: Any) -> Any:
 def test_a_box_nobody_holds_refuses_the_sync_on_every_member_and_the_group_goes_on() -> None:
     res = run_ranks(_refused, 4, CTX.Queue(), timeout=50)
     for r in res:
-        assert "w: the box at [8, 0] of shape [4, 16] is wanted but no sender holds it" in r[0], res
+        assert (
+            "w: the box at [8, 0] of shape [4, 16] is wanted by rank" in r[0] and "no sender holds it" in r[0]
+        ), res
     assert [r[1] for r in res] == ["sent", "sent", True, True], res
 
 
@@ -940,18 +942,18 @@ def test_a_many_source_receive_into_a_target_without_a_tensor_fails_every_member
 
 
 def _idle_source(rank: int, ports: Any) -> Any:
-    """Sources 0 and 1 both hold the one-row ``b``; source 0 also holds ``w``. The plan takes ``b`` from the
-    least loaded holder, source 0 (it assigns ``b`` first, both idle): source 1 sends no byte."""
+    """Sources 0 and 1 both hold the one-row ``v``; source 0 also holds ``w``. The plan takes ``v`` from the
+    holder its name and the receiver pick, source 0 (``crc32("v")`` is even): source 1 sends no byte."""
     with make_group(rank, 3, "127.0.0.1", ports) as g:
 
         def model(v: int) -> dict[str, torch.Tensor]:
-            return {"b": torch.full((1, 16), float(v)), "w": torch.arange(128.0).reshape(8, 16) * v}
+            return {"v": torch.full((1, 16), float(v)), "w": torch.arange(128.0).reshape(8, 16) * v}
 
         if rank < 2:
             with gb.WeightSender(g) as snd:
-                held = model(1) if rank == 0 else {"b": model(1)["b"]}
+                held = model(1) if rank == 0 else {"v": model(1)["v"]}
                 first = snd.send(held, version=1)
-                second = snd.send(model(2) if rank == 0 else {"b": model(2)["b"]}, version=2)
+                second = snd.send(model(2) if rank == 0 else {"v": model(2)["v"]}, version=2)
                 return first.bytes, second.bytes
         rcv = gb.WeightReceiver(g)
         target = {k: torch.zeros_like(t) for k, t in model(1).items()}

@@ -581,3 +581,35 @@ def test_rank_zero_gives_up_a_join_when_told_and_the_members_that_came_learn_why
         gb.StatelessGroup.create("127.0.0.1", 1, rank=1, world_size=2, give_up=lambda: None)
     with pytest.raises(TypeError, match="give_up must be a callable"):
         gb.StatelessGroup.create("127.0.0.1", 1, rank=0, world_size=2, give_up="no")  # type: ignore[arg-type]
+
+
+def _wide_gather(rank: int, ports: Any, n: int) -> Any:
+    with make_group(rank, n, "127.0.0.1", ports, token="t" * 32) as g:
+        got = g.all_gather_obj({"layout": "same"} if rank % 2 else {"rank": rank, "w": torch.arange(rank)})
+        shared = got[1] is got[3]  # posted alike: one object
+        via_rank_zero = g.control.check(["ag/1/all"], "the test")
+        late = None
+        if rank != n - 1:  # the last rank stays out of the second gather
+            try:
+                g.all_gather_obj(rank, timeout=timedelta(seconds=2))
+            except gb.PeerTimeoutError as e:
+                late = str(e)
+        else:
+            time.sleep(4)
+        got = [x if "layout" in x else {"rank": x["rank"], "w": x["w"].tolist()} for x in got]
+        return got, late, shared, via_rank_zero
+
+
+@pytest.mark.timeout(120)
+def test_a_gather_of_more_than_direct_max_members_goes_through_rank_zero_and_names_who_is_late() -> None:
+    """Above DIRECT_MAX members every member reads one value rank 0 posts (sealed with the token), with the
+    objects that several members posted alike once; a member that never comes is named by every member."""
+    from groupbridge._group.objects import DIRECT_MAX
+
+    n = DIRECT_MAX + 2
+    res = run_ranks(_wide_gather, n, CTX.Queue(), n, timeout=110)
+    expect = [{"layout": "same"} if r % 2 else {"rank": r, "w": list(range(r))} for r in range(n)]
+    for rank, (got, late, shared, via_rank_zero) in enumerate(res):
+        assert got == expect and shared and via_rank_zero, (rank, got, shared, via_rank_zero)
+        if rank != n - 1:
+            assert late is not None and f"rank(s) {n - 1}" in late and "all_gather_obj" in late, (rank, late)

@@ -9,6 +9,11 @@ liveness watcher, at each beat (every ``liveness_timeout / 5``, at least 50 ms),
 collectives that every rank's watermark has passed. So a collective's keys stay in the store until every
 rank has posted a watermark past it and rank 0's watcher has beaten once more; keys of the collectives after
 a rank's last watermark stay until its next one (or until the store goes, with rank 0's close).
+
+An all-gather of more than :data:`DIRECT_MAX` members goes through rank 0: each member posts its object,
+rank 0 reads them all in one request and posts them once, identical objects once, and each member reads that
+one value. The store then serves about 2N requests per gather, not N^2, and a member reads the distinct
+objects once (thousands of members posting one layout cost one copy of it).
 """
 
 from __future__ import annotations
@@ -17,16 +22,21 @@ from collections import deque
 from datetime import timedelta
 from typing import Any
 
+import msgpack
+
 from .. import codec
 from .._seal import Sealer
 from ..control import ControlChannel, Deadline, Route
-from ..errors import ProtocolError
+from ..errors import PeerTimeoutError, ProtocolError
 from ..store import StoreClient
 from .state import GroupState
 
-__all__ = ["INLINE_MAX", "WATERMARK_EVERY", "Objects"]
+__all__ = ["DIRECT_MAX", "INLINE_MAX", "WATERMARK_EVERY", "Objects"]
 
 WATERMARK_EVERY = 16
+DIRECT_MAX = 8
+"""Up to this many members, each reads every other's object itself: one round trip, where going through
+rank 0 takes two; above it, the N^2 reads of one store cost more (see the module's docstring)."""
 INLINE_MAX = 64 << 10
 """A broadcast object larger than this is stored once and read by every receiver, not queued to each."""
 _INLINE = b"v"
@@ -193,12 +203,53 @@ class Objects:
         keys = [f"ag/{seq}/{r}" for r in range(s.world_size)]
         self._control.post(keys[s.rank], data, "all_gather_obj")
         others = s.others()
+        if s.world_size > DIRECT_MAX:
+            out = self._gathered(obj, data, seq, keys, deadline)
+            self._done_collective(seq, [*keys, f"ag/{seq}/all"])
+            return out
         got = self._control.get([keys[r] for r in others], others, deadline, "all_gather_obj")
         out = [obj] * s.world_size
         for r, value in zip(others, got, strict=True):
             out[r] = self._decode(value, r)
         self._done_collective(seq, keys)
         return out
+
+    def _gathered(self, obj: Any, data: bytes, seq: int, keys: list[str], deadline: Deadline) -> list[Any]:
+        """An all-gather through rank 0 (see the module's docstring): rank 0 posts the distinct objects and
+        which one each rank posted; members that post the same bytes get one decoded object."""
+        s, control, what = self._state, self._control, "all_gather_obj"
+        others = s.others()
+        if s.rank == 0:
+            got = control.get([keys[r] for r in others], others, deadline, what)
+            distinct: dict[bytes, int] = {data: 0}
+            index = [0] + [distinct.setdefault(bytes(v), len(distinct)) for v in got]
+            control.put(f"ag/{seq}/all", msgpack.packb([list(distinct), index]), what)
+            values = list(distinct)
+        else:
+            try:
+                raw = control.get_one(f"ag/{seq}/all", 0, deadline, what)
+            except PeerTimeoutError as e:  # name the members rank 0 still waits for
+                late = control.missing([keys[r] for r in others], others)
+                raise control.late(what, late or [0], deadline) from e
+            values, index = self._combined(raw, s.world_size)
+        objects = [
+            obj if i == index[s.rank] else self._decode(v, index.index(i)) for i, v in enumerate(values)
+        ]
+        return [obj if r == s.rank else objects[i] for r, i in enumerate(index)]
+
+    def _combined(self, raw: bytes, world_size: int) -> tuple[list[bytes], list[int]]:
+        """Rank 0's gathered value, checked before use: (distinct objects' bytes, each rank's index)."""
+        try:
+            values, index = msgpack.unpackb(raw, max_bin_len=len(raw), max_array_len=max(world_size, 2))
+        except (ValueError, msgpack.UnpackException, TypeError) as e:
+            raise self._malformed(ProtocolError(f"a malformed all-gather ({e})"), 0) from e
+        if not (
+            isinstance(values, list) and isinstance(index, list) and len(index) == world_size
+            and all(isinstance(v, bytes) for v in values)
+            and all(type(i) is int and 0 <= i < len(values) for i in index)
+        ):  # fmt: skip
+            raise self._malformed(ProtocolError("a malformed all-gather"), 0)
+        return values, index
 
     def barrier(self, timeout: timedelta | Deadline | None) -> None:
         s = self._state

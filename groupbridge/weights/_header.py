@@ -108,6 +108,8 @@ class Verdict:
     """Many sources: (peer, version) of every pair base this member holds for the sync's cut."""
     holds: int | None = None
     """With a ``stale`` problem: the version this receiver holds."""
+    fan: int = 0
+    """Many sources: how many receivers this source posts to itself (0 for a receiver)."""
 
     KINDS = ("stale", "manifest", "transport", "size", "other")
 
@@ -118,6 +120,8 @@ class Verdict:
             wire["held"] = [list(h) for h in self.held]
         if self.holds is not None:
             wire["holds"] = self.holds
+        if self.fan:
+            wire["fan"] = self.fan
         return wire
 
     @classmethod
@@ -131,7 +135,9 @@ class Verdict:
             and isinstance(held := d.get("held", []), list)
             and all(isinstance(h, list) and len(h) == 2 and all(type(x) is int for x in h) for h in held)
             and ((holds := d.get("holds")) is None or (type(holds) is int and -(1 << 62) <= holds < 1 << 62))
+            and type(fan := d.get("fan", 0)) is int
+            and 0 <= fan < 1 << 31
         ):
             raise ProtocolError(f"rank {rank}'s verdict on the sync is malformed")
         held_pairs = tuple((h[0], h[1]) for h in held)
-        return cls(d["problem"], d["kind"], d["in_place"], d["base"], held_pairs, holds)
+        return cls(d["problem"], d["kind"], d["in_place"], d["base"], held_pairs, holds, fan)

@@ -121,7 +121,7 @@ class Intake:
                 # that source's stream; the source may wait for that only when no other receiver's bucket lies
                 # between (it has no more receivers than slots), else it could wait on a later bucket: then
                 # copy out first.
-                receivers = sum(1 for s, _ in session.pairs.pairs if s == by)
+                receivers = session.fans.get(by, 0)
                 landing = (
                     Landing.SCRATCH if receivers <= getattr(sync.options, "slots", 0) else Landing.STAGING
                 )

@@ -93,6 +93,9 @@ class Session:
     """The (source, receiver) pairs that travel as deltas (a fan-out stream's: all of them, or none)."""
     keys: Mapping[tuple[int, int], str] = field(default_factory=dict)
     """This member's pairs and the key of each one's cut."""
+    fans: Mapping[int, int] = field(default_factory=dict)
+    """Each source's number of receivers it posts to itself (from its verdict): how a receiver lands a
+    source's shared buckets (see ``_intake.Intake``)."""
 
     @property
     def src(self) -> int:
@@ -113,15 +116,6 @@ class Session:
         """The plan of a sync of pair streams."""
         assert self.plan is not None, "a fan-out stream has no pairs"
         return self.plan
-
-    def turns(self) -> dict[tuple[int, int], int]:
-        """Each pair's turn in a round of pair streams, ``(receiver's index - source's index) mod receivers``:
-        each turn, every source sends to another receiver, so every link is busy. Every member walks its
-        pairs by (round, turn, source), one total order, so no stream waits on another in a cycle."""
-        pairs = self.pairs.pairs
-        receivers = sorted({d for _, d in pairs})
-        at = {r: i for i, r in enumerate(receivers)}
-        return {(s, d): (at[d] - self.sources.index(s)) % len(receivers) for s, d in pairs}
 
     def feeding(self, me: int) -> list[int]:
         """The members whose streams reach receiver ``me``: sources, and receivers that forward to it."""
@@ -239,13 +233,19 @@ def open_session(
     if is_sharded(posts, sources):
         plan, whole, keys = plan_pairs(posts, sources, headers, manifests, me, plans)
     draft = Session(tuple(sources), lead, whole, headers, plan, keys=keys)
-    verdict = judge(draft) if judge is not None else Verdict(in_place=in_place)
-    verdict = replace(verdict, held=holding(bases, keys, me, pays))
+    if plan is not None and plan.problems:  # only this member can see them: its verdict tells everyone
+        problem = "the senders' and receivers' tensors do not fit together:\n" + "\n".join(plan.problems)
+        verdict = Verdict(problem, "manifest")
+    else:
+        verdict = judge(draft) if judge is not None else Verdict(in_place=in_place)
+    fan = len({d for (s, d) in plan.pairs if s == me and plan.feeder(s, d) == me}) if plan is not None else 0
+    verdict = replace(verdict, held=holding(bases, keys, me, pays), fan=fan)
     gathered = group.all_gather_obj(verdict.to_wire(), timeout=deadline)
     verdicts = [Verdict.from_wire(v, r) for r, v in enumerate(gathered)]
     merged, delta = conclude(lead, sources[0], verdicts)
     if plan is not None:
-        return replace(draft, deltas=pair_deltas(plan, headers, verdicts))
+        fans = {s: verdicts[s].fan for s in sources}
+        return replace(draft, deltas=pair_deltas(plan, headers, verdicts), fans=fans)
     receivers = [r for r in range(group.world_size) if r != sources[0]]
     plans = plans or Plans()
     cut = plans.merged(whole) if merged else plans.whole(whole, lead.bucket_bytes, lead.solo_bytes)

@@ -189,12 +189,28 @@ def plan_pairs(
     and this member's pairs' cut keys; ``plans`` keeps the last plan for the next sync."""
 
     def planned() -> Planned:
-        held = {s: _held(manifests[s], posts[s].get("boxes"), s) for s in sources}
+        # members that post one layout share one list, planned once (see plan_shards)
+        layouts: dict[Any, list[Held]] = {}
+        held = {}
+        for s in sources:
+            boxes = posts[s].get("boxes")
+            key = (headers[s].digest, id(boxes) if boxes is not None else None)
+            held[s] = (
+                layouts[key] if key in layouts else layouts.setdefault(key, _held(manifests[s], boxes, s))
+            )
         every = _union(held)
-        wanted = {r: _wanted(p, every, r) for r, p in enumerate(posts) if r not in sources}
+        wanted = {}
+        for r, p in enumerate(posts):
+            if r not in sources:
+                wants = p.get("wants") if isinstance(p, dict) else None
+                wanted[r] = (
+                    layouts[id(wants)]
+                    if id(wants) in layouts
+                    else layouts.setdefault(id(wants), _wanted(p, every, r))
+                )
         caps = {s: headers[s].bucket_cap for s in sources}
         forward = frozenset(s for s in sources if _forwards(headers[s]))
-        plan = plan_shards(held, wanted, headers[sources[0]].bucket_bytes, caps, forward)
+        plan = plan_shards(held, wanted, headers[sources[0]].bucket_bytes, caps, forward, me=me)
         whole = Manifest(tuple(Entry(n, plan.global_shapes[n], plan.dtypes[n], plan.dtypes[n], None)
                                for n in plan.order))  # fmt: skip
         return plan, whole, {pair: pair_key(b) for pair, b in plan.pairs.items() if me in pair}
@@ -219,22 +235,17 @@ def holding(
 def pair_deltas(
     plan: ShardPlan, headers: Mapping[int, Header], verdicts: Sequence[Verdict]
 ) -> frozenset[tuple[int, int]]:
-    """The pairs that travel as deltas: the source's policy allows it and both ends hold the same base; a
-    forwarded cut only when every receiver along it does (each passes on what it took)."""
-    holds = [dict(v.held) for v in verdicts]
-    deltas = {
-        (s, r) for (s, r) in plan.pairs
-        if headers[s].pair_deltas and holds[s].get(r) is not None and holds[s].get(r) == holds[r].get(s)
-    }  # fmt: skip
-    forwarders = {(s, u) for (s, _), u in plan.upstream.items()}
-    chains: dict[tuple[int, int], list[tuple[int, int]]] = {}
-    for s, r in plan.pairs:
-        if (s, r) in plan.upstream or (s, r) in forwarders:
-            chains.setdefault((s, plan.head(s, r)), []).append((s, r))
-    for members in chains.values():
-        if not all(pair in deltas for pair in members):
-            deltas.difference_update(members)
-    return frozenset(deltas)
+    """This member's pairs that travel as deltas: the source's policy allows it and both ends hold the same
+    base; a forwarded cut only when every receiver along it does (each passes on what it took)."""
+    holds: dict[int, dict[int, int]] = {}
+
+    def delta(s: int, r: int) -> bool:
+        for m in (s, r):
+            if m not in holds:
+                holds[m] = dict(verdicts[m].held)
+        return headers[s].pair_deltas and holds[s].get(r) is not None and holds[s].get(r) == holds[r].get(s)
+
+    return frozenset(pair for pair in plan.pairs if all(delta(*p) for p in plan.chain(*pair)))
 
 
 Planned = tuple[ShardPlan, Manifest, dict[tuple[int, int], str]]

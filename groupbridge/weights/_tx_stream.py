@@ -178,7 +178,7 @@ def send_streams(
 ) -> Sent:  # fmt: skip
     """A source's streams of a sync (the fan-out, or its pairs), over ``tx`` in parts: every stream's part
     ``g`` (see ``Stream.parts``), interleaved as every member walks them (round, then turn: see
-    ``Session.turns``), then the next part. A full stream's buckets are packed as they are posted
+    ``ShardPlan.turn``), then the next part. A full stream's buckets are packed as they are posted
     (:class:`Packed`, on the first of the copy threads ``workers``; ``sample`` times a diff on the way, see
     there), all in the first part; a delta stream's group is diffed by all ``workers`` (the streams of one cut
     once) and described to its receivers, then its changed buckets' encodings are posted, while the workers
@@ -224,7 +224,6 @@ def send_streams(
             first += [Post(k, s.to, end - start, partial(fills[-1], k), partial(reads.release, k))
                       for k, (start, end) in enumerate(s.cut.bounds)]  # fmt: skip
     total = sum(streams[i].cut.total_bytes for i in ends)
-    turns = session.turns() if any(s.to is not None for s in streams) else {}
     opened = False
     for g in range(max((len(s.parts) for s in streams), default=0)):
         posts, described = first if g == 0 else [], {}
@@ -248,7 +247,7 @@ def send_streams(
                 ]
         if not posts:
             continue
-        posts.sort(key=lambda e: (e.round, 0 if e.to is None else turns[(me, e.to)]))
+        posts.sort(key=lambda e: (e.round, 0 if e.to is None else session.pairs.turn(me, e.to)))
         if opened:
             tx.finish()  # the previous part's bytes are out; the diff workers kept going meanwhile
         opened = True

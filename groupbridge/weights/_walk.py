@@ -49,14 +49,14 @@ def walk_of(session: Session, me: int, lengths: Mapping[int, int]) -> list[tuple
     """The (source, bucket) this receiver takes, in the one order every member walks a sync's pairs: by
     step (the bucket's round plus its hop: a forwarded pair's bucket k is taken a step after its forwarder
     took it, a wavefront down every chain at once, where walking rounds in lockstep would make each round
-    wait for its longest chain), then hop, the turn of the cut's first receiver (see ``Session.turns``) and
+    wait for its longest chain), then hop, the turn of the cut's first receiver (see ``ShardPlan.turn``) and
     source. Along a chain every receiver walks the cut alike, so what a forwarder passes on to a receiver
     arrives in the order that receiver takes it (``p2p`` matches a pair's sends and receives in order)."""
     if session.plan is None:  # the fan-out: one stream
         return [(s, k) for s, n in lengths.items() for k in range(n)]
-    plan, turns = session.pairs, session.turns()
+    plan = session.pairs
     hops = {s: plan.hop(s, me) for s in lengths}
-    key = {s: (hops[s], turns[(s, plan.head(s, me))], s) for s in lengths}
+    key = {s: (hops[s], plan.turn(s, plan.head(s, me)), s) for s in lengths}
     events = ((s, k) for s, n in lengths.items() for k in range(n))
     return sorted(events, key=lambda e: (e[1] + hops[e[0]], key[e[0]]))
 

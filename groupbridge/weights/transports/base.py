@@ -135,7 +135,7 @@ class TxTransport(Protocol):
       sync it may be called again after ``finish()`` with another plan and a higher ``sync.part`` (a fan-out
       delta sends each group of buckets by its own plan). With ``sync.to``, bucket k goes to receiver
       ``sync.to[k]`` alone, and every wait of the transport must be for an earlier bucket of the source's
-      stream: many streams run at once, walked by every member in one order (``Session.turns``).
+      stream: many streams run at once, walked by every member in one order (``ShardPlan.turn``).
     - for every bucket k in order: ``buffer(k, nbytes, device)`` where the source may pack it (it blocks
       until that buffer is free again: this is the back-pressure of the pipeline), then ``post(k, view)``.
       ``view`` need not come from ``buffer()``: a bucket laid out in the tensors' own storage, a kept base or

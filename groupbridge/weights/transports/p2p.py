@@ -5,7 +5,7 @@ in turn: a star, which ``broadcast`` and ``relay`` beat. ``in_flight`` buckets p
 (sends asynchronous, receives posted ahead), so packing the next bucket overlaps the wire; gloo matches a
 pair's sends and receives in order, so no bucket needs a name on the wire. No wait can close a cycle: a
 source reusing a buffer waits for a send it posted earlier, a receiver for the bucket it needs next, both
-earlier in the one order every member walks (``Session.turns``).
+earlier in the one order every member walks (``ShardPlan.turn``).
 """
 
 from __future__ import annotations
