@@ -285,11 +285,15 @@ class StatelessGroup:
         """Every rank returns ``src``'s ``obj``; ``src`` returns once the store holds it."""
         return self._objects.broadcast_obj(obj, src, timeout)
 
-    def all_gather_obj(self, obj: Any, timeout: timedelta | Deadline | None = None) -> list[Any]:
+    def all_gather_obj(
+        self, obj: Any, timeout: timedelta | Deadline | None = None, *, by_field: bool = False
+    ) -> list[Any]:
         """Every rank returns the list of every rank's ``obj``, in rank order. Above ``DIRECT_MAX`` members
-        it goes through rank 0 (linear in members at the store), and objects posted alike may come back as
-        one object: treat the list as read-only."""
-        return self._objects.all_gather_obj(obj, timeout)
+        it goes through rank 0 (linear in members at the store). Objects posted alike may come back as one
+        object: treat the list as read-only. ``by_field``: ``obj`` is a dict, and each of its values is
+        sent and decoded once however many members post it (a layout that every member posts beside its own
+        small fields)."""
+        return self._objects.all_gather_obj(obj, timeout, by_field)
 
     def barrier(self, timeout: timedelta | Deadline | None = None) -> None:
         """Return once every rank has entered; a timeout names the ranks that did not."""

@@ -586,7 +586,8 @@ def test_rank_zero_gives_up_a_join_when_told_and_the_members_that_came_learn_why
 def _wide_gather(rank: int, ports: Any, n: int) -> Any:
     with make_group(rank, n, "127.0.0.1", ports, token="t" * 32) as g:
         got = g.all_gather_obj({"layout": "same"} if rank % 2 else {"rank": rank, "w": torch.arange(rank)})
-        shared = got[1] is got[3]  # posted alike: one object
+        a, b = [o for o in (1, 3, 5) if o != rank][:2]
+        shared = got[a] is got[b]  # posted alike by two other members: one object
         via_rank_zero = g.control.check(["ag/1/all"], "the test")
         late = None
         if rank != n - 1:  # the last rank stays out of the second gather
@@ -613,3 +614,18 @@ def test_a_gather_of_more_than_direct_max_members_goes_through_rank_zero_and_nam
         assert got == expect and shared and via_rank_zero, (rank, got, shared, via_rank_zero)
         if rank != n - 1:
             assert late is not None and f"rank(s) {n - 1}" in late and "all_gather_obj" in late, (rank, late)
+
+
+def _by_field(rank: int, ports: Any, n: int) -> Any:
+    with make_group(rank, n, "127.0.0.1", ports) as g:
+        got = g.all_gather_obj({"mine": rank, "layout": list(range(50))}, by_field=True)
+        others = [x for r, x in enumerate(got) if r != rank]
+        return [x["mine"] for x in got], all(x["layout"] is others[0]["layout"] for x in others), got[1]
+
+
+@pytest.mark.parametrize("n", [3, 10], ids=["direct", "through-rank-0"])
+def test_a_gather_by_field_reads_a_value_many_members_post_once(n: int) -> None:
+    res = run_ranks(_by_field, n, CTX.Queue(), n, timeout=110)
+    for rank, (mine, shared, one) in enumerate(res):
+        assert mine == list(range(n)) and one == {"mine": 1, "layout": list(range(50))}, (rank, mine, one)
+        assert shared, rank

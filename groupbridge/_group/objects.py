@@ -31,9 +31,11 @@ from ..errors import PeerTimeoutError, ProtocolError
 from ..store import StoreClient
 from .state import GroupState
 
-__all__ = ["DIRECT_MAX", "INLINE_MAX", "WATERMARK_EVERY", "Objects"]
+__all__ = ["DIRECT_MAX", "INLINE_MAX", "MAX_PARTS", "WATERMARK_EVERY", "Objects"]
 
 WATERMARK_EVERY = 16
+MAX_PARTS = 64
+"""The most fields one member's gathered dict may have (``all_gather_obj(by_field=True)``)."""
 DIRECT_MAX = 8
 """Up to this many members, each reads every other's object itself: one round trip, where going through
 rank 0 takes two; above it, the N^2 reads of one store cost more (see the module's docstring)."""
@@ -192,61 +194,106 @@ class Objects:
         except ProtocolError as e:
             raise self._malformed(e, src) from e
 
-    def all_gather_obj(self, obj: Any, timeout: timedelta | Deadline | None) -> list[Any]:
+    def all_gather_obj(
+        self, obj: Any, timeout: timedelta | Deadline | None, by_field: bool = False
+    ) -> list[Any]:
+        """Every rank's ``obj``. ``by_field``: ``obj`` is a dict whose values travel (and are read) each on
+        its own, so a value many members post alike is sent once and decoded once, whatever their other
+        values (see the module's docstring)."""
         s = self._state
         s.check_open()
-        data = self._encode(obj)
+        parts = self._parts(obj, by_field)
         if s.world_size == 1:
             return [obj]
         deadline = s.deadline(timeout)  # a refused timeout consumes no sequence
         seq = self._next_seq()
         keys = [f"ag/{seq}/{r}" for r in range(s.world_size)]
-        self._control.post(keys[s.rank], data, "all_gather_obj")
+        self._control.post(keys[s.rank], msgpack.packb(parts), "all_gather_obj")
         others = s.others()
         if s.world_size > DIRECT_MAX:
-            out = self._gathered(obj, data, seq, keys, deadline)
+            posted = self._gathered(parts, seq, keys, deadline)
             self._done_collective(seq, [*keys, f"ag/{seq}/all"])
-            return out
-        got = self._control.get([keys[r] for r in others], others, deadline, "all_gather_obj")
-        out = [obj] * s.world_size
-        for r, value in zip(others, got, strict=True):
-            out[r] = self._decode(value, r)
-        self._done_collective(seq, keys)
-        return out
+        else:
+            got = self._control.get([keys[r] for r in others], others, deadline, "all_gather_obj")
+            posted = [parts] * s.world_size
+            for r, value in zip(others, got, strict=True):
+                posted[r] = self._unpacked(value, r)
+            self._done_collective(seq, keys)
+        decoded: dict[bytes, Any] = {}
+        return [
+            obj if r == s.rank else self._assembled(p, r, by_field, decoded) for r, p in enumerate(posted)
+        ]
 
-    def _gathered(self, obj: Any, data: bytes, seq: int, keys: list[str], deadline: Deadline) -> list[Any]:
-        """An all-gather through rank 0 (see the module's docstring): rank 0 posts the distinct objects and
-        which one each rank posted; members that post the same bytes get one decoded object."""
+    def _parts(self, obj: Any, by_field: bool) -> list[bytes]:
+        """What a member posts: its object's encoding, or (``by_field``) its keys' and then each value's."""
+        if not by_field:
+            return [self._encode(obj)]
+        if not isinstance(obj, dict) or not all(isinstance(k, str) for k in obj):
+            raise TypeError(f"by_field=True gathers a dict with str keys, got {type(obj).__name__}")
+        return [self._encode(list(obj)), *(self._encode(v) for v in obj.values())]
+
+    def _unpacked(self, raw: bytes, src: int) -> list[bytes]:
+        try:
+            parts = msgpack.unpackb(raw, max_bin_len=len(raw), max_array_len=MAX_PARTS)
+        except (ValueError, msgpack.UnpackException, TypeError) as e:
+            raise self._malformed(ProtocolError(f"a malformed gathered object ({e})"), src) from e
+        if not (isinstance(parts, list) and parts and all(isinstance(p, bytes) for p in parts)):
+            raise self._malformed(ProtocolError("a malformed gathered object"), src)
+        return parts
+
+    def _assembled(self, parts: list[bytes], src: int, by_field: bool, decoded: dict[bytes, Any]) -> Any:
+        """A rank's object from its parts; a part already decoded (posted alike by another rank) is reused."""
+        values = []
+        for part in parts:
+            if part not in decoded:
+                decoded[part] = self._decode(part, src)
+            values.append(decoded[part])
+        if not by_field:
+            return values[0]
+        names = values[0]
+        if not (
+            isinstance(names, list)
+            and len(names) == len(values) - 1
+            and all(isinstance(n, str) for n in names)
+        ):
+            raise self._malformed(ProtocolError("a malformed gathered dict"), src)
+        return dict(zip(names, values[1:], strict=True))
+
+    def _gathered(
+        self, parts: list[bytes], seq: int, keys: list[str], deadline: Deadline
+    ) -> list[list[bytes]]:
+        """An all-gather through rank 0 (see the module's docstring): rank 0 posts the distinct parts and
+        which ones each rank posted; every rank's parts, in rank order."""
         s, control, what = self._state, self._control, "all_gather_obj"
         others = s.others()
         if s.rank == 0:
             got = control.get([keys[r] for r in others], others, deadline, what)
-            distinct: dict[bytes, int] = {data: 0}
-            index = [0] + [distinct.setdefault(bytes(v), len(distinct)) for v in got]
+            posted = [parts, *(self._unpacked(bytes(v), r) for r, v in zip(others, got, strict=True))]
+            distinct: dict[bytes, int] = {}
+            index = [[distinct.setdefault(p, len(distinct)) for p in rank_parts] for rank_parts in posted]
             control.put(f"ag/{seq}/all", msgpack.packb([list(distinct), index]), what)
-            values = list(distinct)
-        else:
-            try:
-                raw = control.get_one(f"ag/{seq}/all", 0, deadline, what)
-            except PeerTimeoutError as e:  # name the members rank 0 still waits for
-                late = control.missing([keys[r] for r in others], others)
-                raise control.late(what, late or [0], deadline) from e
-            values, index = self._combined(raw, s.world_size)
-        objects = [
-            obj if i == index[s.rank] else self._decode(v, index.index(i)) for i, v in enumerate(values)
-        ]
-        return [obj if r == s.rank else objects[i] for r, i in enumerate(index)]
-
-    def _combined(self, raw: bytes, world_size: int) -> tuple[list[bytes], list[int]]:
-        """Rank 0's gathered value, checked before use: (distinct objects' bytes, each rank's index)."""
+            return posted
         try:
-            values, index = msgpack.unpackb(raw, max_bin_len=len(raw), max_array_len=max(world_size, 2))
+            raw = control.get_one(f"ag/{seq}/all", 0, deadline, what)
+        except PeerTimeoutError as e:  # name the members rank 0 still waits for
+            late = control.missing([keys[r] for r in others], others)
+            raise control.late(what, late or [0], deadline) from e
+        values, index = self._combined(raw, s.world_size)
+        return [[values[i] for i in rank_index] for rank_index in index]
+
+    def _combined(self, raw: bytes, world_size: int) -> tuple[list[bytes], list[list[int]]]:
+        """Rank 0's gathered value, checked before use: (distinct parts, each rank's parts' indices)."""
+        try:
+            values, index = msgpack.unpackb(
+                raw, max_bin_len=len(raw), max_array_len=max(world_size * MAX_PARTS, MAX_PARTS)
+            )
         except (ValueError, msgpack.UnpackException, TypeError) as e:
             raise self._malformed(ProtocolError(f"a malformed all-gather ({e})"), 0) from e
         if not (
             isinstance(values, list) and isinstance(index, list) and len(index) == world_size
             and all(isinstance(v, bytes) for v in values)
-            and all(type(i) is int and 0 <= i < len(values) for i in index)
+            and all(isinstance(ix, list) and 0 < len(ix) <= MAX_PARTS
+                    and all(type(i) is int and 0 <= i < len(values) for i in ix) for ix in index)
         ):  # fmt: skip
             raise self._malformed(ProtocolError("a malformed all-gather"), 0)
         return values, index

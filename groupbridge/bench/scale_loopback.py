@@ -1,0 +1,101 @@
+"""The handshake and plan at many members, for real: S source processes each holding an FSDP row slice of
+every one of ``tensors`` small tensors send them to R receiver processes, each wanting one of ``tp`` row
+blocks (as a tensor-parallel replica's rank does), over ``p2p`` on loopback, three syncs or more.
+
+The payload is small on purpose (about 1.4 MB in all): what this measures is the control plane and the
+plan. Each member reports, per sync, its wall time and the CPU time its process spent (all of its threads),
+so the worst member's CPU is the figure that carries to a cluster, where each member has its own cores
+(here, 64 processes share 2 cores: wall time is mostly the members' CPU added up).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from .._procs import publish_listener, run_roles
+from ..stateless import StatelessGroup
+from ..weights import WeightReceiver, WeightSender
+from ..weights.shard import Shard
+
+__all__ = ["LoopbackScaleConfig", "run_loopback_scale"]
+
+
+@dataclass(kw_only=True)
+class LoopbackScaleConfig:
+    sources: int = 8
+    receivers: int = 8
+    tensors: int = 700
+    tp: int = 8
+    """Row blocks a receiver takes one of (receiver ``r`` takes block ``r % tp``)."""
+    syncs: int = 3
+    rows: int = 64
+    cols: int = 8
+    timeout_s: float = 900.0
+
+
+def _slice(rows: int, parts: int, i: int) -> tuple[int, int]:
+    step = -(-rows // parts)  # torch.chunk's split
+    lo = min(i * step, rows)
+    return lo, min(lo + step, rows)
+
+
+def _tensor(i: int, version: int, rows: int, cols: int) -> torch.Tensor:
+    return torch.arange(rows * cols, dtype=torch.float32).reshape(rows, cols) * (i + 1) + version
+
+
+def _role(rank: int, cfg: LoopbackScaleConfig, ports: Any) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    n = cfg.sources + cfg.receivers
+    lis, port = publish_listener(rank, n, ports, "127.0.0.1", timeout=cfg.timeout_s)
+    group = StatelessGroup.create("127.0.0.1", port, rank=rank, world_size=n, listener=lis,
+                                  timeout=timedelta(seconds=cfg.timeout_s),
+                                  liveness_timeout=timedelta(seconds=60))  # fmt: skip
+    shape = (cfg.rows, cfg.cols)
+    names = [f"layers.{i}.weight" for i in range(cfg.tensors)]
+    walls, cpus, exact = [], [], []
+    with group:
+        if rank < cfg.sources:
+            lo, hi = _slice(cfg.rows, cfg.sources, rank)
+            sender = WeightSender(group, transport="p2p")
+        else:
+            lo, hi = _slice(cfg.rows, cfg.tp, (rank - cfg.sources) % cfg.tp)
+            receiver = WeightReceiver(group)
+            target = {name: Shard(torch.zeros(hi - lo, cfg.cols), shape, (lo, 0)) for name in names}
+        for version in range(1, cfg.syncs + 1):
+            group.barrier()
+            wall, cpu = time.perf_counter(), time.process_time()
+            if rank < cfg.sources:
+                held = {
+                    name: Shard(_tensor(i, version, *shape)[lo:hi], shape, (lo, 0))
+                    for i, name in enumerate(names)
+                }
+                sender.send(held, version=version)
+            else:
+                receiver.receive_into(target)
+            cpus.append(time.process_time() - cpu)
+            walls.append(time.perf_counter() - wall)
+            if rank >= cfg.sources:
+                want = {name: _tensor(i, version, *shape)[lo:hi] for i, name in enumerate(names)}
+                exact.append(all(torch.equal(target[name].tensor, t) for name, t in want.items()))
+        (sender if rank < cfg.sources else receiver).close()
+    return {"wall_s": walls, "cpu_s": cpus, "exact": exact}
+
+
+def run_loopback_scale(cfg: LoopbackScaleConfig) -> dict[str, Any]:
+    """Every member's figures, and per sync the slowest member's wall time and the most CPU one spent."""
+    import multiprocessing as mp
+
+    n = cfg.sources + cfg.receivers
+    res = run_roles(_role, n, (cfg, mp.get_context("spawn").Queue()), timeout=cfg.timeout_s * 2, threads=1)
+    return {
+        "sources": cfg.sources, "receivers": cfg.receivers, "tensors": cfg.tensors,
+        "wall_s": [max(r["wall_s"][k] for r in res) for k in range(cfg.syncs)],
+        "cpu_s": [max(r["cpu_s"][k] for r in res) for k in range(cfg.syncs)],
+        "worst_cpu_rank": [max(range(n), key=lambda m: res[m]["cpu_s"][k]) for k in range(cfg.syncs)],
+        "exact": all(all(r["exact"]) for r in res[cfg.sources:]),
+    }  # fmt: skip
