@@ -42,7 +42,7 @@ from .store import ROOT_PREFIX, StoreClient
 
 __all__ = ["PROTOCOL", "JoinSpec", "Joined", "host_join", "member_join"]
 
-PROTOCOL = 7
+PROTOCOL = 8
 """2 -> 3: a receiver's wants may be conditional (``wants_if``), which a member of protocol 2 would take as
 unconditional and plan otherwise. 3 -> 4: a queue's reader waits on the queue itself, and a member of
 protocol 3 would wait on a bell that nobody rings any more; control messages are sealed with keyed
@@ -52,7 +52,9 @@ other buckets and refuse the header. 5 -> 6: a rank's claim is a counter and a s
 :func:`_claim`); a member of protocol 5 writes no record, and a later claim would not see it. 6 -> 7: a
 fan-out stream's bucket digests go to each receiver on their own tag, as a pair's do (``_bytes.Digests``);
 a member of protocol 6 would wait for them in a broadcast; a header says whether receivers may forward its
-source's pairs (``forward``), which a member of protocol 6 would refuse."""
+source's pairs (``forward``), which a member of protocol 6 would refuse. 7 -> 8: the handshake's posts
+carry a layout by digest once every member holds it, gathered field by field (``weights._posts``), and
+a source's verdict says how many receivers it sends to; a member of protocol 7 would read neither."""
 # The description and refusals live outside the group's namespace: a member of another name or generation
 # must find them to be told why it is refused.
 _META = f"{ROOT_PREFIX}/meta"

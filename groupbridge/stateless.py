@@ -64,6 +64,10 @@ class StatelessGroup:
     """Each member's host identity (see :func:`groupbridge.net.host_identity`), in rank order."""
     pids: list[int]
     """Each member's process id, as it declared at join (sealed with a token)."""
+    memory: dict[str, Any]
+    """What protocols built on the group remember between their collectives, by protocol (the weight sync
+    keeps the layouts members posted, see ``weights._posts``): every member reads every value of a
+    collective, so what was posted once is known to every member of the group, whichever handle asks."""
     control: ControlChannel
     """The group's control channel, public for protocols built on the group (the weight-sync transports are
     such): group-scoped keys (``put``/``get``/``add``/``check``/``delete``) and queues (``push``/``pop``),
@@ -167,6 +171,7 @@ class StatelessGroup:
         self.allow_pickle = allow_pickle
         self.host_ids = []
         self.pids = []
+        self.memory = {}
         self._token = token
         self._aborted = False
         self._health = Health(s)

@@ -37,6 +37,7 @@ from ..errors import (
 from ..stateless import StatelessGroup
 from . import _bytes
 from ._header import Header, Verdict
+from ._posts import Posts, header_fields, header_of
 from ._shard_plan import ShardPlan
 from ._sharded import conditional, holding, pair_deltas, plan_pairs
 from ._sharded_delta import Bases
@@ -128,21 +129,9 @@ Judge = Callable[[Session], Verdict]
 """A receiver's check of a sync, given the session as planned before the verdicts: its verdict."""
 
 
-KNOWN_MANIFESTS = 16
-"""Manifests a member remembers by digest (one per source of a sync, and a few more)."""
-
-
-def remember(known: dict[str, Manifest], manifest: Manifest) -> None:
-    """Keep ``manifest`` in the cache of known manifests, the least recently used ones dropped."""
-    known.pop(manifest.digest, None)
-    known[manifest.digest] = manifest
-    while len(known) > KNOWN_MANIFESTS:
-        known.pop(next(iter(known)))
-
-
 def sources_of(group: StatelessGroup, posts: list[Any], expected: int | None) -> list[int]:
     """The members that send this sync; a refusal by one of them raises here, on every member."""
-    sources = [r for r, p in enumerate(posts) if isinstance(p, dict) and ("header" in p or "error" in p)]
+    sources = [r for r, p in enumerate(posts) if isinstance(p, dict) and ("h" in p or "error" in p)]
     where = f"rank {group.rank} of group '{group.name}'"
     if not sources:
         raise WeightSyncError(
@@ -167,12 +156,8 @@ def is_sharded(posts: list[Any], sources: list[int]) -> bool:
     return len(sources) > 1 or any(isinstance(p, dict) and ("boxes" in p or "wants" in p) for p in posts)
 
 
-def knows(post: Any, digest: str) -> bool:
-    return isinstance(post, dict) and isinstance(post.get("known"), list) and digest in post["known"]
-
-
 def open_session(
-    group: StatelessGroup, deadline: Deadline, known: dict[str, Manifest], *,
+    group: StatelessGroup, deadline: Deadline, memory: Posts, *,
     header: Header | None = None, boxes: dict[str, Any] | None = None, manifest: Manifest | None = None,
     in_place: bool = False, wants: dict[str, Any] | None = None, wants_if: str | None = None,
     seen: Callable[[str, bool], None] | None = None, src: int | None = None, judge: Judge | None = None,
@@ -182,8 +167,9 @@ def open_session(
     ``manifest`` and ``in_place`` (its tensors lie in the merged plan's layout); a receiver ``wants`` (unless
     every tensor whole; on condition ``wants_if``, see :func:`._sharded.conditional`), the ``src`` it expects
     and its ``judge``. ``seen(key, used)`` learns, before any check, the sources' key and whether the
-    conditional wants hold. ``known`` caches manifests, ``plans`` the last pair plan, ``bases`` pair bases
-    (of which a source offers those ``pays`` says travel as deltas).
+    conditional wants hold. ``memory`` keeps the posts' layouts and the manifests (see :mod:`._posts`),
+    ``plans`` the last pair plans, ``bases`` pair bases (of which a source offers those ``pays`` says travel
+    as deltas).
 
     Raises:
         ManifestMismatchError: some receiver expects other tensors (the message lists every receiver's), or
@@ -192,34 +178,35 @@ def open_session(
         SyncRefusedError: some receiver refused the version.
     """
     me = group.rank
-    post: dict[str, Any] = {"known": list(known)}
+    dynamic: dict[str, Any] = {}
+    sticky: dict[str, Any] = {}
     if header is not None:
-        post["header"] = header.to_wire()
+        assert manifest is not None, "a source posts its manifest"
+        dynamic["h"], sticky["hs"] = header_fields(header.to_wire())
+        sticky["manifest"] = manifest.to_wire()
         if boxes:
-            post["boxes"] = boxes
+            sticky["boxes"] = boxes
     elif wants is not None:
-        post["wants"] = wants
+        sticky["wants"] = wants
         if wants_if is not None:
-            post["wants_if"] = wants_if
-    posts = group.all_gather_obj(post, timeout=deadline)
+            sticky["wants_if"] = wants_if
+    post = memory.post(dynamic, sticky)
+    try:
+        posts = memory.read(group.all_gather_obj(post, timeout=deadline, by_field=True), me)
+    except BaseException:
+        memory.forget()
+        raise
+    memory.posted(post)
     sources = sources_of(group, posts, src)
     posts, key = conditional(posts, sources, keyed=seen is not None)
     if seen is not None and key is not None:  # a receiver learning its boxes: the key, before its check
         seen(key, wants is not None and isinstance(posts[me], dict) and "wants" in posts[me])
-    headers = {s: Header.from_wire(posts[s]["header"]) for s in sources}
-    manifests: dict[int, Manifest] = {}
-    for s in sources:
-        mine = manifest if s == me else None
-        digest = headers[s].digest
-        if all(knows(p, digest) for r, p in enumerate(posts) if r != s):
-            manifests[s] = mine if mine is not None else known[digest]
-            continue
-        wire = group.broadcast_obj(mine.to_wire() if mine is not None else None, src=s, timeout=deadline)
-        manifests[s] = mine if mine is not None else Manifest.from_wire(wire)
-        if manifests[s].digest != digest:
-            raise ProtocolError(f"rank {s}'s manifest does not match its header's digest")
+    headers = {s: Header.from_wire(header_of(posts[s])) for s in sources}
+    manifests = {
+        s: _manifest(memory, posts[s], headers[s], s, manifest if s == me else None) for s in sources
+    }
     for m in manifests.values():
-        remember(known, m)
+        memory.remember(m)
     lead = headers[sources[0]]
     versions = {s: h.version for s, h in headers.items()}
     if len(set(versions.values())) > 1:
@@ -252,6 +239,18 @@ def open_session(
     return replace(draft, cut=cut, deltas=frozenset((sources[0], r) for r in receivers if delta))
 
 
+def _manifest(memory: Posts, post: Any, header: Header, src: int, mine: Manifest | None) -> Manifest:
+    """Source ``src``'s manifest (``mine`` on itself): decoded before (by its digest), or from its post,
+    checked against the digest its header names."""
+    known = mine or memory.known.get(header.digest)
+    if known is not None:
+        return known
+    manifest = Manifest.from_wire(post.get("manifest"))
+    if manifest.digest != header.digest:
+        raise ProtocolError(f"rank {src}'s manifest does not match its header's digest")
+    return manifest
+
+
 def conclude(header: Header, source: int, verdicts: list[Verdict]) -> tuple[bool, bool]:
     """Every member's same conclusion from the gathered verdicts (a pure function): (merged plan, delta).
 
@@ -279,7 +278,7 @@ def conclude(header: Header, source: int, verdicts: list[Verdict]) -> tuple[bool
 
 def refuse(group: StatelessGroup, reason: str, deadline: Deadline, kind: str = "input") -> None:
     """The source cannot make this sync: its handshake post says why, so every member raises, not waits."""
-    group.all_gather_obj({"error": reason, "kind": kind}, timeout=deadline)
+    group.all_gather_obj({"error": reason, "kind": kind}, timeout=deadline, by_field=True)
 
 
 def committed(

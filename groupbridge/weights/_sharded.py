@@ -22,6 +22,7 @@ from ..errors import ProtocolError
 from . import _bytes, _delta
 from ._delta_sync import delta_groups
 from ._header import Header, Verdict
+from ._posts import header_of
 from ._shard_plan import Held, Piece, ShardPlan, plan_shards
 from ._sharded_delta import Bases, bucket_word, pair_key
 from .manifest import Entry, Manifest
@@ -135,8 +136,8 @@ def sources_key(posts: list[Any], sources: list[int], headers: Mapping[int, Head
     """What the sources hold in this sync (each one's manifest and boxes), as one key: a receiver that
     learned which boxes it reads (a tensor-parallel engine worker, from its loader's dry run) posts them on
     the condition that this key is unchanged, since they were learned from these manifests."""
-    held = [(s, headers[s].digest, posts[s].get("boxes")) for s in sources]
-    return hashlib.sha256(json.dumps(held, sort_keys=True, default=repr).encode()).hexdigest()[:32]
+    held = [(s, headers[s].digest, posts[s].get("g")) for s in sources]
+    return hashlib.sha256(json.dumps(held).encode()).hexdigest()[:32]
 
 
 def conditional(posts: list[Any], sources: list[int], *, keyed: bool = False) -> tuple[list[Any], str | None]:
@@ -149,7 +150,7 @@ def conditional(posts: list[Any], sources: list[int], *, keyed: bool = False) ->
     more than the bytes they save."""
     if not keyed and not any(isinstance(p, dict) and "wants_if" in p for p in posts):
         return posts, None
-    headers = {s: Header.from_wire(posts[s]["header"]) for s in sources}
+    headers = {s: Header.from_wire(header_of(posts[s])) for s in sources}
     key = sources_key(posts, sources, headers)
     carried = all(_carrier(h) == h.transport for h in headers.values())
     sharded = len(sources) > 1 or any(
@@ -189,25 +190,23 @@ def plan_pairs(
     and this member's pairs' cut keys; ``plans`` keeps the last plan for the next sync."""
 
     def planned() -> Planned:
-        # members that post one layout share one list, planned once (see plan_shards)
+        # members that post one layout (by its digest, the same on every member) share one list, planned
+        # once (see plan_shards)
         layouts: dict[Any, list[Held]] = {}
         held = {}
         for s in sources:
-            boxes = posts[s].get("boxes")
-            key = (headers[s].digest, id(boxes) if boxes is not None else None)
-            held[s] = (
-                layouts[key] if key in layouts else layouts.setdefault(key, _held(manifests[s], boxes, s))
+            key: tuple[Any, ...] = ("held", posts[s].get("g"))
+            held[s] = layouts.get(key) or layouts.setdefault(
+                key, _held(manifests[s], posts[s].get("boxes"), s)
             )
         every = _union(held)
         wanted = {}
         for r, p in enumerate(posts):
             if r not in sources:
-                wants = p.get("wants") if isinstance(p, dict) else None
-                wanted[r] = (
-                    layouts[id(wants)]
-                    if id(wants) in layouts
-                    else layouts.setdefault(id(wants), _wanted(p, every, r))
-                )
+                key = ("wants", p.get("g"), "wants" in p) if isinstance(p, dict) else ("wants", r)
+                if key not in layouts:
+                    layouts[key] = _wanted(p, every, r)
+                wanted[r] = layouts[key]
         caps = {s: headers[s].bucket_cap for s in sources}
         forward = frozenset(s for s in sources if _forwards(headers[s]))
         plan = plan_shards(held, wanted, headers[sources[0]].bucket_bytes, caps, forward, me=me)
@@ -215,7 +214,7 @@ def plan_pairs(
                                for n in plan.order))  # fmt: skip
         return plan, whole, {pair: pair_key(b) for pair, b in plan.pairs.items() if me in pair}
 
-    return plans.get(_layout_key(posts, sources, headers, me), planned) if plans else planned()
+    return plans.get(_layout_key(posts, sources, me), planned) if plans else planned()
 
 
 def holding(
@@ -252,22 +251,11 @@ Planned = tuple[ShardPlan, Manifest, dict[tuple[int, int], str]]
 """A many-source plan, the global manifest it assembles, and this member's pairs' cut keys."""
 
 
-def _layout_key(posts: list[Any], sources: list[int], headers: Mapping[int, Header], me: int) -> bytes:
-    """What a plan depends on: each source's manifest and boxes, each receiver's wants, the bucket size."""
-    layout = [
-        me,
-        headers[sources[0]].bucket_bytes,
-        [
-            (s, headers[s].digest, headers[s].bucket_cap, _forwards(headers[s]), posts[s].get("boxes"))
-            for s in sources
-        ],
-        [
-            (r, [p.get("wants"), p.get("wants_if")] if isinstance(p, dict) else p)
-            for r, p in enumerate(posts)
-            if r not in sources
-        ],
-    ]
-    return hashlib.sha256(json.dumps(layout, sort_keys=True, default=repr).encode()).digest()
+def _layout_key(posts: list[Any], sources: list[int], me: int) -> bytes:
+    """What a plan depends on: every member's layout (its digest: the static header with the bucket size,
+    the manifest, the boxes held or wanted; see :mod:`._posts`), whose wants hold, and who asks."""
+    layout = [me, sources, [(p.get("g"), "wants" in p) if isinstance(p, dict) else None for p in posts]]
+    return hashlib.sha256(json.dumps(layout).encode()).digest()
 
 
 def _forwards(header: Header) -> bool:

@@ -21,6 +21,7 @@ from . import _bytes
 from ._copier import Copier
 from ._header import Verdict
 from ._intake import Intake, boxes_into, boxes_named, fanout_into, fanout_named
+from ._posts import Posts
 from ._receive import into, named
 from ._rx_checks import Reads, data_ptr, refusal, wants_of
 from ._rx_stream import RxStreams, Taker
@@ -77,7 +78,7 @@ class WeightReceiver(Closing):
         self._streams = RxStreams(group, self._copier)
         self._rename = make_renamer(rename)
         self._renames = rename is not None
-        self._known: dict[str, Manifest] = {}
+        self._posts = Posts(group)
         if buffers is None and memory is not None:
             buffers = memory.buffers
         self._buffers = buffers if buffers is not None else _bytes.BufferCache()
@@ -125,7 +126,7 @@ class WeightReceiver(Closing):
             )
             return Verdict(in_place=in_place, base=base)
 
-        return open_session(self.group, deadline, self._known, wants=wants, wants_if=wants_if, seen=seen,
+        return open_session(self.group, deadline, self._posts, wants=wants, wants_if=wants_if, seen=seen,
                             src=self.src, judge=judge, bases=self._bases,
                             plans=self._plans)  # fmt: skip
 

@@ -24,6 +24,7 @@ from ._copier import Copier
 from ._delta_tx import DeltaSender
 from ._described import Described, NamedTensors, Specs, in_place, named_tensors_of, peek_device
 from ._header import Header
+from ._posts import Posts
 from ._session import make_renamer, open_session, refuse
 from ._sharded import boxes_of, streams_of
 from ._sharded_delta import Bases, DeltaMemory
@@ -123,7 +124,7 @@ class WeightSender(Closing):
         self._transports: dict[str, TxTransport] = {}
         self._copier = Copier(f"{group.name}-{group.rank}")
         self._scratch = _bytes.BufferCache()
-        self._known: dict[str, Manifest] = {}
+        self._posts = Posts(group)
         self._described = Described(group, make_renamer(rename), wire_dtype)
         self._plans = Plans()
         self._memory = memory if delta else None
@@ -215,7 +216,7 @@ class WeightSender(Closing):
         )  # fmt: skip
         try:
             session = open_session(
-                self.group, deadline, self._known, header=header, boxes=boxes_of(shards), manifest=manifest,
+                self.group, deadline, self._posts, header=header, boxes=boxes_of(shards), manifest=manifest,
                 in_place=in_place(items, manifest, self._delta is not None, self._plans), bases=self._bases,
                 plans=self._plans, pays=self._delta.policy.pays if self._delta is not None else None,
             )  # fmt: skip
