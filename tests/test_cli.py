@@ -116,14 +116,14 @@ def test_bench_control_measures_back_to_back_and_one_at_a_time() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(520)
 def test_bench_plot_measures_and_draws_every_figure(tmp_path: Path) -> None:
-    proc = _run("bench", "--plot", str(tmp_path), "--quick", timeout=400)
+    proc = _run("bench", "--plot", str(tmp_path), "--quick", timeout=500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     done = json.loads((tmp_path / "bench.json").read_text())
     assert done["left_out"] == {}, done["left_out"]  # root here: the simulated hosts run too
-    assert set(done["figures"]) == {"throughput", "delta", "sources", "replicas", "stall"}
-    for name in ("throughput", "buckets", "delta", "sources", "replicas", "stall"):
+    assert set(done["figures"]) == {"throughput", "delta", "sources", "replicas", "stall", "scale"}
+    for name in ("throughput", "buckets", "delta", "sources", "replicas", "stall", "scale", "scale_bytes"):
         png = tmp_path / f"{name}.png"
         assert png.read_bytes()[:4] == b"\x89PNG" and png.stat().st_size > 10_000, name
     assert {r["mode"] for r in done["figures"]["throughput"]} >= {"ours", "flat", "per_tensor", "memcpy"}
@@ -169,3 +169,21 @@ def test_the_bridge_example_runs() -> None:
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     held = re.findall(r"step (\d): worker (\d) holds version (\d), equal to the trainer", proc.stdout)
     assert sorted(held) == [(s, w, s) for s in "123" for w in "12"], proc.stdout
+
+
+@pytest.mark.timeout(120)
+def test_bench_scale_plans_each_member_s_share_of_a_real_model_and_a_repeat_costs_a_digest(
+    tmp_path: Path,
+) -> None:
+    """``bench --scale``'s measurement, small: Llama-3-70B's 723 tensors (meta device), 16 FSDP ranks into 2
+    replicas of TP 8: every sampled member plans its pairs; the repeat sync fetches a few hundred bytes a
+    member (the layouts travel as digests) and replans nothing."""
+    pytest.importorskip("transformers")
+    from groupbridge.bench.scale import ScaleConfig, run_scale
+
+    r = run_scale(ScaleConfig(model="llama-3-70b", sources=16, replicas=2))
+    assert r["tensors"] == 723 and r["members"] == 32, r
+    assert r["first"]["pairs"] > 0 and r["first"]["fetched_bytes"] > 100_000, r
+    assert r["repeat"]["fetched_bytes"] < 128 * r["members"], r  # a digest and a few fields a member
+    assert r["repeat"]["cpu_s"] < r["first"]["cpu_s"], r
+    _drawn(lambda path: plots.scale([r], path), tmp_path / "scale.png")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -190,3 +192,69 @@ def test_each_member_s_share_agrees_with_its_peers_and_covers_every_wanted_eleme
         for name, region, holders in shares[s].replicated:
             for other in holders:
                 assert any(n == name and b == region for n, b, _ in shares[other].replicated)
+
+
+@pytest.mark.parametrize("size", [1, 5, 7, 64, 100, 576, 7168])
+@pytest.mark.parametrize("parts", [1, 2, 3, 8, 48, 256])
+def test_a_torch_chunk_piece_is_found_as_a_rule_and_rebuilt_exactly(size: int, parts: int) -> None:
+    from groupbridge.weights._rules import _piece, chunk_range
+
+    start = 0
+    for piece in torch.arange(size).chunk(parts):
+        found = _piece(size, start, len(piece))
+        assert found is not None, (size, parts, start, len(piece))
+        assert chunk_range(size, *found) == (start, len(piece))
+        start += len(piece)
+
+
+def _fsdp_rules(sources: int, receivers: int) -> tuple[Any, Any, Any]:
+    """Sources holding torch.chunk pieces (rows of ``w``, rows then columns of the expert-like ``e``, ``b``
+    whole on every source), as explicit lists and as rule families; receivers take tensor-parallel
+    blocks."""
+    from groupbridge.weights import _rules
+    from groupbridge.weights.manifest import Entry, Manifest
+
+    shapes = {"w": (50, 6), "e": (4, 9, 6), "b": (7,)}
+    held, families = {}, {}
+    for s in range(sources):
+        shards = {}
+        for name, g in shapes.items():
+            offset, size = [0] * len(g), list(g)
+            if name == "w":
+                offset[0], size[0] = _rules.chunk_range(g[0], sources, s)
+            if name == "e":
+                offset[0], size[0] = _rules.chunk_range(g[0], 2, s % 2)
+                offset[1], size[1] = _rules.chunk_range(g[1], -(-sources // 2), s // 2)
+            shards[name] = (g, tuple(offset), tuple(size))
+        manifest = Manifest(
+            tuple(Entry(n, sz, "float32", "float32", None) for n, (_, _, sz) in shards.items())
+        )
+        held[s] = [_held(n, g, o, sz) for n, (g, o, sz) in shards.items()]
+        boxes, rule, at = _rules.compress({n: (g, o) for n, (g, o, _) in shards.items()}, manifest)
+        fam = families.setdefault(repr(rule), _rules.family_of(manifest, rule, s))
+        fam.at[s] = _rules.place_of(at, fam, s)
+        explicit = [h for h in held[s] if boxes and h.name in boxes]
+        families[("explicit", s)] = explicit
+    wanted = {}
+    for r in range(sources, sources + receivers):
+        k = (r - sources) % 2
+        wanted[r] = [
+            _held("w", shapes["w"], (0, 3 * k), (50, 3)),
+            _held("e", shapes["e"], (2 * k, 0, 0), (2, 9, 6)),
+            _held("b", shapes["b"], (0,), (7,)),
+        ]
+    fams = [f for k, f in families.items() if not isinstance(k, tuple)]
+    listed = {s: families[("explicit", s)] for s in range(sources)}
+    return held, (listed, fams), wanted
+
+
+@pytest.mark.parametrize(("sources", "receivers"), [(2, 2), (5, 3), (8, 4)])
+def test_sources_posting_a_rule_are_planned_as_their_boxes_would_be(sources: int, receivers: int) -> None:
+    held, (listed, families), wanted = _fsdp_rules(sources, receivers)
+    for m in range(sources + receivers):
+        boxes = plan_shards(held, wanted, bucket_bytes=256, forward=frozenset(held), me=m)
+        ruled = plan_shards(
+            listed, wanted, bucket_bytes=256, forward=frozenset(held), me=m, families=families
+        )
+        assert boxes.pairs == ruled.pairs and boxes.upstream == ruled.upstream, m
+        assert sorted(boxes.replicated, key=repr) == sorted(ruled.replicated, key=repr), m

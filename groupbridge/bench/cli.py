@@ -21,8 +21,18 @@ def _parse_bytes(text: str) -> int:
     return int(t)
 
 
-_MEASUREMENTS = ("delta", "simulate_hosts", "sources", "replicas", "local_sources", "control", "engine")
-_SHAPED = ("shape", "receivers", "bucket_bytes", "modes", "transport", "scale", "link_rate", "payload_bytes")
+_MEASUREMENTS = (
+    "delta",
+    "simulate_hosts",
+    "sources",
+    "replicas",
+    "local_sources",
+    "control",
+    "engine",
+    "scale",
+    "loopback",
+)
+_SHAPED = ("shape", "receivers", "bucket_bytes", "modes", "transport", "shrink", "link_rate", "payload_bytes")
 """Settings of one measurement that ``--plot``'s own set does not take."""
 
 
@@ -40,7 +50,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             )
         if args.plot.endswith(".png"):
             raise SystemExit(
-                f"--plot takes a directory (it writes four figures and bench.json), not {args.plot}"
+                f"--plot takes a directory (it writes its figures and bench.json), not {args.plot}"
             )
         from .plots import FIGURES, run_all
 
@@ -64,6 +74,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         return _bench_local_sources(args)
     if args.control:
         return _bench_control(args)
+    if args.scale or args.loopback:
+        return _bench_scale(args)
     if args.engine == "vllm" and args.adapter:
         return _bench_adapter(args)
     if args.engine == "vllm":
@@ -294,7 +306,7 @@ def _bench_sources(args: argparse.Namespace) -> int:
     from .sources import SourcesConfig, run_sources
 
     cfg = SourcesConfig(sources=[int(t) for t in args.sources.split(",")], rate=args.link_rate,
-                        rounds=args.rounds, scale=args.scale)  # fmt: skip
+                        rounds=args.rounds, scale=args.shrink)  # fmt: skip
     intro = f"[bench] many sources: {cfg.sources} trainer hosts + 4 inference hosts at {cfg.rate} ..."
     return _shown(
         args, intro, lambda: run_sources(cfg), lambda records: report.sources_table(records, cfg.rate)
@@ -306,10 +318,37 @@ def _bench_local_sources(args: argparse.Namespace) -> int:
     from .sources_local import LocalSourcesConfig, run_local_sources
 
     cfg = LocalSourcesConfig(sources=args.local_sources, receivers=int(args.receivers.split(",")[0]),
-                             rounds=args.rounds, scale=args.scale)  # fmt: skip
+                             rounds=args.rounds, scale=args.shrink)  # fmt: skip
     intro = (f"[bench] many sources on one host: {cfg.sources} sources -> {cfg.receivers} receivers (whole "
              "tensors, atomic), shm against p2p, interleaved ...")  # fmt: skip
     return _shown(args, intro, lambda: run_local_sources(cfg), report.local_sources_table)
+
+
+def _loopback(args: argparse.Namespace, cfg: Any) -> None:
+    from . import report
+    from .scale_loopback import run_loopback_scale
+
+    intro = (f"[bench] loopback, real processes: {cfg.sources} sources with FSDP row slices of {cfg.tensors} "
+             f"tensors into {cfg.receivers} receivers taking TP-{cfg.tp} row blocks over p2p, {cfg.syncs} "
+             "syncs ...")  # fmt: skip
+    _shown(args, intro, lambda: run_loopback_scale(cfg), report.loopback_scale_table)
+
+
+def _bench_scale(args: argparse.Namespace) -> int:
+    from . import report
+    from .scale import run_scale_rows
+    from .scale_loopback import LoopbackScaleConfig
+
+    if args.scale:
+        intro = ("[bench] the many-source handshake and plan at the size of real jobs: real models' tensors "
+                 "(meta device), FSDP x EP trainers into replicas of TP 8; each member's CPU and bytes, "
+                 "the worst of a sample of every kind of member ...")  # fmt: skip
+        _shown(args, intro, lambda: run_scale_rows(quick=args.quick), report.scale_table)
+    for case in (args.loopback or "").split(","):
+        if case:
+            s, r = (int(v) for v in case.lower().split("x"))
+            _loopback(args, LoopbackScaleConfig(sources=s, receivers=r))
+    return 0
 
 
 def add_bench_parser(sub: Any) -> None:
@@ -366,8 +405,22 @@ def add_bench_parser(sub: Any) -> None:
         "receivers, shm against p2p",
     )
     p.add_argument(
-        "--scale", type=int, default=1, help="with --sources/--local-sources: divide the dense shape's widths"
+        "--shrink",
+        type=int,
+        default=1,
+        help="with --sources/--local-sources: divide the dense shape's widths",
     )
+    p.add_argument(
+        "--scale", action="store_true",
+        help="the many-source handshake and plan per member at real jobs' sizes (Llama-3-70B, Qwen3-235B, "
+        "DeepSeek-V3, Kimi-K2's shape; 64-512 trainer ranks into 16 replicas of TP 8), simulated one member "
+        "at a time; --quick: two models, two sizes",
+    )  # fmt: skip
+    p.add_argument(
+        "--loopback", default="",
+        help="comma-separated SxR, e.g. 8x8,48x16: the same handshake with S + R real processes on loopback "
+        "(700 small tensors, three syncs), each member's CPU per sync",
+    )  # fmt: skip
     p.add_argument("--link-rate", default="800mbit", help="link rate of simulated hosts (tc syntax)")
     p.add_argument("--payload-bytes", default="128MiB", help="payload for --simulate-hosts")
     p.add_argument(
@@ -380,7 +433,7 @@ def add_bench_parser(sub: Any) -> None:
     p.add_argument(
         "--figures",
         metavar="NAME,...",
-        help="with --plot: measure and draw only these (throughput, delta, sources, replicas, stall), "
+        help="with --plot: measure and draw only these (throughput, delta, sources, replicas, stall, scale), "
         "keeping the others' records in DIR/bench.json",
     )
     p.add_argument(

@@ -18,6 +18,9 @@ sources, stall), since an intermittent stall hides in a median.
   trainer sending its shards, the same with deltas, and the link bound (simulated hosts: root).
 - ``stall.png``: how long a client streaming from ``vllm serve`` gets no token during an update, per update
   mode (vLLM's CPU build).
+- ``scale.png`` and ``scale_bytes.png``: the many-source handshake's CPU seconds and bytes fetched per
+  member against the trainer ranks, first sync and repeat, for real models' tensor inventories
+  (``bench --scale``).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from typing import Any
 
 from .. import _console
 
-__all__ = ["FIGURES", "delta", "replicas", "run_all", "sources", "stall", "throughput"]
+__all__ = ["FIGURES", "delta", "replicas", "run_all", "scale", "sources", "stall", "throughput"]
 
 
 def _pyplot() -> Any:
@@ -196,6 +199,44 @@ def stall(records: Sequence[dict[str, Any]], path: str | Path) -> None:
         ax.set_title("vllm serve during one update: time a streaming client got no token")
 
 
+def scale(records: Sequence[dict[str, Any]], path: str | Path, what: str = "cpu_s") -> None:
+    """Per member, against the trainer ranks (log-log): the worst member's CPU seconds (``what="cpu_s"``)
+    or KiB fetched (``"fetched_bytes"``), first sync and repeat, one line per model; a line of slope one
+    (linear growth) beside them from the first point."""
+    scale_of = 1.0 if what == "cpu_s" else 1 / 2**10
+    with _figure(path) as ax:
+        for model in sorted({r["model"] for r in records}):
+            rs = sorted((r for r in records if r["model"] == model), key=lambda r: r["sources"])
+            xs = [r["sources"] for r in rs]
+            for sync, style in (("first", "-"), ("repeat", "--")):
+                ax.plot(xs, [r[sync][what] * scale_of for r in rs], marker="o", linestyle=style,
+                        label=f"{model}: {sync} sync")  # fmt: skip
+        if records:
+            r0 = min(records, key=lambda r: r["sources"])
+            x0, y0 = r0["sources"], r0["first"][what] * scale_of
+            top = max(r["sources"] for r in records)
+            ax.plot(
+                [x0, top], [y0, y0 * top / x0], color="k", linewidth=0.8, linestyle=":", label="linear in S"
+            )
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("trainer ranks S (into replicas of TP 8)")
+        ax.set_ylabel("CPU s per member" if what == "cpu_s" else "KiB fetched per member")
+        ax.set_title("the many-source handshake and plan, the worst member's share")
+
+
+def _measure_scale(quick: bool, rounds: int) -> list[dict[str, Any]]:
+    from .scale import run_scale_rows
+
+    return run_scale_rows(quick=quick)
+
+
+def _draw_scale(records: Sequence[dict[str, Any]], out: Path) -> list[Path]:
+    scale(records, out / "scale.png")
+    scale(records, out / "scale_bytes.png", what="fetched_bytes")
+    return [out / "scale.png", out / "scale_bytes.png"]
+
+
 def _measure_throughput(quick: bool, rounds: int) -> list[dict[str, Any]]:
     from .weight_sync import BenchConfig, run_weight_sync
 
@@ -284,6 +325,8 @@ FIGURES: dict[str, tuple[_Measure, _Draw, str]] = {
     "replicas": (_measure_replicas, _draw(replicas, "replicas"),
                  "four trainer hosts into 1-8 replicas, each its own host"),
     "stall": (_measure_stall, _draw(stall, "stall"), "serving stall of vllm serve per update mode"),
+    "scale": (_measure_scale, _draw_scale,
+              "the many-source handshake per member against the trainer ranks, real models' tensors"),
 }  # fmt: skip
 """name -> (measure(quick, rounds), draw(records, into), what it shows)."""
 

@@ -131,3 +131,32 @@ def local_sources_table(r: dict[str, Any]) -> None:
         + ", ".join(f"{x:.0f}" for x in r["lazy_extra_mib"])
         + f" MiB, against its shard {max(r['shard_mib']):.0f} MiB and a bucket {r['bucket_mib']:.0f} MiB"
     )
+
+
+def scale_table(records: Sequence[dict[str, Any]]) -> None:
+    """``bench --scale``: per row, the worst member's CPU and bytes on a first and a repeat sync."""
+    rows = [
+        [r["model"], str(r["tensors"]), f"{r['sources']} -> {r['receivers']}",
+         f"{r['first']['cpu_s']:.3f}", f"{r['first']['fetched_bytes'] / 2**10:,.0f}",
+         f"{r['repeat']['cpu_s'] * 1e3:.1f}", f"{r['repeat']['fetched_bytes'] / 2**10:,.1f}",
+         f"{r['first']['pairs']}"]
+        for r in records
+    ]  # fmt: skip
+    _console.table(
+        "the many-source handshake and plan, per member (the worst of the sample; CPU of this process)",
+        ["model", "tensors", "trainer -> receiver ranks", "first: CPU s", "first: KiB fetched",
+         "repeat: CPU ms", "repeat: KiB fetched", "pairs"],
+        rows,
+    )  # fmt: skip
+
+
+def loopback_scale_table(r: dict[str, Any]) -> None:
+    """``bench --loopback``: per sync, the slowest member's wall time and the most CPU one spent."""
+    per_sync = zip(r["wall_s"], r["cpu_s"], r["worst_cpu_rank"], strict=True)
+    rows = [[str(k + 1), f"{w:.2f}", f"{c:.3f}", str(m)] for k, (w, c, m) in enumerate(per_sync)]
+    _console.table(
+        f"loopback: {r['sources']} + {r['receivers']} processes, {r['tensors']} tensors; bit-exact: "
+        f"{'yes' if r['exact'] else 'NO'}",
+        ["sync", "slowest member, s", "most CPU one member spent, s", "that member"],
+        rows,
+    )

@@ -153,7 +153,9 @@ def sources_of(group: StatelessGroup, posts: list[Any], expected: int | None) ->
 
 def is_sharded(posts: list[Any], sources: list[int]) -> bool:
     """The sync needs the many-source plan: several sources, boxes held, or boxes wanted."""
-    return len(sources) > 1 or any(isinstance(p, dict) and ("boxes" in p or "wants" in p) for p in posts)
+    return len(sources) > 1 or any(
+        isinstance(p, dict) and ("boxes" in p or "rule" in p or "wants" in p) for p in posts
+    )
 
 
 def open_session(
@@ -184,8 +186,7 @@ def open_session(
         assert manifest is not None, "a source posts its manifest"
         dynamic["h"], sticky["hs"] = header_fields(header.to_wire())
         sticky["manifest"] = manifest.to_wire()
-        if boxes:
-            sticky["boxes"] = boxes
+        sticky.update(boxes or {})
     elif wants is not None:
         sticky["wants"] = wants
         if wants_if is not None:
@@ -248,6 +249,7 @@ def _manifest(memory: Posts, post: Any, header: Header, src: int, mine: Manifest
     manifest = Manifest.from_wire(post.get("manifest"))
     if manifest.digest != header.digest:
         raise ProtocolError(f"rank {src}'s manifest does not match its header's digest")
+    memory.remember(manifest)  # sources posting one manifest: decoded once
     return manifest
 
 

@@ -35,6 +35,7 @@ import torch
 
 from ..codec import dtype_from_name
 from ..errors import ManifestMismatchError
+from ._rules import Family
 from .plan import Plan
 from .shard import Box
 
@@ -159,6 +160,8 @@ def plan_shards(
     caps: Mapping[int, int] | None = None,
     forward: frozenset[int] = frozenset(),
     me: int | None = None,
+    families: Sequence[Family] = (),
+    order: Sequence[str] | None = None,
 ) -> ShardPlan:
     """Member ``me``'s share of the plan (see the module's docstring; ``None``: every member's, merged, for
     tests and tools, raising on what only one member finds too). Members that hold or want the very same
@@ -173,8 +176,12 @@ def plan_shards(
     receivers want one such source's cut than there are sources, sending it to each would load its link
     once per receiver while theirs idle: it goes to one, and each passes every bucket on to the next as it
     lands (a chain started at a receiver rotated by source, so each forwards about as much as it takes), in
-    buckets of :data:`FORWARD_BYTES`. A chain is the receivers that post the same wants."""
-    index = _Index(held, wanted)
+    buckets of :data:`FORWARD_BYTES`. A chain is the receivers that post the same wants.
+
+    ``families``: sources whose boxes are a rule (see :mod:`._rules`), besides what ``held`` lists for
+    them (their other boxes). ``order``: the tensors in the sources' order (their manifests', by rank; the
+    order receivers take them in), when it is not the order of ``held``'s lists."""
+    index = _Index(held, wanted, families, order)
     members = sorted({*held, *wanted}) if me is None else [me]
     shares = [_share(index, m, bucket_bytes, caps or {}, forward) for m in members]
     pairs: dict[tuple[int, int], Plan[Piece]] = {}
@@ -208,6 +215,8 @@ class _Entry:
     ranks: tuple[int, ...]
     group: int
     """The lowest rank of the members that post this whole layout (chains and owners are per group)."""
+    family: int = -1
+    """The rule family it comes from (its places never overlap one another), or -1 for a listed box."""
 
 
 class _Sorted:
@@ -234,9 +243,15 @@ class _Sorted:
 class _Index:
     """What every member knows of a sync's layouts (see the module's docstring, steps 1 and 2)."""
 
-    def __init__(self, held: Mapping[int, Sequence[Held]], wanted: Mapping[int, Sequence[Held]]) -> None:
-        self.held_by, self.wanted_by = held, wanted
-        self.sources, self.receivers = tuple(sorted(held)), tuple(sorted(wanted))
+    def __init__(
+        self, held: Mapping[int, Sequence[Held]], wanted: Mapping[int, Sequence[Held]],
+        families: Sequence[Family] = (), order: Sequence[str] | None = None,
+    ) -> None:  # fmt: skip
+        self.held_by, self.wanted_by, self.families = held, wanted, families
+        self.family_of = {rank: f for f in families for rank in f.at}
+        self.sources = tuple(sorted({*held, *self.family_of}))
+        self.receivers = tuple(sorted(wanted))
+        self._ruled: dict[str, list[Family]] = {}
         self.order: list[str] = []
         self.dtypes: dict[str, str] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
@@ -250,6 +265,8 @@ class _Index:
             raise ManifestMismatchError(
                 "the senders' and receivers' tensors do not fit together:\n" + "\n".join(problems[:50]) + more
             )
+        if order is not None:
+            self.order = [n for n in order if n in self.dtypes]
         self.position = {name: i for i, name in enumerate(self.order)}
         self.wanted_order = tuple(n for n in self.order if n in self._wants)
         self._sorted: dict[tuple[str, bool], _Sorted] = {}
@@ -257,7 +274,10 @@ class _Index:
     def _held(self, problems: list[str]) -> dict[str, list[_Entry]]:
         first: dict[str, int] = {}
         holders: dict[str, list[_Entry]] = {}
-        for layout, ranks in _groups(self.held_by):
+        for layout, ranks in _groups(self.held_by, self.families):
+            if isinstance(layout, Family):
+                self._rule(layout, first, problems)
+                continue
             for h in layout:
                 if h.name not in self.dtypes:
                     self.order.append(h.name)
@@ -276,9 +296,32 @@ class _Index:
                     holders.setdefault(h.name, []).append(_Entry(h.box, ranks, ranks[0]))
         return holders
 
+    def _rule(self, family: Family, first: dict[str, int], problems: list[str]) -> None:
+        lowest = min(family.at)
+        for name, (_, g, dtype) in family.tensors.items():
+            if name not in self.dtypes:
+                self.order.append(name)
+                self.dtypes[name], self.shapes[name], first[name] = dtype, g, lowest
+            elif (self.dtypes[name], self.shapes[name]) != (dtype, g):
+                problems.append(
+                    f"{name}: rank {lowest} holds {dtype} {list(g)}, rank {first[name]} {self.dtypes[name]} "
+                    f"{list(self.shapes[name])}"
+                )
+                continue
+            self._ruled.setdefault(name, []).append(family)
+
+    def holds(self, rank: int) -> list[Held]:
+        """What source ``rank`` holds: its listed boxes and those of its rule."""
+        listed = list(self.held_by.get(rank, ()))
+        family = self.family_of.get(rank)
+        if family is not None:
+            listed += [Held(n, d, g, family.box(rank, n)) for n, (_, g, d) in family.tensors.items()]
+        return listed
+
     def _wanted(self, problems: list[str]) -> dict[str, list[_Entry]]:
         wants: dict[str, list[_Entry]] = {}
         for layout, ranks in _groups(self.wanted_by):
+            assert not isinstance(layout, Family), "receivers post lists"
             self.group_of.update(dict.fromkeys(ranks, ranks))
             for w in layout:
                 who = f"{w.name}: rank {ranks[0]}"
@@ -307,14 +350,25 @@ class _Index:
         if found is None:
             entries = (self._holders if held else self._wants).get(name, [])
             found = self._sorted[(name, held)] = _Sorted(entries)
-        return found.overlapping(box)
+        out = found.overlapping(box)
+        if held:
+            for family in self._ruled.get(name, ()):
+                out += [_Entry(b, ranks, ranks[0], id(family)) for b, ranks in family.overlapping(name, box)]
+        return out
 
 
-def _groups(layouts: Mapping[int, Sequence[Held]]) -> list[tuple[Sequence[Held], tuple[int, ...]]]:
-    """Members grouped by the layout object they share, in rank order of each group's lowest rank."""
-    by: dict[int, tuple[Sequence[Held], list[int]]] = {}
-    for rank in sorted(layouts):
-        by.setdefault(id(layouts[rank]), (layouts[rank], []))[1].append(rank)
+def _groups(
+    layouts: Mapping[int, Sequence[Held]], families: Sequence[Family] = ()
+) -> list[tuple[Sequence[Held] | Family, tuple[int, ...]]]:
+    """Members grouped by the layout object they share (a list, or a family's rule), in rank order of each
+    group's lowest rank: the order every member reads the sources' tensors in."""
+    by: dict[int, tuple[Sequence[Held] | Family, list[int]]] = {}
+    ruled = {rank: f for f in families for rank in f.at}
+    for rank in sorted({*layouts, *ruled}):
+        if rank in layouts:
+            by.setdefault(id(layouts[rank]), (layouts[rank], []))[1].append(rank)
+        if rank in ruled:
+            by.setdefault(id(ruled[rank]), (ruled[rank], []))[1].append(rank)
     return [(layout, tuple(ranks)) for layout, ranks in by.values()]
 
 
@@ -339,9 +393,11 @@ def _share(
             continue
         got, group = 0, index.group_of[me]
         groups[group[0]] = group
-        for entry in index.holding(w.name, w.box):
+        holding = index.holding(w.name, w.box)
+        sole = _sole(holding)
+        for entry in holding:
             x = _intersect(entry.box, w.box)
-            over = index.holding(w.name, x)
+            over = [entry] if sole else index.holding(w.name, x)
             for src in entry.ranks:
                 for piece in _owned(w.name, x, src, group[0], over):
                     cuts.setdefault((src, group[0]), []).append((index.position[w.name], w.name, piece))
@@ -349,20 +405,22 @@ def _share(
         if got != w.box.numel:
             share.problems += [f"{w.name}: {_box(cell)} is wanted by rank {me} but no sender holds it"
                                for cell in _missing(w.box, index.holding(w.name, w.box))[:5]]  # fmt: skip
-    for h in index.held_by.get(me, ()):
+    for h in index.holds(me):
         if not h.box.numel:
             continue
         wanted = False
+        mine = index.holding(h.name, h.box)
+        sole = len(mine) == 1 and _sole(mine)  # nobody else holds any of it
         for want in index.wanting(h.name, h.box):
             x = _intersect(h.box, want.box)
-            pieces = _owned(h.name, x, me, want.group, index.holding(h.name, x))
+            pieces = _owned(h.name, x, me, want.group, mine if sole else index.holding(h.name, x))
             if pieces:
                 groups[want.group] = want.ranks
                 cuts.setdefault((me, want.group), []).extend(
                     (index.position[h.name], h.name, p) for p in pieces
                 )
             wanted = True
-        if wanted:
+        if wanted and not sole:
             share.replicated += _replicas(index, h.name, h.box, me)
     chained: set[tuple[int, int]] = set()
     for src, lowest in cuts:
@@ -381,6 +439,18 @@ def _share(
         cut = _bucketed([(n, b) for _, n, b in found], index.dtypes, size)
         share.pairs.update(((src, dst), cut) for dst in ranks if dst != src)
     return share
+
+
+def _sole(entries: list[_Entry]) -> bool:
+    """Whether every point these entries cover has one holder: one rank each, and boxes that do not overlap
+    (places of one rule never do; listed boxes are compared, a few of them)."""
+    if any(len(e.ranks) > 1 for e in entries):
+        return False
+    if len(entries) <= 1 or all(e.family == entries[0].family != -1 for e in entries):
+        return True
+    return len(entries) <= 8 and not any(
+        _overlaps(a.box, b.box) for a, b in itertools.combinations(entries, 2)
+    )
 
 
 def _owned(name: str, x: Box, src: int, group: int, over: list[_Entry]) -> list[Box]:

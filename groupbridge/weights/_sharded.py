@@ -17,12 +17,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .. import codec
 from ..codec import dtype_from_name
 from ..errors import ProtocolError
 from . import _bytes, _delta
 from ._delta_sync import delta_groups
 from ._header import Header, Verdict
 from ._posts import header_of
+from ._rules import Family, compress, family_of, place_of
 from ._shard_plan import Held, Piece, ShardPlan, plan_shards
 from ._sharded_delta import Bases, bucket_word, pair_key
 from .manifest import Entry, Manifest
@@ -102,18 +104,25 @@ class Stream:
         ]
 
 
-def boxes_of(shards: Mapping[str, tuple[tuple[int, ...], tuple[int, ...]]]) -> dict[str, Any] | None:
-    """A source's post: for each tensor it holds a box of, the global shape and the offset."""
-    return {name: [list(g), list(o)] for name, (g, o) in shards.items()} or None
+def boxes_of(
+    shards: Mapping[str, tuple[tuple[int, ...], tuple[int, ...]]], manifest: Manifest
+) -> dict[str, Any]:
+    """A source's post of the boxes it holds: ``torch.chunk`` pieces as a rule and its place in it, others
+    as their global shape and offset (see :mod:`._rules`); nothing where it holds whole tensors."""
+    boxes, rule, at = compress(shards, manifest)
+    return {k: v for k, v in (("boxes", boxes), ("rule", rule), ("at", at)) if v is not None}
 
 
-def _held(manifest: Manifest, boxes: Any, src: int) -> list[Held]:
+def _held(manifest: Manifest, boxes: Any, src: int, ruled: frozenset[str] = frozenset()) -> list[Held]:
+    """What a source lists: its boxes, whole tensors where it names none (those of its rule aside)."""
     if boxes is None:
         boxes = {}
     if not isinstance(boxes, dict):
         raise ProtocolError(f"rank {src}'s boxes are malformed")
     out = []
     for e in manifest.entries:
+        if e.name in ruled:
+            continue
         box = boxes.get(e.name)
         if box is None:
             out.append(Held(e.name, e.wire_dtype, e.shape, Box((0,) * len(e.shape), e.shape)))
@@ -154,7 +163,8 @@ def conditional(posts: list[Any], sources: list[int], *, keyed: bool = False) ->
     key = sources_key(posts, sources, headers)
     carried = all(_carrier(h) == h.transport for h in headers.values())
     sharded = len(sources) > 1 or any(
-        isinstance(p, dict) and ("boxes" in p or ("wants" in p and "wants_if" not in p)) for p in posts
+        isinstance(p, dict) and ("boxes" in p or "rule" in p or ("wants" in p and "wants_if" not in p))
+        for p in posts
     )
     out = []
     for p in posts:
@@ -190,29 +200,32 @@ def plan_pairs(
     and this member's pairs' cut keys; ``plans`` keeps the last plan for the next sync."""
 
     def planned() -> Planned:
-        # members that post one layout (by its digest, the same on every member) share one list, planned
+        held, families = _sources(posts, sources, headers, manifests)
+        every = _union(held, families)
+        # receivers that post one layout (its digest is the same on every member) share one list, planned
         # once (see plan_shards)
         layouts: dict[Any, list[Held]] = {}
-        held = {}
-        for s in sources:
-            key: tuple[Any, ...] = ("held", posts[s].get("g"))
-            held[s] = layouts.get(key) or layouts.setdefault(
-                key, _held(manifests[s], posts[s].get("boxes"), s)
-            )
-        every = _union(held)
         wanted = {}
         for r, p in enumerate(posts):
             if r not in sources:
-                key = ("wants", p.get("g"), "wants" in p) if isinstance(p, dict) else ("wants", r)
+                key = (p.get("g"), "wants" in p) if isinstance(p, dict) else r
                 if key not in layouts:
                     layouts[key] = _wanted(p, every, r)
                 wanted[r] = layouts[key]
         caps = {s: headers[s].bucket_cap for s in sources}
         forward = frozenset(s for s in sources if _forwards(headers[s]))
-        plan = plan_shards(held, wanted, headers[sources[0]].bucket_bytes, caps, forward, me=me)
+        order = dict.fromkeys(e.name for m in {manifests[s].digest: manifests[s] for s in sources}.values()
+                              for e in m.entries)  # fmt: skip
+        plan = plan_shards(
+            held, wanted, headers[sources[0]].bucket_bytes, caps, forward, me, families, list(order)
+        )
         whole = Manifest(tuple(Entry(n, plan.global_shapes[n], plan.dtypes[n], plan.dtypes[n], None)
                                for n in plan.order))  # fmt: skip
-        return plan, whole, {pair: pair_key(b) for pair, b in plan.pairs.items() if me in pair}
+        keys: dict[int, str] = {}  # receivers of one group share one cut: its key is worked out once
+        return plan, whole, {
+            pair: keys.get(id(cut)) or keys.setdefault(id(cut), pair_key(cut))
+            for pair, cut in plan.pairs.items() if me in pair
+        }  # fmt: skip
 
     return plans.get(_layout_key(posts, sources, me), planned) if plans else planned()
 
@@ -273,11 +286,53 @@ def _carrier(header: Header) -> str | None:
         return None
 
 
-def _union(held: Mapping[int, list[Held]]) -> list[Held]:
+def _sources(
+    posts: list[Any], sources: list[int], headers: Mapping[int, Header], manifests: Mapping[int, Manifest]
+) -> tuple[dict[int, list[Held]], list[Family]]:
+    """What each source holds: the boxes it lists, and the families of those whose boxes are a rule (the
+    sources that post one rule over one manifest; see :mod:`._rules`)."""
+    lists: dict[Any, list[Held]] = {}
+    families: dict[tuple[str, str], Family] = {}
+    digests: dict[int, str] = {}  # a rule posted alike is one object: digested once
+    held = {}
+    for s in sources:
+        post, ruled = posts[s], frozenset[str]()
+        rule = post.get("rule")
+        if rule is not None:
+            digest = digests.get(id(rule)) or digests.setdefault(id(rule), _digest(rule))
+            key = (headers[s].digest, digest)
+            if key not in families:
+                families[key] = family_of(manifests[s], rule, s)
+            family = families[key]
+            family.at[s] = place_of(post.get("at"), family, s)
+            ruled = frozenset(family.tensors)
+        layout = post.get("g")
+        if layout not in lists:
+            lists[layout] = _held(manifests[s], post.get("boxes"), s, ruled)
+        held[s] = lists[layout]
+    return held, list(families.values())
+
+
+def _digest(value: Any) -> str:
+    return hashlib.sha256(codec.encode(value)).hexdigest()
+
+
+def _union(held: Mapping[int, list[Held]], families: list[Family]) -> list[Held]:
+    """One of every tensor the sources hold, with its global shape and dtype."""
     seen: dict[str, Held] = {}
-    for s in sorted(held):
-        for h in held[s]:
-            seen.setdefault(h.name, h)
+    ruled = {rank: f for f in families for rank in f.at}
+    done: set[int] = set()  # each list and each family read once
+    for s in sorted({*held, *ruled}):
+        for layout in (held.get(s, ()), ruled.get(s)):
+            if layout is None or id(layout) in done:
+                continue
+            done.add(id(layout))
+            if isinstance(layout, Family):
+                for name, (_, g, dtype) in layout.tensors.items():
+                    seen.setdefault(name, Held(name, dtype, g, Box((0,) * len(g), g)))
+            else:
+                for h in layout:
+                    seen.setdefault(h.name, h)
     return list(seen.values())
 
 

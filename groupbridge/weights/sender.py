@@ -216,7 +216,8 @@ class WeightSender(Closing):
         )  # fmt: skip
         try:
             session = open_session(
-                self.group, deadline, self._posts, header=header, boxes=boxes_of(shards), manifest=manifest,
+                self.group, deadline, self._posts, header=header, manifest=manifest,
+                boxes=boxes_of(shards, manifest),
                 in_place=in_place(items, manifest, self._delta is not None, self._plans), bases=self._bases,
                 plans=self._plans, pays=self._delta.policy.pays if self._delta is not None else None,
             )  # fmt: skip
