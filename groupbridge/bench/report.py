@@ -137,14 +137,16 @@ def scale_table(records: Sequence[dict[str, Any]]) -> None:
     """``bench --scale``: per row, the worst member's CPU and bytes on a first and a repeat sync."""
     rows = [
         [r["model"], str(r["tensors"]), f"{r['sources']} -> {r['receivers']}",
-         f"{r['first']['cpu_s']:.3f}", f"{r['first']['fetched_bytes'] / 2**10:,.0f}",
+         f"{r['first']['cpu_s']:.3f} (rank {r['first']['worst_rank']})", f"{r['first']['source_cpu_s']:.3f}",
+         f"{r['first']['fetched_bytes'] / 2**10:,.0f}",
          f"{r['repeat']['cpu_s'] * 1e3:.1f}", f"{r['repeat']['fetched_bytes'] / 2**10:,.1f}",
          f"{r['first']['pairs']}"]
         for r in records
     ]  # fmt: skip
     _console.table(
         "the many-source handshake and plan, per member (the worst of the sample; CPU of this process)",
-        ["model", "tensors", "trainer -> receiver ranks", "first: CPU s", "first: KiB fetched",
+        ["model", "tensors", "trainer -> receiver ranks", "first: CPU s (worst)", "first: worst source",
+         "first: KiB fetched",
          "repeat: CPU ms", "repeat: KiB fetched", "pairs"],
         rows,
     )  # fmt: skip

@@ -199,8 +199,10 @@ def run_scale(cfg: ScaleConfig) -> dict[str, Any]:
         for r, memory in memories.items():
             memory.posted(posts[r])
         worst = max(cpu, key=lambda m: cpu[m])
+        worst_source = max((m for m in cpu if m < cfg.sources), key=lambda m: cpu[m])
         rows[sync] = {"cpu_s": cpu[worst], "worst_rank": worst, "fetched_bytes": len(raw),
-                      "posted_bytes": max(sizes), "pairs": pairs[worst]}  # fmt: skip
+                      "posted_bytes": max(sizes), "pairs": pairs[worst], "source_cpu_s": cpu[worst_source],
+                      "by_rank": {str(m): round(cpu[m], 4) for m in sample}}  # fmt: skip
     return {
         "model": cfg.model, "tensors": len(shapes), "sources": cfg.sources, "receivers": cfg.replicas * TP,
         "ep": cfg.ep, "members": n, "first": rows["first"], "repeat": rows["repeat"],
@@ -228,7 +230,9 @@ def run_scale_rows(quick: bool = False, replicas: int = 16) -> list[dict[str, An
     rows = []
     for model in models:
         for sources in sizes:
-            rows.append(run_scale(ScaleConfig(model=model, sources=sources, replicas=4 if quick else replicas)))
+            rows.append(
+                run_scale(ScaleConfig(model=model, sources=sources, replicas=4 if quick else replicas))
+            )
             r = rows[-1]
             first, repeat = r["first"]["cpu_s"], r["repeat"]["cpu_s"]
             _console.echo(f"[bench] {model} {sources} -> {r['receivers']}: first {first:.3f} s, repeat "

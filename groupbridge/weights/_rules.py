@@ -14,6 +14,7 @@ the families, not with the sources times the tensors. A box that is no chunk pie
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -95,8 +96,11 @@ class Family:
         ranges = [chunk_range(size, n, i) for size, n, i in zip(g, key, self.at[rank][key], strict=True)]
         return Box(tuple(s for s, _ in ranges), tuple(n for _, n in ranges))
 
-    def overlapping(self, name: str, box: Box) -> list[tuple[Box, tuple[int, ...]]]:
-        """(box, its holders) of every place of this family whose box of ``name`` overlaps ``box``."""
+    def overlapping(
+        self, name: str, box: Box
+    ) -> list[tuple[Box, tuple[int, ...], tuple[Key, tuple[int, ...]]]]:
+        """(box, its holders, (key, index)) of every place of this family whose box of ``name`` overlaps
+        ``box``."""
         key, g, _ = self.tensors[name]
         if self._ranks is None:
             self._ranks = {}
@@ -105,27 +109,31 @@ class Family:
                     by = self._ranks.setdefault(k, {})
                     by[index] = (*by.get(index, ()), rank)
         places = self._ranks.get(key, {})
-        spans: list[list[int]] = []
+        spans: list[list[tuple[int, int, int]]] = []  # per dimension: (index, start, length) overlapping
         for size, n, lo, length in zip(g, key, box.offset, box.shape, strict=True):
             step = -(-size // n)
             first, last = lo // step, min((lo + length - 1) // step, n - 1)
-            spans.append(list(range(first, last + 1)))
+            spans.append([(i, i * step, min(step, size - i * step)) for i in range(first, last + 1)])
+        split = [d for d, n in enumerate(key) if n > 1]
         out = []
-        for index in _product(spans):
+        if len(split) == 1:  # the common case (FSDP, a TP split): one dimension's pieces, no product
+            d, zero = split[0], (0,) * len(key)
+            offset, shape = [s[0][1] for s in spans], [s[0][2] for s in spans]
+            for i, start, length in spans[d]:
+                index = (*zero[:d], i, *zero[d + 1 :])
+                ranks = places.get(index)
+                if ranks is not None:
+                    offset[d], shape[d] = start, length
+                    if all(shape):
+                        out.append((Box(tuple(offset), tuple(shape)), ranks, (key, index)))
+            return out
+        for combo in itertools.product(*spans):
+            index = tuple(c[0] for c in combo)
             ranks = places.get(index)
-            if ranks is not None:
-                ranges = [chunk_range(size, n, i) for size, n, i in zip(g, key, index, strict=True)]
-                found = Box(tuple(s for s, _ in ranges), tuple(n for _, n in ranges))
-                if found.numel:
-                    out.append((found, ranks))
+            if ranks is not None and all(c[2] > 0 for c in combo):
+                found = Box(tuple(c[1] for c in combo), tuple(c[2] for c in combo))
+                out.append((found, ranks, (key, index)))
         return out
-
-
-def _product(spans: list[list[int]]) -> list[tuple[int, ...]]:
-    out: list[tuple[int, ...]] = [()]
-    for span in spans:
-        out = [(*p, i) for p in out for i in span]
-    return out
 
 
 def family_of(manifest: Manifest, rule: Any, src: int) -> Family:

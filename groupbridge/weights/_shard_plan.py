@@ -27,9 +27,12 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
+import operator
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -215,8 +218,9 @@ class _Entry:
     ranks: tuple[int, ...]
     group: int
     """The lowest rank of the members that post this whole layout (chains and owners are per group)."""
-    family: int = -1
-    """The rule family it comes from (its places never overlap one another), or -1 for a listed box."""
+    place: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+    """Where a rule puts it: its key and index (see :mod:`._rules`); places of one key never overlap unless
+    their indices are the same. None for a listed box."""
 
 
 class _Sorted:
@@ -270,6 +274,7 @@ class _Index:
         self.position = {name: i for i, name in enumerate(self.order)}
         self.wanted_order = tuple(n for n in self.order if n in self._wants)
         self._sorted: dict[tuple[str, bool], _Sorted] = {}
+        self._memo: dict[Any, list[_Entry]] = {}
 
     def _held(self, problems: list[str]) -> dict[str, list[_Entry]]:
         first: dict[str, int] = {}
@@ -353,8 +358,20 @@ class _Index:
         out = found.overlapping(box)
         if held:
             for family in self._ruled.get(name, ()):
-                out += [_Entry(b, ranks, ranks[0], id(family)) for b, ranks in family.overlapping(name, box)]
+                out += self._places(family, name, box)
         return out
+
+    def _places(self, family: Family, name: str, box: Box) -> list[_Entry]:
+        """The places of ``family`` overlapping ``box`` in ``name``: the same for every tensor of one key and
+        global shape (a model's layers), so worked out once per (key, shape, box)."""
+        key, g, _ = family.tensors[name]
+        memo = (id(family), key, g, box)
+        found = self._memo.get(memo)
+        if found is None:
+            found = self._memo[memo] = [
+                _Entry(b, r, r[0], place) for b, r, place in family.overlapping(name, box)
+            ]
+        return found
 
 
 def _groups(
@@ -388,20 +405,31 @@ def _share(
     cuts: dict[tuple[int, int], list[tuple[int, str, Box]]] = {}
     """(source, receivers' group) -> the pieces of its cut: every receiver of a group takes the same."""
     groups: dict[int, tuple[int, ...]] = {}
+    seen: dict[tuple[tuple[int, ...], Box], list[tuple[int, Box]]] = {}
     for w in index.wanted_by.get(me, ()):
         if not w.box.numel:
             continue
         got, group = 0, index.group_of[me]
         groups[group[0]] = group
         holding = index.holding(w.name, w.box)
-        sole = _sole(holding)
-        for entry in holding:
-            x = _intersect(entry.box, w.box)
-            over = [entry] if sole else index.holding(w.name, x)
-            for src in entry.ranks:
-                for piece in _owned(w.name, x, src, group[0], over):
-                    cuts.setdefault((src, group[0]), []).append((index.position[w.name], w.name, piece))
-                    got += piece.numel
+        position = index.position[w.name]
+        if _sole(holding):  # the common case (one holder per point): each holder's part, whole
+            # the same for every tensor with the same holders (entries the index keeps: see _places)
+            memo = (tuple(map(id, holding)), w.box)
+            parts = seen.get(memo)
+            if parts is None:
+                parts = seen[memo] = [(e.ranks[0], _intersect(e.box, w.box)) for e in holding]
+            for src, x in parts:
+                cuts.setdefault((src, group[0]), []).append((position, w.name, x))
+                got += x.numel
+        else:
+            for entry in holding:
+                x = _intersect(entry.box, w.box)
+                over = index.holding(w.name, x)
+                for src in entry.ranks:
+                    for piece in _owned(w.name, x, src, group[0], over):
+                        cuts.setdefault((src, group[0]), []).append((position, w.name, piece))
+                        got += piece.numel
         if got != w.box.numel:
             share.problems += [f"{w.name}: {_box(cell)} is wanted by rank {me} but no sender holds it"
                                for cell in _missing(w.box, index.holding(w.name, w.box))[:5]]  # fmt: skip
@@ -443,11 +471,14 @@ def _share(
 
 def _sole(entries: list[_Entry]) -> bool:
     """Whether every point these entries cover has one holder: one rank each, and boxes that do not overlap
-    (places of one rule never do; listed boxes are compared, a few of them)."""
+    (places of one key at distinct indices never do; listed boxes are compared, a few of them)."""
     if any(len(e.ranks) > 1 for e in entries):
         return False
-    if len(entries) <= 1 or all(e.family == entries[0].family != -1 for e in entries):
+    if len(entries) <= 1:
         return True
+    places = [e.place for e in entries]
+    if all(p is not None and p[0] == places[0][0] for p in places):  # type: ignore[index]
+        return len(set(places)) == len(places)
     return len(entries) <= 8 and not any(
         _overlaps(a.box, b.box) for a, b in itertools.combinations(entries, 2)
     )
@@ -511,9 +542,9 @@ def _overlaps(a: Box, b: Box) -> bool:
 
 
 def _intersect(a: Box, b: Box) -> Box:
-    lo = tuple(max(x, y) for x, y in zip(a.offset, b.offset, strict=True))
-    hi = tuple(min(x + s, y + t) for x, s, y, t in zip(a.offset, a.shape, b.offset, b.shape, strict=True))
-    return Box(lo, tuple(max(0, h - lo_) for lo_, h in zip(lo, hi, strict=True)))
+    lo = tuple(map(max, a.offset, b.offset))
+    hi = map(min, map(operator.add, a.offset, a.shape), map(operator.add, b.offset, b.shape))
+    return Box(lo, tuple(max(0, h - low) for low, h in zip(lo, hi)))
 
 
 def _split_rows(box: Box, parts: int) -> list[Box]:
@@ -535,17 +566,18 @@ def _bucketed(boxes: list[tuple[str, Box]], dtypes: Mapping[str, str], bucket_by
     buckets: list[tuple[Piece, ...]] = []
     current: list[Piece] = []
     used = 0
+    itemsizes = {d: element_size(d) for d in set(dtypes.values())}
     for name, box in boxes:
-        itemsize = element_size(dtypes[name])
-        row = box.numel // box.shape[0] * itemsize if box.shape and box.shape[0] else box.numel * itemsize
-        rows = max(1, bucket_bytes // max(row, 1))
-        parts = (
-            _split_rows(box, -(-box.shape[0] // rows))
-            if box.shape and box.numel * itemsize > bucket_bytes
-            else [box]
-        )
+        itemsize = itemsizes[dtypes[name]]
+        nbytes = math.prod(box.shape) * itemsize
+        if box.shape and nbytes > bucket_bytes:
+            row = nbytes // box.shape[0] if box.shape[0] else nbytes
+            parts = _split_rows(box, -(-box.shape[0] // max(1, bucket_bytes // max(row, 1))))
+        else:
+            parts = [box]
         for part in parts:
-            nbytes = part.numel * itemsize
+            if part is not box:
+                nbytes = math.prod(part.shape) * itemsize
             start = -(-used // ALIGN) * ALIGN
             if current and start + nbytes > bucket_bytes:
                 sizes.append(used)

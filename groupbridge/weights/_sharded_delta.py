@@ -7,6 +7,7 @@ that stream's next sync is whole; a new or lagging receiver makes only its own p
 from __future__ import annotations
 
 import hashlib
+import pickle
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,11 +21,11 @@ from .plan import Plan
 
 def pair_key(cut: Plan[Piece]) -> str:
     """Names a pair's cut: two syncs with the same key lay the pair's bytes out alike."""
-    text = repr([
+    layout = [
         (end - start, [(p.name, p.box.offset, p.box.shape, p.offset) for p in pieces])
         for (start, end), pieces in zip(cut.bounds, cut.buckets, strict=True)
-    ])  # fmt: skip
-    return hashlib.sha256(text.encode()).hexdigest()[:32]
+    ]  # a pickle of ints and strs: the same bytes for the same cut, at C speed (repr of 10^5 pieces is not)
+    return hashlib.sha256(pickle.dumps(layout, protocol=5)).hexdigest()[:32]
 
 
 def bucket_word(pieces: tuple[Piece, ...], dtypes: Any) -> int:
