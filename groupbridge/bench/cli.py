@@ -343,7 +343,8 @@ def _bench_scale(args: argparse.Namespace) -> int:
         intro = ("[bench] the many-source handshake and plan at the size of real jobs: real models' tensors "
                  "(meta device), FSDP x EP trainers into replicas of TP 8; each member's CPU and bytes, "
                  "the worst of a sample of every kind of member ...")  # fmt: skip
-        _shown(args, intro, lambda: run_scale_rows(quick=args.quick), report.scale_table)
+        echo = None if args.json else _console.echo
+        _shown(args, intro, lambda: run_scale_rows(quick=args.quick, progress=echo), report.scale_table)
     for case in (args.loopback or "").split(","):
         if case:
             s, r = (int(v) for v in case.lower().split("x"))

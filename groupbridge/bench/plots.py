@@ -228,7 +228,7 @@ def scale(records: Sequence[dict[str, Any]], path: str | Path, what: str = "cpu_
 def _measure_scale(quick: bool, rounds: int) -> list[dict[str, Any]]:
     from .scale import run_scale_rows
 
-    return run_scale_rows(quick=quick)
+    return run_scale_rows(quick=quick, progress=_console.echo)
 
 
 def _draw_scale(records: Sequence[dict[str, Any]], out: Path) -> list[Path]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -221,11 +222,11 @@ class _FakeGroup:
 SIZES = (64, 128, 256, 512)
 
 
-def run_scale_rows(quick: bool = False, replicas: int = 16) -> list[dict[str, Any]]:
+def run_scale_rows(
+    quick: bool = False, replicas: int = 16, progress: Callable[[str], None] | None = None
+) -> list[dict[str, Any]]:
     """``bench --scale``'s rows: every model at every trainer size (quick: one model at two small sizes,
     into 4 replicas)."""
-    from .. import _console
-
     models, sizes = (("llama-3-70b",), (32, 64)) if quick else (MODELS, SIZES)
     rows = []
     for model in models:
@@ -235,6 +236,7 @@ def run_scale_rows(quick: bool = False, replicas: int = 16) -> list[dict[str, An
             )
             r = rows[-1]
             first, repeat = r["first"]["cpu_s"], r["repeat"]["cpu_s"]
-            _console.echo(f"[bench] {model} {sources} -> {r['receivers']}: first {first:.3f} s, repeat "
-                          f"{repeat * 1e3:.1f} ms")  # fmt: skip
+            if progress is not None:
+                progress(f"[bench] {model} {sources} -> {r['receivers']}: first {first:.3f} s, repeat "
+                         f"{repeat * 1e3:.1f} ms")  # fmt: skip
     return rows

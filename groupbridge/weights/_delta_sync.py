@@ -6,7 +6,7 @@ a pair's one) said in the handshake (:func:`._session.open_session`) that they h
 1. The source diffs each bucket against its copy of the base (:func:`diff`), bringing that copy up to the
    new version, and announces a :class:`Description` (:func:`announce`): a fan-out stream per group of
    buckets (:data:`GROUPS`; the next group is diffed while this one travels), a pair once for all its
-   buckets (see ``_sharded.parts_of``).
+   buckets (see ``_streams.parts_of``).
 2. The payloads travel as a plan of their own (:func:`wire_plan`), one wire bucket per changed bucket.
 3. Every receiver checks each payload's digest, applies it to its copy of the base and checks the result
    against the sender's digest (:class:`Applied`): a receiver that did not hold exactly the base (or applied

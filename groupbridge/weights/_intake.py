@@ -21,8 +21,9 @@ from ._delta_sync import Applied, delta_digest, wire_plan
 from ._rx_stream import KEPT, Taker, allocated, tell_failure
 from ._session import Session
 from ._shard_plan import ShardPlan, element_size
-from ._sharded import Slot, Stream, streams_of
+from ._sharded import Slot
 from ._sharded_delta import FANOUT, kept_key
+from ._streams import Stream, streams_of
 from ._walk import Feed, Onward, Opened, take, walk_of
 from .manifest import Manifest
 from .plan import Plan

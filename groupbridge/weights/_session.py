@@ -77,7 +77,7 @@ def make_renamer(rename: Callable[[str], str] | Mapping[str, str] | None) -> Ren
 class Session:
     """The handshake's outcome, the same on every member: who sends what, over one fan-out stream cut by
     ``cut`` (one source of whole tensors) or one stream per (source, receiver) pair cut by ``plan`` (see
-    ``_sharded.streams_of``)."""
+    ``_streams.streams_of``)."""
 
     sources: tuple[int, ...]
     header: Header

@@ -544,7 +544,7 @@ def _overlaps(a: Box, b: Box) -> bool:
 def _intersect(a: Box, b: Box) -> Box:
     lo = tuple(map(max, a.offset, b.offset))
     hi = map(min, map(operator.add, a.offset, a.shape), map(operator.add, b.offset, b.shape))
-    return Box(lo, tuple(max(0, h - low) for low, h in zip(lo, hi)))
+    return Box(lo, tuple(max(0, h - low) for low, h in zip(lo, hi, strict=True)))
 
 
 def _split_rows(box: Box, parts: int) -> list[Box]:

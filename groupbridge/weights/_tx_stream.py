@@ -21,10 +21,10 @@ from ._copier import Copier
 from ._delta_sync import Policy, delta_digest
 from ._delta_tx import Diffs
 from ._session import Session, committed
-from ._sharded import Stream
 from ._sharded_delta import Bases
 from ._source import SourceReads
 from ._stats import SyncStats, finished
+from ._streams import Stream
 from .plan import Plan
 from .transports import Sync, TxTransport
 

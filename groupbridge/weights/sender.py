@@ -26,11 +26,12 @@ from ._described import Described, NamedTensors, Specs, in_place, named_tensors_
 from ._header import Header
 from ._posts import Posts
 from ._session import make_renamer, open_session, refuse
-from ._sharded import boxes_of, streams_of
+from ._sharded import boxes_of
 from ._sharded_delta import Bases, DeltaMemory
 from ._sharded_tx import SourceSlots
 from ._source import Puller
 from ._stats import SyncStats
+from ._streams import streams_of
 from ._tx_stream import Progress, Source, send_streams, source_sync
 from .manifest import Manifest
 from .plan import Plan, Plans

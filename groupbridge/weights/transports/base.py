@@ -110,7 +110,7 @@ class Sync(Generic[OptionsT]):
     (one intra-op thread): the caller's intra-op pool has idle workers spin and starve the other processes
     of a small host (measured: shm to two receivers on two cores 3x slower)."""
     part: int = 0
-    """Which part of this sync's streams (see ``_sharded.parts_of``): a fan-out delta opens the transport
+    """Which part of this sync's streams (see ``_streams.parts_of``): a fan-out delta opens the transport
     once per group of buckets that has changed ones, numbered by the group."""
     to: tuple[int, ...] | None = None
     """A many-source sync's receiver of each bucket (a source's stream interleaves its pairs; a receiver opens
