@@ -90,3 +90,37 @@ def test_every_turn_of_a_walk_of_pairs_keeps_every_link_busy(sources: int, recei
     for r in rx:  # each receiver's sources spread over the turns as evenly as they can be
         per_turn = [sum(1 for (s, d), t in turns.items() if d == r and t == u) for u in range(receivers)]
         assert max(per_turn) <= -(-sources // receivers)
+
+
+class _GroupMemory:
+    def __init__(self) -> None:
+        self.memory: dict[str, object] = {}
+
+
+def test_a_layout_travels_once_and_an_unknown_digest_is_refused_by_name() -> None:
+    """The handshake's posts (``weights._posts``), in-process: a member posts its layout the first time and
+    when it changes, its digest otherwise; a reader fills an unchanged layout from what the group kept, a
+    handle made later on the same group reads it too, and a digest nobody posted is refused, not guessed."""
+    from groupbridge.weights._posts import Posts
+
+    group_a, group_b = _GroupMemory(), _GroupMemory()
+    a, b = Posts(group_a), Posts(group_b)  # type: ignore[arg-type]
+    first = [a.post({"h": 1}, {"wants": {"w": 1}}), b.post({}, {})]
+    assert "wants" in first[0] and first[0]["new"] and first[1]["new"]
+    for memory, me in ((a, 0), (b, 1)):
+        got = memory.read(first, me)
+        assert got[0]["wants"] == {"w": 1} and got[0]["h"] == 1 and "new" not in got[0]
+    a.posted(first[0])
+    b.posted(first[1])
+    again = [a.post({"h": 2}, {"wants": {"w": 1}}), b.post({}, {})]
+    assert "wants" not in again[0] and "new" not in again[0] and again[0]["g"] == first[0]["g"]
+    later = Posts(group_b)  # type: ignore[arg-type]  # a new handle on rank 1's group reads what it kept
+    later.post({}, {})
+    assert later.read(again, 1)[0] == {"h": 2, "g": first[0]["g"], "wants": {"w": 1}}
+    changed = [a.post({"h": 3}, {"wants": {"w": 2}}), again[1]]
+    assert changed[0]["new"] and b.read(changed, 1)[0]["wants"] == {"w": 2}
+    forged = [{"g": "0" * 32}, again[1]]
+    with pytest.raises(
+        gb.ProtocolError, match=r"rank 0 posted its layout by digest 0{32}, which this member"
+    ):
+        b.read(forged, 1)

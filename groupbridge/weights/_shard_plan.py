@@ -59,9 +59,10 @@ class Held:
     box: Box
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Piece:
-    """A box of tensor ``name`` in a bucket, at ``offset`` bytes."""
+    """A box of tensor ``name`` in a bucket, at ``offset`` bytes (not frozen: a receiver of a sharded model's
+    norms makes a hundred thousand of them per plan, and a frozen one costs three times as much to make)."""
 
     name: str
     box: Box
