@@ -208,17 +208,23 @@ class Objects:
         deadline = s.deadline(timeout)  # a refused timeout consumes no sequence
         seq = self._next_seq()
         keys = [f"ag/{seq}/{r}" for r in range(s.world_size)]
-        self._control.post(keys[s.rank], msgpack.packb(parts), "all_gather_obj")
+        plain = not by_field and s.world_size <= DIRECT_MAX  # one object, read by each member itself
+        self._control.post(keys[s.rank], parts[0] if plain else msgpack.packb(parts), "all_gather_obj")
         others = s.others()
         if s.world_size > DIRECT_MAX:
             posted = self._gathered(parts, seq, keys, deadline)
             self._done_collective(seq, [*keys, f"ag/{seq}/all"])
         else:
             got = self._control.get([keys[r] for r in others], others, deadline, "all_gather_obj")
+            self._done_collective(seq, keys)
+            if plain:
+                out = [obj] * s.world_size
+                for r, value in zip(others, got, strict=True):
+                    out[r] = self._decode(value, r)
+                return out
             posted = [parts] * s.world_size
             for r, value in zip(others, got, strict=True):
                 posted[r] = self._unpacked(value, r)
-            self._done_collective(seq, keys)
         decoded: dict[bytes, Any] = {}
         return [
             obj if r == s.rank else self._assembled(p, r, by_field, decoded) for r, p in enumerate(posted)

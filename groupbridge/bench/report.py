@@ -154,11 +154,13 @@ def scale_table(records: Sequence[dict[str, Any]]) -> None:
 
 def loopback_scale_table(r: dict[str, Any]) -> None:
     """``bench --loopback``: per sync, the slowest member's wall time and the most CPU one spent."""
-    per_sync = zip(r["wall_s"], r["cpu_s"], r["worst_cpu_rank"], strict=True)
-    rows = [[str(k + 1), f"{w:.2f}", f"{c:.3f}", str(m)] for k, (w, c, m) in enumerate(per_sync)]
+    per_sync = zip(r["wall_s"], r["cpu_s"], r["worst_cpu_rank"], r["cpu_s_not_rank0"], strict=True)
+    rows = [
+        [str(k + 1), f"{w:.2f}", f"{c:.3f}", str(m), f"{o:.3f}"] for k, (w, c, m, o) in enumerate(per_sync)
+    ]
     _console.table(
         f"loopback: {r['sources']} + {r['receivers']} processes, {r['tensors']} tensors; bit-exact: "
         f"{'yes' if r['exact'] else 'NO'}",
-        ["sync", "slowest member, s", "most CPU one member spent, s", "that member"],
+        ["sync", "slowest member, s", "most CPU one member spent, s", "that member", "most but rank 0, s"],
         rows,
     )
