@@ -171,6 +171,7 @@ def test_the_bridge_example_runs() -> None:
     assert sorted(held) == [(s, w, s) for s in "123" for w in "12"], proc.stdout
 
 
+@pytest.mark.slow  # about 10 s: a model's inventory and 32 members' posts
 @pytest.mark.timeout(120)
 def test_bench_scale_plans_each_member_s_share_of_a_real_model_and_a_repeat_costs_a_digest(
     tmp_path: Path,
