@@ -258,3 +258,18 @@ def test_sources_posting_a_rule_are_planned_as_their_boxes_would_be(sources: int
         )
         assert boxes.pairs == ruled.pairs and boxes.upstream == ruled.upstream, m
         assert sorted(boxes.replicated, key=repr) == sorted(ruled.replicated, key=repr), m
+
+
+def test_a_hostile_rule_costs_its_places_not_its_indices_and_a_malformed_one_is_a_protocol_error() -> None:
+    """A rule that claims 2^30 pieces per dimension of a tensor of 2^40 rows, with one place posted, is
+    read in the places posted (not 2^60 indices); a rule naming a list is refused as malformed."""
+    from groupbridge.weights import _rules
+    from groupbridge.weights.manifest import Entry, Manifest
+
+    manifest = Manifest((Entry("w", (1024, 1024), "float32", "float32", None),))
+    family = _rules.family_of(manifest, {f"{1 << 30},{1 << 30}": [["w", [1 << 40, 1 << 40]]]}, 0)
+    family.at[0] = _rules.place_of({f"{1 << 30},{1 << 30}": [5, 7]}, family, 0)
+    found = family.overlapping("w", Box((0, 0), (1 << 40, 1 << 40)))
+    assert [(b.offset, ranks) for b, ranks, _ in found] == [((5 << 10, 7 << 10), (0,))]
+    with pytest.raises(gb.ProtocolError, match="malformed"):
+        _rules.family_of(manifest, {"4": [[["w"], [8]]]}, 3)

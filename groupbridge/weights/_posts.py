@@ -86,6 +86,8 @@ class Posts:
                     f"rank {rank} posted its layout by digest {digest}, which this member never received "
                     "(members must take part in every sync of their group)"
                 )
+            else:  # used again: the most recently used (a sender's and a receiver's layouts take turns)
+                kept[digest] = kept.pop(digest)
             out.append({**kept[digest], **{k: v for k, v in p.items() if k not in STICKY and k != "new"}})
         return out
 

@@ -15,6 +15,7 @@ the families, not with the sources times the tensors. A box that is no chunk pie
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -93,8 +94,20 @@ class Family:
 
     def box(self, rank: int, name: str) -> Box:
         key, g, _ = self.tensors[name]
-        ranges = [chunk_range(size, n, i) for size, n, i in zip(g, key, self.at[rank][key], strict=True)]
-        return Box(tuple(s for s, _ in ranges), tuple(n for _, n in ranges))
+        return _box_of(g, key, self.at[rank][key])
+
+    @staticmethod
+    def _posted(
+        places: dict[tuple[int, ...], tuple[int, ...]], g: tuple[int, ...], key: Key,
+        bounds: list[tuple[int, int, int]],
+    ) -> list[tuple[Box, tuple[int, ...], tuple[Key, tuple[int, ...]]]]:  # fmt: skip
+        out = []
+        for index in sorted(places):
+            if all(first <= i <= last for i, (_, first, last) in zip(index, bounds, strict=True)):
+                found = _box_of(g, key, index)
+                if found.numel:
+                    out.append((found, places[index], (key, index)))
+        return out
 
     def overlapping(
         self, name: str, box: Box
@@ -109,11 +122,20 @@ class Family:
                     by = self._ranks.setdefault(k, {})
                     by[index] = (*by.get(index, ()), rank)
         places = self._ranks.get(key, {})
-        spans: list[list[tuple[int, int, int]]] = []  # per dimension: (index, start, length) overlapping
+        bounds = []  # per dimension: the step and the first and last index overlapping the box
         for size, n, lo, length in zip(g, key, box.offset, box.shape, strict=True):
-            step = -(-size // n)
+            step = max(1, -(-size // n))
             first, last = lo // step, min((lo + length - 1) // step, n - 1)
-            spans.append([(i, i * step, min(step, size - i * step)) for i in range(first, last + 1)])
+            if length <= 0 or first > last:
+                return []
+            bounds.append((step, first, last))
+        if math.prod(last - first + 1 for _, first, last in bounds) > len(places):
+            # fewer places than indices (a sparse or a hostile rule): read the places posted, in index order
+            return self._posted(places, g, key, bounds)
+        spans = [
+            [(i, i * step, min(step, size - i * step)) for i in range(first, last + 1)]
+            for size, (step, first, last) in zip(g, bounds, strict=True)
+        ]
         split = [d for d, n in enumerate(key) if n > 1]
         out = []
         if len(split) == 1:  # the common case (FSDP, a TP split): one dimension's pieces, no product
@@ -136,6 +158,11 @@ class Family:
         return out
 
 
+def _box_of(g: tuple[int, ...], key: Key, index: tuple[int, ...]) -> Box:
+    ranges = [chunk_range(size, n, i) for size, n, i in zip(g, key, index, strict=True)]
+    return Box(tuple(s for s, _ in ranges), tuple(n for _, n in ranges))
+
+
 def family_of(manifest: Manifest, rule: Any, src: int) -> Family:
     """A family's tensors from one source's rule (checked as hostile: keys, names, shapes)."""
     if not isinstance(rule, dict):
@@ -148,7 +175,11 @@ def family_of(manifest: Manifest, rule: Any, src: int) -> Family:
             raise ProtocolError(f"rank {src}'s rule is malformed")
         for item in names:
             if not (
-                isinstance(item, list) and len(item) == 2 and item[0] in dtypes and isinstance(item[1], list)
+                isinstance(item, list)
+                and len(item) == 2
+                and isinstance(item[0], str)
+                and item[0] in dtypes
+                and isinstance(item[1], list)
             ):
                 raise ProtocolError(
                     f"rank {src}'s rule names a tensor its manifest does not, or is malformed"

@@ -193,11 +193,25 @@ def open_session(
             sticky["wants_if"] = wants_if
     post = memory.post(dynamic, sticky)
     try:
-        posts = memory.read(group.all_gather_obj(post, timeout=deadline, by_field=True), me)
-    except BaseException:
+        session = _settle(group, deadline, memory, post, me, header=header, manifest=manifest,
+                          in_place=in_place, wants=wants, seen=seen, src=src, judge=judge, bases=bases,
+                          plans=plans, pays=pays)  # fmt: skip
+    except BaseException:  # some member may not have read this post: the next one carries the layout
         memory.forget()
         raise
-    memory.posted(post)
+    memory.posted(post)  # every member posted its verdict, so every member read this post
+    return session
+
+
+def _settle(
+    group: StatelessGroup, deadline: Deadline, memory: Posts, post: dict[str, Any], me: int, *,
+    header: Header | None, manifest: Manifest | None, in_place: bool, wants: dict[str, Any] | None,
+    seen: Callable[[str, bool], None] | None, src: int | None, judge: Judge | None, bases: Bases | None,
+    plans: Plans | None, pays: Callable[[str], bool] | None,
+) -> Session:  # fmt: skip
+    """The rest of :func:`open_session` once this member's post is made: the gather, the plan, the
+    verdicts."""
+    posts = memory.read(group.all_gather_obj(post, timeout=deadline, by_field=True), me)
     sources = sources_of(group, posts, src)
     posts, key = conditional(posts, sources, keyed=seen is not None)
     if seen is not None and key is not None:  # a receiver learning its boxes: the key, before its check
