@@ -80,8 +80,15 @@ def test_every_turn_of_a_walk_of_pairs_keeps_every_link_busy(sources: int, recei
 
     rx = range(sources, sources + receivers)
     pairs = {(s, r): Plan.of_sizes([16], [()]) for s in range(sources) for r in rx}
-    plan = ShardPlan(("w",), {"w": "float32"}, {"w": (4,)}, pairs, dict.fromkeys(range(sources), 0),
-                     receivers=tuple(rx), sources=tuple(range(sources)))  # fmt: skip
+    plan = ShardPlan(
+        ("w",),
+        {"w": "float32"},
+        {"w": (4,)},
+        pairs,
+        dict.fromkeys(range(sources), 0),
+        receivers=tuple(rx),
+        sources=tuple(range(sources)),
+    )
     turns = {pair: plan.turn(*pair) for pair in pairs}
     assert set(turns) == set(pairs)
     for turn in range(receivers):

@@ -177,8 +177,9 @@ def _random_layout(seed: int) -> tuple[dict[int, list[Held]], dict[int, list[Hel
 @pytest.mark.parametrize("seed", range(40))
 def test_each_member_s_share_agrees_with_its_peers_and_covers_every_wanted_element_once(seed: int) -> None:
     held, wanted = _random_layout(seed)
-    shares = {m: plan_shards(held, wanted, bucket_bytes=96, forward=frozenset(held), me=m)
-              for m in (*held, *wanted)}  # fmt: skip
+    shares = {
+        m: plan_shards(held, wanted, bucket_bytes=96, forward=frozenset(held), me=m) for m in (*held, *wanted)
+    }
     merged = plan_shards(held, wanted, bucket_bytes=96, forward=frozenset(held))
     for (src, dst), cut in merged.pairs.items():
         assert shares[src].pairs[(src, dst)] == cut == shares[dst].pairs[(src, dst)]

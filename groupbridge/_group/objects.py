@@ -296,11 +296,17 @@ class Objects:
         except (ValueError, msgpack.UnpackException, TypeError) as e:
             raise self._malformed(ProtocolError(f"a malformed all-gather ({e})"), 0) from e
         if not (
-            isinstance(values, list) and isinstance(index, list) and len(index) == world_size
+            isinstance(values, list)
+            and isinstance(index, list)
+            and len(index) == world_size
             and all(isinstance(v, bytes) for v in values)
-            and all(isinstance(ix, list) and 0 < len(ix) <= MAX_PARTS
-                    and all(type(i) is int and 0 <= i < len(values) for i in ix) for ix in index)
-        ):  # fmt: skip
+            and all(
+                isinstance(ix, list)
+                and 0 < len(ix) <= MAX_PARTS
+                and all(type(i) is int and 0 <= i < len(values) for i in ix)
+                for ix in index
+            )
+        ):
             raise self._malformed(ProtocolError("a malformed all-gather"), 0)
         return values, index
 

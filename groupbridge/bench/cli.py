@@ -151,26 +151,34 @@ def _bench_vllm(args: argparse.Namespace) -> int:
         ["mode", "bytes", "seconds", "min-max", "faster than reload", "vs engine-free", "vLLM load", "probe"],
         [
             [
-                r["mode"], f"{r['bytes'] / 2**30:.2f} GiB", f"{r['seconds']:.2f}",
+                r["mode"],
+                f"{r['bytes'] / 2**30:.2f} GiB",
+                f"{r['seconds']:.2f}",
                 f"{r['min']:.2f}-{r['max']:.2f}",
-                f"{r['vs_reload']:.2f}x", f"{r['vs_engine_free']:.2f}x",
+                f"{r['vs_reload']:.2f}x",
+                f"{r['vs_engine_free']:.2f}x",
                 "-" if r["load"] is None else f"{r['load']:.2f}",
                 "-" if r.get("probe") is None else f"{r['probe']:.2f}",
             ]
             for r in records
         ],
-    )  # fmt: skip
+    )
     _console.table(
         "serving during an update: a client streaming from vllm serve (seconds, median of rounds)",
         ["model", "mode", "update", "stall", "worst stall", "commit (trainer)", "engine pause (worst)"],
         [
-            [f"{r['arch']}, TP {r['tp']}" if r["tp"] > 1 else r["arch"], r["mode"], f"{r['seconds']:.2f}",
-             f"{r['stall']:.2f}", f"{r['stall_max']:.2f}",
-             "-" if r["commit"] is None else f"{r['commit']:.3f}",
-             "-" if r["paused"] is None else f"{r['paused'] * 1e3:.1f} ms ({r['paused_max'] * 1e3:.1f})"]
+            [
+                f"{r['arch']}, TP {r['tp']}" if r["tp"] > 1 else r["arch"],
+                r["mode"],
+                f"{r['seconds']:.2f}",
+                f"{r['stall']:.2f}",
+                f"{r['stall_max']:.2f}",
+                "-" if r["commit"] is None else f"{r['commit']:.3f}",
+                "-" if r["paused"] is None else f"{r['paused'] * 1e3:.1f} ms ({r['paused_max'] * 1e3:.1f})",
+            ]
             for r in serving
         ],
-    )  # fmt: skip
+    )
     return 0
 
 
@@ -305,8 +313,12 @@ def _bench_sources(args: argparse.Namespace) -> int:
     from . import report
     from .sources import SourcesConfig, run_sources
 
-    cfg = SourcesConfig(sources=[int(t) for t in args.sources.split(",")], rate=args.link_rate,
-                        rounds=args.rounds, scale=args.shrink)  # fmt: skip
+    cfg = SourcesConfig(
+        sources=[int(t) for t in args.sources.split(",")],
+        rate=args.link_rate,
+        rounds=args.rounds,
+        scale=args.shrink,
+    )
     intro = f"[bench] many sources: {cfg.sources} trainer hosts + 4 inference hosts at {cfg.rate} ..."
     return _shown(
         args, intro, lambda: run_sources(cfg), lambda records: report.sources_table(records, cfg.rate)
@@ -317,8 +329,12 @@ def _bench_local_sources(args: argparse.Namespace) -> int:
     from . import report
     from .sources_local import LocalSourcesConfig, run_local_sources
 
-    cfg = LocalSourcesConfig(sources=args.local_sources, receivers=int(args.receivers.split(",")[0]),
-                             rounds=args.rounds, scale=args.shrink)  # fmt: skip
+    cfg = LocalSourcesConfig(
+        sources=args.local_sources,
+        receivers=int(args.receivers.split(",")[0]),
+        rounds=args.rounds,
+        scale=args.shrink,
+    )
     intro = (f"[bench] many sources on one host: {cfg.sources} sources -> {cfg.receivers} receivers (whole "
              "tensors, atomic), shm against p2p, interleaved ...")  # fmt: skip
     return _shown(args, intro, lambda: run_local_sources(cfg), report.local_sources_table)
@@ -328,9 +344,11 @@ def _loopback(args: argparse.Namespace, cfg: Any) -> None:
     from . import report
     from .scale_loopback import run_loopback_scale
 
-    intro = (f"[bench] loopback, real processes: {cfg.sources} sources with FSDP row slices of {cfg.tensors} "
-             f"tensors into {cfg.receivers} receivers taking TP-{cfg.tp} row blocks over p2p, {cfg.syncs} "
-             "syncs ...")  # fmt: skip
+    intro = (
+        f"[bench] loopback, real processes: {cfg.sources} sources with FSDP row slices of {cfg.tensors} "
+        f"tensors into {cfg.receivers} receivers taking TP-{cfg.tp} row blocks over p2p, {cfg.syncs} "
+        "syncs ..."
+    )
     _shown(args, intro, lambda: run_loopback_scale(cfg), report.loopback_scale_table)
 
 
@@ -340,9 +358,11 @@ def _bench_scale(args: argparse.Namespace) -> int:
     from .scale_loopback import LoopbackScaleConfig
 
     if args.scale:
-        intro = ("[bench] the many-source handshake and plan at the size of real jobs: real models' tensors "
-                 "(meta device), FSDP x EP trainers into replicas of TP 8; each member's CPU and bytes, "
-                 "the worst of a sample of every kind of member ...")  # fmt: skip
+        intro = (
+            "[bench] the many-source handshake and plan at the size of real jobs: real models' tensors "
+            "(meta device), FSDP x EP trainers into replicas of TP 8; each member's CPU and bytes, "
+            "the worst of a sample of every kind of member ..."
+        )
         echo = None if args.json else _console.echo
         _shown(args, intro, lambda: run_scale_rows(quick=args.quick, progress=echo), report.scale_table)
     for case in (args.loopback or "").split(","):
@@ -412,16 +432,18 @@ def add_bench_parser(sub: Any) -> None:
         help="with --sources/--local-sources: divide the dense shape's widths",
     )
     p.add_argument(
-        "--scale", action="store_true",
+        "--scale",
+        action="store_true",
         help="the many-source handshake and plan per member at real jobs' sizes (Llama-3-70B, Qwen3-235B, "
         "DeepSeek-V3, Kimi-K2's shape; 64-512 trainer ranks into 16 replicas of TP 8), simulated one member "
         "at a time; --quick: two models, two sizes",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--loopback", default="",
+        "--loopback",
+        default="",
         help="comma-separated SxR, e.g. 8x8,48x16: the same handshake with S + R real processes on loopback "
         "(700 small tensors, three syncs), each member's CPU per sync",
-    )  # fmt: skip
+    )
     p.add_argument("--link-rate", default="800mbit", help="link rate of simulated hosts (tc syntax)")
     p.add_argument("--payload-bytes", default="128MiB", help="payload for --simulate-hosts")
     p.add_argument(

@@ -209,8 +209,13 @@ def scale(records: Sequence[dict[str, Any]], path: str | Path, what: str = "cpu_
             rs = sorted((r for r in records if r["model"] == model), key=lambda r: r["sources"])
             xs = [r["sources"] for r in rs]
             for sync, style in (("first", "-"), ("repeat", "--")):
-                ax.plot(xs, [r[sync][what] * scale_of for r in rs], marker="o", linestyle=style,
-                        label=f"{model}: {sync} sync")  # fmt: skip
+                ax.plot(
+                    xs,
+                    [r[sync][what] * scale_of for r in rs],
+                    marker="o",
+                    linestyle=style,
+                    label=f"{model}: {sync} sync",
+                )
         if records:
             r0 = min(records, key=lambda r: r["sources"])
             x0, y0 = r0["sources"], r0["first"][what] * scale_of

@@ -28,10 +28,22 @@ def table(records: Sequence[dict[str, Any]]) -> None:
         ])  # fmt: skip
     _console.table(
         "weight sync (GB/s per receiver, median of rounds; ratios: median of per-round ratios)",
-        ["shape", "recv", "mode", "transport", "bucket", "bytes", "GB/s", "min-max", "vs flat",
-         "vs per-tensor", "vs memcpy", "RSS MB snd/rcv"],
+        [
+            "shape",
+            "recv",
+            "mode",
+            "transport",
+            "bucket",
+            "bytes",
+            "GB/s",
+            "min-max",
+            "vs flat",
+            "vs per-tensor",
+            "vs memcpy",
+            "RSS MB snd/rcv",
+        ],
         rows,
-    )  # fmt: skip
+    )
 
 
 def plot(records: Sequence[dict[str, Any]], path: str) -> None:
@@ -77,32 +89,50 @@ def plot(records: Sequence[dict[str, Any]], path: str) -> None:
 def sources_table(records: Sequence[dict[str, Any]], rate: str) -> None:
     """``bench --sources``: many sources across simulated hosts against gathering, the link bound, deltas."""
     rows = [
-        [r["sources"], f"{r['gather_then_send_s']:.2f} / {r['gather_then_send_worst_s']:.2f}",
-         f"{r['many_sources_s']:.2f} / {r['many_sources_worst_s']:.2f}", f"{r['link_bound_s']:.2f}",
-         f"{r['b_over_c']:.2f}x", f"{r['a_over_b']:.2f}x",
-         f"{r['deltas_s']:.2f} / {r['deltas_worst_s']:.2f} ({r['deltas_changed_fraction']:.1%} changed)",
-         f"{r['d_over_b']:.2f}x",
-         f"{r['peak_rss_gib_rank0_b']:.2f} / {r['peak_rss_gib_rank0_all']:.2f}"]
+        [
+            r["sources"],
+            f"{r['gather_then_send_s']:.2f} / {r['gather_then_send_worst_s']:.2f}",
+            f"{r['many_sources_s']:.2f} / {r['many_sources_worst_s']:.2f}",
+            f"{r['link_bound_s']:.2f}",
+            f"{r['b_over_c']:.2f}x",
+            f"{r['a_over_b']:.2f}x",
+            f"{r['deltas_s']:.2f} / {r['deltas_worst_s']:.2f} ({r['deltas_changed_fraction']:.1%} changed)",
+            f"{r['d_over_b']:.2f}x",
+            f"{r['peak_rss_gib_rank0_b']:.2f} / {r['peak_rss_gib_rank0_all']:.2f}",
+        ]
         for r in records
-    ]  # fmt: skip
+    ]
     gib = records[0]["model_bytes"] / 2**30 if records else 0
     _console.table(
         f"many sources: dense ({gib:.2f} GiB bf16), links at {rate}, s per sync (median / worst)",
-        ["trainer hosts", "(a) gather + send", "(b) many sources", "(c) link bound", "b/c", "a/b",
-         "(d) many sources, deltas", "d/b", "rank 0 peak RSS GiB (b / a+b+d)"],
+        [
+            "trainer hosts",
+            "(a) gather + send",
+            "(b) many sources",
+            "(c) link bound",
+            "b/c",
+            "a/b",
+            "(d) many sources, deltas",
+            "d/b",
+            "rank 0 peak RSS GiB (b / a+b+d)",
+        ],
         rows,
-    )  # fmt: skip
+    )
 
 
 def replicas_table(records: Sequence[dict[str, Any]]) -> None:
     """``bench --replicas``: S trainer hosts into R whole replicas against the least any schedule could do."""
     modes = [m for m in ("forwarded", "direct", "gather") if records and f"{m}_s" in records[0]]
     rows = [
-        [r["sources"], r["replicas"], f"{r['lower_bound_s']:.2f}",
-         *(f"{r[f'{m}_s']:.2f} / {r[f'{m}_worst_s']:.2f} ({r[f'{m}_x_bound']:.2f}x)" for m in modes),
-         "yes" if r["exact"] else "NO"]
+        [
+            r["sources"],
+            r["replicas"],
+            f"{r['lower_bound_s']:.2f}",
+            *(f"{r[f'{m}_s']:.2f} / {r[f'{m}_worst_s']:.2f} ({r[f'{m}_x_bound']:.2f}x)" for m in modes),
+            "yes" if r["exact"] else "NO",
+        ]
         for r in records
-    ]  # fmt: skip
+    ]
     what = {"forwarded": "receivers forward", "direct": "direct pairs", "gather": "gather, then send"}
     mib = records[0]["model_bytes"] >> 20 if records else 0
     _console.table(
@@ -116,10 +146,14 @@ def replicas_table(records: Sequence[dict[str, Any]]) -> None:
 def local_sources_table(r: dict[str, Any]) -> None:
     """``bench --local-sources``: pairs over shm against p2p on one host, and a lazy source's memory."""
     rows = [
-        [k, f"{r[f'{k}_s']:.2f} / {r[f'{k}_worst_s']:.2f}", f"{r[f'{k}_vs_memcpy']:.2f}x",
-         f"{r['p2p_s'] / r[f'{k}_s']:.2f}x"]
+        [
+            k,
+            f"{r[f'{k}_s']:.2f} / {r[f'{k}_worst_s']:.2f}",
+            f"{r[f'{k}_vs_memcpy']:.2f}x",
+            f"{r['p2p_s'] / r[f'{k}_s']:.2f}x",
+        ]
         for k in ("shm", "p2p")
-    ]  # fmt: skip
+    ]
     _console.table(
         f"many sources on one host: dense ({r['model_bytes'] / 2**30:.2f} GiB bf16), {r['sources']} sources, "
         f"{r['receivers']} receivers; memcpy of every receiver's bytes {r['memcpy_s']:.2f} s",
@@ -136,20 +170,34 @@ def local_sources_table(r: dict[str, Any]) -> None:
 def scale_table(records: Sequence[dict[str, Any]]) -> None:
     """``bench --scale``: per row, the worst member's CPU and bytes on a first and a repeat sync."""
     rows = [
-        [r["model"], str(r["tensors"]), f"{r['sources']} -> {r['receivers']}",
-         f"{r['first']['cpu_s']:.3f} (rank {r['first']['worst_rank']})", f"{r['first']['source_cpu_s']:.3f}",
-         f"{r['first']['fetched_bytes'] / 2**10:,.0f}",
-         f"{r['repeat']['cpu_s'] * 1e3:.1f}", f"{r['repeat']['fetched_bytes'] / 2**10:,.1f}",
-         f"{r['first']['pairs']}"]
+        [
+            r["model"],
+            str(r["tensors"]),
+            f"{r['sources']} -> {r['receivers']}",
+            f"{r['first']['cpu_s']:.3f} (rank {r['first']['worst_rank']})",
+            f"{r['first']['source_cpu_s']:.3f}",
+            f"{r['first']['fetched_bytes'] / 2**10:,.0f}",
+            f"{r['repeat']['cpu_s'] * 1e3:.1f}",
+            f"{r['repeat']['fetched_bytes'] / 2**10:,.1f}",
+            f"{r['first']['pairs']}",
+        ]
         for r in records
-    ]  # fmt: skip
+    ]
     _console.table(
         "the many-source handshake and plan, per member (the worst of the sample; CPU of this process)",
-        ["model", "tensors", "trainer -> receiver ranks", "first: CPU s (worst)", "first: worst source",
-         "first: KiB fetched",
-         "repeat: CPU ms", "repeat: KiB fetched", "pairs"],
+        [
+            "model",
+            "tensors",
+            "trainer -> receiver ranks",
+            "first: CPU s (worst)",
+            "first: worst source",
+            "first: KiB fetched",
+            "repeat: CPU ms",
+            "repeat: KiB fetched",
+            "pairs",
+        ],
         rows,
-    )  # fmt: skip
+    )
 
 
 def loopback_scale_table(r: dict[str, Any]) -> None:

@@ -42,8 +42,18 @@ __all__ = ["MODELS", "ScaleConfig", "run_scale"]
 
 MODELS = ("llama-3-70b", "qwen3-235b-a22b", "deepseek-v3", "kimi-k2")
 TP = 8
-COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "q_b_proj", "kv_b_proj", "embed_tokens",
-          "lm_head", "q_a_proj")  # fmt: skip
+COLUMN = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "gate_proj",
+    "up_proj",
+    "q_b_proj",
+    "kv_b_proj",
+    "embed_tokens",
+    "lm_head",
+    "q_a_proj",
+)
 ROW = ("o_proj", "down_proj")
 
 
@@ -54,22 +64,60 @@ def inventory(model: str) -> dict[str, tuple[int, ...]]:
 
     configs: dict[str, Any] = {
         "llama-3-70b": lambda: tf.LlamaConfig(
-            hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
-            num_key_value_heads=8, vocab_size=128256),
+            hidden_size=8192,
+            intermediate_size=28672,
+            num_hidden_layers=80,
+            num_attention_heads=64,
+            num_key_value_heads=8,
+            vocab_size=128256,
+        ),
         "qwen3-235b-a22b": lambda: tf.Qwen3MoeConfig(
-            hidden_size=4096, moe_intermediate_size=1536, num_hidden_layers=94, num_attention_heads=64,
-            num_key_value_heads=4, num_experts=128, num_experts_per_tok=8, vocab_size=151936),
+            hidden_size=4096,
+            moe_intermediate_size=1536,
+            num_hidden_layers=94,
+            num_attention_heads=64,
+            num_key_value_heads=4,
+            num_experts=128,
+            num_experts_per_tok=8,
+            vocab_size=151936,
+        ),
         "deepseek-v3": lambda: tf.DeepseekV3Config(
-            hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61,
-            num_attention_heads=128, num_key_value_heads=128, n_routed_experts=256, n_shared_experts=1,
-            first_k_dense_replace=3, q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64,
-            v_head_dim=128, qk_nope_head_dim=128, vocab_size=129280, num_experts_per_tok=8),
+            hidden_size=7168,
+            intermediate_size=18432,
+            moe_intermediate_size=2048,
+            num_hidden_layers=61,
+            num_attention_heads=128,
+            num_key_value_heads=128,
+            n_routed_experts=256,
+            n_shared_experts=1,
+            first_k_dense_replace=3,
+            q_lora_rank=1536,
+            kv_lora_rank=512,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
+            qk_nope_head_dim=128,
+            vocab_size=129280,
+            num_experts_per_tok=8,
+        ),
         "kimi-k2": lambda: tf.DeepseekV3Config(
-            hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61,
-            num_attention_heads=64, num_key_value_heads=64, n_routed_experts=384, n_shared_experts=1,
-            first_k_dense_replace=1, q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64,
-            v_head_dim=128, qk_nope_head_dim=128, vocab_size=163840, num_experts_per_tok=8),
-    }  # fmt: skip
+            hidden_size=7168,
+            intermediate_size=18432,
+            moe_intermediate_size=2048,
+            num_hidden_layers=61,
+            num_attention_heads=64,
+            num_key_value_heads=64,
+            n_routed_experts=384,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            q_lora_rank=1536,
+            kv_lora_rank=512,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
+            qk_nope_head_dim=128,
+            vocab_size=163840,
+            num_experts_per_tok=8,
+        ),
+    }
     with torch.device("meta"):
         module = tf.AutoModelForCausalLM.from_config(configs[model]())
     return {name: tuple(t.shape) for name, t in module.state_dict().items()}
@@ -118,8 +166,12 @@ def _want_box(name: str, shape: tuple[int, ...], tp: int) -> tuple[list[int], li
     return offset, size
 
 
-def _posts(shapes: dict[str, tuple[int, ...]], cfg: ScaleConfig, version: int, memories: dict[int, Posts],
-           ) -> list[dict[str, Any]]:  # fmt: skip
+def _posts(
+    shapes: dict[str, tuple[int, ...]],
+    cfg: ScaleConfig,
+    version: int,
+    memories: dict[int, Posts],
+) -> list[dict[str, Any]]:
     """Every member's post, as its handle builds it (``memories``: each member's handle, across syncs)."""
     posts = []
     for rank in range(cfg.sources):
@@ -129,11 +181,25 @@ def _posts(shapes: dict[str, tuple[int, ...]], cfg: ScaleConfig, version: int, m
         )
         shards = {n: (shapes[n], tuple(o)) for n, (o, _) in boxes.items()}
         total = sum(2 * math.prod(sz) for _, sz in boxes.values())
-        header = Header(version, manifest.digest, 64 << 20, 64 << 20, "p2p", "", total, f"{rank:012x}",
-                        {}, {}, bucket_cap=64 << 20)  # fmt: skip
+        header = Header(
+            version,
+            manifest.digest,
+            64 << 20,
+            64 << 20,
+            "p2p",
+            "",
+            total,
+            f"{rank:012x}",
+            {},
+            {},
+            bucket_cap=64 << 20,
+        )
         h, hs = header_fields(header.to_wire())
-        posts.append(memories[rank].post({"h": h}, {"hs": hs, "manifest": manifest.to_wire(),
-                                                    **boxes_of(shards, manifest)}))  # fmt: skip
+        posts.append(
+            memories[rank].post(
+                {"h": h}, {"hs": hs, "manifest": manifest.to_wire(), **boxes_of(shards, manifest)}
+            )
+        )
     for r in range(cfg.replicas * TP):
         wants = {n: ["bfloat16", list(s), *_want_box(n, s, r % TP)] for n, s in shapes.items()}
         posts.append(memories[cfg.sources + r].post({}, {"wants": wants}))
@@ -209,16 +275,28 @@ def run_scale(cfg: ScaleConfig) -> dict[str, Any]:
     for sync, raw, sizes in (("first", first_raw, first_sizes), ("repeat", repeat_raw, repeat_sizes)):
         worst = max(cpu[sync], key=lambda m: cpu[sync][m])
         worst_source = max((m for m in cpu[sync] if m < cfg.sources), key=lambda m: cpu[sync][m])
-        rows[sync] = {"cpu_s": cpu[sync][worst], "worst_rank": worst, "fetched_bytes": len(raw),
-                      "posted_bytes": max(sizes), "pairs": pairs[sync][worst],
-                      "source_cpu_s": cpu[sync][worst_source],
-                      "by_rank": {str(m): round(cpu[sync][m], 4) for m in sample}}  # fmt: skip
+        rows[sync] = {
+            "cpu_s": cpu[sync][worst],
+            "worst_rank": worst,
+            "fetched_bytes": len(raw),
+            "posted_bytes": max(sizes),
+            "pairs": pairs[sync][worst],
+            "source_cpu_s": cpu[sync][worst_source],
+            "by_rank": {str(m): round(cpu[sync][m], 4) for m in sample},
+        }
     return {
-        "model": cfg.model, "tensors": len(shapes), "sources": cfg.sources, "receivers": cfg.replicas * TP,
-        "ep": cfg.ep, "members": n, "first": rows["first"], "repeat": rows["repeat"],
+        "model": cfg.model,
+        "tensors": len(shapes),
+        "sources": cfg.sources,
+        "receivers": cfg.replicas * TP,
+        "ep": cfg.ep,
+        "members": n,
+        "first": rows["first"],
+        "repeat": rows["repeat"],
         # per gather: each member posts once and reads once; rank 0 reads every post in one request
-        "store_ops_per_member": 2, "store_ops_rank0": 2 + 1,
-    }  # fmt: skip
+        "store_ops_per_member": 2,
+        "store_ops_rank0": 2 + 1,
+    }
 
 
 class _FakeGroup:
@@ -246,6 +324,8 @@ def run_scale_rows(
             r = rows[-1]
             first, repeat = r["first"]["cpu_s"], r["repeat"]["cpu_s"]
             if progress is not None:
-                progress(f"[bench] {model} {sources} -> {r['receivers']}: first {first:.3f} s, repeat "
-                         f"{repeat * 1e3:.1f} ms")  # fmt: skip
+                progress(
+                    f"[bench] {model} {sources} -> {r['receivers']}: first {first:.3f} s, repeat "
+                    f"{repeat * 1e3:.1f} ms"
+                )
     return rows

@@ -52,9 +52,15 @@ def _role(rank: int, cfg: LoopbackScaleConfig, ports: Any) -> dict[str, Any]:
     torch.set_num_threads(1)
     n = cfg.sources + cfg.receivers
     lis, port = publish_listener(rank, n, ports, "127.0.0.1", timeout=cfg.timeout_s)
-    group = StatelessGroup.create("127.0.0.1", port, rank=rank, world_size=n, listener=lis,
-                                  timeout=timedelta(seconds=cfg.timeout_s),
-                                  liveness_timeout=timedelta(seconds=60))  # fmt: skip
+    group = StatelessGroup.create(
+        "127.0.0.1",
+        port,
+        rank=rank,
+        world_size=n,
+        listener=lis,
+        timeout=timedelta(seconds=cfg.timeout_s),
+        liveness_timeout=timedelta(seconds=60),
+    )
     shape = (cfg.rows, cfg.cols)
     names = [f"layers.{i}.weight" for i in range(cfg.tensors)]
     walls, cpus, exact = [], [], []
@@ -94,11 +100,13 @@ def run_loopback_scale(cfg: LoopbackScaleConfig) -> dict[str, Any]:
     n = cfg.sources + cfg.receivers
     res = run_roles(_role, n, (cfg, mp.get_context("spawn").Queue()), timeout=cfg.timeout_s * 2, threads=1)
     return {
-        "sources": cfg.sources, "receivers": cfg.receivers, "tensors": cfg.tensors,
+        "sources": cfg.sources,
+        "receivers": cfg.receivers,
+        "tensors": cfg.tensors,
         "wall_s": [max(r["wall_s"][k] for r in res) for k in range(cfg.syncs)],
         "cpu_s": [max(r["cpu_s"][k] for r in res) for k in range(cfg.syncs)],
         "worst_cpu_rank": [max(range(n), key=lambda m: res[m]["cpu_s"][k]) for k in range(cfg.syncs)],
         # rank 0 also serves the group's store (a thread of its process): the others' worst, apart
         "cpu_s_not_rank0": [max(r["cpu_s"][k] for r in res[1:]) for k in range(cfg.syncs)],
-        "exact": all(all(r["exact"]) for r in res[cfg.sources:]),
-    }  # fmt: skip
+        "exact": all(all(r["exact"]) for r in res[cfg.sources :]),
+    }

@@ -98,9 +98,11 @@ class Family:
 
     @staticmethod
     def _posted(
-        places: dict[tuple[int, ...], tuple[int, ...]], g: tuple[int, ...], key: Key,
+        places: dict[tuple[int, ...], tuple[int, ...]],
+        g: tuple[int, ...],
+        key: Key,
         bounds: list[tuple[int, int, int]],
-    ) -> list[tuple[Box, tuple[int, ...], tuple[Key, tuple[int, ...]]]]:  # fmt: skip
+    ) -> list[tuple[Box, tuple[int, ...], tuple[Key, tuple[int, ...]]]]:
         out = []
         for index in sorted(places):
             if all(first <= i <= last for i, (_, first, last) in zip(index, bounds, strict=True)):
@@ -200,9 +202,10 @@ def place_of(at: Any, family: Family, src: int) -> dict[Key, tuple[int, ...]]:
     for text, index in at.items():
         key = _key(text, src)
         if not (
-            isinstance(index, list) and len(index) == len(key)
+            isinstance(index, list)
+            and len(index) == len(key)
             and all(type(i) is int and 0 <= i < n for i, n in zip(index, key, strict=True))
-        ):  # fmt: skip
+        ):
             raise ProtocolError(f"rank {src}'s place in its rule is malformed")
         out[key] = tuple(index)
     if not keys <= set(out):

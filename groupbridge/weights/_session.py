@@ -159,12 +159,23 @@ def is_sharded(posts: list[Any], sources: list[int]) -> bool:
 
 
 def open_session(
-    group: StatelessGroup, deadline: Deadline, memory: Posts, *,
-    header: Header | None = None, boxes: dict[str, Any] | None = None, manifest: Manifest | None = None,
-    in_place: bool = False, wants: dict[str, Any] | None = None, wants_if: str | None = None,
-    seen: Callable[[str, bool], None] | None = None, src: int | None = None, judge: Judge | None = None,
-    bases: Bases | None = None, plans: Plans | None = None, pays: Callable[[str], bool] | None = None,
-) -> Session:  # fmt: skip
+    group: StatelessGroup,
+    deadline: Deadline,
+    memory: Posts,
+    *,
+    header: Header | None = None,
+    boxes: dict[str, Any] | None = None,
+    manifest: Manifest | None = None,
+    in_place: bool = False,
+    wants: dict[str, Any] | None = None,
+    wants_if: str | None = None,
+    seen: Callable[[str, bool], None] | None = None,
+    src: int | None = None,
+    judge: Judge | None = None,
+    bases: Bases | None = None,
+    plans: Plans | None = None,
+    pays: Callable[[str], bool] | None = None,
+) -> Session:
     """Steps 1 and 2 above, on every member. A source passes ``header``, ``boxes`` (of global tensors held),
     ``manifest`` and ``in_place`` (its tensors lie in the merged plan's layout); a receiver ``wants`` (unless
     every tensor whole; on condition ``wants_if``, see :func:`._sharded.conditional`), the ``src`` it expects
@@ -193,9 +204,23 @@ def open_session(
             sticky["wants_if"] = wants_if
     post = memory.post(dynamic, sticky)
     try:
-        session = _settle(group, deadline, memory, post, me, header=header, manifest=manifest,
-                          in_place=in_place, wants=wants, seen=seen, src=src, judge=judge, bases=bases,
-                          plans=plans, pays=pays)  # fmt: skip
+        session = _settle(
+            group,
+            deadline,
+            memory,
+            post,
+            me,
+            header=header,
+            manifest=manifest,
+            in_place=in_place,
+            wants=wants,
+            seen=seen,
+            src=src,
+            judge=judge,
+            bases=bases,
+            plans=plans,
+            pays=pays,
+        )
     except BaseException:  # some member may not have read this post: the next one carries the layout
         memory.forget()
         raise
@@ -204,11 +229,23 @@ def open_session(
 
 
 def _settle(
-    group: StatelessGroup, deadline: Deadline, memory: Posts, post: dict[str, Any], me: int, *,
-    header: Header | None, manifest: Manifest | None, in_place: bool, wants: dict[str, Any] | None,
-    seen: Callable[[str, bool], None] | None, src: int | None, judge: Judge | None, bases: Bases | None,
-    plans: Plans | None, pays: Callable[[str], bool] | None,
-) -> Session:  # fmt: skip
+    group: StatelessGroup,
+    deadline: Deadline,
+    memory: Posts,
+    post: dict[str, Any],
+    me: int,
+    *,
+    header: Header | None,
+    manifest: Manifest | None,
+    in_place: bool,
+    wants: dict[str, Any] | None,
+    seen: Callable[[str, bool], None] | None,
+    src: int | None,
+    judge: Judge | None,
+    bases: Bases | None,
+    plans: Plans | None,
+    pays: Callable[[str], bool] | None,
+) -> Session:
     """The rest of :func:`open_session` once this member's post is made: the gather, the plan, the
     verdicts."""
     posts = memory.read(group.all_gather_obj(post, timeout=deadline, by_field=True), me)

@@ -206,9 +206,17 @@ def plan_shards(
         if upstream.get((src, dst), src) == src:
             sent[src] = sent.get(src, 0) + sum(p.nbytes for b in cut.buckets for p in b)
     return ShardPlan(
-        index.wanted_order, index.dtypes, index.shapes, dict(sorted(pairs.items())), sent,
-        tuple(replicated), upstream, index.receivers, index.sources, tuple(problems),
-    )  # fmt: skip
+        index.wanted_order,
+        index.dtypes,
+        index.shapes,
+        dict(sorted(pairs.items())),
+        sent,
+        tuple(replicated),
+        upstream,
+        index.receivers,
+        index.sources,
+        tuple(problems),
+    )
 
 
 @dataclass(slots=True)
@@ -233,9 +241,11 @@ class _Sorted:
     def __init__(self, entries: list[_Entry]) -> None:
         self.entries = sorted(entries, key=lambda e: (e.box.offset[:1], e.group))
         self.starts = [e.box.offset[0] if e.box.offset else 0 for e in self.entries]
-        self.ends = list(itertools.accumulate(
-            (e.box.offset[0] + e.box.shape[0] if e.box.offset else 1 for e in self.entries), max
-        ))  # fmt: skip
+        self.ends = list(
+            itertools.accumulate(
+                (e.box.offset[0] + e.box.shape[0] if e.box.offset else 1 for e in self.entries), max
+            )
+        )
 
     def overlapping(self, box: Box) -> list[_Entry]:
         if not box.shape:
@@ -249,9 +259,12 @@ class _Index:
     """What every member knows of a sync's layouts (see the module's docstring, steps 1 and 2)."""
 
     def __init__(
-        self, held: Mapping[int, Sequence[Held]], wanted: Mapping[int, Sequence[Held]],
-        families: Sequence[Family] = (), order: Sequence[str] | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        held: Mapping[int, Sequence[Held]],
+        wanted: Mapping[int, Sequence[Held]],
+        families: Sequence[Family] = (),
+        order: Sequence[str] | None = None,
+    ) -> None:
         self.held_by, self.wanted_by, self.families = held, wanted, families
         self.family_of = {rank: f for f in families for rank in f.at}
         self.sources = tuple(sorted({*held, *self.family_of}))
@@ -432,8 +445,10 @@ def _share(
                         cuts.setdefault((src, group[0]), []).append((position, w.name, piece))
                         got += piece.numel
         if got != w.box.numel:
-            share.problems += [f"{w.name}: {_box(cell)} is wanted by rank {me} but no sender holds it"
-                               for cell in _missing(w.box, index.holding(w.name, w.box))[:5]]  # fmt: skip
+            share.problems += [
+                f"{w.name}: {_box(cell)} is wanted by rank {me} but no sender holds it"
+                for cell in _missing(w.box, index.holding(w.name, w.box))[:5]
+            ]
     for h in index.holds(me):
         if not h.box.numel:
             continue
@@ -463,8 +478,11 @@ def _share(
     for (src, lowest), found in sorted(cuts.items()):
         found.sort(key=lambda f: (f[0], f[2].offset))
         ranks = groups[lowest] if src == me else (me,)
-        size = min(bucket_bytes, caps.get(src) or bucket_bytes,
-                   FORWARD_BYTES if (src, ranks[0]) in chained else bucket_bytes)  # fmt: skip
+        size = min(
+            bucket_bytes,
+            caps.get(src) or bucket_bytes,
+            FORWARD_BYTES if (src, ranks[0]) in chained else bucket_bytes,
+        )
         cut = _bucketed([(n, b) for _, n, b in found], index.dtypes, size)
         share.pairs.update(((src, dst), cut) for dst in ranks if dst != src)
     return share
@@ -505,12 +523,17 @@ def _cells(x: Box, boxes: list[Box]) -> Iterator[Box]:
     """``x`` cut by every edge of ``boxes`` that lies inside it: each cell lies wholly inside or outside
     each box."""
     edges = [
-        sorted({x.offset[d], x.offset[d] + x.shape[d]} | {
-            v for b in boxes for v in (b.offset[d], b.offset[d] + b.shape[d])
-            if x.offset[d] < v < x.offset[d] + x.shape[d]
-        })
+        sorted(
+            {x.offset[d], x.offset[d] + x.shape[d]}
+            | {
+                v
+                for b in boxes
+                for v in (b.offset[d], b.offset[d] + b.shape[d])
+                if x.offset[d] < v < x.offset[d] + x.shape[d]
+            }
+        )
         for d in range(len(x.shape))
-    ]  # fmt: skip
+    ]
     for c in itertools.product(*(list(itertools.pairwise(e)) for e in edges)):
         yield Box(tuple(lo for lo, _ in c), tuple(hi - lo for lo, hi in c))
 

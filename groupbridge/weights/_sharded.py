@@ -142,18 +142,24 @@ def plan_pairs(
                 wanted[r] = layouts[key]
         caps = {s: headers[s].bucket_cap for s in sources}
         forward = frozenset(s for s in sources if _forwards(headers[s]))
-        order = dict.fromkeys(e.name for m in {manifests[s].digest: manifests[s] for s in sources}.values()
-                              for e in m.entries)  # fmt: skip
+        order = dict.fromkeys(
+            e.name for m in {manifests[s].digest: manifests[s] for s in sources}.values() for e in m.entries
+        )
         plan = plan_shards(
             held, wanted, headers[sources[0]].bucket_bytes, caps, forward, me, families, list(order)
         )
         whole = Manifest(tuple(Entry(n, plan.global_shapes[n], plan.dtypes[n], plan.dtypes[n], None)
                                for n in plan.order))  # fmt: skip
         keys: dict[int, str] = {}  # receivers of one group share one cut: its key is worked out once
-        return plan, whole, {
-            pair: keys.get(id(cut)) or keys.setdefault(id(cut), pair_key(cut))
-            for pair, cut in plan.pairs.items() if me in pair
-        }  # fmt: skip
+        return (
+            plan,
+            whole,
+            {
+                pair: keys.get(id(cut)) or keys.setdefault(id(cut), pair_key(cut))
+                for pair, cut in plan.pairs.items()
+                if me in pair
+            },
+        )
 
     return plans.get(_layout_key(posts, sources, me), planned) if plans else planned()
 

@@ -20,9 +20,13 @@ from .plan import Plan
 
 
 def streams_of(
-    session: Session, me: int, sending: bool, bases: Bases | None, device: torch.device,
+    session: Session,
+    me: int,
+    sending: bool,
+    bases: Bases | None,
+    device: torch.device,
     fanout_base: torch.Tensor | None = None,
-) -> list[Stream]:  # fmt: skip
+) -> list[Stream]:
     """This member's streams of the sync, as their source or receiver: the one fan-out stream (its source's
     base ``fanout_base``, see ``DeltaSender.prepare``; a receiver keeps its own where its applier holds the
     tensors), or its pair streams, their bases begun for it on ``device`` when bases are kept."""
