@@ -45,12 +45,16 @@ class Posts:
         """Decoded manifests by digest, least recently used first."""
         self._mine: str | None = None
         self._whole: dict[str, Any] = {}
+        self._last: tuple[dict[str, Any] | None, str] = (None, "")
+        """The layout posted last and its digest."""
         self._theirs: dict[int, dict[str, dict[str, Any]]] = group.memory.setdefault("weights.layouts", {})
 
     def post(self, dynamic: dict[str, Any], sticky: dict[str, Any]) -> dict[str, Any]:
         """This member's post: ``dynamic`` and its layout's digest, with the layout (``sticky``, marked
         ``new``) when it is not the one posted last."""
-        digest = hashlib.sha256(codec.encode(sticky)).hexdigest()[:32]
+        if sticky != self._last[0]:  # comparing is cheaper than encoding, and a layout rarely changes
+            self._last = sticky, hashlib.sha256(codec.encode(sticky)).hexdigest()[:32]
+        digest = self._last[1]
         out = {**dynamic, "g": digest}
         self._whole = {**out, **sticky, "new": True}
         if digest != self._mine:
