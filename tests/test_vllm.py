@@ -1735,8 +1735,12 @@ def test_vllm_serve_reports_each_tokens_version_exactly(tmp_path_factory: pytest
     from groupbridge.vllm._control import HttpClient, VllmControl
 
     path = tmp_path_factory.mktemp("qwen2-serve-spans")
-    model = make_model(path, "qwen2", seed=8)
+    LONG = 1200
+    model = make_model(path, "qwen2", seed=8, max_positions=LONG + 16)
     prompts = [[1, 2, 3, 4], [7, 100, 5]]
+    # long enough that the commit lands while both still run on a busy host: there the server streams in
+    # bursts, so a client may first see a request's tenth token when the engine has sampled hundreds (at 300
+    # tokens, two loaded cores ended every request before the commit, three tries in a row)
 
     def across_an_update(session: Any, control: Any, base: str) -> tuple[dict[int, Any], int]:
         """Two streamed requests begun just before the next update's commit: their tokens and spans."""
@@ -1746,7 +1750,7 @@ def test_vllm_serve_reports_each_tokens_version_exactly(tmp_path_factory: pytest
 
         def stream(k: int) -> None:
             body = {"token_ids": prompts[k], "stream": True, "output_mode": "tokens",
-                    "sampling_params": {"max_tokens": 300, "min_tokens": 300, "temperature": 0}}  # fmt: skip
+                    "sampling_params": {"max_tokens": LONG, "min_tokens": LONG, "temperature": 0}}  # fmt: skip
             req = urllib.request.Request(f"{base}/inference/v1/generate", data=json.dumps(body).encode(),
                                          headers={"Content-Type": "application/json"})  # fmt: skip
             tokens: list[int] = []
@@ -1781,7 +1785,7 @@ def test_vllm_serve_reports_each_tokens_version_exactly(tmp_path_factory: pytest
         assert not errors, errors
         return got, version
 
-    with Server(path, log=path / "serve.log", max_model_len=320, extra=("--enable-scale-out",)) as srv:
+    with Server(path, log=path / "serve.log", max_model_len=LONG + 16, extra=("--enable-scale-out",)) as srv:
         control = VllmControl(HttpClient(srv.base, timeout=60))
         with TrainerSession(TrainerConfig(timeout_s=60, liveness_s=10), control) as session:
             version = session.send(iter(ModuleSource(model)))

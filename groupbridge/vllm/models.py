@@ -30,10 +30,11 @@ def make_model(
     dtype: str = "float32",
     seed: int = 0,
     tie: bool | None = None,
+    max_positions: int = 512,
 ) -> Any:
     """Build a random ``arch`` model (``"qwen2"``: dense, fused qkv and gate_up in vLLM; ``"qwen3_moe"``:
     fused experts) of ``size`` (see :data:`SHAPES`), save it at ``path`` and return the ``transformers``
-    model.
+    model. ``max_positions`` bounds the ``max_model_len`` an engine may serve it with.
 
     Weights are drawn with a larger spread than ``transformers``' default so that greedy tokens differ
     from one version to the next (a random model with tiny weights repeats one token forever).
@@ -43,7 +44,7 @@ def make_model(
     shape = dict(SHAPES[size])
     if tie is not None:  # the output projection shares the embedding (as in Qwen2.5-0.5B)
         shape["tie_word_embeddings"] = tie
-    common = dict(head_dim=64, max_position_embeddings=512, initializer_range=0.2, **shape)
+    common = dict(head_dim=64, max_position_embeddings=max_positions, initializer_range=0.2, **shape)
     if arch == "qwen2":
         config: Any = transformers.Qwen2Config(**common)
         cls: Any = transformers.Qwen2ForCausalLM
