@@ -1741,6 +1741,7 @@ def test_vllm_serve_reports_each_tokens_version_exactly(tmp_path_factory: pytest
     # long enough that the commit lands while both still run on a busy host: there the server streams in
     # bursts, so a client may first see a request's tenth token when the engine has sampled hundreds (at 300
     # tokens, two loaded cores ended every request before the commit, three tries in a row)
+    sampling = {"sampling_params": {"max_tokens": LONG, "min_tokens": LONG, "temperature": 0}}
 
     def across_an_update(session: Any, control: Any, base: str) -> tuple[dict[int, Any], int]:
         """Two streamed requests begun just before the next update's commit: their tokens and spans."""
@@ -1749,8 +1750,7 @@ def test_vllm_serve_reports_each_tokens_version_exactly(tmp_path_factory: pytest
         errors: list[BaseException] = []
 
         def stream(k: int) -> None:
-            body = {"token_ids": prompts[k], "stream": True, "output_mode": "tokens",
-                    "sampling_params": {"max_tokens": LONG, "min_tokens": LONG, "temperature": 0}}  # fmt: skip
+            body = {"token_ids": prompts[k], "stream": True, "output_mode": "tokens", **sampling}
             req = urllib.request.Request(f"{base}/inference/v1/generate", data=json.dumps(body).encode(),
                                          headers={"Content-Type": "application/json"})  # fmt: skip
             tokens: list[int] = []
