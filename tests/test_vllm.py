@@ -758,6 +758,49 @@ def test_a_probe_that_disagrees_rolls_vllm_back_to_the_version_it_served(dense: 
         eng.shutdown()
 
 
+def refused(llm: Any) -> bool:
+    """Every prompt's request ends as an error, no token sampled (an engine that serves no version)."""
+    sp = vllm.SamplingParams(max_tokens=TOKENS, temperature=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False)
+    return all(o.outputs[0].finish_reason == "error" and not o.outputs[0].token_ids for o in outs)
+
+
+def test_a_first_version_that_fails_its_probe_serves_no_request_until_one_verifies(
+    dense: tuple[Any, Any],
+) -> None:
+    """A trainer's first version whose probe disagrees has no earlier version to return to: vLLM reports
+    "unverified" (never the version) and every request fails with an error, no token sampled, until the next
+    update lands and verifies. An operator who chose ``serve_unverified`` gets its tokens, labelled so."""
+    from groupbridge.engine import Probe, causal_logprobs
+
+    llm, model = dense
+    base = fresh()
+    bad = {base, base + 2}
+
+    def ref(v: int) -> list[float]:
+        lp = causal_logprobs(model, PROBE)
+        return [x + 1.0 for x in lp] if v in bad else lp
+
+    stopped = r"first update\): every engine stopped serving \(it reports 'unverified'"
+    for serve, first in ((False, base), (True, base + 2)):
+        eng = trainer(llm, model, verify=Probe(PROBE, ref, atol=1e-3), first_version=first,
+                      serve_unverified=serve)  # fmt: skip
+        try:
+            perturb(model, 93 + first - base)
+            with pytest.raises(gb.VerificationError, match=stopped if not serve else "labelled 'unverified'"):
+                eng.send_weights()
+            assert llm.get_weight_version() == "unverified"
+            if serve:
+                assert served(llm) == reference(model)
+            else:
+                assert refused(llm)
+            perturb(model, 94 + first - base)
+            eng.send_weights()  # verified: served again, under its version
+            assert llm.get_weight_version() == str(first + 1) and served(llm) == reference(model)
+        finally:
+            eng.shutdown()
+
+
 class _Dict(torch.nn.Module):
     """A module whose named_parameters are exactly ``params`` (names with dots kept)."""
 
@@ -867,8 +910,8 @@ def test_a_failed_rollback_says_what_each_engine_serves_and_a_torn_one_never_rep
     """A fleet of two engines that load at the commit (swap="reload"). Engine 1's loader fails midway in
     its commit and again in the rollback: engine 0 serves the version before and reports it, engine 1
     reports "torn" (it used to report a version while serving a mix), and the error says so engine by
-    engine. The next update mends it. Then the probe disagrees and engine 1's rollback alone fails: the
-    same, and VerificationError.served is None."""
+    engine, and engine 1 fails every request, no token sampled. The next update mends it. Then the probe
+    disagrees and engine 1's rollback alone fails: the same, and VerificationError.served is None."""
     from groupbridge.engine import Probe, causal_logprobs
     from groupbridge.vllm import FleetClient
 
@@ -902,7 +945,7 @@ def test_a_failed_rollback_says_what_each_engine_serves_and_a_torn_one_never_rep
             with pytest.raises(gb.WeightSyncError, match=failed):
                 eng.send_weights()
             assert (llm.get_weight_version(), second.get_weight_version()) == (str(b), "torn")
-            assert served(llm) == want
+            assert served(llm) == want and refused(second)  # the torn engine serves no request
             perturb(model, 86)
             eng.send_weights()  # every tensor loads on every worker: the torn one is mended
             want = reference(model)
@@ -917,7 +960,7 @@ def test_a_failed_rollback_says_what_each_engine_serves_and_a_torn_one_never_rep
                 eng.send_weights()
             assert e.value.served is None
             assert (llm.get_weight_version(), second.get_weight_version()) == (str(b + 2), "torn")
-            assert served(llm) == want
+            assert served(llm) == want and refused(second)
             perturb(model, 88)
             eng.send_weights()
             for e in (llm, second):
@@ -1825,6 +1868,104 @@ def test_vllm_serve_reports_each_tokens_version_exactly(tmp_path_factory: pytest
             second = session.send(iter(ModuleSource(model)))
             assert len(late) == 1, late  # refused (the server answers an error), nothing loaded
             assert srv.weight_version() == str(second)
+            assert [srv.complete(p, TOKENS) for p in PROMPTS] == reference(model)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_vllm_serve_stops_serving_a_first_version_that_fails_its_probe(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Through ``vllm serve``: a first version whose probe disagrees. A request streaming when the verdict
+    lands ends as an error, no token after it; a new one fails, no token; vLLM reports "unverified". The next
+    update verifies and is served under its version."""
+    import urllib.request
+
+    from groupbridge.engine import Probe, TrainerSession, causal_logprobs
+    from groupbridge.vllm._control import HttpClient, VllmControl
+
+    path = tmp_path_factory.mktemp("qwen2-serve-unverified")
+    LONG = 4000  # the streaming request outlasts the commit, the probe and the verdict on a busy host
+    model = make_model(path, "qwen2", seed=9, max_positions=LONG + 16)
+
+    def ref(v: int) -> list[float]:
+        lp = causal_logprobs(model, PROBE)
+        return [x + 1.0 for x in lp] if v == 1 else lp
+
+    with Server(path, log=path / "serve.log", max_model_len=LONG + 16) as srv:
+        got: dict[str, Any] = {"tokens": 0, "lines": []}
+
+        def stream() -> None:
+            body = {"model": srv.model, "prompt": [1, 2, 3], "max_tokens": LONG, "temperature": 0,
+                    "stream": True, "ignore_eos": True}  # fmt: skip
+            req = urllib.request.Request(f"{srv.base}/v1/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})  # fmt: skip
+            with urllib.request.urlopen(req, timeout=120) as r:
+                for line in r:
+                    if not line.startswith(b"data: {"):
+                        continue
+                    event = json.loads(line[6:])
+                    got["lines"].append(event)
+                    for choice in event.get("choices") or []:
+                        got["tokens"] += 1 if choice.get("text") is not None else 0
+
+        streaming = threading.Thread(target=stream, daemon=True)
+
+        def gate() -> None:  # the request streams as the version commits
+            streaming.start()
+            deadline = time.monotonic() + 60
+            while got["tokens"] < 10 and streaming.is_alive() and time.monotonic() < deadline:
+                time.sleep(0.002)
+
+        control = VllmControl(HttpClient(srv.base, timeout=60), before_commit=gate)
+        config = TrainerConfig(timeout_s=60, liveness_s=10, verify=Probe(PROBE, ref, atol=1e-3))
+        with TrainerSession(config, control) as session:
+            perturb(model, 95)
+            with pytest.raises(gb.VerificationError, match="every engine stopped serving"):
+                session.send(iter(ModuleSource(model)))
+            streaming.join(120)
+            assert not streaming.is_alive() and 10 <= got["tokens"] < LONG, got["tokens"]
+            assert "error" in got["lines"][-1], got["lines"][-1]  # it ended as an error, no token after
+            assert srv.weight_version() == "unverified"
+            for p in PROMPTS:  # vLLM's server answers an engine's error finish with its generic 500
+                with pytest.raises(RuntimeError, match="HTTP 500"):
+                    srv.complete(p, TOKENS)
+            control.before_commit = None
+            perturb(model, 96)
+            assert session.send(iter(ModuleSource(model))) == 2
+            assert srv.weight_version() == "2"
+            assert [srv.complete(p, TOKENS) for p in PROMPTS] == reference(model)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_vllm_serve_serves_no_request_while_torn(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Through ``vllm serve``, loading at the commit (``swap="reload"``) with no rollback: the worker's load
+    fails midway in the second update's commit (injected by ``tests/inject/sitecustomize.py``). vLLM reports
+    "torn" and a request gets an error, no token; the next update loads every tensor and is served."""
+    from groupbridge.engine import TrainerSession
+    from groupbridge.vllm._control import HttpClient, VllmControl
+
+    path = tmp_path_factory.mktemp("qwen2-serve-torn")
+    model = make_model(path, "qwen2", seed=10)
+    inject = str(Path(__file__).parent / "inject")
+    env = {"GROUPBRIDGE_TEST_TEAR": "2", "PYTHONPATH": os.pathsep.join(filter(None, (inject,
+           os.environ.get("PYTHONPATH"))))}  # fmt: skip
+    with Server(path, log=path / "serve.log", env=env) as srv:
+        control = VllmControl(HttpClient(srv.base, timeout=60))
+        with TrainerSession(TrainerConfig(timeout_s=60, liveness_s=10, swap="reload"), control) as session:
+            assert session.send(iter(ModuleSource(model))) == 1
+            assert [srv.complete(p, TOKENS) for p in PROMPTS] == reference(model)
+            perturb(model, 97)
+            with pytest.raises(gb.WeightSyncError, match=r"(?s)commit of version 2 failed.*torn mix"):
+                session.send(iter(ModuleSource(model)))
+            assert srv.weight_version() == "torn"
+            for p in PROMPTS:
+                with pytest.raises(RuntimeError, match="HTTP 500"):
+                    srv.complete(p, TOKENS)
+            perturb(model, 98)
+            assert session.send(iter(ModuleSource(model))) == 3
+            assert srv.weight_version() == "3"
             assert [srv.complete(p, TOKENS) for p in PROMPTS] == reference(model)
 
 

@@ -57,7 +57,11 @@ class TrainerConfig:
             disagrees with the trainer's model rolls every replica back to the version served before, and
             the send raises ``gb.VerificationError``. Requests served between the swap and the rollback saw
             the unverified weights (``last_seconds["unverified"]``); a user who cannot accept that holds its
-            own requests while ``send_weights`` runs.
+            own requests while ``send_weights`` runs. A trainer's first version that disagrees has no
+            earlier version to return to: every engine then reports ``"unverified"`` and serves no request
+            (each fails with an error saying why) until an update lands and verifies.
+        serve_unverified: with ``verify``, an operator's choice for that first version: the engines serve
+            it on, its tokens labelled ``"unverified"`` (never with the version).
         swap: ``"shadow"`` (default): a worker whose engine can keep a second copy of its model (vLLM's)
             loads and processes each update into it while it serves, and the commit exchanges the copies:
             the engine stops for the exchange only, whatever the model's size (one more processed copy of
@@ -87,6 +91,7 @@ class TrainerConfig:
     listener: Listener | None = None
     verify: Probe | None = None
     rollback: bool | None = None
+    serve_unverified: bool = False
     timeout: float | None = None
     liveness: float | None = None
 
@@ -121,6 +126,8 @@ class TrainerConfig:
             raise ValueError(f"delta={self.delta!r} must be False, True or 'always'")
         if self.verify is not None and not isinstance(self.verify, Probe):
             raise TypeError(f"verify must be a groupbridge.engine.Probe, got {type(self.verify).__name__}")
+        if not isinstance(self.serve_unverified, bool):
+            raise ValueError(f"serve_unverified={self.serve_unverified!r} must be a bool")
         if self.rollback not in (None, False, True):
             raise ValueError(f"rollback={self.rollback!r} must be None, False or True")
         if self.verify is not None and self.rollback is False:

@@ -29,6 +29,9 @@ class Capabilities:
     """Updates may be LoRA adapters, served by name beside the base model."""
     versions: bool = False
     """``served()`` reports the version the engine serves (a new trainer's first version follows it)."""
+    withhold: bool = False
+    """``withhold(version, serve)`` labels the version just committed unverified (its probe failed with no
+    earlier version to return to) and, unless ``serve``, stops the engine serving until an update lands."""
 
     def missing(self, needed: Iterable[str]) -> list[str]:
         """The ``needed`` capabilities not declared, in the order asked."""
@@ -55,7 +58,8 @@ class EngineControl(abc.ABC):
 
     A subclass that can do more says so in :attr:`capabilities` and overrides the matching call: ``probe``
     (needed by ``TrainerConfig(verify=...)``), ``rollback`` (by ``verify`` and ``rollback=True``),
-    ``served`` (``versions``). ``describe_rank`` names a worker in errors (default: none).
+    ``served`` (``versions``), ``withhold`` (used by ``verify`` where declared). ``describe_rank`` names a
+    worker in errors (default: none).
     """
 
     capabilities: Capabilities = Capabilities()
@@ -83,9 +87,20 @@ class EngineControl(abc.ABC):
         serves it."""
         raise NotImplementedError(f"{type(self).__name__} declares no rollback capability")
 
+    def withhold(self, version: int, serve: bool) -> None:
+        """``version``, just committed, failed its probe and there is no earlier version to serve again:
+        every engine reports it unverified, and admits no request until an update commits (``serve``: it
+        serves on, its tokens labelled unverified, never ``version``)."""
+        raise NotImplementedError(f"{type(self).__name__} declares no withhold capability")
+
     def served(self) -> int | None:
         """The version the engine reports serving, when it is a number (None: its initial weights)."""
         return None
+
+    def stopped(self) -> list[str]:
+        """The engines behind this control that serve no request (torn, or unverified), one line each in
+        words; [] where every one serves or it cannot say. The next update mends them."""
+        return []
 
     def holding(self) -> list[str]:
         """What each engine behind this control reports it serves, in words, one line per engine: asked

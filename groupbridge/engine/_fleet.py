@@ -96,6 +96,13 @@ class Fleet(EngineControl):
     def rollback(self, version: int) -> None:
         self._each("rollback", lambda k, c: c.rollback(version))
 
+    def withhold(self, version: int, serve: bool) -> None:
+        """Every engine: a fleet commits as one, and a version that failed its probe is no one's."""
+        self._each("withhold", lambda k, c: c.withhold(version, serve))
+
+    def stopped(self) -> list[str]:
+        return [f"engine {k}: {line}" for k, c in enumerate(self.controls) for line in c.stopped()]
+
     def served(self) -> int | None:
         """The highest version any engine reports serving (None: none reports a number)."""
 

@@ -18,7 +18,7 @@ from ._config import TrainerConfig
 from ._control import EngineControl
 from ._probe import Probe
 
-__all__ = ["dead_member", "holding", "roll_back", "verify"]
+__all__ = ["dead_member", "holding", "roll_back", "verify", "withhold"]
 
 logger = logging.getLogger("groupbridge.engine._trainer")
 
@@ -57,7 +57,7 @@ def verify(
         scores = control.probe(list(probe.tokens))
         worst = probe.worst(expected.result(timeout=config.timeout_s), scores)
     except Exception as e:
-        back, now = roll_back(control, config, v, previous)
+        back, now = roll_back(control, config, v, previous, probed=True)
         raise VerificationError(
             f"the probe of version {v} failed: {type(e).__name__}: {e}; {back}",
             version=v, replica=-1, difference=float("nan"), served=now,
@@ -69,7 +69,7 @@ def verify(
         seconds["unverified"] = seconds["verify"]
         return
     k, diff = worst
-    back, served_now = roll_back(control, config, v, previous)
+    back, served_now = roll_back(control, config, v, previous, probed=True)
     seconds["unverified"] = time.perf_counter() - t0
     raise VerificationError(
         f"replica {k} serves version {v} with log-probabilities {diff:.4g} away from the trainer's "
@@ -79,14 +79,17 @@ def verify(
 
 
 def roll_back(
-    control: EngineControl, config: TrainerConfig, v: int, previous: int | None
+    control: EngineControl, config: TrainerConfig, v: int, previous: int | None, *, probed: bool = False
 ) -> tuple[str, int | None]:
-    """After a failed commit or probe of ``v``: every replica serves ``previous`` again, where the workers
-    keep it. Returns what the engines serve now, in words, and the version every replica serves (None when
-    that is not known: no rollback, or one that failed)."""
+    """After a failed commit or probe (``probed``) of ``v``: every replica serves ``previous`` again, where
+    the workers keep it; with none to serve again, a probe's failure is withheld (:func:`withhold`). Returns
+    what the engines serve now, in words, and the version every replica serves (None when that is not
+    known: no rollback, or one that failed)."""
     if not config.keeps_previous:
         return f"rollback is off (TrainerConfig(rollback=True) turns it on); {holding(control)}", None
     if previous is None:
+        if probed:
+            return withhold(control, config, v), None
         return (
             f"no earlier version of this trainer to roll back to (its first update): the replicas serve "
             f"{v} where it was committed; send a corrected version"
@@ -101,6 +104,30 @@ def roll_back(
         ), None
     logger.warning("groupbridge: version %d was rolled back; every replica serves %d", v, previous)
     return f"every replica was rolled back to version {previous} and serves it", previous
+
+
+def withhold(control: EngineControl, config: TrainerConfig, v: int) -> str:
+    """Version ``v`` failed its probe on this trainer's first update: no engine may serve it as ``v``. Every
+    engine reports it unverified and serves no request until an update lands and verifies (or serves on,
+    labelled so: ``serve_unverified``). Returns what the engines do now, in words."""
+    first = "no earlier version of this trainer to roll back to (its first update)"
+    if not control.capabilities.withhold:
+        return f"{first}: {control.describe()} cannot withhold it and serves {v} where it was committed"
+    try:
+        control.withhold(v, config.serve_unverified)
+    except Exception as e:
+        logger.error("groupbridge: withholding version %d failed: %s", v, e)
+        return f"{first}; withholding it failed too ({type(e).__name__}: {str(e)[:500]}); {holding(control)}"
+    if config.serve_unverified:
+        logger.warning(
+            "groupbridge: version %d failed its probe; the engines serve it labelled unverified", v
+        )
+        return f"{first}: the engines serve it on, labelled 'unverified' (serve_unverified=True)"
+    logger.error("groupbridge: version %d failed its probe; the engines serve no request until the next", v)
+    return (
+        f"{first}: every engine stopped serving (it reports 'unverified' and fails each request with an "
+        "error) until the next update lands and verifies: send a corrected version"
+    )
 
 
 def holding(control: EngineControl) -> str:

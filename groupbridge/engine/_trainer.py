@@ -196,6 +196,10 @@ class TrainerSession(Closing):
         try:
             self.control.probe(list(probe.tokens))
         except Exception as e:
+            stopped = self.control.stopped()
+            if stopped:  # it scores nothing until an update lands: this trainer's first one mends it
+                logger.warning("groupbridge: the probe's scoring path is not warmed: %s", "; ".join(stopped))
+                return
             self.close()
             raise WeightSyncError(
                 f"the engines could not score the probe before any update ({type(e).__name__}: {e}): a "

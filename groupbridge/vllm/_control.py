@@ -69,6 +69,7 @@ class VllmControl(EngineControl):
             rollback=True,
             adapters=_serves_adapters(client),
             versions=callable(getattr(client, "reported_version", None)) or _server(client) is not None,
+            withhold=True,
         )
 
     def join(self, info: dict[str, Any]) -> None:
@@ -130,8 +131,25 @@ class VllmControl(EngineControl):
         if as_version(label) is not None:
             return [f"version {as_version(label)}"]
         if label == "torn":
-            return ["a torn mix of two versions (a load into its model failed midway)"]
+            return ["a torn mix of two versions (a load into its model failed midway; it serves no request)"]
+        if label == "unverified":
+            return ["a version that failed its probe, with no earlier version to return to (unverified)"]
         return [f"a version labelled {label[:60]!r}"]
+
+    def withhold(self, version: int, serve: bool) -> None:
+        """An update of its own, as a rollback is: the workers load nothing, and the finish's label makes the
+        engine core report ``unverified`` and (unless ``serve``) stop serving until an update commits (see
+        ``groupbridge.vllm._compat.UNVERIFIED``)."""
+        start_update(self.client)
+        self.client.update_weights({"version": version, "withhold": True})
+        self.client.finish_weight_update(weight_version="unverified+served" if serve else "unverified")
+
+    def stopped(self) -> list[str]:
+        try:
+            label = reported_version(self.client)
+        except Exception:
+            return []
+        return self.holding() if label in ("torn", "unverified") else []
 
     def describe(self) -> str:
         server = _server(self.client)

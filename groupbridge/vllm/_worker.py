@@ -77,7 +77,11 @@ class UpdateInfo(WeightTransferUpdateInfo):
     what makes vLLM leave its update state, so a new ``start_weight_update`` is accepted.
 
     ``rollback``: nothing travels; ``version`` is the one the worker served before its last update (kept
-    aside, see ``TrainerInitInfo(rollback=...)``), loaded again at ``finish_weight_update``."""
+    aside, see ``TrainerInitInfo(rollback=...)``), loaded again at ``finish_weight_update``.
+
+    ``withhold``: nothing travels and nothing loads: ``version``, just committed, failed its probe with no
+    earlier version to return to; the finish that follows labels the engine ``unverified`` (see
+    ``_compat._core.UNVERIFIED``)."""
 
     version: int
     abandon: bool = False
@@ -85,6 +89,7 @@ class UpdateInfo(WeightTransferUpdateInfo):
     commit: bool = False
     """Nothing travels: the next ``finish_weight_update`` commits ``version`` only, and refuses (loading
     nothing) when another version is staged (a finish that arrives late, after a later update began)."""
+    withhold: bool = False
     adapter: dict[str, Any] | None = None
     """A LoRA adapter's update: ``{"name", "config", "max_live"}`` (see :mod:`._lora`)."""
     bridge: str | None = None
@@ -101,6 +106,10 @@ class UpdateInfo(WeightTransferUpdateInfo):
             raise ValueError(f"rollback must be a bool, and not with abandon: got {self.rollback!r}")
         if not isinstance(self.commit, bool) or (self.commit and (self.rollback or self.abandon)):
             raise ValueError(f"commit must be a bool, and alone: got {self.commit!r}")
+        if not isinstance(self.withhold, bool) or (
+            self.withhold and (self.commit or self.rollback or self.abandon)
+        ):
+            raise ValueError(f"withhold must be a bool, and alone: got {self.withhold!r}")
         if self.adapter is not None:
             AdapterSpec.parse(self.adapter)
         if self.bridge is not None and (not isinstance(self.bridge, str) or len(self.bridge) > 64):
@@ -225,6 +234,8 @@ class WorkerEngine(WeightTransferEngine[WorkerInitInfo, UpdateInfo]):
         """The adapter versions this worker received over the bridge (its engine's alone)."""
         self.loader = VllmLoader(self)
         self._rolled_back: int | None = None
+        self._withheld = False
+        """The next finish loads nothing: the version served failed its probe (``UpdateInfo.withhold``)."""
         self._commits: int | None = None
         """The version the next finish must commit (``UpdateInfo.commit``), when the trainer said."""
         self.session = WorkerSession(
@@ -255,6 +266,7 @@ class WorkerEngine(WeightTransferEngine[WorkerInitInfo, UpdateInfo]):
 
     def start_weight_update(self) -> None:
         self._rolled_back = None
+        self._withheld = False
         self._commits = None
         self.loader.requested = None
         self.session.begin()
@@ -263,6 +275,14 @@ class WorkerEngine(WeightTransferEngine[WorkerInitInfo, UpdateInfo]):
         if update_info.commit:
             self._commits = update_info.version
             self.loader.requested = tuple(update_info.in_use) if update_info.in_use is not None else None
+            return
+        if update_info.withhold:
+            if update_info.version != self.version:
+                raise ValueError(
+                    f"groupbridge: asked to withhold version {update_info.version}, but version "
+                    f"{self.version} is served: nothing changed"
+                )
+            self._withheld = True
             return
         if update_info.abandon:
             self.session.abandon()
@@ -288,6 +308,9 @@ class WorkerEngine(WeightTransferEngine[WorkerInitInfo, UpdateInfo]):
         version than the one staged (``UpdateInfo.commit``): nothing is loaded, and that update stays
         staged for its own finish."""
         commits, self._commits = self._commits, None
+        if self._withheld:  # the engine core labels it unverified; the model keeps what it holds
+            self._withheld = False
+            return
         staged = self._rolled_back if self._rolled_back is not None else self.session.staged
         if commits is not None and commits != staged:
             raise RuntimeError(

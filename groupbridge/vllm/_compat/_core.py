@@ -42,6 +42,8 @@ def _commit(core: Any, weight_version: str) -> float:
     t0 = time.perf_counter()
     executor = core.model_executor
     lora = getattr(core.vllm_config, "lora_config", None) is not None
+    if weight_version in (UNVERIFIED, UNVERIFIED_SERVED):
+        return _withhold(core, weight_version == UNVERIFIED_SERVED, t0)
     if weight_version.isdigit() and len(weight_version) < 19:
         told: dict[str, Any] = {"version": int(weight_version), "commit": True}
         if lora:  # what no adapter commit may drop: every unfinished request's, not the running batch's alone
@@ -52,8 +54,10 @@ def _commit(core: Any, weight_version: str) -> float:
     except BaseException:
         if any(h == TORN for h in _holding(executor)):  # never the label of a version it does not serve
             core._weight_version = TORN
+            _stop(core, TORN_REASON)
         raise
     core._weight_version = weight_version
+    _STOPPED.pop(core, None)  # every worker loaded every tensor of one version: it serves again
     if lora:  # what a request may name until the next commit: what every worker can load
         names = [set(n) for n in executor.collective_rpc(registered)]
         _ADMITS[core] = frozenset(set.intersection(*names)) if names else frozenset()
@@ -62,13 +66,68 @@ def _commit(core: Any, weight_version: str) -> float:
     return paused
 
 
+def _withhold(core: Any, served: bool, t0: float) -> float:
+    """The trainer's verdict on the version just committed: its probe failed and there is no earlier version
+    to return to. The workers end the update that carried the verdict (loading nothing); the engine reports
+    :data:`UNVERIFIED` and, unless the operator chose to serve it (``served``), stops serving (see
+    :func:`_stop`) until an update commits."""
+    core.model_executor.collective_rpc("finish_weight_update")
+    core._weight_version = UNVERIFIED
+    if served:
+        _STOPPED.pop(core, None)
+        _lora.logger.warning("groupbridge: the engine serves a version that failed its probe, labelled %r",
+                             UNVERIFIED)  # fmt: skip
+    else:
+        _stop(core, UNVERIFIED_REASON)
+    return time.perf_counter() - t0
+
+
+def _stop(core: Any, reason: str) -> None:
+    """The engine's model holds no one verified version: it admits no request (:func:`_admit`) until a commit
+    loads one, and each request in flight ends now, as an error, with no token sampled from that model."""
+    _STOPPED[core] = reason
+    _lora.logger.error("groupbridge: the engine serves no request until the next update lands: %s", reason)
+    send = getattr(core, "_send_error_outputs_to_client", None)
+    if send is None:  # the engine core in the caller's process: no request runs during this call
+        return
+    from vllm.v1.request import RequestStatus
+
+    ended: dict[int, list[str]] = {}
+    for request in core.scheduler.finish_requests(None, RequestStatus.FINISHED_ERROR):
+        ended.setdefault(request.client_index, []).append(request.request_id)
+    for client, ids in ended.items():
+        send(ids, client)
+
+
+_STOPPED: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+"""Per engine core, why it serves no request (see :func:`_stop`); absent while it serves one version."""
+
 PAUSED = "groupbridge: the engine paused for the commit of version"
 """How the engine core's log states each commit's pause (``<PAUSED> <version>: <ms> ms``)."""
 
 
 TORN = "torn"
 """The version an engine reports while a worker's model holds a mix of versions (a load into it failed
-midway): until a commit succeeds, which loads every tensor."""
+midway): until a commit succeeds, which loads every tensor. It serves no request meanwhile."""
+
+TORN_REASON = (
+    "its model holds a torn mix of two versions (a load failed midway); the next update loads every tensor "
+    "and mends it"
+)
+
+UNVERIFIED = "unverified"
+"""The version an engine reports while its model holds a version whose probe failed with no earlier version
+to return to (a trainer's first update): it serves no request until an update commits, unless the operator
+chose to serve it so labelled (``TrainerConfig(serve_unverified=True)``, see :data:`UNVERIFIED_SERVED`)."""
+
+UNVERIFIED_SERVED = "unverified+served"
+"""The finish label that asks for :data:`UNVERIFIED` with requests still served (the engine reports
+:data:`UNVERIFIED` either way; this label is never reported)."""
+
+UNVERIFIED_REASON = (
+    "its model holds a version whose probe failed, with no earlier version to return to; the next update "
+    "that verifies mends it"
+)
 
 
 def _holds(worker: Any) -> str:
@@ -95,12 +154,16 @@ commit; kept here, not written into vLLM's object."""
 
 
 def _admit(core: Any, request: Any) -> str | None:
-    """Why ``request`` must not reach a model step, or None: a prompt token outside the model's vocabulary
+    """Why ``request`` must not reach a model step, or None: the engine serves no request (its model holds no
+    one verified version, see :func:`_stop`), a prompt token outside the model's vocabulary
     where vLLM checks none (an engine without a tokenizer: its embedding would fail), or an adapter version
     of the registry that no longer is (or never was) loadable (its load would fail). Either fails inside
     the step, where an error ends the engine; refused here, one request fails."""
     if not _ours(core):
         return None
+    stopped = _STOPPED.get(core)
+    if stopped is not None:
+        return f"this engine serves no request until an update lands: {stopped}"
     model_config = core.vllm_config.model_config
     tokens = getattr(request, "prompt_token_ids", None)
     if tokens and getattr(model_config, "skip_tokenizer_init", False):
