@@ -23,8 +23,9 @@ from ._session import Session
 from ._shard_plan import ShardPlan, element_size
 from ._sharded import Slot
 from ._sharded_delta import FANOUT, kept_key
-from ._streams import Stream, streams_of
-from ._walk import Feed, Onward, Opened, take, walk_of
+from ._streams import Stream
+from ._topology import Fanout, Pairs
+from ._walk import Feed, Onward, Opened, take
 from .manifest import Manifest
 from .plan import Plan
 from .shard import Box, box_of
@@ -103,7 +104,7 @@ class Intake:
         (attached in the handshake), passed on where this receiver forwards them."""
         taker, session, me, deadline = self.taker, self.session, self.taker.group.rank, self.deadline
         of = {s.source: s for s in self.streams}  # the stream from each source
-        walk = walk_of(session, me, {s: len(f) for s, f in feeds.items()})
+        walk = session.topology.walk(me, {s: len(f) for s, f in feeds.items()})
         walks: dict[int, Opened] = {}
         for by in sorted({of[s].feeder for s in feeds}):
             mine = [(s, k) for s, k in walk if of[s].feeder == by]
@@ -122,7 +123,8 @@ class Intake:
                 # that source's stream; the source may wait for that only when no other receiver's bucket lies
                 # between (it has no more receivers than slots), else it could wait on a later bucket: then
                 # copy out first.
-                receivers = session.fans.get(by, 0)
+                assert isinstance(session.topology, Pairs)
+                receivers = session.topology.fans.get(by, 0)
                 landing = (
                     Landing.SCRATCH if receivers <= getattr(sync.options, "slots", 0) else Landing.STAGING
                 )
@@ -131,7 +133,7 @@ class Intake:
                 land = ring.land(wire, landing)
             ring.size = rx.scratch_buffers
             walks[by] = rx.buckets(wire, land, deadline)
-        onward = Onward(taker.group, session.plan, walk, feeds, deadline, self.device)
+        onward = Onward(taker.group, session.topology.forwards(me), walk, feeds, deadline, self.device)
         for (src, k), (_, view, in_place) in zip(walk, take(walks, (of[s].feeder for s, _ in walk)),
                                                  strict=True):  # fmt: skip
             onward.post(src, view)
@@ -205,7 +207,7 @@ def pair_streams(taker: Taker, session: Session, device: torch.device) -> list[S
     bases = taker.memory.bases if any(h.keeps_base for h in session.headers.values()) else None
     if bases is None:
         taker.memory.bases.clear()  # the senders keep none: nothing to apply a delta to, memory back
-    return streams_of(session, taker.group.rank, False, bases, device)
+    return session.streams(taker.group.rank, False, bases, device)
 
 
 def _namer(manifest: Manifest, rename: Callable[[str], str]) -> Callable[[Any], str]:
@@ -221,7 +223,7 @@ def _kept(buffer: torch.Tensor, plan: Plan, manifest: Manifest) -> dict[int, tup
     }
 
 
-def fanout_named(taker: Taker, session: Session, deadline: Deadline, every: bool, keep: bool) -> Intake:
+def _fanout_named(taker: Taker, session: Session, deadline: Deadline, every: bool, keep: bool) -> Intake:
     """``receive()``: views of the kept buffer (``keep``, or a source that keeps a base), else tensors of
     their own (or views of the ring); ``every=False``: a delta yields only the tensors it changed."""
     header, manifest = session.header, session.manifest
@@ -245,12 +247,12 @@ def fanout_named(taker: Taker, session: Session, deadline: Deadline, every: bool
     )
     entries = manifest.entries if every else ()
     empty = tuple((i, *spec(i)[:2]) for i, e in enumerate(entries) if e.alias_of is None and not e.nbytes)
-    streams = partial(streams_of, session, taker.group.rank, False, None, taker.device)
+    streams = partial(session.streams, taker.group.rank, False, None, taker.device)
     return Intake(taker, session, applier, deadline, streams, empty=empty,
                   tag=("receive",) if header.keeps_base else None, total=len(manifest.entries))  # fmt: skip
 
 
-def fanout_into(
+def _fanout_into(
     taker: Taker, session: Session, targets: dict[str, torch.Tensor], atomic: bool, deadline: Deadline,
     keep: tuple[Any, ...],
 ) -> Intake:  # fmt: skip
@@ -284,7 +286,7 @@ def fanout_into(
 
     applier = allocated(taker.group, what, staged if atomic else streaming)
     kept = header.keeps_base and (atomic or all(typed))
-    streams = partial(streams_of, session, taker.group.rank, False, None, device)
+    streams = partial(session.streams, taker.group.rank, False, None, device)
     return Intake(taker, session, applier, deadline, streams, tag=keep if kept else None, total=len(entries))
 
 
@@ -326,7 +328,7 @@ def _parts(session: Session, me: int) -> Counter[str]:
     return counts(b for (_, dst), cut in session.pairs.pairs.items() if dst == me for b in cut.buckets)
 
 
-def boxes_into(
+def _boxes_into(
     taker: Taker, session: Session, targets: dict[str, Any], atomic: bool, deadline: Deadline
 ) -> Intake:
     """``receive_into`` of pair streams: staged in a kept buffer (``atomic``) or straight into the targets'
@@ -352,7 +354,7 @@ def boxes_into(
     )
 
 
-def boxes_named(
+def _boxes_named(
     taker: Taker, session: Session, deadline: Deadline, keep: bool, only: set[str] | None = None,
     every: bool = True,
 ) -> Intake:  # fmt: skip
@@ -379,3 +381,25 @@ def boxes_named(
     empty = tuple((w, dtype_from_name(plan.dtypes[w]), b.shape) for w, b in whole.items() if not b.numel)
     streams = partial(pair_streams, taker, session, taker.device)
     return Intake(taker, session, applier, deadline, streams, empty=empty if every else ())
+
+
+def intake_named(
+    taker: Taker, session: Session, deadline: Deadline, every: bool, keep: bool, only: set[str] | None
+) -> Intake:
+    """``receive()``'s intake, by the sync's topology: whole tensors as a fan-out stream's buckets land or
+    as every piece of a tensor landed from the pairs (see the two builders); ``only``: the tensors a pair
+    receiver asked boxes of."""
+    if isinstance(session.topology, Fanout):
+        return _fanout_named(taker, session, deadline, every, keep)
+    return _boxes_named(taker, session, deadline, keep, only, every)
+
+
+def intake_into(
+    taker: Taker, session: Session, targets: dict[str, Any], atomic: bool, deadline: Deadline,
+    keep: tuple[Any, ...],
+) -> Intake:  # fmt: skip
+    """``receive_into``'s intake, by the sync's topology (see the two builders); ``keep`` tags the base a
+    fan-out delta may next be applied to."""
+    if isinstance(session.topology, Fanout):
+        return _fanout_into(taker, session, targets, atomic, deadline, keep)
+    return _boxes_into(taker, session, targets, atomic, deadline)

@@ -20,7 +20,7 @@ from ._header import Header
 from ._session import ACK_TAG, Session
 from ._sharded_delta import DeltaMemory
 from .plan import Plans
-from .transports import RxTransport, Sync, pair_transport, spec
+from .transports import RxTransport, Sync, spec
 
 T = TypeVar("T")
 
@@ -47,7 +47,7 @@ class RxStreams:
         header = session.headers.get(feeder)
         if header is None:
             return "p2p", None
-        return (header.transport if session.plan is None else pair_transport(header.transport)), header
+        return session.topology.carrier(header.transport), header
 
     def attach(self, src: int, session: Session) -> str | None:
         """In the handshake: attach to what carries this feeder's stream; why not, if this receiver cannot."""

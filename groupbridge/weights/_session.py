@@ -20,7 +20,7 @@ stream; many sources, or receivers that take boxes, one stream per (source, rece
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -41,6 +41,8 @@ from ._posts import Posts, header_fields, header_of
 from ._shard_plan import ShardPlan
 from ._sharded import conditional, holding, pair_deltas, plan_pairs
 from ._sharded_delta import Bases
+from ._streams import Stream
+from ._topology import Fanout, Pairs, Topology
 from .manifest import Manifest
 from .plan import Plan, Plans
 from .transports import TRANSPORTS
@@ -75,9 +77,8 @@ def make_renamer(rename: Callable[[str], str] | Mapping[str, str] | None) -> Ren
 
 @dataclass(frozen=True, slots=True)
 class Session:
-    """The handshake's outcome, the same on every member: who sends what, over one fan-out stream cut by
-    ``cut`` (one source of whole tensors) or one stream per (source, receiver) pair cut by ``plan`` (see
-    ``_streams.streams_of``)."""
+    """The handshake's outcome, the same on every member: who sends what, and how it travels (``topology``:
+    one fan-out stream of one source's whole tensors, or a stream per (source, receiver) pair)."""
 
     sources: tuple[int, ...]
     header: Header
@@ -86,17 +87,9 @@ class Session:
     """The global tensors some receiver wants: names, global shapes, wire dtypes."""
     headers: Mapping[int, Header]
     """Every source's own header: its stream's sync id, transport and offer."""
-    plan: ShardPlan | None = None
-    cut: Plan | None = None
-    """The fan-out stream's bucket plan (the merged one where every member agreed to it, see
-    ``plan.MERGED_BYTES``); None with pairs, each cut by ``plan``."""
+    topology: Topology
     deltas: frozenset[tuple[int, int]] = frozenset()
     """The (source, receiver) pairs that travel as deltas (a fan-out stream's: all of them, or none)."""
-    keys: Mapping[tuple[int, int], str] = field(default_factory=dict)
-    """This member's pairs and the key of each one's cut."""
-    fans: Mapping[int, int] = field(default_factory=dict)
-    """Each source's number of receivers it posts to itself (from its verdict): how a receiver lands a
-    source's shared buckets (see ``_intake.Intake``)."""
 
     @property
     def src(self) -> int:
@@ -109,20 +102,25 @@ class Session:
     @property
     def fanout(self) -> Plan:
         """The bucket plan of a sync's one fan-out stream."""
-        assert self.cut is not None, "a sync of pairs has no fan-out stream"
-        return self.cut
+        assert isinstance(self.topology, Fanout), "a sync of pairs has no fan-out stream"
+        return self.topology.cut
 
     @property
     def pairs(self) -> ShardPlan:
         """The plan of a sync of pair streams."""
-        assert self.plan is not None, "a fan-out stream has no pairs"
-        return self.plan
+        assert isinstance(self.topology, Pairs), "a fan-out stream has no pairs"
+        return self.topology.plan
 
     def feeding(self, me: int) -> list[int]:
         """The members whose streams reach receiver ``me``: sources, and receivers that forward to it."""
-        if self.plan is None:
-            return list(self.sources)
-        return sorted({self.plan.feeder(s, d) for s, d in self.plan.pairs if d == me})
+        return self.topology.feeding(me)
+
+    def streams(
+        self, me: int, sending: bool, bases: Bases | None, device: torch.device,
+        base: torch.Tensor | None = None,
+    ) -> list[Stream]:  # fmt: skip
+        """This member's streams of the sync, as their source or receiver (see the topology's)."""
+        return self.topology.streams(me, sending, bases, device, self.manifest, self.deltas, base)
 
 
 Judge = Callable[[Session], Verdict]
@@ -266,29 +264,34 @@ def _settle(
             "the senders announce different versions: "
             + ", ".join(f"rank {s}: {v}" for s, v in sorted(versions.items()))
         )
-    plan: ShardPlan | None = None
-    keys: Mapping[tuple[int, int], str] = {}
     whole = manifests[sources[0]]
+    plans = plans or Plans()
+    topology: Topology
+    problems: tuple[str, ...] = ()
     if is_sharded(posts, sources):
         plan, whole, keys = plan_pairs(posts, sources, headers, manifests, me, plans)
-    draft = Session(tuple(sources), lead, whole, headers, plan, keys=keys)
-    if plan is not None and plan.problems:  # only this member can see them: its verdict tells everyone
-        problem = "the senders' and receivers' tensors do not fit together:\n" + "\n".join(plan.problems)
+        topology, problems = Pairs(plan, keys), plan.problems
+    else:
+        topology = Fanout(sources[0], plans.whole(whole, lead.bucket_bytes, lead.solo_bytes))
+    draft = Session(tuple(sources), lead, whole, headers, topology)
+    if problems:  # only this member can see them: its verdict tells everyone
+        problem = "the senders' and receivers' tensors do not fit together:\n" + "\n".join(problems)
         verdict = Verdict(problem, "manifest")
     else:
         verdict = judge(draft) if judge is not None else Verdict(in_place=in_place)
-    fan = len({d for (s, d) in plan.pairs if s == me and plan.feeder(s, d) == me}) if plan is not None else 0
-    verdict = replace(verdict, held=holding(bases, keys, me, pays), fan=fan)
+    mine: Mapping[tuple[int, int], str] = topology.keys if isinstance(topology, Pairs) else {}
+    verdict = replace(verdict, held=holding(bases, mine, me, pays), fan=topology.fan(me))
     gathered = group.all_gather_obj(verdict.to_wire(), timeout=deadline)
     verdicts = [Verdict.from_wire(v, r) for r, v in enumerate(gathered)]
     merged, delta = conclude(lead, sources[0], verdicts)
-    if plan is not None:
+    if isinstance(topology, Pairs):
         fans = {s: verdicts[s].fan for s in sources}
-        return replace(draft, deltas=pair_deltas(plan, headers, verdicts), fans=fans)
+        return replace(draft, topology=replace(topology, fans=fans),
+                       deltas=pair_deltas(topology.plan, headers, verdicts))  # fmt: skip
     receivers = [r for r in range(group.world_size) if r != sources[0]]
-    plans = plans or Plans()
-    cut = plans.merged(whole) if merged else plans.whole(whole, lead.bucket_bytes, lead.solo_bytes)
-    return replace(draft, cut=cut, deltas=frozenset((sources[0], r) for r in receivers if delta))
+    if merged:
+        draft = replace(draft, topology=Fanout(sources[0], plans.merged(whole)))
+    return replace(draft, deltas=frozenset((sources[0], r) for r in receivers if delta))
 
 
 def _manifest(memory: Posts, post: Any, header: Header, src: int, mine: Manifest | None) -> Manifest:

@@ -1,8 +1,7 @@
-"""A member's streams of a sync (:func:`streams_of`), one :class:`Stream` each: the one fan-out of a source's
-whole tensors, or its pair streams (one per (source, receiver), walked by every member in one order, see
-:func:`._walk.walk_of`), each with the parts it travels in. Pairs travel over a transport that carries them
-(``shm`` on one host, ``p2p`` across hosts) and land through the one family of appliers (:mod:`._appliers`),
-as a fan-out stream's buckets do.
+"""A member's streams of a sync, one :class:`Stream` each (made by the sync's topology, see
+:mod:`._topology`): the one fan-out of a source's whole tensors, or its pair streams, each with the parts it
+travels in. Pairs land through the one family of appliers (:mod:`._appliers`), as a fan-out stream's buckets
+do.
 """
 
 from __future__ import annotations
@@ -12,42 +11,8 @@ from typing import Any
 
 import torch
 
-from . import _delta
 from ._delta_sync import delta_groups
-from ._session import Session
-from ._sharded_delta import Bases, bucket_word
 from .plan import Plan
-
-
-def streams_of(
-    session: Session,
-    me: int,
-    sending: bool,
-    bases: Bases | None,
-    device: torch.device,
-    fanout_base: torch.Tensor | None = None,
-) -> list[Stream]:
-    """This member's streams of the sync, as their source or receiver: the one fan-out stream (its source's
-    base ``fanout_base``, see ``DeltaSender.prepare``; a receiver keeps its own where its applier holds the
-    tensors), or its pair streams, their bases begun for it on ``device`` when bases are kept."""
-    if session.plan is None:
-        whole, delta = session.fanout, session.delta
-        words = tuple(_delta.word_size(whole, session.manifest, k) for k in range(len(whole.bounds)) if delta)
-        key = session.manifest.digest
-        parts = parts_of(whole, delta)
-        return [Stream(session.src, None, session.src, whole, words, fanout_base, delta, key, parts)]
-    plan, out = session.pairs, []
-    for (src, dst), cut in plan.pairs.items():
-        if (src if sending else dst) != me:
-            continue
-        peer, key = (dst if sending else src), session.keys[(src, dst)]
-        base = bases.begin(peer, key, cut.total_bytes, device)[0] if bases is not None else None
-        delta = (src, dst) in session.deltas
-        words = tuple(bucket_word(pieces, plan.dtypes) for pieces in cut.buckets if delta)
-        out.append(
-            Stream(src, dst, plan.feeder(src, dst), cut, words, base, delta, key, parts_of(cut, False))
-        )
-    return out
 
 
 def parts_of(cut: Plan[Any], groups: bool) -> tuple[tuple[int, int], ...]:

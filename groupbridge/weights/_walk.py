@@ -1,6 +1,6 @@
-"""How a receiver takes its streams: the one receive loop of every stream (:func:`take`), the one order every
-member takes a sync's pair streams in (:func:`walk_of`), and what a receiver passes on to the next along a
-chain as it takes it (:class:`Onward`, see ``ShardPlan.upstream``)."""
+"""How a receiver takes its streams: the one receive loop of every stream (:func:`take`, in the order its
+topology walks them: ``Topology.walk``), and what a receiver passes on to the next along a chain as it takes
+it (:class:`Onward`, see ``ShardPlan.upstream``)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,6 @@ import torch
 from ..control import Deadline
 from ..errors import ProtocolError
 from ..stateless import StatelessGroup
-from ._session import Session
-from ._shard_plan import ShardPlan
 from .plan import Plan
 from .transports import Sync, TxTransport, spec
 
@@ -45,33 +43,17 @@ def take(streams: Mapping[int, Opened], order: Iterable[int]) -> Opened:
                 raise ProtocolError(f"rank {feeder}'s stream has more buckets than its plan")
 
 
-def walk_of(session: Session, me: int, lengths: Mapping[int, int]) -> list[tuple[int, int]]:
-    """The (source, bucket) this receiver takes, in the one order every member walks a sync's pairs: by
-    step (the bucket's round plus its hop: a forwarded pair's bucket k is taken a step after its forwarder
-    took it, a wavefront down every chain at once, where walking rounds in lockstep would make each round
-    wait for its longest chain), then hop, the turn of the cut's first receiver (see ``ShardPlan.turn``) and
-    source. Along a chain every receiver walks the cut alike, so what a forwarder passes on to a receiver
-    arrives in the order that receiver takes it (``p2p`` matches a pair's sends and receives in order)."""
-    if session.plan is None:  # the fan-out: one stream
-        return [(s, k) for s, n in lengths.items() for k in range(n)]
-    plan = session.pairs
-    hops = {s: plan.hop(s, me) for s in lengths}
-    key = {s: (hops[s], plan.turn(s, plan.head(s, me)), s) for s in lengths}
-    events = ((s, k) for s, n in lengths.items() for k in range(n))
-    return sorted(events, key=lambda e: (e[1] + hops[e[0]], key[e[0]]))
-
-
 class Onward:
-    """What this receiver forwards (see ``ShardPlan.upstream``): each bucket of a pair it takes whose cut
-    another receiver takes from it, passed on as it lands (copied out first: the landing buffer is reused
-    while the send may still be on the wire), in the order this receiver takes them, over ``p2p``."""
+    """What this receiver forwards (``to``: source to next receiver, see ``Topology.forwards``): each bucket
+    of a pair it takes whose cut another receiver takes from it, passed on as it lands (copied out first: the
+    landing buffer is reused while the send may still be on the wire), in the order this receiver takes
+    them, over ``p2p``."""
 
     def __init__(
-        self, group: StatelessGroup, plan: ShardPlan | None, walk: list[tuple[int, int]],
+        self, group: StatelessGroup, to: Mapping[int, int], walk: list[tuple[int, int]],
         feeds: Mapping[int, list[Feed]], deadline: Deadline, device: torch.device,
     ) -> None:  # fmt: skip
-        me = group.rank
-        self.to = {s: d for (s, d), u in plan.upstream.items() if u == me} if plan is not None else {}
+        self.to = dict(to)
         self.tx: TxTransport | None = None
         self.device = device
         self.posted = 0

@@ -20,13 +20,14 @@ from ..stateless import StatelessGroup
 from . import _bytes
 from ._copier import Copier
 from ._header import Verdict
-from ._intake import Intake, boxes_into, boxes_named, fanout_into, fanout_named
+from ._intake import intake_into, intake_named
 from ._posts import Posts
 from ._receive import into, named
 from ._rx_checks import Reads, data_ptr, refusal, wants_of
 from ._rx_stream import RxStreams, Taker
 from ._session import Session, laid_out_in_place, make_renamer, open_session
 from ._sharded_delta import FANOUT, DeltaMemory, kept_key
+from ._topology import Pairs
 from ._update import WeightUpdate
 from .manifest import Manifest, expected_specs, tensors_of
 from .plan import Plans
@@ -112,7 +113,7 @@ class WeightReceiver(Closing):
                     problem = f"{type(e).__name__}: {e}"
                 if problem is not None:
                     return Verdict(f"rank {self.group.rank}: {problem}", "transport")
-            if draft.plan is not None:
+            if isinstance(draft.topology, Pairs):  # its boxes are checked by the plan
                 return Verdict()
             header, manifest = draft.header, draft.manifest
             dest = _dest(manifest, targets, self._rename) if targets is not None else None
@@ -197,12 +198,8 @@ class WeightReceiver(Closing):
                 self._reads = learning.learned
         every = not (session.delta and only_changed)
         taker = self._taker(ready)
-        intake: Intake
-        if session.plan is None:
-            intake = fanout_named(taker, session, deadline, every, keep)
-        else:
-            only = set(posted[1]) if posted and learning is not None and learning.used else None
-            intake = boxes_named(taker, session, deadline, keep, only, every)
+        only = set(posted[1]) if posted and learning is not None and learning.used else None
+        intake = intake_named(taker, session, deadline, every, keep, only)
         return WeightUpdate(session, named(taker, session, intake, deadline), self.group, kept=keep)
 
     def _taker(self, ready: Callable[[], None] | None = None) -> Taker:
@@ -245,8 +242,7 @@ class WeightReceiver(Closing):
                                       targets=None if atomic else targets,
                                       wants=wants_of(targets, self._renames))  # fmt: skip
             taker = self._taker()
-            intake = (fanout_into(taker, session, targets, atomic, deadline, keep) if session.plan is None
-                      else boxes_into(taker, session, targets, atomic, deadline))  # fmt: skip
+            intake = intake_into(taker, session, targets, atomic, deadline, keep)
             return into(taker, session, intake, deadline)
 
 

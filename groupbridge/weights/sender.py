@@ -31,7 +31,7 @@ from ._sharded_delta import Bases, DeltaMemory
 from ._sharded_tx import SourceSlots
 from ._source import Puller
 from ._stats import SyncStats
-from ._streams import streams_of
+from ._topology import Pairs
 from ._tx_stream import Progress, Source, send_streams, source_sync
 from .manifest import Manifest
 from .plan import Plan, Plans
@@ -42,7 +42,6 @@ from .transports import (
     TxTransport,
     across_hosts,
     choose,
-    pair_transport,
     stream_device,
 )
 
@@ -222,7 +221,7 @@ class WeightSender(Closing):
                 in_place=in_place(items, manifest, self._delta is not None, self._plans), bases=self._bases,
                 plans=self._plans, pays=self._delta.policy.pays if self._delta is not None else None,
             )  # fmt: skip
-            carrier = pair_transport(kind) if session.plan is not None else kind
+            carrier = session.topology.carrier(kind)
             if carrier != kind and self.transport != "auto":
                 self.group.log.info("transport=%r carries one source's stream; this sync's pairs go over %s",
                                     self.transport, carrier)  # fmt: skip
@@ -235,7 +234,7 @@ class WeightSender(Closing):
             sample: Callable[[torch.Tensor, int], None] | None = None
             source: Source
             base: torch.Tensor | None = None
-            if session.plan is not None:  # pair streams, over the transport that carries them
+            if isinstance(session.topology, Pairs):  # pair streams, over the transport that carries them
                 source = slots = SourceSlots(manifest, items, shards, session.pairs, self.src)
                 replicas, cleanup = partial(slots.replicas, deadline), slots.close
             else:
@@ -243,7 +242,7 @@ class WeightSender(Closing):
                 if self._delta is not None:
                     base, sampled = self._delta.prepare(session, session.fanout, at)
                     sample = partial(self._delta.sample, puller, session.fanout) if sampled else None
-            streams = streams_of(session, self.src, True, self._bases, at, base)
+            streams = session.streams(self.src, True, self._bases, at, base)
             workers = self._delta.workers() if self._delta is not None else [self._copier]
             send = partial(send_streams, self.group, session, streams, source, workers, self._scratch, tx,
                            sync, at, progress, sample)  # fmt: skip
