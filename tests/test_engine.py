@@ -123,6 +123,18 @@ def _engine(rank: int, calls: Any, replies: Any, shadow: bool = False) -> dict[s
                         model[name].copy_(t + (0.5 if i == 2 else 0.0))
 
                 type(loader).load = bad
+            elif call == "tear_loads":  # each of the next ``arg`` loads fails midway
+
+                def tearing(self: Any, weights: Any, left: list[int] = [arg]) -> None:  # noqa: B006
+                    left[0] -= 1
+                    if not left[0]:
+                        type(self).load = honest_load
+                    for i, (name, t) in enumerate(weights):
+                        if i == 3:
+                            raise RuntimeError("the loader failed midway")
+                        model[name].copy_(t)
+
+                type(loader).load = tearing
             elif call == "rollback":
                 session.begin()
                 session.stage_rollback(arg)
@@ -436,6 +448,19 @@ def test_a_torn_commit_is_rolled_back_to_the_whole_previous_version() -> None:
     assert out["version"] == 3 and out["sum"] == 3.0 * WHOLE
 
 
+def test_a_load_that_fails_over_a_torn_model_names_every_version_it_mixes() -> None:
+    """The commit of version 2 fails midway, then the rollback to 1 does too: the model holds parts of 1
+    and 2, and the text says so (it used to say "1 and 1", the version last held whole and the one loaded)."""
+    with rig(rollback=True) as (session, control, out):
+        assert session.send(slow(1.0, 0), specs=SPECS) == 1
+        control.rpc("tear_loads", 2)
+        mixed = r"(?s)rollback to version 1 failed too.*mix of two versions \(1 and 2\)"
+        with pytest.raises(WeightSyncError, match=mixed):
+            session.send(slow(2.0, 0), specs=SPECS)
+        assert session.send(slow(3.0, 0), specs=SPECS) == 3
+    assert out["sum"] == 3.0 * WHOLE
+
+
 def test_without_rollback_a_failed_probe_cannot_happen_and_a_torn_commit_says_so() -> None:
     with pytest.raises(ValueError, match="verify needs rollback"):
         TrainerConfig(verify=Probe([1, 2], lambda v: [0.0]), rollback=False)
@@ -548,6 +573,7 @@ def test_a_second_trainer_on_the_engine_never_lets_the_first_reuse_a_version() -
             assert first.send(slow(5.0, 0), specs=SPECS) == 5
             e = refused_after_takeover(lambda: second.send(slow(6.0, 0), specs=SPECS))
             assert "holds version 5; version 5 is not newer" in str(e)  # its default was 5 too
+            assert "holds version 5, as new as this trainer's 5" in str(e)  # not "newer than"
             assert second.send(slow(6.0, 0), specs=SPECS) == 6
         finally:
             second.close()

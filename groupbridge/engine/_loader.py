@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Protocol
 
 import torch
@@ -64,10 +64,12 @@ class ReadsBoxes(Protocol):
     def reads(self, manifest: Manifest) -> Mapping[str, Box | None]: ...
 
 
-def load_whole(loader: Loader, weights: Pairs, version: int, held: object, log: logging.Logger) -> float:
-    """``loader``'s load of ``weights`` (version ``version``, over the model holding ``held``), then its
-    finish, whatever happened; returns the finish's seconds. A load that fails midway raises
-    TornUpdateError naming what was written."""
+def load_whole(
+    loader: Loader, weights: Pairs, version: int, mix: Sequence[object], log: logging.Logger
+) -> float:
+    """``loader``'s load of ``weights`` (version ``version``), then its finish, whatever happened; returns
+    the finish's seconds. A load that fails midway raises TornUpdateError naming what was written and the
+    versions the model then holds parts of (``mix``: what it held, ``version`` among them)."""
     loaded: list[str] = []
 
     def counted() -> Pairs:
@@ -84,8 +86,7 @@ def load_whole(loader: Loader, weights: Pairs, version: int, held: object, log: 
             log.exception("groupbridge: finishing the interrupted load failed")
         raise TornUpdateError(
             f"loading version {version} failed after {len(loaded)} tensors: {type(e).__name__}: {e}; the "
-            f"model now holds a mix of two versions ({held} and {version}), torn until an update loads "
-            "(the next one loads every tensor)",
+            f"model now holds {_mixed(mix)}, torn until an update loads (the next one loads every tensor)",
             written=loaded,
         ) from e
     except BaseException:
@@ -94,3 +95,12 @@ def load_whole(loader: Loader, weights: Pairs, version: int, held: object, log: 
     t0 = time.perf_counter()
     loader.finish()
     return time.perf_counter() - t0
+
+
+def _mixed(mix: Sequence[object]) -> str:
+    """The versions a torn model holds parts of, in words: "a mix of two versions (1 and 2)"."""
+    words = [str(v) for v in mix]
+    if len(words) < 2:
+        return f"version {words[0] if words else '?'}, partly rewritten"
+    count = {2: "two", 3: "three"}.get(len(words), str(len(words)))
+    return f"a mix of {count} versions ({', '.join(words[:-1])} and {words[-1]})"

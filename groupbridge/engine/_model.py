@@ -38,6 +38,9 @@ class ServedModel:
         """The version the shadow holds, complete (the one served before the last swap); None: none."""
         self.clean = True
         """The serving copy holds ``version`` and nothing else (no load into it failed midway since)."""
+        self.mix: tuple[object, ...] = ()
+        """While not ``clean``: the versions the serving copy holds parts of (each load that failed midway
+        adds its own), for the texts that say what a torn model holds."""
         self.kept = KeptCopy()
         """The bytes of the version served before the update in flight (``BridgeInfo.rollback``)."""
 
@@ -54,11 +57,11 @@ class ServedModel:
 
     def load(self, weights: Pairs, version: int) -> None:
         """The loader's load, then its finish, whatever happened; a load that fails midway is torn."""
-        self.clean = False
-        self.timings["finish"] = load_whole(
-            self.loader, weights, version, self._held("the initial one"), self.log
-        )
-        self.clean = True
+        before = self.mix if not self.clean else (self._held("the initial one"),)
+        mix = before if version in before else (*before, version)
+        self.clean, self.mix = False, mix
+        self.timings["finish"] = load_whole(self.loader, weights, version, mix, self.log)
+        self.clean, self.mix = True, ()
 
     def prepare(self, weights: Pairs, version: int | None) -> None:
         """The update into the shadow (see :class:`Swaps`); the serving copy is untouched whatever happens."""

@@ -294,7 +294,8 @@ class TrainerSession(Closing):
             if isinstance(e, SyncRefusedError) and e.newest is not None:
                 self._passed_by(e.newest)
                 raise SyncRefusedError(
-                    f"{e}\nthe engine holds version {e.newest}, newer than this trainer's {v} (another "
+                    f"{e}\nthe engine holds version {e.newest}, "
+                    f"{'as new as' if e.newest == v else 'newer than'} this trainer's {v} (another "
                     f"trainer updated it): nothing was sent; the next default version is "
                     f"{self.next_version(None)}",
                     newest=e.newest,
