@@ -763,3 +763,37 @@ def test_the_engine_layer_and_the_http_client_import_nothing_of_vllm() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
     assert out.returncode == 0 and out.stdout.strip() == "[]", (out.stdout[-2000:], out.stderr[-2000:])
+
+
+def test_the_http_client_keeps_the_cause_of_each_error() -> None:
+    """An error status and a refused connection raise RuntimeError naming the request, with its cause
+    chained (it used to be dropped), so that a caller can tell the two apart."""
+    import http.server
+    import socket
+    import urllib.error
+
+    from groupbridge.vllm._control import HttpClient
+
+    class Busy(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.send_response(503)
+            self.end_headers()
+            self.wfile.write(b"busy")
+
+        def log_message(self, *args: Any) -> None: ...
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Busy)
+    serving = threading.Thread(target=srv.serve_forever, daemon=True)
+    serving.start()
+    try:
+        with pytest.raises(RuntimeError, match="HTTP 503: busy") as e:
+            HttpClient(f"http://127.0.0.1:{srv.server_port}", timeout=5).post("update_weights", {})
+        assert isinstance(e.value.__cause__, urllib.error.HTTPError)
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    with socket.socket() as bound:  # bound, never listening: a connection to it is refused
+        bound.bind(("127.0.0.1", 0))
+        with pytest.raises(RuntimeError, match="bounded by 5 s") as e:
+            HttpClient(f"http://127.0.0.1:{bound.getsockname()[1]}", timeout=5).get("weight_info")
+    assert isinstance(e.value.__cause__, urllib.error.URLError)

@@ -678,6 +678,47 @@ def test_a_second_send_on_one_sender_is_refused_while_the_first_runs() -> None:
     assert res[1] == 1, res
 
 
+def _two_receives(rank: int, host: str, ports: Any) -> Any:
+    shapes = [(f"w{i}", (16, 16)) for i in range(4)]
+    with make_group(rank, 2, host, ports) as g:
+        if rank == 0:
+            snd = gb.WeightSender(g)
+            for v in (1, 2, 3):
+                snd.send(make_model(shapes, seed=v), version=v)
+            return "sent"
+        rcv = gb.WeightReceiver(g, src=0)
+        refused = []
+        update = rcv.receive()  # open until read to the end
+        for call in (lambda: rcv.receive(), lambda: rcv.receive_into(make_model(shapes, seed=0))):
+            try:
+                call()
+            except RuntimeError as e:
+                refused.append(str(e))
+        got = {n: t.clone() for n, t in update}  # views valid until the next bucket: copied
+        target = make_model(shapes, seed=0)
+        rcv.receive_into(target)  # the first one read to the end: the next begins
+        with rcv.receive() as third:
+            last = {n: t.clone() for n, t in third}
+        return (
+            refused,
+            rcv.version,
+            [torch.equal(got[n], make_model(shapes, seed=1)[n]) for n in got],
+            [torch.equal(target[n], make_model(shapes, seed=2)[n]) for n in target],
+            sorted(last) == sorted(target),
+        )
+
+
+@pytest.mark.timeout(60)
+def test_a_second_receive_on_one_receiver_is_refused_while_the_first_runs() -> None:
+    """A receive() whose update is not yet read, then a second receive() and a receive_into() on the same
+    receiver: each refused at once (it would take the first's buckets); the first reads to the end, and
+    later receives go on."""
+    res = run_ranks(_two_receives, 2, "127.0.0.1", CTX.Queue(), timeout=50)
+    refused, version, first, second, third = res[1]
+    assert len(refused) == 2 and all("a receive is already running" in r for r in refused), refused
+    assert version == 3 and all(first) and all(second) and third, res
+
+
 def _announced(rank: int, host: str, ports: Any, sources: int) -> Any:
     """A sender announces a 256 GiB tensor (a stride-0 view of 4 bytes): receive(), which allocates from the
     announced sizes, refuses it before anything is allocated, on every member; the group goes on."""

@@ -356,9 +356,9 @@ class HttpClient:
                 raw = r.read()
         except urllib.error.HTTPError as e:
             detail = e.read()[:500].decode(errors="replace")
-            raise RuntimeError(f"{method} {url}: HTTP {e.code}: {detail}") from None
+            raise RuntimeError(f"{method} {url}: HTTP {e.code}: {detail}") from e
         except (urllib.error.URLError, TimeoutError, OSError) as e:
-            raise RuntimeError(f"{method} {url} (bounded by {self.timeout:g} s): {e}") from None
+            raise RuntimeError(f"{method} {url} (bounded by {self.timeout:g} s): {e}") from e
         if not raw:
             return None
         try:

@@ -4,7 +4,7 @@ sync's protocol until it is read to the end, so dropping or closing it unread te
 from __future__ import annotations
 
 import weakref
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 
 import torch
 
@@ -29,7 +29,7 @@ class WeightUpdate:
 
     def __init__(
         self, session: Session, pairs: Generator[tuple[str, torch.Tensor], None, None], group: StatelessGroup,
-        kept: bool = False,
+        kept: bool = False, unread: Callable[[], None] | None = None,
     ) -> None:  # fmt: skip
         self.version = session.header.version
         self.manifest = session.manifest
@@ -40,7 +40,7 @@ class WeightUpdate:
         self._pairs: Generator[tuple[str, torch.Tensor], None, None] | None = pairs
         self._taken: Generator[tuple[str, torch.Tensor], None, None] | None = None
         reason = f"the update of version {self.version} was dropped before it was read"
-        self._finalizer = weakref.finalize(self, _abandon, group, reason)
+        self._finalizer = weakref.finalize(self, _abandon, group, reason, unread)
         self._finalizer.atexit = False
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -67,7 +67,12 @@ class WeightUpdate:
         self.close()
 
 
-def _abandon(group: StatelessGroup, reason: str) -> None:
-    """An update dropped or closed unread: abort its sync for every member (no-op once the group closed)."""
-    if not group.closed:
-        group.abort(f"rank {group.rank}: {reason}")
+def _abandon(group: StatelessGroup, reason: str, unread: Callable[[], None] | None) -> None:
+    """An update dropped or closed unread: abort its sync for every member (no-op once the group closed),
+    then ``unread`` (the receiver's next receive may begin)."""
+    try:
+        if not group.closed:
+            group.abort(f"rank {group.rank}: {reason}")
+    finally:
+        if unread is not None:
+            unread()

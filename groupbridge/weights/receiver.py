@@ -5,7 +5,8 @@ streams of boxes) through an :class:`._intake.Intake`, borrowing a :class:`._rx_
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import threading
+from collections.abc import Callable, Generator, Mapping
 from datetime import timedelta
 from functools import partial
 from typing import Any
@@ -90,6 +91,9 @@ class WeightReceiver(Closing):
         self._plans = Plans()
         self._bases = self._memory.bases
         self._reads: tuple[str, dict[str, Any]] | None = None
+        self._receiving = threading.Lock()
+        """Held from a receive's start to its end (an update's, until read to the end or dropped): a second
+        receive would take the first's buckets."""
         """``receive(reads=...)``: (the sources' key, the wants to post) learned in the last handshake."""
 
     def _handshake(
@@ -181,6 +185,26 @@ class WeightReceiver(Closing):
         """
         if reads is not None and (self._renames or not keep):
             raise ValueError("receive(reads=...) takes the names on the wire and keep=True")
+        self._begin("receive()")
+        try:
+            update = self._receive(allow_stale, timeout, accept, only_changed, keep, reads, ready)
+        except BaseException:
+            self._receiving.release()
+            raise
+        return update
+
+    def _begin(self, what: str) -> None:
+        if not self._receiving.acquire(blocking=False):
+            raise RuntimeError(
+                f"{what}: a receive is already running on this WeightReceiver (rank {self.group.rank}): read "
+                "its update to the end, or close it, first"
+            )
+
+    def _receive(
+        self, allow_stale: bool, timeout: timedelta | None, accept: Callable[[Manifest], str | None] | None,
+        only_changed: bool, keep: bool, reads: Callable[[Manifest], Mapping[str, Box | None]] | None,
+        ready: Callable[[], None] | None,
+    ) -> WeightUpdate:  # fmt: skip
         deadline = self.group.deadline(timeout)
         self._copier.deadline = deadline
         learning = Reads(reads, self._reads, self.group.rank) if reads is not None else None
@@ -200,7 +224,8 @@ class WeightReceiver(Closing):
         taker = self._taker(ready)
         only = set(posted[1]) if posted and learning is not None and learning.used else None
         intake = intake_named(taker, session, deadline, every, keep, only)
-        return WeightUpdate(session, named(taker, session, intake, deadline), self.group, kept=keep)
+        pairs = _released(named(taker, session, intake, deadline), self._receiving)
+        return WeightUpdate(session, pairs, self.group, kept=keep, unread=self._receiving.release)
 
     def _taker(self, ready: Callable[[], None] | None = None) -> Taker:
         """What a receive borrows; the fan-out base it rewrites holds no version until it commits."""
@@ -232,6 +257,13 @@ class WeightReceiver(Closing):
         With deltas, do not change the target between syncs: its unchanged tensors are taken to hold the
         version last received (one that differs is caught by the digests and raises).
         """
+        self._begin("receive_into()")
+        try:
+            return self._receive_into(target, atomic, allow_stale, timeout)
+        finally:
+            self._receiving.release()
+
+    def _receive_into(self, target: Any, atomic: bool, allow_stale: bool, timeout: timedelta | None) -> int:
         deadline = self.group.deadline(timeout)
         self._copier.deadline = deadline
         targets = tensors_of(target, "receive_into()")
@@ -244,6 +276,16 @@ class WeightReceiver(Closing):
             taker = self._taker()
             intake = intake_into(taker, session, targets, atomic, deadline, keep)
             return into(taker, session, intake, deadline)
+
+
+def _released(
+    pairs: Generator[tuple[str, torch.Tensor], None, None], lock: threading.Lock
+) -> Generator[tuple[str, torch.Tensor], None, None]:
+    """``pairs``, then ``lock`` released however it ends (read to the end, failed, closed or dropped)."""
+    try:
+        yield from pairs
+    finally:
+        lock.release()
 
 
 def _dest(
