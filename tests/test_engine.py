@@ -797,3 +797,17 @@ def test_the_http_client_keeps_the_cause_of_each_error() -> None:
         with pytest.raises(RuntimeError, match="bounded by 5 s") as e:
             HttpClient(f"http://127.0.0.1:{bound.getsockname()[1]}", timeout=5).get("weight_info")
     assert isinstance(e.value.__cause__, urllib.error.URLError)
+
+
+def test_no_version_past_the_largest_reaches_the_engine() -> None:
+    """A send of version 2**62 is refused before the engine hears of it; the largest version is sent; then
+    the next default version would be out of range: refused at once, saying what clears it."""
+    with rig() as (session, _, out):
+        with pytest.raises(ValueError, match="out of range"):
+            session.send(slow(1.0, 0), specs=SPECS, version=1 << 62)
+        assert session.send(slow(2.0, 0), specs=SPECS, version=(1 << 62) - 1) == (1 << 62) - 1
+        with pytest.raises(ValueError, match="restart its workers"):
+            session.send(slow(3.0, 0), specs=SPECS)
+    assert out["version"] == (1 << 62) - 1 and out["sum"] == 2.0 * WHOLE
+    with pytest.raises(ValueError, match="first_version"):
+        TrainerConfig(first_version=1 << 62)

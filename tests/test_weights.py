@@ -815,3 +815,39 @@ def test_a_receiver_that_cannot_allocate_tells_every_sender(sources: int) -> Non
     for r in range(sources):
         text, took = res[r]
         assert "rank" in text and str(sources) in text and took < 2 + 5, res[r]
+
+
+def _out_of_range(rank: int, host: str, ports: Any) -> Any:
+    shapes = [("w", (4, 4))]
+    with make_group(rank, 2, host, ports) as g:
+        if rank == 0:
+            snd = gb.WeightSender(g)
+            try:
+                snd.send(make_model(shapes, seed=1), version=1 << 62)
+                first = "sent"
+            except ValueError as e:
+                first = str(e)
+            snd.send(make_model(shapes, seed=2), version=(1 << 62) - 1)  # the largest: it carries
+            return first
+        rcv = gb.WeightReceiver(g, src=0)
+        target = make_model(shapes, seed=0)
+        try:
+            rcv.receive_into(target)
+            first = "received"
+        except gb.WeightSyncError as e:
+            first = str(e)
+        rcv.receive_into(target)
+        return first, rcv.version
+
+
+@pytest.mark.timeout(60)
+def test_a_version_out_of_range_is_refused_before_it_moves_and_the_largest_carries() -> None:
+    """A version past 2**62 - 1 (a buggy counter) is refused by the sender before any byte moves, the
+    receiver told; the largest version travels, and a verdict can carry it back."""
+    from groupbridge.weights._header import MAX_VERSION, Verdict
+
+    res = run_ranks(_out_of_range, 2, "127.0.0.1", CTX.Queue(), timeout=50)
+    assert "out of range" in res[0], res
+    assert "out of range" in res[1][0] and res[1][1] == MAX_VERSION, res
+    wire = Verdict("a newer version is held", "stale", holds=MAX_VERSION).to_wire()
+    assert Verdict.from_wire(wire, 1).holds == MAX_VERSION  # it used to be refused as malformed

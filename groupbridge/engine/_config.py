@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..net import Listener
+from ..weights._header import MAX_VERSION
 from ..weights.transports import TRANSPORTS
 from ._info import SWAPS, check_seconds
 from ._probe import Probe
@@ -116,8 +117,8 @@ class TrainerConfig:
         if not isinstance(self.port, int) or not 0 <= self.port < 65536:
             raise ValueError(f"port={self.port!r} is not a TCP port (0: the kernel picks one)")
         fv = self.first_version
-        if fv is not None and (isinstance(fv, bool) or not isinstance(fv, int) or fv < 0):
-            raise ValueError(f"first_version={fv!r} must be None or an int >= 0")
+        if fv is not None and (isinstance(fv, bool) or not isinstance(fv, int) or not 0 <= fv <= MAX_VERSION):
+            raise ValueError(f"first_version={fv!r} must be None or an int from 0 to 2**62 - 1")
         if not isinstance(self.sources, int) or self.sources < 1:
             raise ValueError(f"sources={self.sources!r} must be >= 1 (the trainer ranks that send)")
         if self.swap not in SWAPS:

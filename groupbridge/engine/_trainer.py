@@ -39,6 +39,7 @@ from ..errors import GroupBridgeError, PeerDiedError, SyncRefusedError, WeightSy
 from ..net import Address, listen
 from ..stateless import StatelessGroup
 from ..weights import DeltaMemory
+from ..weights._header import MAX_VERSION, check_version
 from ..weights.sender import SyncStats, WeightSender
 from ._calls import Call, abort_later, usable
 from ._config import TrainerConfig
@@ -228,14 +229,16 @@ class TrainerSession(Closing):
     # ------------------------------------------------------------------ one step
 
     def next_version(self, version: int | None) -> int:
+        """``version``, or the one after every version this trainer sent or the engine holds; raises
+        ValueError, before anything reaches the engine, when it is not one a sync carries."""
         if version is not None:
-            return version
+            return check_version(version)
         held = [v for v in (self.version, self.sent, self.passed) if v is not None]
         if held:
-            return max(held) + 1
+            return _next(max(held))
         if self.config.first_version is not None:
             return self.config.first_version
-        return self.engine_served + 1 if self.engine_served is not None else 1
+        return _next(self.engine_served) if self.engine_served is not None else 1
 
     def send(
         self,
@@ -350,3 +353,13 @@ class TrainerSession(Closing):
             raise
         self.version = v
         return v
+
+
+def _next(held: int) -> int:
+    """The version after ``held``, the newest this trainer or its engine holds."""
+    if held >= MAX_VERSION:
+        raise ValueError(
+            f"the next version after {held} is out of range (versions lie within +-(2**62 - 1)): the engine "
+            "holds the largest version a sync carries; restart its workers to clear what they hold"
+        )
+    return held + 1

@@ -37,6 +37,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from ..engine import BridgeInfo, WorkerSession
+from ..weights._header import MAX_VERSION
 from ..weights.manifest import Manifest
 from ..weights.shard import Box
 from ._compat import (
@@ -100,6 +101,8 @@ class UpdateInfo(WeightTransferUpdateInfo):
     def __post_init__(self) -> None:
         if isinstance(self.version, bool) or not isinstance(self.version, int):
             raise ValueError(f"version must be an int, got {self.version!r}")
+        if abs(self.version) > MAX_VERSION:  # an engine holding it would refuse every later version
+            raise ValueError(f"version {self.version} is out of range: versions lie within +-(2**62 - 1)")
         if not isinstance(self.abandon, bool):
             raise ValueError(f"abandon must be a bool, got {self.abandon!r}")
         if not isinstance(self.rollback, bool) or (self.rollback and self.abandon):

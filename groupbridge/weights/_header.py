@@ -12,6 +12,21 @@ from ..errors import ProtocolError
 VERIFY = ("", "xxh3", "hmac")
 _SYNC_ID = re.compile(r"[0-9a-f]{1,64}")
 MAX_BUCKET_BYTES = 1 << 40
+MAX_VERSION = (1 << 62) - 1
+"""The largest version a sync carries (and the smallest, negated): every version that enters (a send, a
+trainer's next version, an engine's update) is checked against it, so that the version an engine then
+holds always has a next one that is valid, and every verdict can carry it back."""
+
+
+def check_version(version: Any, what: str = "version") -> int:
+    """``version`` if it is an int within +-:data:`MAX_VERSION`; else TypeError or ValueError saying so."""
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise TypeError(f"{what} must be an int, got {type(version).__name__}")
+    if not -MAX_VERSION <= version <= MAX_VERSION:
+        raise ValueError(f"{what}={version} is out of range: versions lie within +-(2**62 - 1)")
+    return version
+
+
 MAX_OFFER_ITEMS = 64
 
 
@@ -73,7 +88,7 @@ class Header:
         if base is not None and type(base) is not int:
             raise ProtocolError("sync header: the delta's base version is malformed")
         return cls(
-            field("version", int, -(1 << 62)),
+            field("version", int, -MAX_VERSION, MAX_VERSION),
             field("digest", str),
             field("bucket_bytes", int, 1, MAX_BUCKET_BYTES),
             field("solo_bytes", int, 1, MAX_BUCKET_BYTES),
@@ -134,7 +149,10 @@ class Verdict:
             and (d.get("problem") is None or isinstance(d["problem"], str))
             and isinstance(held := d.get("held", []), list)
             and all(isinstance(h, list) and len(h) == 2 and all(type(x) is int for x in h) for h in held)
-            and ((holds := d.get("holds")) is None or (type(holds) is int and -(1 << 62) <= holds < 1 << 62))
+            and (
+                (holds := d.get("holds")) is None
+                or (type(holds) is int and -MAX_VERSION <= holds <= MAX_VERSION)
+            )
             and type(fan := d.get("fan", 0)) is int
             and 0 <= fan < 1 << 31
         ):

@@ -23,7 +23,7 @@ from . import _bytes
 from ._copier import Copier
 from ._delta_tx import DeltaSender
 from ._described import Described, NamedTensors, Specs, in_place, named_tensors_of, peek_device
-from ._header import Header
+from ._header import Header, check_version
 from ._posts import Posts
 from ._session import make_renamer, open_session, refuse
 from ._sharded import boxes_of
@@ -177,8 +177,6 @@ class WeightSender(Closing):
             SyncRefusedError: every member ended the sync alike (a receiver refused it or its bytes).
             WeightSyncError: the transfer failed or a receiver reported a failure (the cause is chained).
         """
-        if isinstance(version, bool) or not isinstance(version, int):
-            raise TypeError(f"version must be an int, got {type(version).__name__}")
         if not self._sending.acquire(blocking=False):  # a second sync would interleave with the first's
             raise RuntimeError(f"a send is already running on this WeightSender (version {version} not sent)")
         try:
@@ -195,6 +193,7 @@ class WeightSender(Closing):
         self.group.check_open()
         self._copier.deadline = deadline
         try:
+            check_version(version)
             items, manifest, shards = self._described.describe(named_tensors, specs)
             items, device = peek_device(items)
             kind, cap = self._choose(device, manifest)
