@@ -783,8 +783,9 @@ def test_a_first_version_that_fails_its_probe_serves_no_request_until_one_verifi
 
     stopped = r"first update\): every engine stopped serving \(it reports 'unverified'"
     for serve, first in ((False, base), (True, base + 2)):
-        eng = trainer(llm, model, verify=Probe(PROBE, ref, atol=1e-3), first_version=first,
-                      serve_unverified=serve)  # fmt: skip
+        eng = trainer(
+            llm, model, verify=Probe(PROBE, ref, atol=1e-3), first_version=first, serve_unverified=serve
+        )
         try:
             perturb(model, 93 + first - base)
             with pytest.raises(gb.VerificationError, match=stopped if not serve else "labelled 'unverified'"):
@@ -1896,10 +1897,19 @@ def test_vllm_serve_stops_serving_a_first_version_that_fails_its_probe(
         got: dict[str, Any] = {"tokens": 0, "lines": []}
 
         def stream() -> None:
-            body = {"model": srv.model, "prompt": [1, 2, 3], "max_tokens": LONG, "temperature": 0,
-                    "stream": True, "ignore_eos": True}  # fmt: skip
-            req = urllib.request.Request(f"{srv.base}/v1/completions", data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})  # fmt: skip
+            body = {
+                "model": srv.model,
+                "prompt": [1, 2, 3],
+                "max_tokens": LONG,
+                "temperature": 0,
+                "stream": True,
+                "ignore_eos": True,
+            }
+            req = urllib.request.Request(
+                f"{srv.base}/v1/completions",
+                data=json.dumps(body).encode(),
+                headers={"Content-Type": "application/json"},
+            )
             with urllib.request.urlopen(req, timeout=120) as r:
                 for line in r:
                     if not line.startswith(b"data: {"):
@@ -1949,8 +1959,10 @@ def test_vllm_serve_serves_no_request_while_torn(tmp_path_factory: pytest.TempPa
     path = tmp_path_factory.mktemp("qwen2-serve-torn")
     model = make_model(path, "qwen2", seed=10)
     inject = str(Path(__file__).parent / "inject")
-    env = {"GROUPBRIDGE_TEST_TEAR": "2", "PYTHONPATH": os.pathsep.join(filter(None, (inject,
-           os.environ.get("PYTHONPATH"))))}  # fmt: skip
+    env = {
+        "GROUPBRIDGE_TEST_TEAR": "2",
+        "PYTHONPATH": os.pathsep.join(filter(None, (inject, os.environ.get("PYTHONPATH")))),
+    }
     with Server(path, log=path / "serve.log", env=env) as srv:
         control = VllmControl(HttpClient(srv.base, timeout=60))
         with TrainerSession(TrainerConfig(timeout_s=60, liveness_s=10, swap="reload"), control) as session:

@@ -395,9 +395,13 @@ def intake_named(
 
 
 def intake_into(
-    taker: Taker, session: Session, targets: dict[str, Any], atomic: bool, deadline: Deadline,
+    taker: Taker,
+    session: Session,
+    targets: dict[str, Any],
+    atomic: bool,
+    deadline: Deadline,
     keep: tuple[Any, ...],
-) -> Intake:  # fmt: skip
+) -> Intake:
     """``receive_into``'s intake, by the sync's topology (see the two builders); ``keep`` tags the base a
     fan-out delta may next be applied to."""
     if isinstance(session.topology, Fanout):

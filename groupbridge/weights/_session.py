@@ -116,9 +116,13 @@ class Session:
         return self.topology.feeding(me)
 
     def streams(
-        self, me: int, sending: bool, bases: Bases | None, device: torch.device,
+        self,
+        me: int,
+        sending: bool,
+        bases: Bases | None,
+        device: torch.device,
         base: torch.Tensor | None = None,
-    ) -> list[Stream]:  # fmt: skip
+    ) -> list[Stream]:
         """This member's streams of the sync, as their source or receiver (see the topology's)."""
         return self.topology.streams(me, sending, bases, device, self.manifest, self.deltas, base)
 
@@ -286,8 +290,9 @@ def _settle(
     merged, delta = conclude(lead, sources[0], verdicts)
     if isinstance(topology, Pairs):
         fans = {s: verdicts[s].fan for s in sources}
-        return replace(draft, topology=replace(topology, fans=fans),
-                       deltas=pair_deltas(topology.plan, headers, verdicts))  # fmt: skip
+        return replace(
+            draft, topology=replace(topology, fans=fans), deltas=pair_deltas(topology.plan, headers, verdicts)
+        )
     receivers = [r for r in range(group.world_size) if r != sources[0]]
     if merged:
         draft = replace(draft, topology=Fanout(sources[0], plans.merged(whole)))

@@ -47,9 +47,15 @@ class Fanout:
         return 0
 
     def streams(
-        self, me: int, sending: bool, bases: Bases | None, device: torch.device, manifest: Manifest,
-        deltas: frozenset[Pair], base: torch.Tensor | None = None,
-    ) -> list[Stream]:  # fmt: skip
+        self,
+        me: int,
+        sending: bool,
+        bases: Bases | None,
+        device: torch.device,
+        manifest: Manifest,
+        deltas: frozenset[Pair],
+        base: torch.Tensor | None = None,
+    ) -> list[Stream]:
         """The one stream, alike on the source and each receiver: its words where it travels as a delta,
         ``base`` the source's (see ``DeltaSender.prepare``; a receiver keeps its own in its applier)."""
         delta = bool(deltas)
@@ -90,9 +96,15 @@ class Pairs:
         return len({d for (s, d) in self.plan.pairs if s == me and self.plan.feeder(s, d) == me})
 
     def streams(
-        self, me: int, sending: bool, bases: Bases | None, device: torch.device, manifest: Manifest,
-        deltas: frozenset[Pair], base: torch.Tensor | None = None,
-    ) -> list[Stream]:  # fmt: skip
+        self,
+        me: int,
+        sending: bool,
+        bases: Bases | None,
+        device: torch.device,
+        manifest: Manifest,
+        deltas: frozenset[Pair],
+        base: torch.Tensor | None = None,
+    ) -> list[Stream]:
         """This member's pair streams, as their source (``sending``) or receiver, their bases begun for it on
         ``device`` where bases are kept (``base`` is a fan-out's alone)."""
         plan, out = self.plan, []

@@ -201,10 +201,15 @@ class WeightReceiver(Closing):
             )
 
     def _receive(
-        self, allow_stale: bool, timeout: timedelta | None, accept: Callable[[Manifest], str | None] | None,
-        only_changed: bool, keep: bool, reads: Callable[[Manifest], Mapping[str, Box | None]] | None,
+        self,
+        allow_stale: bool,
+        timeout: timedelta | None,
+        accept: Callable[[Manifest], str | None] | None,
+        only_changed: bool,
+        keep: bool,
+        reads: Callable[[Manifest], Mapping[str, Box | None]] | None,
         ready: Callable[[], None] | None,
-    ) -> WeightUpdate:  # fmt: skip
+    ) -> WeightUpdate:
         deadline = self.group.deadline(timeout)
         self._copier.deadline = deadline
         learning = Reads(reads, self._reads, self.group.rank) if reads is not None else None

@@ -75,8 +75,9 @@ def _withhold(core: Any, served: bool, t0: float) -> float:
     core._weight_version = UNVERIFIED
     if served:
         _STOPPED.pop(core, None)
-        _lora.logger.warning("groupbridge: the engine serves a version that failed its probe, labelled %r",
-                             UNVERIFIED)  # fmt: skip
+        _lora.logger.warning(
+            "groupbridge: the engine serves a version that failed its probe, labelled %r", UNVERIFIED
+        )
     else:
         _stop(core, UNVERIFIED_REASON)
     return time.perf_counter() - t0
