@@ -1878,15 +1878,15 @@ def test_vllm_serve_stops_serving_a_first_version_that_fails_its_probe(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
     """Through ``vllm serve``: a first version whose probe disagrees. A request streaming when the verdict
-    lands ends as an error, no token after it; a new one fails, no token; vLLM reports "unverified". The next
-    update verifies and is served under its version."""
+    lands (begun as the trainer sends it) ends as an error, no token after it; a new one fails, no token;
+    vLLM reports "unverified". The next update verifies and is served under its version."""
     import urllib.request
 
     from groupbridge.engine import Probe, TrainerSession, causal_logprobs
     from groupbridge.vllm._control import HttpClient, VllmControl
 
     path = tmp_path_factory.mktemp("qwen2-serve-unverified")
-    LONG = 4000  # the streaming request outlasts the commit, the probe and the verdict on a busy host
+    LONG = 4000  # the streaming request, begun as the verdict is sent, outlasts it on a busy host
     model = make_model(path, "qwen2", seed=9, max_positions=LONG + 16)
 
     def ref(v: int) -> list[float]:
@@ -1921,13 +1921,15 @@ def test_vllm_serve_stops_serving_a_first_version_that_fails_its_probe(
 
         streaming = threading.Thread(target=stream, daemon=True)
 
-        def gate() -> None:  # the request streams as the version commits
-            streaming.start()
-            deadline = time.monotonic() + 60
-            while got["tokens"] < 10 and streaming.is_alive() and time.monotonic() < deadline:
-                time.sleep(0.002)
+        class Verdict(VllmControl):
+            def withhold(self, version: int, serve: bool) -> None:  # the request streams as it lands
+                streaming.start()
+                deadline = time.monotonic() + 60
+                while got["tokens"] < 10 and streaming.is_alive() and time.monotonic() < deadline:
+                    time.sleep(0.002)
+                super().withhold(version, serve)
 
-        control = VllmControl(HttpClient(srv.base, timeout=60), before_commit=gate)
+        control = Verdict(HttpClient(srv.base, timeout=60))
         config = TrainerConfig(timeout_s=60, liveness_s=10, verify=Probe(PROBE, ref, atol=1e-3))
         with TrainerSession(config, control) as session:
             perturb(model, 95)
@@ -1940,7 +1942,6 @@ def test_vllm_serve_stops_serving_a_first_version_that_fails_its_probe(
             for p in PROMPTS:  # vLLM's server answers an engine's error finish with its generic 500
                 with pytest.raises(RuntimeError, match="HTTP 500"):
                     srv.complete(p, TOKENS)
-            control.before_commit = None
             perturb(model, 96)
             assert session.send(iter(ModuleSource(model))) == 2
             assert srv.weight_version() == "2"
