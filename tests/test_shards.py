@@ -113,13 +113,13 @@ def _torn_unpack(rank: int, ports: Any) -> Any:
         rcv = gb.WeightReceiver(g)
         target = {k: torch.zeros(SHAPES[k], dtype=DTYPES[k]) for k in SHAPES}
         rcv.receive_into(target, atomic=False)
-        real = wire_bytes.unpack_parts
+        real = wire_bytes.copy_out
 
-        def halfway(view: torch.Tensor, parts: Any) -> None:
-            real(view, list(parts)[:1])
+        def halfway(parts: Any, at: Any) -> None:
+            real(parts[:1], at._replace(views=at.views[:1]))
             raise RuntimeError("the copy failed midway")
 
-        wire_bytes.unpack_parts = halfway  # type: ignore[assignment]
+        wire_bytes.copy_out = halfway  # type: ignore[assignment]
         try:
             rcv.receive_into(target, atomic=False)
         except gb.WeightSyncError as e:

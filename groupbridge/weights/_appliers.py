@@ -102,8 +102,11 @@ class Applier:
     def __init__(
         self, copier: Copier, names: Callable[[Any], str], parts: Counter[Any], *,
         plan: Plan | None = None, ring: Ring | None = None, every: bool = True,
+        kept: _bytes.Kept | None = None,
     ) -> None:  # fmt: skip
         self.copier, self.names, self.left = copier, names, parts
+        self.kept = kept if kept is not None else _bytes.Kept()
+        """The views of each bucket's pieces where it lands, kept for the syncs that repeat a plan."""
         self.total = len(parts)
         self.plan, self.ring, self.every = plan, ring, every
         self.changed: set[Any] = set()
@@ -166,8 +169,7 @@ class Applier:
             self.writing(moved)
         else:
             assert view is not None
-            slots = [self.slot(key) for key in keys]  # a slot made on demand: made on this thread
-            out = [p.part(slot) for p, slot in zip(parts, slots, strict=True)]
+            out = self.parts_of(parts)
             self.writing(keys)
         done = []
         left = self.left
@@ -179,8 +181,16 @@ class Applier:
                     done.append((key, t))
         if out or self.casts:  # one job on the copy thread per bucket: its parts, then what it completed
             casts, self.casts = self.casts, []
-            self.copier.run(partial(_unpack_and_cast, view, out, casts))
+            at = None
+            if out:
+                assert view is not None
+                at = self.kept.get(parts, "unpack", _bytes.address(view), partial(_bytes.layout, view, out))
+            self.copier.run(partial(_unpack_and_cast, at, out, casts))
         return done
+
+    def parts_of(self, parts: Sequence[Part]) -> list[_bytes.Part]:
+        """A bucket's parts in their slots (a slot made on demand: made on this thread)."""
+        return [p.part(self.slot(p.key)) for p in parts]
 
     def writing(self, keys: list[Any]) -> None:
         """These tensors' bytes are about to be (or were, in place) written: a copy that fails midway leaves
@@ -214,8 +224,9 @@ class Scratch(Applier):
         self, copier: Copier, names: Callable[[Any], str], parts: Counter[Any],
         spec: Callable[[Any], tuple[torch.dtype, tuple[int, ...], Any]], device: torch.device, *,
         views: bool = False, plan: Plan | None = None, ring: Ring | None = None, every: bool = True,
+        kept: _bytes.Kept | None = None,
     ) -> None:  # fmt: skip
-        super().__init__(copier, names, parts, plan=plan, ring=ring, every=every)
+        super().__init__(copier, names, parts, plan=plan, ring=ring, every=every, kept=kept)
         self.spec, self.device = spec, device
         self.slots: dict[Any, Slot] = {}
         self.alone = {key for key, n in parts.items() if n == 1} if views else set()
@@ -262,12 +273,24 @@ class Staged(Applier):
         self, copier: Copier, names: Callable[[Any], str], parts: Counter[Any], slots: Mapping[Any, Slot],
         *, buffer: torch.Tensor | None = None, dest: list[tuple[Any, torch.Tensor, str]] | None = None,
         only_changed: bool = False, plan: Plan | None = None, ring: Ring | None = None, every: bool = True,
+        kept: _bytes.Kept | None = None,
     ) -> None:  # fmt: skip
-        super().__init__(copier, names, parts, plan=plan, ring=ring, every=every)
+        super().__init__(copier, names, parts, plan=plan, ring=ring, every=every, kept=kept)
         self.slots, self.buffer, self.dest, self.only_changed = slots, buffer, dest, only_changed
 
     def slot(self, key: Key) -> Slot:
         return self.slots[key]
+
+    def parts_of(self, parts: Sequence[Part]) -> list[_bytes.Part]:
+        """In the kept buffer, the same views every sync of a plan: made once (see ``_bytes.Kept``)."""
+        if self.buffer is None:
+            return super().parts_of(parts)
+        return self.kept.get(
+            parts,
+            "staged",
+            (_bytes.address(self.buffer), _bytes.Same(self.slots)),
+            partial(super().parts_of, parts),
+        )
 
     def direct(self, k: int) -> torch.Tensor | None:
         if self.plan is None or self.buffer is None:
@@ -289,10 +312,10 @@ class Staged(Applier):
         ]
 
         def apply() -> None:
-            with torch.no_grad():
-                for target, staged in pairs:
-                    if target.data_ptr() != staged.data_ptr():
-                        target.copy_(staged)
+            moved = [(t, s) for t, s in pairs if t.data_ptr() != s.data_ptr()]
+            if moved:
+                with torch.no_grad():
+                    torch._foreach_copy_([t for t, _ in moved], [s for _, s in moved])
 
         self.copier.run(apply)
 
@@ -315,9 +338,9 @@ class Streaming(Applier):
         self, copier: Copier, names: Callable[[Any], str], parts: Counter[Any], targets: Mapping[Any, Slot],
         *, wire: Mapping[Any, torch.dtype] | None = None, flat: Sequence[torch.Tensor | None] = (),
         tied: Callable[[set[Any] | None], list[str]] | None = None, delta: bool = False,
-        plan: Plan | None = None, ring: Ring | None = None,
+        plan: Plan | None = None, ring: Ring | None = None, kept: _bytes.Kept | None = None,
     ) -> None:  # fmt: skip
-        super().__init__(copier, names, parts, plan=plan, ring=ring)
+        super().__init__(copier, names, parts, plan=plan, ring=ring, kept=kept)
         self.targets, self.wire, self.flat = targets, wire or {}, flat
         self.tied, self.delta = tied, delta
         self.apart: dict[Any, torch.Tensor] = {}
@@ -357,11 +380,11 @@ class Streaming(Applier):
 
 
 def _unpack_and_cast(
-    view: torch.Tensor | None, parts: list[_bytes.Part], casts: list[tuple[torch.Tensor, torch.Tensor]]
+    at: _bytes.Layout | None, parts: list[_bytes.Part], casts: list[tuple[torch.Tensor, torch.Tensor]]
 ) -> None:
     if parts:
-        assert view is not None
-        _bytes.unpack_parts(view, parts)
+        assert at is not None
+        _bytes.copy_out(parts, at)
     with torch.no_grad():
         for target, apart in casts:
             target.copy_(apart)

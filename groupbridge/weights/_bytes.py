@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import torch
 import xxhash
@@ -14,6 +14,8 @@ from .plan import Plan, Segment
 if TYPE_CHECKING:
     from ..control import Deadline
     from ..stateless import StatelessGroup
+
+T = TypeVar("T")
 
 MAX_GAP_BYTES = 8
 """Largest hole between two consecutive tensors that an in-place receive may write over: alignment padding
@@ -80,30 +82,135 @@ def pack_parts(view: torch.Tensor, parts: Iterable[Part]) -> None:
     """Copy a bucket's pieces into ``view`` (uint8), zeroing the alignment holes so that its bytes (and
     digest, and delta) depend on the tensors alone. A piece is cast to the dtype it travels as while copied:
     into this warm buffer, a quarter of the cost of casting into a fresh tensor first (its page faults)."""
-    prev = 0
-    with torch.no_grad():
-        for offset, nbytes, src, dtype in parts:
-            if offset > prev:
-                view[prev:offset].zero_()
-            out = view[offset : offset + nbytes]
-            if dtype is torch.uint8 and src.dim() == 1:  # bytes as they lie (a segment of a tensor)
-                out.copy_(src)
-            elif out.storage_offset() % dtype.itemsize == 0:
-                out.view(dtype).view(src.shape).copy_(src)
-            else:  # a dtype the piece's start is not aligned for: cast first
-                out.copy_(src.to(dtype).reshape(-1).view(torch.uint8))
-            prev = offset + nbytes
-        if view.numel() > prev:
-            view[prev:].zero_()
+    parts = list(parts)
+    copy_in(parts, layout(view, parts))
 
 
 def unpack_parts(view: torch.Tensor, parts: Iterable[Part]) -> None:
     """The inverse of :func:`pack_parts`: each piece of ``view`` into its tensor."""
+    parts = list(parts)
+    copy_out(parts, layout(view, parts))
+
+
+class Layout(NamedTuple):
+    """A bucket's pieces as views of the buffer it is packed into or lands in (see :func:`layout`)."""
+
+    views: list[torch.Tensor]
+    """Per piece, its bytes in the buffer as the dtype it travels as and its tensor's shape, or as bytes
+    (see ``raw``)."""
+    raw: frozenset[int]
+    """The pieces whose start is not aligned for their dtype: their views are bytes, copied through a cast
+    (a pack) or an aligned copy (an unpack)."""
+    holes: list[torch.Tensor]
+    """The bytes between pieces (alignment padding) and after the last, zeroed by a pack."""
+
+
+def layout(view: torch.Tensor, parts: Sequence[Part]) -> Layout:
+    """The views of ``parts`` in ``view`` (uint8). Made in Python, a few microseconds a piece: a bucket of a
+    sharded model's norms holds thousands of pieces, so a sync that repeats keeps them (:class:`Kept`)."""
+    views, raw, holes = [], set(), []
+    prev = 0
+    for i, (offset, nbytes, t, dtype) in enumerate(parts):
+        if offset > prev:
+            holes.append(view[prev:offset])
+        out = view[offset : offset + nbytes]
+        if dtype is torch.uint8 and t.dim() == 1:  # bytes as they lie (a segment of a tensor)
+            views.append(out)
+        elif out.storage_offset() % dtype.itemsize == 0:
+            views.append(out.view(dtype).view(t.shape))
+        else:
+            views.append(out)
+            raw.add(i)
+        prev = offset + nbytes
+    if view.numel() > prev:
+        holes.append(view[prev:])
+    return Layout(views, frozenset(raw), holes)
+
+
+def copy_in(parts: Sequence[Part], at: Layout) -> None:
+    """Pack: every piece into its view (one ``torch._foreach_copy_``, cast to the dtype it travels as on the
+    way), the holes zeroed."""
     with torch.no_grad():
-        for offset, nbytes, dest, dtype in parts:
-            piece = view[offset : offset + nbytes]
-            flat = dtype is torch.uint8 and dest.dim() == 1  # bytes as they lie (a segment of a tensor)
-            dest.copy_(piece if flat else piece.view(dtype).view(dest.shape))
+        if at.holes:
+            torch._foreach_zero_(at.holes)
+        if at.raw:
+            for i in at.raw:
+                _, _, t, dtype = parts[i]
+                at.views[i].copy_(t.to(dtype).reshape(-1).view(torch.uint8))
+            dst = [v for i, v in enumerate(at.views) if i not in at.raw]
+            src = [p[2] for i, p in enumerate(parts) if i not in at.raw]
+        else:
+            dst, src = at.views, [p[2] for p in parts]
+        if dst:
+            torch._foreach_copy_(dst, src)
+
+
+def copy_out(parts: Sequence[Part], at: Layout) -> None:
+    """Unpack: every piece's view into its tensor (one ``torch._foreach_copy_``)."""
+    with torch.no_grad():
+        if at.raw:
+            for i in at.raw:
+                _, _, t, dtype = parts[i]
+                t.copy_(at.views[i].clone().view(dtype).view(t.shape))  # the clone is aligned
+            src = [v for i, v in enumerate(at.views) if i not in at.raw]
+            dst = [p[2] for i, p in enumerate(parts) if i not in at.raw]
+        else:
+            src, dst = at.views, [p[2] for p in parts]
+        if dst:
+            torch._foreach_copy_(dst, src)
+
+
+class Kept:
+    """Views made once and reused while what they were made from is unchanged: a repeat sync's plan is the
+    same object (kept by its posts' digest), its buffers the same memory, so its pieces' views are too.
+
+    An entry is found by its ``owner`` (held, so that its ``id`` is not reused) and what it is, and used
+    while ``at`` (what the views were made in: a buffer's address and size) is equal. Entries not used for a
+    whole sync are dropped (:meth:`sweep`, at each sync's start), so the memory they view is held at most one
+    sync longer than its last use."""
+
+    def __init__(self) -> None:
+        self._now: dict[tuple[int, str], tuple[object, Hashable, Any]] = {}
+        self._last: dict[tuple[int, str], tuple[object, Hashable, Any]] = {}
+
+    def get(self, owner: object, what: str, at: Hashable, make: Callable[[], T]) -> T:
+        key = (id(owner), what)
+        kept = self._now.get(key) or self._last.pop(key, None)
+        if kept is not None and kept[0] is owner and kept[1] == at:
+            self._now[key] = kept
+            return kept[2]  # type: ignore[no-any-return]
+        value = make()
+        self._now[key] = (owner, at, value)
+        return value
+
+    def sweep(self) -> None:
+        """A sync begins: what the last one did not use is let go."""
+        self._last, self._now = self._now, {}
+
+    def clear(self) -> None:
+        self._now.clear()
+        self._last.clear()
+
+
+class Same:
+    """``obj`` in a :class:`Kept` entry's ``at``: equal to another only if it is the same object (and held,
+    so that no other object takes its ``id`` meanwhile)."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: object) -> None:
+        self.obj = obj
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Same) and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+
+def address(view: torch.Tensor) -> tuple[int, int]:
+    """Where a buffer's views are valid: its address and size."""
+    return view.data_ptr(), view.numel()
 
 
 def _segments(
@@ -147,6 +254,8 @@ class BufferCache:
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
+        self.kept = Kept()
+        """Views of these buffers (and of what lands in them) kept for the syncs that repeat a plan."""
 
     def get(self, slot: str, nbytes: int, device: torch.device) -> torch.Tensor:
         buf = self._buffers.get(slot)
@@ -160,6 +269,7 @@ class BufferCache:
 
     def clear(self) -> None:
         self._buffers.clear()
+        self.kept.clear()
 
 
 def digest(buf: torch.Tensor, kind: str, group: StatelessGroup) -> int | bytes:

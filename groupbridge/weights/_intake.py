@@ -214,13 +214,20 @@ def _namer(manifest: Manifest, rename: Callable[[str], str]) -> Callable[[Any], 
     return lambda i: rename(manifest.entries[i].name)
 
 
-def _kept(buffer: torch.Tensor, plan: Plan, manifest: Manifest) -> dict[int, tuple[torch.Tensor, None]]:
-    """Each tensor's view of the kept buffer, laid out as the plan lays out its bytes."""
-    return {
-        i: (_bytes.typed_view(buffer, plan.offsets[i], dtype_from_name(e.wire_dtype), e.shape), None)
-        for i, e in enumerate(manifest.entries)
-        if e.alias_of is None
-    }
+def _kept(
+    taker: Taker, buffer: torch.Tensor, plan: Plan, manifest: Manifest
+) -> dict[int, tuple[torch.Tensor, None]]:
+    """Each tensor's view of the kept buffer, laid out as the plan lays out its bytes (the same views while
+    the plan, the manifest and the buffer are)."""
+
+    def views() -> dict[int, tuple[torch.Tensor, None]]:
+        return {
+            i: (_bytes.typed_view(buffer, plan.offsets[i], dtype_from_name(e.wire_dtype), e.shape), None)
+            for i, e in enumerate(manifest.entries)
+            if e.alias_of is None
+        }
+
+    return taker.buffers.kept.get(plan, "kept", (_bytes.address(buffer), manifest.digest), views)
 
 
 def _fanout_named(taker: Taker, session: Session, deadline: Deadline, every: bool, keep: bool) -> Intake:
@@ -231,10 +238,12 @@ def _fanout_named(taker: Taker, session: Session, deadline: Deadline, every: boo
     ring = Ring(taker.buffers, taker.device)
     names, parts = _namer(manifest, taker.rename), counts(plan.buckets)
 
+    kept = taker.buffers.kept
+
     def staged() -> Applier:
         buffer = taker.buffers.get(KEPT, plan.total_bytes, taker.device)
-        return Staged(taker.copier, names, parts, _kept(buffer, plan, manifest), buffer=buffer, plan=plan,
-                      ring=ring, every=every)  # fmt: skip
+        return Staged(taker.copier, names, parts, _kept(taker, buffer, plan, manifest), buffer=buffer,
+                      plan=plan, ring=ring, every=every, kept=kept)  # fmt: skip
 
     def spec(i: int) -> tuple[torch.dtype, tuple[int, ...], None]:
         e = manifest.entries[i]
@@ -243,7 +252,9 @@ def _fanout_named(taker: Taker, session: Session, deadline: Deadline, every: boo
     applier = (
         allocated(taker.group, f"receiving version {header.version}", staged)
         if header.keeps_base or keep
-        else Scratch(taker.copier, names, parts, spec, taker.device, views=True, plan=plan, ring=ring)
+        else Scratch(
+            taker.copier, names, parts, spec, taker.device, views=True, plan=plan, ring=ring, kept=kept
+        )
     )
     entries = manifest.entries if every else ()
     empty = tuple((i, *spec(i)[:2]) for i, e in enumerate(entries) if e.alias_of is None and not e.nbytes)
@@ -271,8 +282,9 @@ def _fanout_into(
     def staged() -> Applier:
         buffer = taker.buffers.get(KEPT, plan.total_bytes, device)
         pairs = [(manifest.sources[i], d, names(i)) for i, d in enumerate(dest)]
-        return Staged(taker.copier, names, parts, _kept(buffer, plan, manifest), buffer=buffer, dest=pairs,
-                      only_changed=session.delta, plan=plan, ring=ring)  # fmt: skip
+        return Staged(taker.copier, names, parts, _kept(taker, buffer, plan, manifest), buffer=buffer,
+                      dest=pairs, only_changed=session.delta, plan=plan, ring=ring,
+                      kept=taker.buffers.kept)  # fmt: skip
 
     def streaming() -> Applier:
         own = {i: (d, None) for i, (d, e) in enumerate(zip(dest, entries, strict=True)) if e.alias_of is None}
@@ -281,7 +293,7 @@ def _fanout_into(
         return Streaming(
             taker.copier, names, parts, own, wire=wire, flat=flat,
             tied=lambda only: [names(i) for i in fill_aliases(manifest, dest, only)], delta=session.delta,
-            plan=plan, ring=ring,
+            plan=plan, ring=ring, kept=taker.buffers.kept,
         )  # fmt: skip
 
     applier = allocated(taker.group, what, staged if atomic else streaming)
@@ -311,21 +323,34 @@ def _slot(value: Any) -> Slot:
 
 def _staging(
     taker: Taker, plan: ShardPlan, boxes: Mapping[str, Box], device: torch.device
-) -> dict[str, Slot]:
-    """One kept buffer (pre-touched after the first sync) holding every wanted box, one view per tensor."""
+) -> tuple[dict[str, Slot], torch.Tensor]:
+    """One kept buffer (pre-touched after the first sync) holding every wanted box, one view per tensor (the
+    same views while the plan, the boxes and the buffer are); and the buffer."""
     offsets, pos = {}, 0
     for wire in (w for w in plan.order if w in boxes):
         offsets[wire] = pos
         pos += -(-boxes[wire].numel * element_size(plan.dtypes[wire]) // 16) * 16
     buffer = taker.buffers.get(KEPT, pos, device)
-    return {
-        wire: (_bytes.typed_view(buffer, offsets[wire], dtype_from_name(plan.dtypes[wire]), box.shape), box)
-        for wire, box in boxes.items()
-    }
+
+    def views() -> dict[str, Slot]:
+        return {
+            wire: (
+                _bytes.typed_view(buffer, offsets[wire], dtype_from_name(plan.dtypes[wire]), box.shape),
+                box,
+            )
+            for wire, box in boxes.items()
+        }
+
+    at = (_bytes.address(buffer), tuple(boxes.items()))
+    return taker.buffers.kept.get(plan, "staging", at, views), buffer
 
 
-def _parts(session: Session, me: int) -> Counter[str]:
-    return counts(b for (_, dst), cut in session.pairs.pairs.items() if dst == me for b in cut.buckets)
+def _parts(taker: Taker, session: Session, me: int) -> Counter[str]:
+    """How many pieces of each tensor reach receiver ``me`` (a copy: the applier counts them down)."""
+    plan = session.pairs
+    return Counter(taker.buffers.kept.get(plan, "parts", me, lambda: counts(
+        b for (_, dst), cut in plan.pairs.items() if dst == me for b in cut.buckets
+    )))  # fmt: skip
 
 
 def _boxes_into(
@@ -337,18 +362,22 @@ def _boxes_into(
     dest = dict(zip(order, map(_slot, _found(taker, targets, list(order), what)), strict=True))
     boxes = {w: box for w, (_, box) in dest.items()}
     device = next((t.device for t, _ in dest.values()), taker.device)  # several devices: stage on the first
-    names, parts = taker.rename, _parts(session, taker.group.rank)
+    names, parts = taker.rename, _parts(taker, session, taker.group.rank)
     if not atomic:  # a target in another dtype than the wire's takes its box apart, then cast in
         wire = {w: dtype_from_name(session.pairs.dtypes[w]) for w in dest}
         streaming = Streaming(taker.copier, names, parts, dest,
-                              wire={w: d for w, d in wire.items() if dest[w][0].dtype != d})  # fmt: skip
+                              wire={w: d for w, d in wire.items() if dest[w][0].dtype != d},
+                              kept=taker.buffers.kept)  # fmt: skip
         return Intake(
             taker, session, streaming, deadline, partial(pair_streams, taker, session, device), device=device
         )
-    staged = allocated(taker.group, what, lambda: Staged(
-        taker.copier, names, parts, _staging(taker, session.pairs, boxes, device),
-        dest=[(w, t, names(w)) for w, (t, _) in dest.items()],
-    ))  # fmt: skip
+
+    def stage() -> Staged:
+        slots, buffer = _staging(taker, session.pairs, boxes, device)
+        return Staged(taker.copier, names, parts, slots, buffer=buffer, kept=taker.buffers.kept,
+                      dest=[(w, t, names(w)) for w, (t, _) in dest.items()])  # fmt: skip
+
+    staged = allocated(taker.group, what, stage)
     return Intake(
         taker, session, staged, deadline, partial(pair_streams, taker, session, device), device=device
     )
@@ -366,18 +395,25 @@ def _boxes_named(
     plan = session.pairs
     whole = {w: Box((0,) * len(plan.global_shapes[w]), plan.global_shapes[w])
              for w in plan.order if only is None or w in only}  # fmt: skip
-    names, parts = taker.rename, _parts(session, taker.group.rank)
+    names, parts = taker.rename, _parts(taker, session, taker.group.rank)
     applier: Applier
     if keep:
-        applier = allocated(taker.group, f"receiving version {session.header.version}", lambda: Staged(
-            taker.copier, names, parts, _staging(taker, plan, whole, taker.device), every=every,
-        ))  # fmt: skip
+
+        def stage() -> Staged:
+            slots, buffer = _staging(taker, plan, whole, taker.device)
+            return Staged(
+                taker.copier, names, parts, slots, buffer=buffer, every=every, kept=taker.buffers.kept
+            )
+
+        applier = allocated(taker.group, f"receiving version {session.header.version}", stage)
     else:
 
         def spec(wire: str) -> tuple[torch.dtype, tuple[int, ...], Box]:
             return dtype_from_name(plan.dtypes[wire]), whole[wire].shape, whole[wire]
 
-        applier = Scratch(taker.copier, names, parts, spec, taker.device, every=every)
+        applier = Scratch(
+            taker.copier, names, parts, spec, taker.device, every=every, kept=taker.buffers.kept
+        )
     empty = tuple((w, dtype_from_name(plan.dtypes[w]), b.shape) for w, b in whole.items() if not b.numel)
     streams = partial(pair_streams, taker, session, taker.device)
     return Intake(taker, session, applier, deadline, streams, empty=empty if every else ())

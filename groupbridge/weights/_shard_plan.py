@@ -84,7 +84,8 @@ class Piece:
         """Its box of ``slot`` (a tensor; the box of the global tensor it holds), travelling as ``wire``
         (default: the tensor's own dtype), as a ``_bytes.Part``."""
         tensor, held = slot
-        return self.offset, self.nbytes, tensor[self.box.slices(held.offset)], wire or tensor.dtype
+        piece = tensor if self.box == held else tensor[self.box.slices(held.offset)]
+        return self.offset, self.nbytes, piece, wire or tensor.dtype
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,8 +28,10 @@ class SourceSlots:
     pulled (on the caller's thread) as the buckets that read its tensors are packed, each tensor checked
     against the manifest and let go once the last of those buckets is packed."""
 
-    def __init__(self, manifest: Manifest, items: Pairs, shards: Boxes, plan: ShardPlan, me: int) -> None:
-        self._shards, self._dtypes = shards, plan.dtypes
+    def __init__(
+        self, manifest: Manifest, items: Pairs, shards: Boxes, plan: ShardPlan, me: int, kept: _bytes.Kept
+    ) -> None:
+        self._shards, self._dtypes, self._kept = shards, plan.dtypes, kept
         self._puller = Puller(manifest, iter(items))
         self._lazy = not isinstance(items, list)
         self._slots: dict[str, Slot] = {}
@@ -55,7 +57,9 @@ class SourceSlots:
         )
 
     def pack(self, pieces: tuple[Piece, ...], into: torch.Tensor) -> None:
-        _bytes.pack_parts(into, piece_parts(pieces, self._slots, self._dtypes))
+        parts = list(piece_parts(pieces, self._slots, self._dtypes))
+        at = self._kept.get(pieces, "pack", _bytes.address(into), lambda: _bytes.layout(into, parts))
+        _bytes.copy_in(parts, at)
 
     def need(self, pieces: tuple[Piece, ...]) -> None:
         """Pull every tensor these pieces (a bucket's) read."""

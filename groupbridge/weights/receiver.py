@@ -212,6 +212,7 @@ class WeightReceiver(Closing):
     ) -> WeightUpdate:
         deadline = self.group.deadline(timeout)
         self._copier.deadline = deadline
+        self._buffers.kept.sweep()  # views the last sync did not use are let go
         learning = Reads(reads, self._reads, self.group.rank) if reads is not None else None
         posted = learning.posted if learning is not None else None
         try:
@@ -271,6 +272,7 @@ class WeightReceiver(Closing):
     def _receive_into(self, target: Any, atomic: bool, allow_stale: bool, timeout: timedelta | None) -> int:
         deadline = self.group.deadline(timeout)
         self._copier.deadline = deadline
+        self._buffers.kept.sweep()  # views the last sync did not use are let go
         targets = tensors_of(target, "receive_into()")
         expected = self.expected if self.expected is not None else expected_specs(targets)
         keep = ("atomic" if atomic else "streaming", tuple(data_ptr(t) for t in targets.values()))

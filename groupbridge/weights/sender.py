@@ -124,6 +124,8 @@ class WeightSender(Closing):
         self._transports: dict[str, TxTransport] = {}
         self._copier = Copier(f"{group.name}-{group.rank}")
         self._scratch = _bytes.BufferCache()
+        self._kept = _bytes.Kept()
+        """Each pair bucket's pieces as views of its buffer, made once for the syncs that repeat a plan."""
         self._posts = Posts(group)
         self._described = Described(group, make_renamer(rename), wire_dtype)
         self._plans = Plans()
@@ -192,6 +194,7 @@ class WeightSender(Closing):
         deadline = self.group.deadline(timeout)
         self.group.check_open()
         self._copier.deadline = deadline
+        self._kept.sweep()
         try:
             check_version(version)
             items, manifest, shards = self._described.describe(named_tensors, specs)
@@ -234,7 +237,7 @@ class WeightSender(Closing):
             source: Source
             base: torch.Tensor | None = None
             if isinstance(session.topology, Pairs):  # pair streams, over the transport that carries them
-                source = slots = SourceSlots(manifest, items, shards, session.pairs, self.src)
+                source = slots = SourceSlots(manifest, items, shards, session.pairs, self.src, self._kept)
                 replicas, cleanup = partial(slots.replicas, deadline), slots.close
             else:
                 source = puller = Puller(manifest, iter(items))
@@ -295,6 +298,7 @@ class WeightSender(Closing):
             tx.close()
         self._transports.clear()
         self._copier.close()
+        self._kept.clear()
         if self._delta is not None:
             if self._memory is not None:
                 self._memory.policy = self._delta.policy
