@@ -164,23 +164,23 @@ class Kept:
     """Views made once and reused while what they were made from is unchanged: a repeat sync's plan is the
     same object (kept by its posts' digest), its buffers the same memory, so its pieces' views are too.
 
-    An entry is found by its ``owner`` (held, so that its ``id`` is not reused) and what it is, and used
-    while ``at`` (what the views were made in: a buffer's address and size) is equal. Entries not used for a
-    whole sync are dropped (:meth:`sweep`, at each sync's start), so the memory they view is held at most one
-    sync longer than its last use."""
+    An entry is found by its ``owner`` (held, so that its ``id`` is not reused), what it is, and ``at``
+    (what the views were made in: a buffer's address and size; one owner may have several, as one cut's
+    bucket packed for two receivers). Entries not used for a whole sync are dropped (:meth:`sweep`, at each
+    sync's start), so the memory they view is held at most one sync longer than its last use."""
 
     def __init__(self) -> None:
-        self._now: dict[tuple[int, str], tuple[object, Hashable, Any]] = {}
-        self._last: dict[tuple[int, str], tuple[object, Hashable, Any]] = {}
+        self._now: dict[tuple[int, str, Hashable], tuple[object, Any]] = {}
+        self._last: dict[tuple[int, str, Hashable], tuple[object, Any]] = {}
 
     def get(self, owner: object, what: str, at: Hashable, make: Callable[[], T]) -> T:
-        key = (id(owner), what)
+        key = (id(owner), what, at)
         kept = self._now.get(key) or self._last.pop(key, None)
-        if kept is not None and kept[0] is owner and kept[1] == at:
+        if kept is not None and kept[0] is owner:
             self._now[key] = kept
-            return kept[2]  # type: ignore[no-any-return]
+            return kept[1]  # type: ignore[no-any-return]
         value = make()
-        self._now[key] = (owner, at, value)
+        self._now[key] = (owner, value)
         return value
 
     def sweep(self) -> None:
