@@ -121,6 +121,8 @@ class Watcher:
         now = time.monotonic()
         self.seen: dict[int, tuple[int, float]] = {r: (-1, now) for r in self.peers}
         """Per peer: its last counter and when (this clock) it last changed."""
+        self.oldest = now
+        """The earliest of the peers' last changes (``seen``), as of the last poll."""
         self.closed: dict[int, str | None] = {}
         """Peers that closed the group, with why it was broken when they did (None: it was not)."""
         self.replayed: dict[int, tuple[int, int]] = {}
@@ -222,10 +224,17 @@ class Watcher:
                     self.seen[peer] = (status["n"], now)
                 elif status["n"] < self.seen[peer][0]:  # sealed but older: a replay of its own record
                     self.replayed[peer] = (self.seen[peer][0], status["n"])
+            self.oldest = min((t for _, t in self.seen.values()), default=now)
             for peer in self.awaited:
                 failed = self.silent(peer) or self.gone(peer)
                 if failed is not None and self.finding is None:
                     self._found(failed)
+
+    def all_heard(self) -> bool:
+        """No peer closed the group, and none was silent past the limit at the last poll: :meth:`silent` and
+        :meth:`gone` find nothing for any peer (one look, where asking each peer costs a look per peer on
+        every store call of a group of hundreds)."""
+        return not self.closed and self._last_ok - self.oldest <= self.limit
 
     def silent(self, peer: int) -> Finding | None:
         """``peer``'s silence as this watcher *observed* it: from the peer's last change to this watcher's

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -274,8 +274,9 @@ class StatelessGroup:
 
     # ------------------------------------------------------------------ objects
 
-    def send_obj(self, obj: Any, dst: int, *, tag: str = "") -> None:
-        """Send ``obj`` to ``dst``; returns once the store holds it (until ``dst`` reads it).
+    def send_obj(self, obj: Any, dst: int | Sequence[int], *, tag: str = "") -> None:
+        """Send ``obj`` to ``dst`` (a rank, or several: one store round trip for all); returns once the store
+        holds it (until each ``dst`` reads it).
 
         ``tag`` names a separate channel: messages of one tag arrive in order, independently of other tags
         (a weight sync's acknowledgements travel on their own tag, so they never mix with the caller's).

@@ -108,6 +108,8 @@ class Health:
             return None
         finding = w.finding
         if finding is None:
+            if w.all_heard():
+                return None
             for peer in (*peers, *self.scope):
                 finding = w.silent(peer) or w.gone(peer)
                 if finding is not None:

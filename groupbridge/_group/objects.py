@@ -19,6 +19,7 @@ objects once (thousands of members posting one layout cost one copy of it).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -85,16 +86,23 @@ class Objects:
         if not isinstance(tag, str) or "/" in tag:
             raise ValueError(f"tag={tag!r} must be a str without '/'")
 
-    def send_obj(self, obj: Any, dst: int, tag: str) -> None:
+    def send_obj(self, obj: Any, dst: int | Sequence[int], tag: str) -> None:
         rank = self._state.rank
         self._state.check_open()
-        self._state.check_peer(dst, "dst")
+        dsts = (dst,) if isinstance(dst, int) else tuple(dst)
+        for d in dsts:
+            self._state.check_peer(d, "dst")
+        if len(set(dsts)) != len(dsts):
+            raise ValueError(f"dst={list(dsts)} names a rank twice")
         self._check_tag(tag)
         data = self._encode(obj)
-        seq = self._send_seq.get((dst, tag), 0)
-        channel = f"p2p/{tag}/{rank}/{dst}"
-        self._control.push(self._control.route(channel, [channel]), seq, data, "send_obj")
-        self._send_seq[(dst, tag)] = seq + 1
+        messages = []
+        for d in dsts:
+            channel = f"p2p/{tag}/{rank}/{d}"
+            messages.append((self._control.route(channel, [channel]), self._send_seq.get((d, tag), 0), data))
+        self._control.push_each(messages, "send_obj")
+        for d, (_, seq, _) in zip(dsts, messages, strict=True):
+            self._send_seq[(d, tag)] = seq + 1
 
     def recv_obj(self, src: int, timeout: timedelta | Deadline | None, tag: str) -> Any:
         s = self._state

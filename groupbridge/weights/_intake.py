@@ -322,10 +322,11 @@ def _slot(value: Any) -> Slot:
 
 
 def _staging(
-    taker: Taker, plan: ShardPlan, boxes: Mapping[str, Box], device: torch.device
+    taker: Taker, plan: ShardPlan, boxes: Mapping[str, Box], device: torch.device, kind: str
 ) -> tuple[dict[str, Slot], torch.Tensor]:
-    """One kept buffer (pre-touched after the first sync) holding every wanted box, one view per tensor (the
-    same views while the plan, the boxes and the buffer are); and the buffer."""
+    """One kept buffer (pre-touched after the first sync) holding every wanted box, one view per tensor; and
+    the buffer. The views are kept while the plan, the ``kind`` of receive and the buffer are the same: the
+    boxes are the plan's (the wants this receiver posted, from its targets or what it asked for)."""
     offsets, pos = {}, 0
     for wire in (w for w in plan.order if w in boxes):
         offsets[wire] = pos
@@ -341,8 +342,8 @@ def _staging(
             for wire, box in boxes.items()
         }
 
-    at = (_bytes.address(buffer), tuple(boxes.items()))
-    return taker.buffers.kept.get(plan, "staging", at, views), buffer
+    at = (_bytes.address(buffer), len(boxes))
+    return taker.buffers.kept.get(plan, f"staging-{kind}", at, views), buffer
 
 
 def _parts(taker: Taker, session: Session, me: int) -> Counter[str]:
@@ -373,7 +374,7 @@ def _boxes_into(
         )
 
     def stage() -> Staged:
-        slots, buffer = _staging(taker, session.pairs, boxes, device)
+        slots, buffer = _staging(taker, session.pairs, boxes, device, "into")
         return Staged(taker.copier, names, parts, slots, buffer=buffer, kept=taker.buffers.kept,
                       dest=[(w, t, names(w)) for w, (t, _) in dest.items()])  # fmt: skip
 
@@ -400,7 +401,7 @@ def _boxes_named(
     if keep:
 
         def stage() -> Staged:
-            slots, buffer = _staging(taker, plan, whole, taker.device)
+            slots, buffer = _staging(taker, plan, whole, taker.device, "named")
             return Staged(
                 taker.copier, names, parts, slots, buffer=buffer, every=every, kept=taker.buffers.kept
             )

@@ -113,14 +113,15 @@ class Taker:
                 f"rank {group.rank} holds version {version}, but preparing it failed: {type(e).__name__}: "
                 f"{e}; the sender fails this sync"
             ))  # fmt: skip
-        for src in sources:
-            try:
-                group.send_obj({"ok": True, "error": None}, dst=src, tag=ACK_TAG)
-            except GroupBridgeError as e:
-                raise WeightSyncError(
-                    f"rank {group.rank} holds version {version}, but could not acknowledge it to the sender "
-                    f"(rank {src}): {e}; the sender fails this sync"
-                ) from e
+        to = list(sources)
+        try:
+            group.send_obj({"ok": True, "error": None}, dst=to, tag=ACK_TAG)  # one store round trip for all
+        except GroupBridgeError as e:
+            who = f"rank {to[0]}" if len(to) == 1 else f"ranks {', '.join(map(str, to))}"
+            raise WeightSyncError(
+                f"rank {group.rank} holds version {version}, but could not acknowledge it to the sender(s) "
+                f"({who}): {e}; the sender fails this sync"
+            ) from e
 
 
 def tell_failure(group: StatelessGroup, e: BaseException, what: str) -> None:
