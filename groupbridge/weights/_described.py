@@ -81,7 +81,7 @@ class Described:
             if shard is not None and not shard.whole:
                 shards[name] = (shard.global_shape, shard.offset)
             pairs.append((name, shard.tensor if shard is not None else value))
-        return pairs, Manifest.build(pairs, self.wire_dtype), shards
+        return pairs, Manifest.build(pairs, self.wire_dtype, like=self.manifest), shards
 
     def _from_specs(self, specs: Specs) -> tuple[Manifest, Boxes]:
         """A lazy source's manifest and boxes from ``specs``: name -> (shape, dtype), or (shape, dtype,

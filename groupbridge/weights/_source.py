@@ -12,7 +12,7 @@ import torch
 
 from ..codec import dtype_from_name
 from . import _bytes
-from .manifest import Entry, Manifest
+from .manifest import DTYPE_NAMES, Entry, Manifest
 from .plan import Plan
 
 
@@ -68,7 +68,7 @@ class Puller:
                 f"the named tensors ended after {index} of {len(entries)} entries of the manifest"
             ) from None
         e = entries[index]
-        if name != e.name or tuple(t.shape) != e.shape or str(t.dtype).removeprefix("torch.") != e.dtype:
+        if name != e.name or t.shape != e.shape or DTYPE_NAMES.get(t.dtype) != e.dtype:
             raise ValueError(
                 f"tensor #{index} is {name!r} {list(t.shape)} {t.dtype}; the manifest says "
                 f"{e.name!r} {list(e.shape)} {e.dtype} (the order and shapes must not change)"

@@ -7,6 +7,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from functools import partial
+from typing import Any
 
 import torch
 
@@ -22,7 +23,7 @@ from ..stateless import StatelessGroup
 from . import _bytes
 from ._copier import Copier
 from ._delta_tx import DeltaSender
-from ._described import Described, NamedTensors, Specs, in_place, named_tensors_of, peek_device
+from ._described import Boxes, Described, NamedTensors, Specs, in_place, named_tensors_of, peek_device
 from ._header import Header, check_version
 from ._posts import Posts
 from ._session import make_renamer, open_session, refuse
@@ -125,6 +126,9 @@ class WeightSender(Closing):
         self._copier = Copier(f"{group.name}-{group.rank}")
         self._scratch = _bytes.BufferCache()
         self._kept = _bytes.Kept()
+        self._boxes: tuple[Manifest, Boxes, dict[str, Any]] | None = None
+        self._reserved: tuple[Manifest, Plan, str, Plan] | None = None
+        """The last send's posted boxes and transport reservation, made again only when they change."""
         """Each pair bucket's pieces as views of its buffer, made once for the syncs that repeat a plan."""
         self._posts = Posts(group)
         self._described = Described(group, make_renamer(rename), wire_dtype)
@@ -219,7 +223,7 @@ class WeightSender(Closing):
         try:
             session = open_session(
                 self.group, deadline, self._posts, header=header, manifest=manifest,
-                boxes=boxes_of(shards, manifest),
+                boxes=self._boxes_of(shards, manifest),
                 in_place=in_place(items, manifest, self._delta is not None, self._plans), bases=self._bases,
                 plans=self._plans, pays=self._delta.policy.pays if self._delta is not None else None,
             )  # fmt: skip
@@ -273,7 +277,13 @@ class WeightSender(Closing):
         """The transport for this sync, its resources claimed (where a same-host one cannot, ``auto`` falls
         back, a named one raises), and ``Header.bucket_cap``: what it reserved if it carries pairs, else 0."""
         kind = choose(self.transport, self.group, device)
-        reserved = _reservation(self._plan(manifest), manifest, kind, self.bucket_bytes)
+        plan = self._plan(manifest)
+        last = self._reserved
+        if last is not None and last[:3] == (manifest, plan, kind):
+            reserved = last[3]
+        else:
+            reserved = _reservation(plan, manifest, kind, self.bucket_bytes)
+            self._reserved = (manifest, plan, kind, reserved)
         try:
             self._tx(kind).reserve(reserved, device)
         except TransportUnavailableError as e:
@@ -283,6 +293,15 @@ class WeightSender(Closing):
             self.group.log.warning("%s; using %s instead", e, fallback)
             return fallback, 0
         return kind, reserved.bucket_bytes if TRANSPORTS[kind].pairs else 0
+
+    def _boxes_of(self, shards: Boxes, manifest: Manifest) -> dict[str, Any]:
+        """The handshake's post of the boxes this source holds, made again only when they changed."""
+        last = self._boxes
+        if last is not None and last[0] is manifest and last[1] == shards:
+            return last[2]
+        post = boxes_of(shards, manifest)
+        self._boxes = (manifest, shards, post)
+        return post
 
     def _plan(self, manifest: Manifest) -> Plan:
         """The bucket plan, reused while the manifest is unchanged (building it walks every tensor)."""
