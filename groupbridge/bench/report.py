@@ -202,13 +202,18 @@ def scale_table(records: Sequence[dict[str, Any]]) -> None:
 
 def loopback_scale_table(r: dict[str, Any]) -> None:
     """``bench --loopback``: per sync, the slowest member's wall time and the most CPU one spent."""
-    per_sync = zip(r["wall_s"], r["cpu_s"], r["worst_cpu_rank"], r["cpu_s_not_rank0"], strict=True)
+    per_sync = zip(
+        r["wall_s"], r["cpu_s"], r["gc_s"], r["worst_cpu_rank"], r["cpu_s_not_rank0"], r["cpu_s_median"],
+        strict=True,
+    )  # fmt: skip
     rows = [
-        [str(k + 1), f"{w:.2f}", f"{c:.3f}", str(m), f"{o:.3f}"] for k, (w, c, m, o) in enumerate(per_sync)
+        [str(k + 1), f"{w:.2f}", f"{c:.3f} (gc {g:.3f})", str(m), f"{o:.3f}", f"{med:.3f}"]
+        for k, (w, c, g, m, o, med) in enumerate(per_sync)
     ]
     _console.table(
         f"loopback: {r['sources']} + {r['receivers']} processes, {r['tensors']} tensors; bit-exact: "
         f"{'yes' if r['exact'] else 'NO'}",
-        ["sync", "slowest member, s", "most CPU one member spent, s", "that member", "most but rank 0, s"],
+        ["sync", "slowest member, s", "most CPU one member spent, s", "that member", "most but rank 0, s",
+         "median member, s"],
         rows,
-    )
+    )  # fmt: skip

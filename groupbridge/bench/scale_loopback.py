@@ -5,11 +5,15 @@ blocks (as a tensor-parallel replica's rank does), over ``p2p`` on loopback, thr
 The payload is small on purpose (about 1.4 MB in all): what this measures is the control plane and the
 plan. Each member reports, per sync, its wall time and the CPU time its process spent (all of its threads),
 so the worst member's CPU is the figure that carries to a cluster, where each member has its own cores
-(here, 64 processes share 2 cores: wall time is mostly the members' CPU added up).
+(here, 64 processes share 2 cores: wall time is mostly the members' CPU added up). The sources' tensors are
+made before each sync's clock starts (a trainer's step makes them), and the time the interpreter's garbage
+collector took within the sync is reported beside the worst member's CPU (a full collection, which the
+first repeat sync usually meets, walks every object of the process, torch's included).
 """
 
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -32,7 +36,7 @@ class LoopbackScaleConfig:
     tensors: int = 700
     tp: int = 8
     """Row blocks a receiver takes one of (receiver ``r`` takes block ``r % tp``)."""
-    syncs: int = 3
+    syncs: int = 5
     rows: int = 64
     cols: int = 8
     timeout_s: float = 900.0
@@ -63,7 +67,16 @@ def _role(rank: int, cfg: LoopbackScaleConfig, ports: Any) -> dict[str, Any]:
     )
     shape = (cfg.rows, cfg.cols)
     names = [f"layers.{i}.weight" for i in range(cfg.tensors)]
-    walls, cpus, exact = [], [], []
+    walls, cpus, gcs, exact = [], [], [], []
+    collected = [0.0, 0.0]  # the interpreter's garbage collections during the sync, the last one's start
+
+    def timed(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            collected[1] = time.thread_time()
+        else:
+            collected[0] += time.thread_time() - collected[1]
+
+    gc.callbacks.append(timed)
     with group:
         if rank < cfg.sources:
             lo, hi = _slice(cfg.rows, cfg.sources, rank)
@@ -73,23 +86,27 @@ def _role(rank: int, cfg: LoopbackScaleConfig, ports: Any) -> dict[str, Any]:
             receiver = WeightReceiver(group)
             target = {name: Shard(torch.zeros(hi - lo, cfg.cols), shape, (lo, 0)) for name in names}
         for version in range(1, cfg.syncs + 1):
-            group.barrier()
-            wall, cpu = time.perf_counter(), time.process_time()
-            if rank < cfg.sources:
+            if rank < cfg.sources:  # the trainer's step made them: not the sync's work
                 held = {
                     name: Shard(_tensor(i, version, *shape)[lo:hi], shape, (lo, 0))
                     for i, name in enumerate(names)
                 }
+            group.barrier()
+            collected[0] = 0.0
+            wall, cpu = time.perf_counter(), time.process_time()
+            if rank < cfg.sources:
                 sender.send(held, version=version)
             else:
                 receiver.receive_into(target)
             cpus.append(time.process_time() - cpu)
             walls.append(time.perf_counter() - wall)
+            gcs.append(collected[0])
             if rank >= cfg.sources:
                 want = {name: _tensor(i, version, *shape)[lo:hi] for i, name in enumerate(names)}
                 exact.append(all(torch.equal(target[name].tensor, t) for name, t in want.items()))
         (sender if rank < cfg.sources else receiver).close()
-    return {"wall_s": walls, "cpu_s": cpus, "exact": exact}
+    gc.callbacks.remove(timed)
+    return {"wall_s": walls, "cpu_s": cpus, "gc_s": gcs, "exact": exact}
 
 
 def run_loopback_scale(cfg: LoopbackScaleConfig) -> dict[str, Any]:
@@ -108,5 +125,9 @@ def run_loopback_scale(cfg: LoopbackScaleConfig) -> dict[str, Any]:
         "worst_cpu_rank": [max(range(n), key=lambda m: res[m]["cpu_s"][k]) for k in range(cfg.syncs)],
         # rank 0 also serves the group's store (a thread of its process): the others' worst, apart
         "cpu_s_not_rank0": [max(r["cpu_s"][k] for r in res[1:]) for k in range(cfg.syncs)],
+        # of the worst member's CPU, what the interpreter's garbage collector took (a full collection walks
+        # every object of the process: torch's alone take tens of milliseconds)
+        "gc_s": [res[max(range(n), key=lambda m: res[m]["cpu_s"][k])]["gc_s"][k] for k in range(cfg.syncs)],
+        "cpu_s_median": [sorted(r["cpu_s"][k] for r in res)[n // 2] for k in range(cfg.syncs)],
         "exact": all(all(r["exact"]) for r in res[cfg.sources :]),
     }

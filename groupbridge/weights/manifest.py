@@ -175,9 +175,11 @@ DTYPE_NAMES = {
 
 
 def _identity(t: torch.Tensor) -> tuple[Any, ...] | None:
-    if t.numel() == 0 or t.device.type == "meta":
+    """What two tied names share: the same bytes (address and device), viewed alike. Two live tensors with
+    bytes at one address on one device share a storage."""
+    if t.is_meta or t.numel() == 0:
         return None
-    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+    return (t.data_ptr(), t.device, t.shape, t.stride(), t.dtype)
 
 
 def tensors_of(target: Any, what: str = "this") -> dict[str, Any]:
