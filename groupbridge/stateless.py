@@ -301,6 +301,20 @@ class StatelessGroup:
         small fields)."""
         return self._objects.all_gather_obj(obj, timeout, by_field)
 
+    def gather_obj(
+        self,
+        obj: Any,
+        srcs: Sequence[int],
+        dsts: Sequence[int],
+        timeout: timedelta | Deadline | None = None,
+    ) -> dict[int, Any] | None:
+        """A collective (every rank calls it) from some ranks to some others: each rank in ``srcs`` posts
+        ``obj`` and returns once the store holds it (without waiting for any reader); each rank in ``dsts``
+        returns ``{src: obj}`` for every source once all are there (bounded by ``timeout``, naming the
+        sources it still waits for); every other rank returns None at once. One store request per source and
+        per reader, however many pairs."""
+        return self._objects.gather_obj(obj, srcs, dsts, timeout)
+
     def barrier(self, timeout: timedelta | Deadline | None = None) -> None:
         """Return once every rank has entered; a timeout names the ranks that did not."""
         self._objects.barrier(timeout)

@@ -636,3 +636,34 @@ def test_a_gather_by_field_of_a_few_members_reads_each_value_posted_alike_once()
             mine,
             one,
         )
+
+
+def _gathered_to_some(rank: int, ports: Any) -> Any:
+    with make_group(rank, 4, "127.0.0.1", ports) as g:
+        baseline = _quiet_count(g, rank, "before")
+        got = [g.gather_obj({"from": rank, "round": i}, srcs=[1, 2], dsts=[0, 3]) for i in range(20)]
+        after = _quiet_count(g, rank, "after")
+        late = None
+        if rank != 2:  # rank 2, a source, never posts the last one
+            try:
+                g.gather_obj(rank, srcs=[1, 2], dsts=[0, 3], timeout=timedelta(seconds=2))
+            except gb.PeerTimeoutError as e:
+                late = str(e)
+        if rank in (1, 2):  # a source leaving would end the readers' wait with "closed the group"
+            time.sleep(4)
+        return got, baseline, after, late
+
+
+@pytest.mark.timeout(90)
+def test_a_gather_from_some_ranks_to_others_gives_each_reader_every_source_and_leaves_no_key() -> None:
+    """The sources return at once, the readers get every source's object by rank, the others None; the
+    keys go once every rank passed it; a source that never posts is named by each reader."""
+    res = run_ranks(_gathered_to_some, 4, CTX.Queue(), timeout=80)
+    for rank, (got, baseline, after, late) in enumerate(res):
+        if rank in (0, 3):
+            assert got == [{r: {"from": r, "round": i} for r in (1, 2)} for i in range(20)], (rank, got)
+            assert late is not None and "rank(s) 2" in late and "gather_obj" in late, (rank, late)
+        else:
+            assert got == [None] * 20 and late is None, (rank, got, late)
+        if rank == 0:
+            assert after == baseline, res

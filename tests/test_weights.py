@@ -544,8 +544,6 @@ def test_several_trainer_ranks_only_the_sender_in_the_bridge() -> None:
 
 def _ack_lost(rank: int, ports: Any) -> str:
     """Rank 1's acknowledgement cannot be sent (its store connection fails at that moment)."""
-    from groupbridge.weights._session import ACK_TAG
-
     with make_group(rank, 2, "127.0.0.1", ports, timeout=timedelta(seconds=10)) as g:
         model = {"w": torch.arange(1024, dtype=torch.float32)}
         if rank == 0:
@@ -554,14 +552,11 @@ def _ack_lost(rank: int, ports: Any) -> str:
                 return "sent"
             except gb.GroupBridgeError as e:
                 return type(e).__name__
-        send_obj = g.send_obj
 
-        def failing_ack(obj: Any, dst: int, *, tag: str = "") -> None:
-            if tag == ACK_TAG:
-                raise gb.StoreUnreachableError("injected: the store did not answer")
-            send_obj(obj, dst, tag=tag)
+        def failing_ack(*args: Any, **kwargs: Any) -> None:  # the acknowledgements' collective
+            raise gb.StoreUnreachableError("injected: the store did not answer")
 
-        g.send_obj = failing_ack  # type: ignore[method-assign]
+        g.gather_obj = failing_ack  # type: ignore[method-assign]
         target = {"w": torch.zeros(1024)}
         try:
             gb.WeightReceiver(g, src=0).receive_into(target)

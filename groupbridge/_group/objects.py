@@ -238,6 +238,37 @@ class Objects:
             obj if r == s.rank else self._assembled(p, r, by_field, decoded) for r, p in enumerate(posted)
         ]
 
+    def gather_obj(
+        self, obj: Any, srcs: Sequence[int], dsts: Sequence[int], timeout: timedelta | Deadline | None
+    ) -> dict[int, Any] | None:
+        """Every rank calls it: each of ``srcs`` posts ``obj`` and returns once the store holds it; each of
+        ``dsts`` returns every source's object by rank (its own included); the others return None at once.
+        The store serves one request per source and one per reader, where point-to-point messages from
+        each source to each reader cost S x R (a sync's acknowledgements from hundreds of receivers)."""
+        s = self._state
+        s.check_open()
+        senders, readers = sorted(set(srcs)), set(dsts)
+        for r in senders:
+            s.check_rank(r, "srcs")
+        for r in readers:
+            s.check_rank(r, "dsts")
+        deadline = s.deadline(timeout) if s.rank in readers else None
+        seq = self._next_seq()
+        keys = {r: f"ga/{seq}/{r}" for r in senders}
+        data = self._encode(obj) if s.rank in keys else b""
+        if data:
+            self._control.put(keys[s.rank], data, "gather_obj")
+        out: dict[int, Any] | None = None
+        if deadline is not None:
+            others = [r for r in senders if r != s.rank]
+            got = self._control.get([keys[r] for r in others], others, deadline, "gather_obj")
+            out = {r: self._decode(bytes(v), r) for r, v in zip(others, got, strict=True)}
+            if data:
+                out[s.rank] = obj
+            out = dict(sorted(out.items()))
+        self._done_collective(seq, list(keys.values()))  # deleted once every rank (every reader) passed it
+        return out
+
     def _parts(self, obj: Any, by_field: bool) -> list[bytes]:
         """What a member posts: its object's encoding, or (``by_field``) its keys' and then each value's."""
         if not by_field:

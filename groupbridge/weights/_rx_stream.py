@@ -17,7 +17,7 @@ from ..stateless import StatelessGroup
 from . import _bytes
 from ._copier import Copier
 from ._header import Header
-from ._session import ACK_TAG, Session
+from ._session import Session, acknowledge
 from ._sharded_delta import DeltaMemory
 from .plan import Plans
 from .transports import RxTransport, Sync, spec
@@ -113,9 +113,9 @@ class Taker:
                 f"rank {group.rank} holds version {version}, but preparing it failed: {type(e).__name__}: "
                 f"{e}; the sender fails this sync"
             ))  # fmt: skip
-        to = list(sources)
+        to = sorted(sources)
         try:
-            group.send_obj({"ok": True, "error": None}, dst=to, tag=ACK_TAG)  # one store round trip for all
+            acknowledge(group, to, {"ok": True, "error": None})
         except GroupBridgeError as e:
             who = f"rank {to[0]}" if len(to) == 1 else f"ranks {', '.join(map(str, to))}"
             raise WeightSyncError(

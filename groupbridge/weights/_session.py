@@ -19,7 +19,7 @@ stream; many sources, or receivers that take boxes, one stream per (source, rece
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -46,9 +46,6 @@ from ._topology import Fanout, Pairs, Topology
 from .manifest import Manifest
 from .plan import Plan, Plans
 from .transports import TRANSPORTS
-
-ACK_TAG = "weights-ack"
-"""Receivers' acknowledgements travel on their own tag, never mixing with the caller's objects."""
 
 
 def laid_out_in_place(merged: Plan, tensors: list[torch.Tensor | None], *, receiving: bool) -> bool:
@@ -350,15 +347,25 @@ def committed(
     version = session.header.version
     vote(group, version, None, deadline, replicas)
     receivers = [r for r in range(group.world_size) if r not in session.sources]
+    acks = acknowledge(group, session.sources, None, deadline) or {}
     failures = []
     for r in receivers:
-        ack = group.recv_obj(r, timeout=deadline, tag=ACK_TAG)
+        ack = acks.get(r)
         if not isinstance(ack, dict) or ack.get("ok") is not True:
             error = ack.get("error") if isinstance(ack, dict) else repr(ack)[:200]
             failures.append(f"rank {r}: {error}")
     if failures:
         raise SyncRefusedError(f"version {version} was not applied everywhere:\n" + "\n".join(failures))
     return receivers
+
+
+def acknowledge(
+    group: StatelessGroup, sources: Sequence[int], ack: Any, deadline: Deadline | None = None
+) -> dict[int, Any] | None:
+    """Step 5's acknowledgements, one collective: every receiver posts its ``ack`` (returning once the store
+    holds it, without waiting for the other receivers), every source of ``sources`` reads them all."""
+    receivers = [r for r in range(group.world_size) if r not in sources]
+    return group.gather_obj(ack, receivers, sources, deadline)
 
 
 def vote(
