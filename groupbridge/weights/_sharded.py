@@ -9,19 +9,17 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from .. import codec
-from ..codec import dtype_from_name
 from ..errors import ProtocolError
-from . import _bytes
 from ._header import Header, Verdict
 from ._posts import header_of
 from ._rules import Family, compress, family_of, place_of
-from ._shard_plan import Held, Piece, ShardPlan, plan_shards
+from ._shard_plan import Held, ShardPlan, plan_shards
 from ._sharded_delta import Bases, pair_key
 from .manifest import Entry, Manifest
 from .plan import Plans
@@ -268,12 +266,3 @@ def _union(held: Mapping[int, list[Held]], families: list[Family]) -> list[Held]
                 for h in layout:
                     seen.setdefault(h.name, h)
     return list(seen.values())
-
-
-def piece_parts(
-    pieces: tuple[Piece, ...], slots: Mapping[str, Slot], dtypes: Mapping[str, str]
-) -> Iterator[_bytes.Part]:
-    """A pair's bucket as parts (see :func:`._bytes.pack_parts`): each piece is a box of a tensor a slot holds
-    (its box of the global tensor), at its offset in the bucket."""
-    for p in pieces:
-        yield p.part(slots[p.name], dtype_from_name(dtypes[p.name]))

@@ -7,16 +7,18 @@ from __future__ import annotations
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from functools import partial
 
 import torch
 import xxhash
 
+from ..codec import dtype_from_name
 from ..control import Deadline
 from ..errors import CopyTimeoutError
 from . import _bytes
 from ._described import Boxes, Pairs
 from ._shard_plan import Piece, ShardPlan
-from ._sharded import Slot, piece_parts
+from ._sharded import Slot
 from ._source import Puller, SourceReads
 from .manifest import Manifest
 from .plan import Plan
@@ -57,9 +59,28 @@ class SourceSlots:
         )
 
     def pack(self, pieces: tuple[Piece, ...], into: torch.Tensor) -> None:
-        parts = list(piece_parts(pieces, self._slots, self._dtypes))
+        slots = self._slots
+        # Where each piece lies in its tensor is the plan's (the boxes held are in the handshake's posts), so
+        # it is worked out once per plan; a sync then only looks its tensors up.
+        recipe = self._kept.get(pieces, "recipe", None, partial(self._recipe, pieces))
+        parts = [
+            (offset, nbytes, slots[name][0] if box is None else slots[name][0][box], dtype)
+            for name, offset, nbytes, box, dtype in recipe
+        ]
         at = self._kept.get(pieces, "pack", _bytes.address(into), lambda: _bytes.layout(into, parts))
         _bytes.copy_in(parts, at)
+
+    def _recipe(
+        self, pieces: tuple[Piece, ...]
+    ) -> list[tuple[str, int, int, tuple[slice, ...] | None, torch.dtype]]:
+        """Per piece: its tensor, its place in the bucket, its slices of the tensor (None: all of it), and
+        the dtype it travels as."""
+        out = []
+        for p in pieces:
+            held = self._slots[p.name][1]
+            at = None if p.box == held else p.box.slices(held.offset)
+            out.append((p.name, p.offset, p.nbytes, at, dtype_from_name(self._dtypes[p.name])))
+        return out
 
     def need(self, pieces: tuple[Piece, ...]) -> None:
         """Pull every tensor these pieces (a bucket's) read."""
