@@ -69,8 +69,13 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 
 
+_NAMES: dict[torch.dtype, str] = {d: n for n, d in _DTYPES.items()}
+
+
 def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+    """The dtype's name on the wire (looked up: a sync names every tensor's dtype)."""
+    name = _NAMES.get(dtype)
+    return name if name is not None else str(dtype).removeprefix("torch.")
 
 
 def dtype_from_name(name: str) -> torch.dtype:

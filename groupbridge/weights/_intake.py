@@ -215,10 +215,10 @@ def _namer(manifest: Manifest, rename: Callable[[str], str]) -> Callable[[Any], 
 
 
 def _kept(
-    taker: Taker, buffer: torch.Tensor, plan: Plan, manifest: Manifest
+    buffer: torch.Tensor, plan: Plan, manifest: Manifest, kept: _bytes.Kept | None = None
 ) -> dict[int, tuple[torch.Tensor, None]]:
-    """Each tensor's view of the kept buffer, laid out as the plan lays out its bytes (the same views while
-    the plan, the manifest and the buffer are)."""
+    """Each tensor's view of the kept buffer, laid out as the plan lays out its bytes (with ``kept``: the
+    same views while the plan, the manifest and the buffer are)."""
 
     def views() -> dict[int, tuple[torch.Tensor, None]]:
         return {
@@ -227,7 +227,9 @@ def _kept(
             if e.alias_of is None
         }
 
-    return taker.buffers.kept.get(plan, "kept", (_bytes.address(buffer), manifest.digest), views)
+    if kept is None:
+        return views()
+    return kept.get(plan, "kept", (_bytes.address(buffer), manifest.digest), views)
 
 
 def _fanout_named(taker: Taker, session: Session, deadline: Deadline, every: bool, keep: bool) -> Intake:
@@ -242,8 +244,10 @@ def _fanout_named(taker: Taker, session: Session, deadline: Deadline, every: boo
 
     def staged() -> Applier:
         buffer = taker.buffers.get(KEPT, plan.total_bytes, taker.device)
-        return Staged(taker.copier, names, parts, _kept(taker, buffer, plan, manifest), buffer=buffer,
-                      plan=plan, ring=ring, every=every, kept=kept)  # fmt: skip
+        slots = _kept(buffer, plan, manifest, kept)
+        return Staged(
+            taker.copier, names, parts, slots, buffer=buffer, plan=plan, ring=ring, every=every, kept=kept
+        )
 
     def spec(i: int) -> tuple[torch.dtype, tuple[int, ...], None]:
         e = manifest.entries[i]
@@ -282,9 +286,9 @@ def _fanout_into(
     def staged() -> Applier:
         buffer = taker.buffers.get(KEPT, plan.total_bytes, device)
         pairs = [(manifest.sources[i], d, names(i)) for i, d in enumerate(dest)]
-        return Staged(taker.copier, names, parts, _kept(taker, buffer, plan, manifest), buffer=buffer,
-                      dest=pairs, only_changed=session.delta, plan=plan, ring=ring,
-                      kept=taker.buffers.kept)  # fmt: skip
+        kept = taker.buffers.kept
+        return Staged(taker.copier, names, parts, _kept(buffer, plan, manifest, kept), buffer=buffer, dest=pairs,
+                      only_changed=session.delta, plan=plan, ring=ring, kept=kept)  # fmt: skip
 
     def streaming() -> Applier:
         own = {i: (d, None) for i, (d, e) in enumerate(zip(dest, entries, strict=True)) if e.alias_of is None}
@@ -327,10 +331,15 @@ def _staging(
     """One kept buffer (pre-touched after the first sync) holding every wanted box, one view per tensor; and
     the buffer. The views are kept while the plan, the ``kind`` of receive and the buffer are the same: the
     boxes are the plan's (the wants this receiver posted, from its targets or what it asked for)."""
-    offsets, pos = {}, 0
-    for wire in (w for w in plan.order if w in boxes):
-        offsets[wire] = pos
-        pos += -(-boxes[wire].numel * element_size(plan.dtypes[wire]) // 16) * 16
+
+    def layout() -> tuple[dict[str, int], int]:
+        offsets, pos = {}, 0
+        for wire in (w for w in plan.order if w in boxes):
+            offsets[wire] = pos
+            pos += -(-boxes[wire].numel * element_size(plan.dtypes[wire]) // 16) * 16
+        return offsets, pos
+
+    offsets, pos = taker.buffers.kept.get(plan, f"offsets-{kind}", len(boxes), layout)
     buffer = taker.buffers.get(KEPT, pos, device)
 
     def views() -> dict[str, Slot]:

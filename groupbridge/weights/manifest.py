@@ -168,9 +168,7 @@ class Manifest:
         return cls(tuple(entries))
 
 
-DTYPE_NAMES = {
-    d: dtype_name(d) for d in (getattr(torch, n) for n in dir(torch)) if isinstance(d, torch.dtype)
-}
+DTYPE_NAMES = {d: dtype_name(d) for d in vars(torch).values() if isinstance(d, torch.dtype)}
 """Each dtype's name on the wire, looked up (a repeat send compares hundreds of thousands of them)."""
 
 
