@@ -239,7 +239,6 @@ def _fanout_named(taker: Taker, session: Session, deadline: Deadline, every: boo
     plan = session.fanout
     ring = Ring(taker.buffers, taker.device)
     names, parts = _namer(manifest, taker.rename), counts(plan.buckets)
-
     kept = taker.buffers.kept
 
     def staged() -> Applier:
@@ -287,8 +286,9 @@ def _fanout_into(
         buffer = taker.buffers.get(KEPT, plan.total_bytes, device)
         pairs = [(manifest.sources[i], d, names(i)) for i, d in enumerate(dest)]
         kept = taker.buffers.kept
-        return Staged(taker.copier, names, parts, _kept(buffer, plan, manifest, kept), buffer=buffer, dest=pairs,
-                      only_changed=session.delta, plan=plan, ring=ring, kept=kept)  # fmt: skip
+        slots = _kept(buffer, plan, manifest, kept)
+        return Staged(taker.copier, names, parts, slots, buffer=buffer, dest=pairs, only_changed=session.delta,
+                      plan=plan, ring=ring, kept=kept)  # fmt: skip
 
     def streaming() -> Applier:
         own = {i: (d, None) for i, (d, e) in enumerate(zip(dest, entries, strict=True)) if e.alias_of is None}
