@@ -287,8 +287,8 @@ def _fanout_into(
         pairs = [(manifest.sources[i], d, names(i)) for i, d in enumerate(dest)]
         kept = taker.buffers.kept
         slots = _kept(buffer, plan, manifest, kept)
-        return Staged(taker.copier, names, parts, slots, buffer=buffer, dest=pairs, only_changed=session.delta,
-                      plan=plan, ring=ring, kept=kept)  # fmt: skip
+        return Staged(taker.copier, names, parts, slots, buffer=buffer, dest=pairs,
+                      only_changed=session.delta, plan=plan, ring=ring, kept=kept)  # fmt: skip
 
     def streaming() -> Applier:
         own = {i: (d, None) for i, (d, e) in enumerate(zip(dest, entries, strict=True)) if e.alias_of is None}
