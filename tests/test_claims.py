@@ -39,6 +39,8 @@ def _options(rank: int, ports: Any) -> dict[str, Any]:
                 gb.WeightSender(g, transport_options=gb.RelayOptions(chain=[1, 0, 2]))
             with pytest.raises(ValueError, match="chunk_bytes"):
                 gb.RelayOptions(chunk_bytes=10)
+            with pytest.raises(ValueError, match="clips every value past its range"):  # bf16 1000 -> 448
+                gb.WeightSender(g, wire_dtype=torch.float8_e4m3fn)
             with pytest.raises(TypeError, match="transport options"):
                 gb.WeightSender(g, transport_options={"chain": [0, 1, 2]})  # type: ignore[arg-type]
         else:

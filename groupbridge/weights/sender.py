@@ -68,7 +68,8 @@ class WeightSender(Closing):
         transport_options: options of one transport or several (``RelayOptions(chain=..., chunk_bytes=...)``,
             ``BroadcastOptions(in_flight=...)``, ``SharedOptions(slots=...)``), checked against the group
             now; a transport not named here takes its defaults.
-        wire_dtype: cast floating tensors to this dtype for the wire (fp32 master weights sent as bf16).
+        wire_dtype: cast floating tensors to this dtype for the wire (fp32 master weights sent as bf16); an
+            8-bit float is refused (the cast clips, silently; tensors already quantized travel as they are).
         checksum: send an XXH3-64 checksum of every bucket (about 16 GB/s); receivers verify before applying.
         rename: a callable or mapping from the sender's names to the names on the wire.
         delta: send only what changed (compared bitwise: see :mod:`._delta`) since the version every
@@ -107,6 +108,13 @@ class WeightSender(Closing):
             raise ValueError(f"bucket_bytes={bucket_bytes!r} must be an int >= 1024")
         if wire_dtype is not None and not wire_dtype.is_floating_point:
             raise ValueError(f"wire_dtype={wire_dtype} is not a floating dtype")
+        if wire_dtype is not None and wire_dtype.itemsize == 1:
+            raise ValueError(
+                f"wire_dtype={wire_dtype} cannot carry weights: a cast to an 8-bit float clips every value "
+                "past its range (bfloat16 1000.0 arrives as 448.0 in float8_e4m3fn) and the digests check "
+                "the clipped bytes; send bfloat16 or float16, or quantize on purpose (with scales) and send "
+                "the quantized tensors as they are"
+            )
         if solo_bytes is not None and solo_bytes < 1:
             raise ValueError(f"solo_bytes={solo_bytes} must be >= 1")
         if delta not in (False, True, "always"):
