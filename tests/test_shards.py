@@ -844,6 +844,50 @@ def test_a_receiver_that_dies_mid_chain_leaves_every_target_untouched_and_is_nam
             assert out[3] is True and out[4] == 1, res  # its target untouched, version 1 still held
 
 
+def _forwarder_fails(rank: int, ports: Any) -> Any:
+    """Receiver 3 forwards source 0's rows to receiver 4; its own landing fails midway through the second
+    sync. What it was passing on (a transport's buffers, sends on the wire) is let go with the failure, not
+    kept for as long as its error is."""
+    import gc
+
+    from groupbridge.weights.transports.p2p import P2PTx
+
+    with make_group(rank, 6, "127.0.0.1", ports, liveness_timeout=timedelta(seconds=2)) as g:
+        held = {f"w{i}": _chunk(_forwarded_version(i, 1), 2, rank, 0) for i in range(4)} if rank < 2 else {}
+        if rank < 2:
+            snd = gb.WeightSender(g, transport="p2p")
+            snd.send(held, version=1)
+            with contextlib.suppress(gb.GroupBridgeError):
+                snd.send(held, version=2)
+            return None
+        with inject_faults() as faults:
+            rcv = gb.WeightReceiver(g)
+            target = {f"w{i}": torch.zeros(FWD_SHAPE) for i in range(4)}
+            rcv.receive_into(target)
+            if rank == 3:
+                landed = itertools.count()
+
+                def fail(k: int, view: torch.Tensor) -> None:
+                    if next(landed) == 2:
+                        raise RuntimeError("injected: this receiver's landing failed")
+
+                faults.land = fail
+            try:
+                rcv.receive_into(target)
+                return "received"
+            except gb.GroupBridgeError as e:
+                error = e  # held, as a caller holding the error would
+                gc.collect()
+                holding = [tx for tx in gc.get_objects() if isinstance(tx, P2PTx) and tx._buffers._buffers]
+                return type(error).__name__, len(holding)
+
+
+@pytest.mark.timeout(60)
+def test_a_forwarder_whose_receive_fails_lets_go_of_what_it_was_passing_on() -> None:
+    res = run_ranks(_forwarder_fails, 6, CTX.Queue(), timeout=50)
+    assert res[3][0].endswith("Error") and res[3][1] == 0, res
+
+
 def _corrupt_hop(rank: int, ports: Any) -> Any:
     """Receiver 3 passes source 0's rows on to receiver 4 with one byte flipped: receiver 4 checks what it
     took against the source's own digests, so the sync is refused on every member, the group usable."""

@@ -134,11 +134,15 @@ class Intake:
             ring.size = rx.scratch_buffers
             walks[by] = rx.buckets(wire, land, deadline)
         onward = Onward(taker.group, session.topology.forwards(me), walk, feeds, deadline, self.device)
-        for (src, k), (_, view, in_place) in zip(walk, take(walks, (of[s].feeder for s, _ in walk)),
-                                                 strict=True):  # fmt: skip
-            onward.post(src, view)
-            feeds[src][k][1](view, in_place)
-            yield from hand_on(self.ready)
+        try:
+            for (src, k), (_, view, in_place) in zip(walk, take(walks, (of[s].feeder for s, _ in walk)),
+                                                     strict=True):  # fmt: skip
+                onward.post(src, view)
+                feeds[src][k][1](view, in_place)
+                yield from hand_on(self.ready)
+        except BaseException:  # what it was passing on goes now, not when the error (and this frame) does
+            onward.close()
+            raise
         onward.finish()
 
 

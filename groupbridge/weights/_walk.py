@@ -74,6 +74,13 @@ class Onward:
         self.posted += 1
 
     def finish(self) -> None:
+        """Every bucket passed on is off the wire; then :meth:`close`."""
         if self.tx is not None:
             self.tx.finish()
+        self.close()
+
+    def close(self) -> None:
+        """Let go of the transport (its buffers, the sends still on the wire): at the end, or on a failure."""
+        if self.tx is not None:
             self.tx.close()
+            self.tx = None
