@@ -253,9 +253,9 @@ class Objects:
         for r in readers:
             s.check_rank(r, "dsts")
         deadline = s.deadline(timeout) if s.rank in readers else None
+        data = self._encode(obj) if s.rank in senders else b""  # a refused object consumes no number
         seq = self._next_seq()
         keys = {r: f"ga/{seq}/{r}" for r in senders}
-        data = self._encode(obj) if s.rank in keys else b""
         if data:
             self._control.put(keys[s.rank], data, "gather_obj")
         out: dict[int, Any] | None = None

@@ -184,7 +184,11 @@ class Applier:
             at = None
             if out:
                 assert view is not None
-                at = self.kept.get(parts, "unpack", _bytes.address(view), partial(_bytes.layout, view, out))
+                make = partial(_bytes.layout, view, out)
+                # only a plan's own bucket (a tuple, kept with the plan) is worth keeping a layout for: a list
+                # made for this bucket alone (some of its parts) never comes again
+                owned = isinstance(parts, tuple)
+                at = self.kept.get(parts, "unpack", _bytes.address(view), make) if owned else make()
             self.copier.run(partial(_unpack_and_cast, at, out, casts))
         return done
 

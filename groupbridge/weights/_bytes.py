@@ -208,9 +208,9 @@ class Same:
         return id(self.obj)
 
 
-def address(view: torch.Tensor) -> tuple[int, int]:
-    """Where a buffer's views are valid: its address and size."""
-    return view.data_ptr(), view.numel()
+def address(view: torch.Tensor) -> tuple[torch.device, int, int]:
+    """Where a buffer's views are valid: its device, address and size."""
+    return view.device, view.data_ptr(), view.numel()
 
 
 def _segments(
@@ -264,6 +264,9 @@ class BufferCache:
         )
         if buf is None or buf.numel() < nbytes or not same_device:
             self._buffers.pop(slot, None)  # free the old one before allocating its successor
+            if buf is not None:
+                self.kept.clear()  # the views kept of it, too
+            del buf
             buf = self._buffers[slot] = new_buffer(nbytes, device)
         return buf[:nbytes]
 

@@ -140,10 +140,10 @@ class Intake:
                 onward.post(src, view)
                 feeds[src][k][1](view, in_place)
                 yield from hand_on(self.ready)
+            onward.finish()
         except BaseException:  # what it was passing on goes now, not when the error (and this frame) does
             onward.close()
             raise
-        onward.finish()
 
 
 class _Lander:

@@ -138,6 +138,7 @@ class WeightReceiver(Closing):
     def close(self) -> None:
         """Release transport mappings, buffers and the copy thread. The group stays open."""
         self._streams.close()
+        self._buffers.kept.clear()  # views of this receiver's transports' memory (shared buffers or not)
         if self._own_buffers:
             self._buffers.clear()
         if self._own_memory:
