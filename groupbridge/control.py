@@ -230,13 +230,23 @@ class ControlChannel:
         The seal covers the route's binding and ``seq``, so a message moved to another channel fails the
         check and a stale or replayed one is recognised by its number.
         """
-        self.push_each(((route, seq, payload),), what)
-
-    def push_each(self, messages: Sequence[tuple[Route, int, bytes]], what: str) -> None:
-        """:meth:`push` of each (route, seq, payload), in one round trip: a receiver acknowledging a sync to
-        each of its hundreds of sources pays one wait on the store, not one per source."""
         # Written out (no closures, no call()): this is the path of every small control message, whose cost
         # is mostly the Python it runs, with caches cold (the caller has just woken).
+        item = _SEQ.pack(seq) + payload
+        if self.sealer.enabled:
+            item = self.sealer.seal(route.binding, item)
+        store = self.client.get()
+        queues = route.queues
+        self._check_failure()
+        try:  # torch's calls only: a GroupBridgeError (an OSError too) must not reach the handler
+            for q in queues:
+                store.queue_push(q, item)
+            store.check([queues[-1]])  # answered after the pushes were applied: the acknowledgement
+        except (RuntimeError, OSError) as e:
+            self._store_failed(e, what)
+
+    def push_each(self, messages: Sequence[tuple[Route, int, bytes]], what: str) -> None:
+        """:meth:`push` of each (route, seq, payload), in one round trip (``send_obj`` to several ranks)."""
         sealer = self.sealer
         store = self.client.get()
         self._check_failure()

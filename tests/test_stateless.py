@@ -642,6 +642,10 @@ def _gathered_to_some(rank: int, ports: Any) -> Any:
     with make_group(rank, 4, "127.0.0.1", ports) as g:
         baseline = _quiet_count(g, rank, "before")
         got = [g.gather_obj({"from": rank, "round": i}, srcs=[1, 2], dsts=[0, 3]) for i in range(20)]
+        if rank == 0:  # one object to several ranks, one store round trip
+            g.send_obj({"to": "all"}, dst=[1, 2, 3], tag="many")
+        else:
+            assert g.recv_obj(0, tag="many") == {"to": "all"}
         after = _quiet_count(g, rank, "after")
         late = None
         if rank != 2:  # rank 2, a source, never posts the last one
@@ -657,7 +661,8 @@ def _gathered_to_some(rank: int, ports: Any) -> Any:
 @pytest.mark.timeout(90)
 def test_a_gather_from_some_ranks_to_others_gives_each_reader_every_source_and_leaves_no_key() -> None:
     """The sources return at once, the readers get every source's object by rank, the others None; the
-    keys go once every rank passed it; a source that never posts is named by each reader."""
+    keys go once every rank passed it; a source that never posts is named by each reader. And send_obj to
+    several ranks at once."""
     res = run_ranks(_gathered_to_some, 4, CTX.Queue(), timeout=80)
     for rank, (got, baseline, after, late) in enumerate(res):
         if rank in (0, 3):

@@ -96,6 +96,13 @@ class Objects:
             raise ValueError(f"dst={list(dsts)} names a rank twice")
         self._check_tag(tag)
         data = self._encode(obj)
+        if len(dsts) == 1:  # the common case, as cheap as it was
+            (d,) = dsts
+            channel = f"p2p/{tag}/{rank}/{d}"
+            seq = self._send_seq.get((d, tag), 0)
+            self._control.push(self._control.route(channel, [channel]), seq, data, "send_obj")
+            self._send_seq[(d, tag)] = seq + 1
+            return
         messages = []
         for d in dsts:
             channel = f"p2p/{tag}/{rank}/{d}"
