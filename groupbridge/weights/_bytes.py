@@ -133,31 +133,31 @@ def copy_in(parts: Sequence[Part], at: Layout) -> None:
     with torch.no_grad():
         if at.holes:
             torch._foreach_zero_(at.holes)
-        if at.raw:
-            for i in at.raw:
-                _, _, t, dtype = parts[i]
-                at.views[i].copy_(t.to(dtype).reshape(-1).view(torch.uint8))
-            dst = [v for i, v in enumerate(at.views) if i not in at.raw]
-            src = [p[2] for i, p in enumerate(parts) if i not in at.raw]
-        else:
-            dst, src = at.views, [p[2] for p in parts]
-        if dst:
-            torch._foreach_copy_(dst, src)
+        for i in at.raw:
+            _, _, t, dtype = parts[i]
+            at.views[i].copy_(t.to(dtype).reshape(-1).view(torch.uint8))
+        views, tensors = _typed(parts, at)
+        if views:
+            torch._foreach_copy_(views, tensors)
 
 
 def copy_out(parts: Sequence[Part], at: Layout) -> None:
     """Unpack: every piece's view into its tensor (one ``torch._foreach_copy_``)."""
     with torch.no_grad():
-        if at.raw:
-            for i in at.raw:
-                _, _, t, dtype = parts[i]
-                t.copy_(at.views[i].clone().view(dtype).view(t.shape))  # the clone is aligned
-            src = [v for i, v in enumerate(at.views) if i not in at.raw]
-            dst = [p[2] for i, p in enumerate(parts) if i not in at.raw]
-        else:
-            src, dst = at.views, [p[2] for p in parts]
-        if dst:
-            torch._foreach_copy_(dst, src)
+        for i in at.raw:
+            _, _, t, dtype = parts[i]
+            t.copy_(at.views[i].clone().view(dtype).view(t.shape))  # the clone is aligned
+        views, tensors = _typed(parts, at)
+        if views:
+            torch._foreach_copy_(tensors, views)
+
+
+def _typed(parts: Sequence[Part], at: Layout) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The pieces copied as they are typed (all but ``at.raw``): their views, their tensors."""
+    if not at.raw:
+        return at.views, [p[2] for p in parts]
+    keep = [i for i in range(len(parts)) if i not in at.raw]
+    return [at.views[i] for i in keep], [parts[i][2] for i in keep]
 
 
 class Kept:
