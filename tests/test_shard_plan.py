@@ -231,7 +231,7 @@ def _fsdp_rules(sources: int, receivers: int) -> tuple[Any, Any, Any]:
             tuple(Entry(n, sz, "float32", "float32", None) for n, (_, _, sz) in shards.items())
         )
         held[s] = [_held(n, g, o, sz) for n, (g, o, sz) in shards.items()]
-        boxes, rule, at = _rules.compress({n: (g, o) for n, (g, o, _) in shards.items()}, manifest)
+        boxes, rule, at, _ = _rules.compress({n: (g, o) for n, (g, o, _) in shards.items()}, manifest)
         fam = families.setdefault(repr(rule), _rules.family_of(manifest, rule, s))
         fam.at[s] = _rules.place_of(at, fam, s)
         explicit = [h for h in held[s] if boxes and h.name in boxes]
@@ -274,3 +274,42 @@ def test_a_hostile_rule_costs_its_places_not_its_indices_and_a_malformed_one_is_
     assert [(b.offset, ranks) for b, ranks, _ in found] == [((5 << 10, 7 << 10), (0,))]
     with pytest.raises(gb.ProtocolError, match="malformed"):
         _rules.family_of(manifest, {"4": [[["w"], [8]]]}, 3)
+
+
+def test_a_source_past_a_tensor_s_last_piece_posts_it_as_none_and_is_planned_as_its_empty_box() -> None:
+    """At 8 FSDP ranks a norm of 3 values leaves ranks 3-7 with nothing of it: they name it in one list
+    (not a box each), share one list of what they hold, and the plan is the one their empty boxes give;
+    a source saying it holds none of a tensor its manifest lists with elements is refused."""
+    from groupbridge.weights import _rules, _sharded
+    from groupbridge.weights._header import Header
+    from groupbridge.weights.manifest import Entry, Manifest
+
+    shapes, sources = {"w": (50, 6), "n": (3,)}, 8
+    posts, headers, manifests, held = [], {}, {}, {}
+    for s in range(sources):
+        shards = {
+            n: (g, (_rules.chunk_range(g[0], sources, s)[0], *[0] * (len(g) - 1))) for n, g in shapes.items()
+        }
+        size = {n: (_rules.chunk_range(g[0], sources, s)[1], *g[1:]) for n, g in shapes.items()}
+        manifests[s] = Manifest(tuple(Entry(n, size[n], "float32", "float32", None) for n in shapes))
+        headers[s] = Header(
+            1, manifests[s].digest, 256, 256, "p2p", "", 0, f"{s:012x}", {}, {}, bucket_cap=256
+        )
+        posts.append(_sharded.boxes_of(shards, manifests[s]))
+        held[s] = [_held(n, g, shards[n][1], size[n]) for n, g in shapes.items()]
+    assert [p.get("none") for p in posts] == [None] * 3 + [["n"]] * 5
+    assert not any("boxes" in p for p in posts)
+    wanted = {r: [_held("w", shapes["w"], (0, 3 * (r % 2)), (50, 3)), _held("n", (3,), (0,), (3,))]
+              for r in range(sources, sources + 2)}  # fmt: skip
+    listed, families = _sharded._sources(posts, list(range(sources)), headers, manifests)
+    assert all(listed[s] is listed[3] for s in range(3, 7))  # rank 7 holds a shorter last piece of w
+    for m in range(sources + 2):
+        boxes = plan_shards(held, wanted, bucket_bytes=256, forward=frozenset(held), me=m)
+        ruled = plan_shards(
+            listed, wanted, bucket_bytes=256, forward=frozenset(held), me=m, families=families
+        )
+        assert boxes.pairs == ruled.pairs and boxes.upstream == ruled.upstream, m
+    for none, words in ((["w"], "holds none of 'w'"), ("n", "malformed"), (["n", "x"], "holds none of 'x'")):
+        bad = [*posts[:7], {**posts[7], "none": none}]
+        with pytest.raises(gb.ProtocolError, match=words):
+            _sharded._sources(bad, list(range(sources)), headers, manifests)

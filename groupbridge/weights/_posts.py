@@ -26,10 +26,10 @@ from .manifest import Manifest
 
 DYNAMIC = ("version", "sync_id", "keeps_base", "base", "pair_deltas")
 """The header's fields that change every sync; the others travel with the layout."""
-STICKY = ("hs", "manifest", "boxes", "rule", "at", "wants", "wants_if")
+STICKY = ("hs", "manifest", "boxes", "rule", "at", "none", "wants", "wants_if")
 """A post's fields that travel only when they changed: the header's other fields, the manifest, the boxes
-held (listed, or a rule and the place in it: see :mod:`._rules`) and the boxes wanted (and on which
-condition)."""
+held (listed, or a rule and the place in it, and the tensors held none of: see :mod:`._rules`) and the boxes
+wanted (and on which condition)."""
 KEPT = 4
 """Layouts kept per member (a member may post through a sender and a receiver, each with its own memory)."""
 KNOWN_MANIFESTS = 16

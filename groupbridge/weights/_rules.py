@@ -10,6 +10,11 @@ once) and its index per key (**at**: a few numbers). Every member then knows all
 (the sources posting one rule and one manifest) from the rule and their indices, and finds the ones whose
 box of a tensor overlaps a given box by arithmetic: a planner reads sources' layouts in time that grows with
 the families, not with the sources times the tensors. A box that is no chunk piece travels as it is.
+
+A source that holds nothing of a tensor (the ranks past the last of ``torch.chunk``'s pieces: at 512 FSDP
+ranks a norm of 64 values leaves 448 of them empty) names it among the tensors it holds **none** of: the
+ranks past a tensor's end post one list alike, which the gather carries once, where a box each would grow
+with the ranks times the small tensors.
 """
 
 from __future__ import annotations
@@ -59,15 +64,21 @@ def _divisors(n: int, above: int) -> list[int]:
     return sorted(d for d in {*small, *(n // d for d in small)} if d > above)
 
 
-def compress(
-    shards: Mapping[str, tuple[tuple[int, ...], tuple[int, ...]]], manifest: Manifest
-) -> tuple[dict[str, Any] | None, dict[str, Any] | None, dict[str, Any] | None]:
-    """A source's boxes as (explicit boxes, rule, at) for its post (see the module's docstring)."""
+Compressed = tuple[dict[str, Any] | None, dict[str, Any] | None, dict[str, Any] | None, list[str] | None]
+"""A source's boxes for its post: (explicit boxes, rule, at, none); None for each it has none of."""
+
+
+def compress(shards: Mapping[str, tuple[tuple[int, ...], tuple[int, ...]]], manifest: Manifest) -> Compressed:
+    """A source's boxes as (explicit boxes, rule, at, none) for its post (see the module's docstring)."""
     shapes = {e.name: e.shape for e in manifest.entries}
     explicit: dict[str, Any] = {}
     rule: dict[str, list[Any]] = {}
     at: dict[str, list[int]] = {}
+    none: list[str] = []
     for name, (g, o) in shards.items():
+        if math.prod(g) and not math.prod(shapes[name]):
+            none.append(name)
+            continue
         pieces = [_piece(size, start, length) for size, start, length in zip(g, o, shapes[name], strict=True)]
         if not pieces or any(p is None for p in pieces):
             explicit[name] = [list(g), list(o)]
@@ -78,7 +89,7 @@ def compress(
             explicit[name] = [list(g), list(o)]
             continue
         rule.setdefault(key, []).append([name, list(g)])
-    return explicit or None, rule or None, at or None
+    return explicit or None, rule or None, at or None, none or None
 
 
 @dataclass(slots=True)

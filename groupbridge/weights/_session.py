@@ -153,7 +153,7 @@ def sources_of(group: StatelessGroup, posts: list[Any], expected: int | None) ->
 def is_sharded(posts: list[Any], sources: list[int]) -> bool:
     """The sync needs the many-source plan: several sources, boxes held, or boxes wanted."""
     return len(sources) > 1 or any(
-        isinstance(p, dict) and ("boxes" in p or "rule" in p or "wants" in p) for p in posts
+        isinstance(p, dict) and ("boxes" in p or "rule" in p or "none" in p or "wants" in p) for p in posts
     )
 
 

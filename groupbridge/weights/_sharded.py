@@ -34,20 +34,26 @@ def boxes_of(
     shards: Mapping[str, tuple[tuple[int, ...], tuple[int, ...]]], manifest: Manifest
 ) -> dict[str, Any]:
     """A source's post of the boxes it holds: ``torch.chunk`` pieces as a rule and its place in it, others
-    as their global shape and offset (see :mod:`._rules`); nothing where it holds whole tensors."""
-    boxes, rule, at = compress(shards, manifest)
-    return {k: v for k, v in (("boxes", boxes), ("rule", rule), ("at", at)) if v is not None}
+    as their global shape and offset, and the tensors it holds none of (see :mod:`._rules`); nothing where it
+    holds whole tensors."""
+    boxes, rule, at, none = compress(shards, manifest)
+    fields = (("boxes", boxes), ("rule", rule), ("at", at), ("none", none))
+    return {k: v for k, v in fields if v is not None}
 
 
-def _held(manifest: Manifest, boxes: Any, src: int, ruled: frozenset[str] = frozenset()) -> list[Held]:
-    """What a source lists: its boxes, whole tensors where it names none (those of its rule aside)."""
+def _held(
+    manifest: Manifest, boxes: Any, src: int, ruled: frozenset[str] = frozenset(), none: Any = None
+) -> list[Held]:
+    """What a source lists: its boxes, whole tensors where it names none (those of its rule, and those it
+    holds nothing of, aside)."""
     if boxes is None:
         boxes = {}
     if not isinstance(boxes, dict):
         raise ProtocolError(f"rank {src}'s boxes are malformed")
+    skip = ruled | _none(manifest, none, src, boxes, ruled)
     out = []
     for e in manifest.entries:
-        if e.name in ruled:
+        if e.name in skip:
             continue
         box = boxes.get(e.name)
         if box is None:
@@ -58,6 +64,26 @@ def _held(manifest: Manifest, boxes: Any, src: int, ruled: frozenset[str] = froz
             raise ProtocolError(f"rank {src}'s box of {e.name} has the wrong number of dimensions")
         out.append(Held(e.name, e.wire_dtype, g, Box(o, e.shape)))
     return out
+
+
+def _none(
+    manifest: Manifest, none: Any, src: int, boxes: dict[str, Any], ruled: frozenset[str]
+) -> frozenset[str]:
+    """The tensors a source says it holds nothing of (checked as hostile: each in its manifest with no
+    element there, and neither in its boxes nor in its rule)."""
+    if none is None:
+        return frozenset()
+    if not isinstance(none, list) or not all(isinstance(n, str) for n in none):
+        raise ProtocolError(f"rank {src}'s list of tensors it holds none of is malformed")
+    names = frozenset(none)
+    shapes = {e.name: e.shape for e in manifest.entries}
+    for name in names:
+        if name not in shapes or all(shapes[name]) or name in boxes or name in ruled:  # all: no 0 dim
+            raise ProtocolError(
+                f"rank {src} says it holds none of {name!r}, which its manifest does not list empty or "
+                "its boxes list as held"
+            )
+    return names
 
 
 def _ints(box: Any, i: int, src: int) -> tuple[int, ...]:
@@ -89,7 +115,8 @@ def conditional(posts: list[Any], sources: list[int], *, keyed: bool = False) ->
     key = sources_key(posts, sources, headers)
     carried = all(_carrier(h) == h.transport for h in headers.values())
     sharded = len(sources) > 1 or any(
-        isinstance(p, dict) and ("boxes" in p or "rule" in p or ("wants" in p and "wants_if" not in p))
+        isinstance(p, dict)
+        and ("boxes" in p or "rule" in p or "none" in p or ("wants" in p and "wants_if" not in p))
         for p in posts
     )
     out = []
@@ -224,25 +251,35 @@ def _sources(
     """What each source holds: the boxes it lists, and the families of those whose boxes are a rule (the
     sources that post one rule over one manifest; see :mod:`._rules`)."""
     lists: dict[Any, list[Held]] = {}
-    families: dict[tuple[str, str], Family] = {}
-    digests: dict[int, str] = {}  # a rule posted alike is one object: digested once
+    families: dict[tuple[str, str | None], Family] = {}
+    names: dict[int, frozenset[str]] = {}  # each family's tensors
+    digests: dict[int, str] = {}  # a value posted alike is one object: digested once
     held = {}
     for s in sources:
         post, ruled = posts[s], frozenset[str]()
         rule = post.get("rule")
         if rule is not None:
-            digest = digests.get(id(rule)) or digests.setdefault(id(rule), _digest(rule))
-            key = (headers[s].digest, digest)
+            key = (headers[s].digest, _id_digest(rule, digests))
             if key not in families:
                 families[key] = family_of(manifests[s], rule, s)
             family = families[key]
             family.at[s] = place_of(post.get("at"), family, s)
-            ruled = frozenset(family.tensors)
-        layout = post.get("g")
+            ruled = names.get(id(family)) or names.setdefault(id(family), frozenset(family.tensors))
+        # what a source lists depends on its manifest, boxes, rule and tensors held none of: the ranks that
+        # post them alike (past a tensor's end, or holding no box outside their rule) share one list
+        boxes, none = post.get("boxes"), post.get("none")
+        layout = (headers[s].digest, *(_id_digest(v, digests) for v in (boxes, rule, none)))
         if layout not in lists:
-            lists[layout] = _held(manifests[s], post.get("boxes"), s, ruled)
+            lists[layout] = _held(manifests[s], boxes, s, ruled, none)
         held[s] = lists[layout]
     return held, list(families.values())
+
+
+def _id_digest(value: Any, digests: dict[int, str]) -> str | None:
+    """``value``'s digest, worked out once per object (the gather decodes a value posted alike once)."""
+    if value is None:
+        return None
+    return digests.get(id(value)) or digests.setdefault(id(value), _digest(value))
 
 
 def _digest(value: Any) -> str:
