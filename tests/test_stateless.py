@@ -592,24 +592,29 @@ def _wide_gather(rank: int, ports: Any, n: int) -> Any:
         others = [x for r, x in enumerate(fields) if r != rank]
         shared = shared and all(x["layout"] is others[0]["layout"] for x in others)  # one value, decoded once
         shared = shared and [x["mine"] for x in fields] == list(range(n))
-        via_rank_zero = g.control.check(["ag/1/all"], "the test")
+        via_rank_zero = g.control.check(["ag/1/all"], "the test")  # its keys go once a barrier passed
+        g.barrier()
         late = None
-        if rank != n - 1:  # the last rank stays out of the second gather
+        if rank != n - 1:  # the last rank stays out of the third gather and the barrier after it
             try:
                 g.all_gather_obj(rank, timeout=timedelta(seconds=2))
             except gb.PeerTimeoutError as e:
                 late = str(e)
+            try:
+                g.barrier(timeout=timedelta(seconds=2))
+            except gb.PeerTimeoutError as e:
+                late = (late, str(e))
         else:
-            time.sleep(4)
+            time.sleep(7)
         got = [x if "layout" in x else {"rank": x["rank"], "w": x["w"].tolist()} for x in got]
         return got, late, shared, via_rank_zero
 
 
 @pytest.mark.timeout(120)
-def test_a_gather_of_more_than_direct_max_members_goes_through_rank_zero_and_names_who_is_late() -> None:
+def test_a_gather_or_barrier_of_more_than_direct_max_members_goes_via_rank_zero_naming_who_is_late() -> None:
     """Above DIRECT_MAX members every member reads one value rank 0 posts (sealed with the token), with the
     objects that several members posted alike once (by_field: each value of a dict alike once, whatever the
-    others); a member that never comes is named by every member."""
+    others); a member that never comes to a gather or a barrier is named by every member."""
     from groupbridge._group.objects import DIRECT_MAX
 
     n = DIRECT_MAX + 2
@@ -618,7 +623,9 @@ def test_a_gather_of_more_than_direct_max_members_goes_through_rank_zero_and_nam
     for rank, (got, late, shared, via_rank_zero) in enumerate(res):
         assert got == expect and shared and via_rank_zero, (rank, got, shared, via_rank_zero)
         if rank != n - 1:
-            assert late is not None and f"rank(s) {n - 1}" in late and "all_gather_obj" in late, (rank, late)
+            gathered, barrier = late
+            assert f"rank(s) {n - 1}" in gathered and "all_gather_obj" in gathered, (rank, late)
+            assert f"rank(s) {n - 1}" in barrier and "barrier" in barrier, (rank, late)
 
 
 def _by_field(rank: int, ports: Any, n: int) -> Any:

@@ -13,13 +13,14 @@ a rank's last watermark stay until its next one (or until the store goes, with r
 An all-gather of more than :data:`DIRECT_MAX` members goes through rank 0: each member posts its object,
 rank 0 reads them all in one request and posts them once, identical objects once, and each member reads that
 one value. The store then serves about 2N requests per gather, not N^2, and a member reads the distinct
-objects once (thousands of members posting one layout cost one copy of it).
+objects once (thousands of members posting one layout cost one copy of it). A barrier of more than
+:data:`DIRECT_MAX` members goes through rank 0 alike: each member's arrival is read once, by rank 0.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -316,22 +317,40 @@ class Objects:
     ) -> list[list[bytes]]:
         """An all-gather through rank 0 (see the module's docstring): rank 0 posts the distinct parts and
         which ones each rank posted; every rank's parts, in rank order."""
-        s, control, what = self._state, self._control, "all_gather_obj"
+        posted: list[list[bytes]] = []
+
+        def combine(got: list[bytes]) -> bytes:
+            others = self._state.others()
+            posted.extend([parts, *(self._unpacked(bytes(v), r) for r, v in zip(others, got, strict=True))])
+            distinct: dict[bytes, int] = {}
+            index = [[distinct.setdefault(p, len(distinct)) for p in rank_parts] for rank_parts in posted]
+            return msgpack.packb([list(distinct), index])  # type: ignore[no-any-return]
+
+        raw = self._through_root(keys, f"ag/{seq}/all", combine, deadline, "all_gather_obj")
+        if self._state.rank == 0:
+            return posted
+        values, index = self._combined(raw, self._state.world_size)
+        return [[values[i] for i in rank_index] for rank_index in index]
+
+    def _through_root(
+        self, keys: list[str], out: str, combine: Callable[[list[bytes]], bytes] | bytes, deadline: Deadline,
+        what: str,
+    ) -> bytes:  # fmt: skip
+        """A collective through rank 0 (every rank posted ``keys[rank]``): rank 0 reads the others' keys in
+        one request and posts ``out`` (``combine`` of what it read, or a constant); every other rank reads
+        ``out``, and a timeout names the ranks rank 0 still waits for. Returns ``out``'s value."""
+        s, control = self._state, self._control
         others = s.others()
         if s.rank == 0:
             got = control.get([keys[r] for r in others], others, deadline, what)
-            posted = [parts, *(self._unpacked(bytes(v), r) for r, v in zip(others, got, strict=True))]
-            distinct: dict[bytes, int] = {}
-            index = [[distinct.setdefault(p, len(distinct)) for p in rank_parts] for rank_parts in posted]
-            control.put(f"ag/{seq}/all", msgpack.packb([list(distinct), index]), what)
-            return posted
+            value = combine(got) if callable(combine) else combine
+            control.put(out, value, what)
+            return value
         try:
-            raw = control.get_one(f"ag/{seq}/all", 0, deadline, what)
+            return control.get_one(out, 0, deadline, what)
         except PeerTimeoutError as e:  # name the members rank 0 still waits for
             late = control.missing([keys[r] for r in others], others)
             raise control.late(what, late or [0], deadline) from e
-        values, index = self._combined(raw, s.world_size)
-        return [[values[i] for i in rank_index] for rank_index in index]
 
     def _combined(self, raw: bytes, world_size: int) -> tuple[list[bytes], list[list[int]]]:
         """Rank 0's gathered value, checked before use: (distinct parts, each rank's parts' indices)."""
@@ -366,5 +385,9 @@ class Objects:
         keys = [f"bar/{seq}/{r}" for r in range(s.world_size)]
         self._control.post(keys[s.rank], b"1", "barrier")
         others = s.others()
-        self._control.get([keys[r] for r in others], others, deadline, "the barrier")
+        if s.world_size <= DIRECT_MAX:
+            self._control.get([keys[r] for r in others], others, deadline, "the barrier")
+        else:  # through rank 0, as an all-gather: every rank reading every other's key would be N^2 reads
+            self._through_root(keys, f"bar/{seq}/all", b"1", deadline, "the barrier")
+            keys.append(f"bar/{seq}/all")
         self._done_collective(seq, keys, flush=True)
