@@ -307,6 +307,12 @@ class GroupBridgeCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
             raise RuntimeError("init_process_group has not made this worker a receiver")
         version = self._next(global_steps)
         worker, handoff = self.worker, self._handoff
+        passed = worker.passed()
+        if global_steps is not None and passed is not None and version <= passed:
+            # verl's driver owns this worker and goes back on purpose: a validation sends its step again, a
+            # resumed trainer an older one (a second trainer cannot reach it: it joins verl's bridges only)
+            why = "verl sends its step again" if version == passed else "verl resumed from an older step"
+            worker.reset_versions("", f"{why}: {passed} -> {version}")
         # this update's own queue: a waiter left from an earlier update takes nothing of it
         handoff.pairs = queue.SimpleQueue()
 

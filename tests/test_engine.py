@@ -11,6 +11,7 @@ cloned or re-assembled).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import queue
 import re
 import threading
@@ -801,13 +802,30 @@ def test_the_http_client_keeps_the_cause_of_each_error() -> None:
 
 def test_no_version_past_the_largest_reaches_the_engine() -> None:
     """A send of version 2**62 is refused before the engine hears of it; the largest version is sent; then
-    the next default version would be out of range: refused at once, saying what clears it."""
-    with rig() as (session, _, out):
+    the next default version would be out of range: refused at once, saying what clears it. A second
+    trainer cannot follow either; one connected with reset_versions=True starts again from 1 and lands."""
+    with rig() as (session, control, out):
         with pytest.raises(ValueError, match="out of range"):
             session.send(slow(1.0, 0), specs=SPECS, version=1 << 62)
         assert session.send(slow(2.0, 0), specs=SPECS, version=(1 << 62) - 1) == (1 << 62) - 1
-        with pytest.raises(ValueError, match="restart its workers"):
+        with pytest.raises(ValueError, match=r"reset_versions=True"):
             session.send(slow(3.0, 0), specs=SPECS)
-    assert out["version"] == (1 << 62) - 1 and out["sum"] == 2.0 * WHOLE
+        config = TrainerConfig(timeout_s=30, liveness_s=10, bucket_bytes=32 << 10)
+        second = TrainerSession(config, Control(control.calls, control.replies))
+        try:
+            e = refused_after_takeover(lambda: second.send(slow(4.0, 0), specs=SPECS, version=7))
+            assert "reset_versions=True" in str(e) and e.newest == (1 << 62) - 1, e
+        finally:
+            second.close()
+        third = TrainerSession(dataclasses.replace(config, reset_versions=True), Control(control.calls,
+                               control.replies))  # fmt: skip
+        try:
+            assert third.send(slow(5.0, 0), specs=SPECS) == 1
+            assert third.send(slow(6.0, 0), specs=SPECS) == 2
+        finally:
+            third.close()
+    assert out["version"] == 2 and out["sum"] == 6.0 * WHOLE
+    with pytest.raises(ValueError, match="reset_versions"):
+        TrainerConfig(reset_versions="yes")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="first_version"):
         TrainerConfig(first_version=1 << 62)

@@ -237,3 +237,81 @@ def test_verl_updates_are_deltas_across_its_bridges(sources: Any) -> None:
         changed = [m["groupbridge/changed_fraction"] for m in metrics[1:] if m["groupbridge/delta"]]
         assert changed and all(0.01 <= c <= 0.05 for c in changed), changed
         assert metrics[-1]["groupbridge/base_bytes"] > 0
+
+
+STEPS = [1, 2, 2, 3, 2, 3]
+"""verl's global_steps, update by update: its validation sends step 2 again (after a sleep, with a colocated
+reward model); the trainer then dies after step 3 and resumes from its checkpoint of step 2."""
+RESUMED = 4  # the index of the update the resumed trainer sends first (a new process: new engines)
+
+
+def _steps_member(rank: int, meta: Any, topology: list[Any], sources: Any, delta: Any) -> list[Any]:
+    import gc
+
+    from verl.checkpoint_engine.base import CheckpointEngineRegistry
+    from verl.utils.import_utils import import_external_libs
+
+    import groupbridge as gb
+
+    import_external_libs("groupbridge.verl")
+    actor = rank < ACTORS
+
+    def make() -> Any:
+        kw: dict[str, Any] = {"is_master": rank == 0} if actor else {}
+        return CheckpointEngineRegistry.new(
+            "groupbridge", bucket_size=1 << 10, timeout=30, liveness=3, sources=sources, delta=delta, **kw
+        )
+
+    def mine(step: int) -> Any:
+        for name in SHAPES:
+            if sources == 1:
+                yield name, full(name, step)
+                continue
+            pieces = torch.chunk(full(name, step), ACTORS)
+            offset = (sum(len(p) for p in pieces[:rank]),) + (0,) * (len(SHAPES[name]) - 1)
+            yield name, gb.Shard(pieces[rank].clone(), SHAPES[name], offset)
+
+    async def received(engine: Any, step: int) -> bool:
+        got = {n: t.clone() async for n, t in engine.receive_weights(global_steps=step)}
+        return list(got) == list(SHAPES) and all(torch.equal(got[n], full(n, step)) for n in SHAPES)
+
+    engine, out = make(), []
+    for i, step in enumerate(STEPS):
+        if actor and i == RESUMED:  # the resumed trainer's process: nothing of the old one's
+            engine = None
+            gc.collect()
+            engine = make()
+        meta.put((rank, engine.prepare()))
+        engine.init_process_group(**topology[rank].get(timeout=60))
+        if actor:
+            asyncio.run(engine.send_weights(mine(step), global_steps=step))
+            out.append(True)
+        else:
+            out.append(asyncio.run(received(engine, step)) and engine.worker.version == step)
+        engine.finalize()
+    return out
+
+
+@pytest.mark.parametrize(
+    ("sources", "delta"), [(1, False), ("all", "always")], ids=["one-actor-sends", "every-actor-sends-deltas"]
+)
+def test_verl_validates_a_step_again_and_resumes_from_an_older_one(sources: Any, delta: Any) -> None:
+    """The rollout worker takes step 2 twice (verl's validation) and step 2 after step 3 (a resumed trainer),
+    each bit-exact and labelled with verl's step, full updates and deltas alike."""
+    pytest.importorskip("verl")
+    from groupbridge.verl import GroupBridgeCheckpointEngine
+
+    n = ACTORS + ROLLOUTS
+    meta, topology = CTX.Queue(), [CTX.Queue() for _ in range(n)]
+    ranks = Ranks(_steps_member, n, (meta, topology, sources, delta))
+    for _ in STEPS:
+        got = dict(meta.get(timeout=90) for _ in range(n))
+        actor_kw, rollout_kw = GroupBridgeCheckpointEngine.build_topology(
+            ACTORS, ROLLOUTS, [got[r] for r in range(n)]
+        )
+        for r in range(n):
+            kw = actor_kw if r < ACTORS else rollout_kw
+            topology[r].put({k: v[r if r < ACTORS else r - ACTORS] for k, v in kw.items()})
+    results = ranks.results(120)
+    assert all(ok for ok, _ in results.values()), results
+    assert results[ACTORS][1] == [True] * len(STEPS), results[ACTORS]

@@ -44,6 +44,11 @@ class TrainerConfig:
             after it, so that the version an engine reports never goes back. (With several sending ranks
             only rank 0 talks to the engine and every rank must send the same version: each starts at 1;
             pass one above the served version.)
+        reset_versions: the workers forget the versions they passed (``WorkerSession.reset_versions``) when
+            this session's first bridge joins them, and its versions start at ``first_version`` or 1, not
+            after the engine's. An operator's way out of a version no trainer can follow (a buggy counter sent
+            ``2**62 - 1``), or a trainer that takes an engine over with lower versions on purpose. What it
+            lifts: a second trainer whose versions are not newer than the engine's is refused otherwise.
         delta: send only what changed since the version every worker holds, where that pays (``True``) or
             always (``"always"``); see :class:`groupbridge.WeightSender`.
         sources: trainer ranks that send, ranks 0 .. sources-1. With 1, rank 0 sends whole tensors. With
@@ -93,6 +98,7 @@ class TrainerConfig:
     verify: Probe | None = None
     rollback: bool | None = None
     serve_unverified: bool = False
+    reset_versions: bool = False
     timeout: float | None = None
     liveness: float | None = None
 
@@ -127,6 +133,8 @@ class TrainerConfig:
             raise ValueError(f"delta={self.delta!r} must be False, True or 'always'")
         if self.verify is not None and not isinstance(self.verify, Probe):
             raise TypeError(f"verify must be a groupbridge.engine.Probe, got {type(self.verify).__name__}")
+        if not isinstance(self.reset_versions, bool):
+            raise ValueError(f"reset_versions={self.reset_versions!r} must be a bool")
         if not isinstance(self.serve_unverified, bool):
             raise ValueError(f"serve_unverified={self.serve_unverified!r} must be a bool")
         if self.rollback not in (None, False, True):

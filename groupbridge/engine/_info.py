@@ -48,6 +48,9 @@ class BridgeInfo:
     """Where this engine's workers start among the workers: with several engines on one bridge (a fleet),
     engine k's workers follow those of engines 0 .. k-1. A worker's rank is ``sources + rank_offset + its
     index in its engine``."""
+    reset_versions: bool = False
+    """The worker forgets the versions it passed as it joins (``TrainerConfig.reset_versions``: only on a
+    trainer session's first bridge)."""
     bridge_id: str = ""
     """Drawn by the trainer for each bridge it hosts; each update names it (``WorkerSession.receive(
     bridge=)``), so that a worker another trainer has taken over refuses the first trainer's update at once

@@ -148,6 +148,7 @@ class TrainerSession(Closing):
             host=lis.address.host, port=lis.port, world_size=world, sources=c.sources, name=c.name,
             generation=self.generation, token=c.token, atomic=c.atomic, timeout_s=c.timeout_s,
             liveness_s=c.liveness_s, rollback=c.keeps_previous, swap=c.swap, bridge_id=secrets.token_hex(8),
+            reset_versions=c.reset_versions and self.generation == 1,
         )  # fmt: skip
         control = self.control
         call = Call("join", lambda: control.join(dataclasses.asdict(info)))
@@ -174,7 +175,13 @@ class TrainerSession(Closing):
             self.group = None
             raise
         unnumbered = self.version is None and self.sent is None and self.engine_served is None
-        if unnumbered and c.sources == 1 and c.first_version is None and control.capabilities.versions:
+        if (
+            unnumbered
+            and not c.reset_versions
+            and c.sources == 1
+            and c.first_version is None
+            and control.capabilities.versions
+        ):
             try:
                 self.engine_served = control.served()
             except Exception as e:  # only the default version depends on it
@@ -296,11 +303,16 @@ class TrainerSession(Closing):
                 raise WeightSyncError(f"{e} ({who[1]})") from e
             if isinstance(e, SyncRefusedError) and e.newest is not None:
                 self._passed_by(e.newest)
+                try:
+                    after = f"the next default version is {self.next_version(None)}"
+                except ValueError:  # the engine holds the largest version
+                    after = "no version follows it"
                 raise SyncRefusedError(
                     f"{e}\nthe engine holds version {e.newest}, "
                     f"{'as new as' if e.newest == v else 'newer than'} this trainer's {v} (another "
-                    f"trainer updated it): nothing was sent; the next default version is "
-                    f"{self.next_version(None)}",
+                    f"trainer's update, or one of this trainer's that passed its vote and did not land): "
+                    f"nothing was sent; {after} (a trainer that must go back connects with "
+                    "TrainerConfig(reset_versions=True))",
                     newest=e.newest,
                 ) from e
             if isinstance(e, SyncRefusedError) or call.error is None:
@@ -360,6 +372,7 @@ def _next(held: int) -> int:
     if held >= MAX_VERSION:
         raise ValueError(
             f"the next version after {held} is out of range (versions lie within +-(2**62 - 1)): the engine "
-            "holds the largest version a sync carries; restart its workers to clear what they hold"
+            "holds the largest version a sync carries; connect with TrainerConfig(reset_versions=True) (its "
+            "workers forget the versions they passed) and send from a lower one"
         )
     return held + 1

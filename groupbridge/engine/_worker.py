@@ -134,12 +134,36 @@ class WorkerSession(Closing):
         )
         self.info = info
         self.log.info("groupbridge: worker joined %s as rank %d of %d", info.host, rank, info.world_size)
+        if info.reset_versions:
+            self.reset_versions(why=f"the trainer of bridge {info.bridge_id or info.name!r} asked to")
 
     def _noted(self) -> None:
         """The receiver's version (its last sync that passed the vote) into :attr:`newest`."""
         held = self.receiver.version if self.receiver is not None else None
         if held is not None:
             self.newest[self._line] = max(self.newest.get(self._line, held), held)
+
+    def passed(self, line: str = "") -> int | None:
+        """The newest version of ``line`` whose sync passed its vote here (None: none yet): an update of that
+        line must be newer (see :attr:`newest`)."""
+        self._noted()
+        return self.newest.get(line)
+
+    def reset_versions(self, line: str | None = None, why: str = "asked to") -> dict[str, int]:
+        """Forget the newest version passed here per line (every line when ``line`` is None): the next update
+        of that line is taken whatever its version. The way out of a version no trainer can pass (a buggy
+        counter sent ``2**62 - 1``), and what a driver that owns its workers does when it goes back on
+        purpose (verl repeats a step to validate, and a resumed trainer starts from an older one). The
+        model, and the version it serves, are unchanged. Returns the versions forgotten, by line."""
+        self._noted()  # the last sync that passed counts first
+        forgotten = {k: self.newest.pop(k) for k in (list(self.newest) if line is None else [line])
+                     if k in self.newest}  # fmt: skip
+        if self.receiver is not None:
+            self.receiver.version = None  # noted above: the next receive takes newest's
+        if forgotten:
+            self.log.warning("groupbridge: the versions this worker passed were forgotten (%s): %s", why,
+                             ", ".join(f"{k or 'weights'} {v}" for k, v in forgotten.items()))  # fmt: skip
+        return forgotten
 
     def close(self) -> None:
         """Leave the bridge. A landing in flight is aborted (its group is), and waited for, bounded."""
