@@ -70,12 +70,16 @@ def _engine(rank: int, calls: Any, replies: Any, shadow: bool = False) -> dict[s
             self.spare = {n: torch.zeros(s) for n, s in SHAPES.items()}
             self.swapped: list[float] = []
             self.broken = False
+            self.failing = False
 
         def swapping(self) -> bool:
             return True
 
         def prepare(self, weights: Any) -> None:
             for i, (name, t) in enumerate(weights):
+                if self.failing and i == 2:
+                    self.failing = False
+                    raise RuntimeError("the shadow's processing failed")
                 self.spare[name].copy_(t + (0.5 if self.broken and i == 2 else 0.0))
             self.broken = False
             time.sleep(0.5)
@@ -144,6 +148,8 @@ def _engine(rank: int, calls: Any, replies: Any, shadow: bool = False) -> dict[s
                 check_s = arg
             elif call == "break_next_prepare":  # a processing bug: one tensor of the shadow written wrong
                 loader_of.broken = True  # type: ignore[attr-defined]
+            elif call == "fail_next_prepare":  # the shadow's processing raises midway
+                loader_of.failing = True  # type: ignore[attr-defined]
             elif call == "ticks":
                 result = list(ticks)
             elif call == "probe":  # what the engine serves, read through the installed weights
@@ -680,6 +686,22 @@ def test_a_worker_with_a_shadow_prepares_before_the_ack_and_commits_by_a_swap() 
     with rig(shadow=True, swap="reload") as (session, control, out):
         assert session.send(slow(5.0, 0), specs=SPECS) == 1
     assert out["sum"] == 5.0 * WHOLE and out["swapped"] == []
+
+
+def test_a_shadow_load_that_fails_leaves_its_version_used_and_the_next_default_send_lands() -> None:
+    """The shadow's processing fails after the bytes arrived: the send raises naming it, the engine serves
+    version 1 still, and the next default send lands at once (the failed number is not sent again to be
+    refused as not newer)."""
+    with rig(shadow=True) as (session, control, out):
+        assert session.send(slow(1.0, 0), specs=SPECS) == 1
+        control.rpc("fail_next_prepare")
+        with pytest.raises(WeightSyncError, match="the shadow's processing failed") as e:
+            session.send(slow(2.0, 0), specs=SPECS)
+        assert "not newer" not in str(e.value), e.value
+        assert control.probe([])[0] == _means(1.0)
+        v = session.send(slow(3.0, 0), specs=SPECS)
+        assert v in (2, 3), v
+    assert out["version"] == v and out["sum"] == 3.0 * WHOLE
 
 
 def test_with_a_shadow_the_engine_serves_through_the_handshake_too() -> None:

@@ -296,6 +296,8 @@ class TrainerSession(Closing):
             stats = self.sender.send(named, v, specs=specs, timeout=timedelta(seconds=c.timeout_s))
         except GroupBridgeError as e:
             call.join(c.liveness_s + 5)
+            if self.sender.voted == v and not isinstance(e, SyncRefusedError):
+                e = self._used_up(e, v)
             who = dead_member(e, control, c.sources)
             if who is not None and call.error is None:
                 if isinstance(e, PeerDiedError):  # the type users catch stays the same
@@ -316,7 +318,7 @@ class TrainerSession(Closing):
                     newest=e.newest,
                 ) from e
             if isinstance(e, SyncRefusedError) or call.error is None:
-                raise
+                raise e
             raise WeightSyncError(f"the engine failed the update of version {v}: {call.error}") from e
         finally:
             call.cancel_abort()
@@ -340,6 +342,20 @@ class TrainerSession(Closing):
         self.last_seconds["total"] = time.perf_counter() - t0
         return v
 
+    def _used_up(self, e: GroupBridgeError, v: int) -> GroupBridgeError:
+        """The sync of ``v`` failed after its vote passed: every worker holds ``v`` in its ledger (refusing it
+        again), so the next default version is the one after it; the error says so."""
+        self._passed_by(v)
+        text = (f"{e}\nversion {v} passed its vote before this failure: every worker counts it as taken, so "
+                f"the next default version is {self.next_version(None)}")  # fmt: skip
+        out = (
+            PeerDiedError(text, e.rank, aborted=e.aborted)
+            if isinstance(e, PeerDiedError)
+            else WeightSyncError(text)
+        )
+        out.__cause__ = e
+        return out
+
     def _passed_by(self, newest: int) -> None:
         """A worker refused this trainer's version as not newer than ``newest``, which it holds: the next
         default version follows it."""
@@ -362,6 +378,10 @@ class TrainerSession(Closing):
         ) as e:  # every rank learns the engine's newest alike: their next versions agree
             if e.newest is not None:
                 self._passed_by(e.newest)
+            raise
+        except GroupBridgeError:
+            if self.sender.voted == v:  # as rank 0 learns it (the vote is every rank's): their versions agree
+                self._passed_by(v)
             raise
         self.version = v
         return v

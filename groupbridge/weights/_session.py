@@ -340,12 +340,16 @@ def refuse(group: StatelessGroup, reason: str, deadline: Deadline, kind: str = "
 
 
 def committed(
-    group: StatelessGroup, session: Session, deadline: Deadline, replicas: Mapping[str, str] | None = None
-) -> list[int]:
-    """A source's end of a sync it sent its part of: its :func:`vote`, then every receiver's acknowledgement;
-    returns the receivers. Raises :class:`SyncRefusedError` when some receiver refused (the group is fine)."""
+    group: StatelessGroup, session: Session, deadline: Deadline, replicas: Mapping[str, str] | None = None,
+    voted: Callable[[int], None] | None = None,
+) -> list[int]:  # fmt: skip
+    """A source's end of a sync it sent its part of: its :func:`vote` (``voted`` is told the version once it
+    passed), then every receiver's acknowledgement; returns the receivers. Raises :class:`SyncRefusedError`
+    when some receiver refused (the group is fine)."""
     version = session.header.version
     vote(group, version, None, deadline, replicas)
+    if voted is not None:
+        voted(version)
     receivers = [r for r in range(group.world_size) if r not in session.sources]
     acks = acknowledge(group, session.sources, None, deadline) or {}
     failures = []

@@ -126,17 +126,19 @@ def source_sync(
     group: StatelessGroup, session: Session, deadline: Deadline, streams: Callable[[], Sent], *,
     transport: str, bases: Bases | None, policy: Policy | None,
     replicas: Callable[[], Mapping[str, str]] | None = None, cleanup: Callable[[], None] | None = None,
+    voted: Callable[[int], None] | None = None,
 ) -> SyncStats:  # fmt: skip
     """The one end of every source's sync, one stream or many: ``streams()`` sends this source's streams
     (every byte posted), then the vote (with the digests of the replicated cells it holds, ``replicas()``)
     and every receiver's acknowledgement. Only then do the delta bases it began hold the version and the
     policy learn from what the sync cost; a failure leaves them holding none (the next sync is whole) and
-    runs ``cleanup``. Returns the sync's stats."""
+    runs ``cleanup``. ``voted`` is told the version once the vote passed (every receiver holds it from then
+    on, acknowledged or not). Returns the sync's stats."""
     version = session.header.version
     t0 = time.perf_counter()
     try:
         sent = streams()
-        receivers = committed(group, session, deadline, replicas() if replicas is not None else None)
+        receivers = committed(group, session, deadline, replicas() if replicas is not None else None, voted)
     except BaseException:
         if cleanup is not None:
             cleanup()

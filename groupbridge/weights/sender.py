@@ -151,12 +151,20 @@ class WeightSender(Closing):
             else None
         )  # fmt: skip
         self.forward = forward
+        self.voted: int | None = None
+        """The version of this sender's last sync whose vote passed: every receiver holds it as its version
+        from then on, whether or not it went on to acknowledge it (a receiver whose ``ready`` failed after
+        the vote), so a sync of that number again is refused as not newer. Set before ``send`` returns or
+        raises; a caller that numbers its own versions goes on above it."""
         self._sending = threading.Lock()
         self._closed = False
 
     @property
     def delta(self) -> bool:
         return self._delta is not None
+
+    def _voted(self, version: int) -> None:
+        self.voted = version
 
     def send(
         self,
@@ -262,7 +270,7 @@ class WeightSender(Closing):
                            sync, at, progress, sample)  # fmt: skip
             return source_sync(self.group, session, deadline, send, transport=carrier, bases=self._bases,
                                policy=self._delta.policy if self._delta is not None else None,
-                               replicas=replicas, cleanup=cleanup)  # fmt: skip
+                               replicas=replicas, cleanup=cleanup, voted=self._voted)  # fmt: skip
         except BaseException as e:
             if isinstance(e, SyncRefusedError):  # every member ended the sync alike: the group is fine
                 raise
