@@ -888,9 +888,10 @@ def test_a_forwarder_whose_receive_fails_lets_go_of_what_it_was_passing_on() -> 
     assert res[3][0].endswith("Error") and res[3][1] == 0, res
 
 
-def _corrupt_hop(rank: int, ports: Any) -> Any:
+def _corrupt_hop(rank: int, ports: Any, checksum: bool) -> Any:
     """Receiver 3 passes source 0's rows on to receiver 4 with one byte flipped: receiver 4 checks what it
-    took against the source's own digests, so the sync is refused on every member, the group usable."""
+    took against the source's own digests (taken for a chain's streams with or without ``checksum``), so the
+    sync is refused on every member, the group usable."""
     with make_group(rank, 6, "127.0.0.1", ports) as g:
         held = {f"w{i}": _chunk(_forwarded_version(i, 1), 2, rank, 0) for i in range(4)} if rank < 2 else {}
         with inject_faults() as faults:
@@ -898,7 +899,7 @@ def _corrupt_hop(rank: int, ports: Any) -> Any:
                 faults.post = lambda k, view: view[:1].bitwise_xor_(1) if k == 1 else None
             end: Any
             if rank < 2:
-                snd = gb.WeightSender(g, transport="p2p", checksum=True)
+                snd = gb.WeightSender(g, transport="p2p", checksum=checksum)
                 try:
                     snd.send(held, version=1)
                     end = "sent"
@@ -921,10 +922,11 @@ def _corrupt_hop(rank: int, ports: Any) -> Any:
 
 
 @pytest.mark.timeout(60)
-def test_a_forwarder_that_corrupts_the_rows_is_caught_by_the_next_hop() -> None:
-    res = run_ranks(_corrupt_hop, 6, CTX.Queue(), timeout=50)
+@pytest.mark.parametrize("checksum", [True, False], ids=["checksum", "defaults"])
+def test_a_forwarder_that_corrupts_the_rows_is_caught_by_the_next_hop(checksum: bool) -> None:
+    res = run_ranks(_corrupt_hop, 6, CTX.Queue(), checksum, timeout=50)
     for r in range(2):
-        assert "rank 4: " in res[r] and "xxh3 mismatch" in res[r], res
+        assert "rank 4: " in res[r] and "xxh3 mismatch" in res[r] and "passed on by rank 3" in res[r], res
     for r in range(2, 6):
         (text, untouched), exact = res[r]
         assert "xxh3 mismatch" in text and untouched and exact, res

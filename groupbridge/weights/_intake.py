@@ -84,8 +84,9 @@ class Intake:
         unchanged buckets checked and handed on at once), then every bucket of the part as it lands, from
         whichever stream, in the one order every member walks them; the digests of full streams, when asked
         for, are checked last."""
-        digests = _bytes.Digests(self.session.header.verify, self.taker.group)
         self.streams = self.streams_of()
+        chained = {s.source for s in self.streams if s.chained}
+        digests = _bytes.Digests(self.session.header.verify, self.taker.group, chained)
         landers = [_Lander(self, s, digests) for s in self.streams]
         for g in range(max((len(s.parts) for s in self.streams), default=0)):
             feeds: dict[int, list[Feed]] = {}
@@ -96,7 +97,7 @@ class Intake:
                 yield from hand_on(self.ready)
             yield from self._walk(g, feeds)
         for s in (s for s in self.streams if not s.delta):  # each one's digests taken, whatever was found
-            problem = digests.check(s.source, self.deadline)
+            problem = digests.check(s.source, self.deadline, s.feeder)
             self.problem = self.problem or problem
 
     def _walk(self, g: int, feeds: dict[int, list[Feed]]) -> Iterator[tuple[Any, torch.Tensor]]:

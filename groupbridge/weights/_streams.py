@@ -46,6 +46,9 @@ class Stream:
     """Its cut (:func:`._sharded_delta.pair_key`), or how a fan-out's base is kept."""
     parts: tuple[tuple[int, int], ...]
     """The parts it travels in, buckets [a, b) each (see :func:`parts_of`)."""
+    chained: bool = False
+    """Its bytes pass through a receiver that forwards them (a chain of more than one pair): its buckets are
+    digested whatever the sender's ``checksum``, since a receiver down the chain trusts a peer's copy."""
 
     def word_counts(self, a: int, b: int) -> list[int]:
         return [

@@ -108,6 +108,7 @@ class Pairs:
         """This member's pair streams, as their source (``sending``) or receiver, their bases begun for it on
         ``device`` where bases are kept (``base`` is a fan-out's alone)."""
         plan, out = self.plan, []
+        forwarding = {(s, u) for (s, _), u in plan.upstream.items()}  # pairs whose receiver passes them on
         for (src, dst), cut in plan.pairs.items():
             if (src if sending else dst) != me:
                 continue
@@ -115,9 +116,9 @@ class Pairs:
             begun = bases.begin(peer, key, cut.total_bytes, device)[0] if bases is not None else None
             delta = (src, dst) in deltas
             words = tuple(bucket_word(pieces, plan.dtypes) for pieces in cut.buckets if delta)
-            out.append(
-                Stream(src, dst, plan.feeder(src, dst), cut, words, begun, delta, key, parts_of(cut, False))
-            )
+            chained = (src, dst) in plan.upstream or (src, dst) in forwarding
+            out.append(Stream(src, dst, plan.feeder(src, dst), cut, words, begun, delta, key,
+                              parts_of(cut, False), chained))  # fmt: skip
         return out
 
     def walk(self, me: int, lengths: Mapping[int, int]) -> list[tuple[int, int]]:

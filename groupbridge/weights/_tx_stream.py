@@ -187,7 +187,8 @@ def send_streams(
     diff the next group. ``progress(bytes_done, total)`` after every bucket posted or diffed; every tensor of
     a lazy source is pulled. See :func:`source_sync` for what follows."""
     me, header = group.rank, session.header
-    digests = _bytes.Digests(header.verify, group)
+    chained = {session.pairs.head(me, s.to) for s in streams if s.chained and s.to is not None}
+    digests = _bytes.Digests(header.verify, group, chained)
     sent = Sent(delta=any(s.delta for s in streams))
     ends: dict[int, int] = {}  # how far each stream's buckets are posted (a delta's: diffed, once per cut)
 
