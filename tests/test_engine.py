@@ -71,6 +71,7 @@ def _engine(rank: int, calls: Any, replies: Any, shadow: bool = False) -> dict[s
             self.swapped: list[float] = []
             self.broken = False
             self.failing = False
+            self.hang: threading.Event | None = None
 
         def swapping(self) -> bool:
             return True
@@ -80,6 +81,9 @@ def _engine(rank: int, calls: Any, replies: Any, shadow: bool = False) -> dict[s
                 if self.failing and i == 2:
                     self.failing = False
                     raise RuntimeError("the shadow's processing failed")
+                if self.hang is not None and i == 2:  # a loader call that does not return until released
+                    hang, self.hang = self.hang, None
+                    hang.wait(60)
                 self.spare[name].copy_(t + (0.5 if self.broken and i == 2 else 0.0))
             self.broken = False
             time.sleep(0.5)
@@ -150,6 +154,11 @@ def _engine(rank: int, calls: Any, replies: Any, shadow: bool = False) -> dict[s
                 loader_of.broken = True  # type: ignore[attr-defined]
             elif call == "fail_next_prepare":  # the shadow's processing raises midway
                 loader_of.failing = True  # type: ignore[attr-defined]
+            elif call == "hang_next_prepare":
+                released = threading.Event()
+                loader_of.hang = released  # type: ignore[attr-defined]
+            elif call == "release_prepare":
+                released.set()
             elif call == "ticks":
                 result = list(ticks)
             elif call == "probe":  # what the engine serves, read through the installed weights
@@ -702,6 +711,34 @@ def test_a_shadow_load_that_fails_leaves_its_version_used_and_the_next_default_s
         v = session.send(slow(3.0, 0), specs=SPECS)
         assert v in (2, 3), v
     assert out["version"] == v and out["sum"] == 3.0 * WHOLE
+
+
+def test_a_landing_that_cannot_be_stopped_is_named_and_later_updates_are_refused_at_once() -> None:
+    """The shadow's processing hangs in a loader call past its sync: the send fails at its bound; the next
+    one finds the landing does not stop when its bridge is aborted (within the liveness bound) and says the
+    worker's own landing is stuck and what to do; the ones after are refused at once, naming it, and not
+    as "the trainer abandoned the update"; once the call returns, the next update lands."""
+    with rig(shadow=True, timeout_s=4, liveness_s=1) as (session, control, out):
+        assert session.send(slow(1.0, 0), specs=SPECS) == 1
+        control.rpc("hang_next_prepare")
+        with pytest.raises(WeightSyncError):
+            session.send(slow(2.0, 0), specs=SPECS)
+        texts, took = [], []
+        for value in (3.0, 4.0, 5.0):
+            t0 = time.monotonic()
+            with pytest.raises(WeightSyncError) as e:
+                session.send(slow(value, 0), specs=SPECS)
+            texts.append(str(e.value))
+            took.append(time.monotonic() - t0)
+        assert all("landing of version 2 is stuck" in t and "restart the engine's workers" in t
+                   for t in texts[-2:]), texts  # fmt: skip
+        assert not any("abandoned" in t for t in texts), texts
+        assert took[-1] < 3, took  # refused at once, not after another halt
+        assert control.probe([])[0] == _means(1.0)
+        control.rpc("release_prepare")
+        time.sleep(1)
+        v = session.send(slow(6.0, 0), specs=SPECS)
+    assert out["version"] == v and out["sum"] == 6.0 * WHOLE
 
 
 def test_with_a_shadow_the_engine_serves_through_the_handshake_too() -> None:

@@ -59,6 +59,7 @@ class Landing:
         self.seconds = 0.0
         self._queue: queue.SimpleQueue[object] | None = queue.SimpleQueue() if stream else None
         self._stop = threading.Event()
+        self._stuck_at: float | None = None
 
         def run() -> None:
             t0 = time.perf_counter()
@@ -134,10 +135,16 @@ class Landing:
             group.abort(why)
         bound = liveness + 5
         if not self.wait(bound):
+            self._stuck_at = time.monotonic() - bound
             raise WeightSyncError(
-                f"the landing of version {self.version} did not stop within {bound:g} s after the bridge "
-                f"was aborted ({why}): this worker cannot receive on this bridge; join a new one"
+                f"this worker's landing of version {self.version} is stuck: it did not stop within {bound:g} "
+                f"s of its bridge being aborted (aborted as {why}); this worker takes no update until it "
+                "ends: restart the engine's workers if it does not"
             )
+
+    def stuck_for(self) -> float:
+        """Seconds since this landing was found not to stop (0 if it was not)."""
+        return time.monotonic() - self._stuck_at if self._stuck_at is not None else 0.0
 
     def stop(self) -> None:
         self._stop.set()

@@ -89,6 +89,9 @@ class WorkerSession(Closing):
         self._memory = DeltaMemory(buffers=self._buffers)
         """What a delta is applied to, kept across bridges too (verl makes one per update)."""
         self._landing: Landing | None = None
+        self.stuck: Landing | None = None
+        """A landing that did not stop when halted: every update, join and rollback is refused at once,
+        naming it, until it ends (see :meth:`_drop`)."""
         self._received: int | None = None
         self._staged: list[tuple[str, torch.Tensor]] | None = None
         self._streamed: list[tuple[str, torch.Tensor]] | None = None
@@ -116,8 +119,10 @@ class WorkerSession(Closing):
     # ------------------------------------------------------------------ bridge
 
     def join(self, info: BridgeInfo, rank: int) -> None:
-        """Join the bridge ``info`` describes as ``rank``; a bridge joined before is left first."""
+        """Join the bridge ``info`` describes as ``rank``; a bridge joined before is left first. Refused at
+        once while a landing is stuck (see :attr:`stuck`)."""
         self.close()
+        self._refuse_if_stuck()
         if rank >= info.world_size:
             raise ValueError(
                 f"this worker is bridge rank {rank} but the trainer expects world_size={info.world_size} "
@@ -169,7 +174,7 @@ class WorkerSession(Closing):
         """Leave the bridge. A landing in flight is aborted (its group is), and waited for, bounded."""
         self._noted()
         try:
-            self._drop("the worker left the bridge during an update")
+            self._drop("the worker left the bridge during an update", refuse=False)
         except WeightSyncError as e:  # its receiver is not closed under it: dropped, never reused
             self.log.error("groupbridge: %s", e)
             self.receiver = None
@@ -356,15 +361,40 @@ class WorkerSession(Closing):
     def abandon(self) -> None:
         """Drop an update received and not committed (a trainer recovering an engine another left
         mid-update): the model and ``version`` stay as they are."""
-        self._drop("the trainer abandoned the update", settle=True)
+        self._drop("the trainer abandoned the update", settle=True, refuse=False)
 
     # ------------------------------------------------------------------ helpers
 
-    def _drop(self, why: str, *, settle: bool = False) -> None:
+    def _drop(self, why: str, *, settle: bool = False, refuse: bool = True) -> None:
         """Forget what was received and not committed; a landing still running is halted (see
-        :meth:`Landing.halt`; ``settle``: a new update begins)."""
+        :meth:`Landing.halt`; ``settle``: a new update begins). A landing that does not stop is kept as
+        :attr:`stuck`; while it runs, ``refuse`` raises at once (see :meth:`_refuse_if_stuck`)."""
         self._forget()
-        if self._landing is not None:
+        landing, self._landing = self._landing, None
+        if landing is not None:
             liveness = self.info.liveness_s if self.info is not None else 10.0
-            self._landing.halt(self.group, liveness, why, settle=settle)
-            self._landing = None
+            try:
+                landing.halt(self.group, liveness, why, settle=settle)
+            except WeightSyncError:
+                self.stuck = landing
+                raise
+        if refuse:
+            self._refuse_if_stuck()
+
+    def _refuse_if_stuck(self) -> None:
+        """Raise WeightSyncError at once while a landing that did not stop still runs (its thread is in a
+        loader call that does not return, and would write what the next update lands in); forget it once it
+        ended."""
+        stuck = self.stuck
+        if stuck is None:
+            return
+        if not stuck.running:
+            self.log.warning("groupbridge: the stuck landing of version %s ended; updates are taken again",
+                             stuck.version)  # fmt: skip
+            self.stuck = None
+            return
+        raise WeightSyncError(
+            f"this worker's landing of version {stuck.version} is stuck (for {stuck.stuck_for():.0f} s: its "
+            "thread is in a loader call that does not return, and its bridge was aborted): this worker "
+            "takes no update until it ends; restart the engine's workers if it does not"
+        )
