@@ -97,6 +97,7 @@ def _engine(rank: int, calls: Any, replies: Any, shadow: bool = False) -> dict[s
     session = WorkerSession(loader_of, swaps=loader_of if shadow else None)  # type: ignore[arg-type]
     ticks: list[float] = []
     fail_commit = False
+    slow_commit = 0.0
     loader = session.loader
     honest_load = Loader.load
     while True:
@@ -118,7 +119,11 @@ def _engine(rank: int, calls: Any, replies: Any, shadow: bool = False) -> dict[s
                 if fail_commit:
                     fail_commit = False
                     raise RuntimeError("the engine's load failed")
+                time.sleep(slow_commit)
+                slow_commit = 0.0
                 session.commit()
+            elif call == "slow_next_commit":  # an engine whose next commit takes ``arg`` seconds to return
+                slow_commit = arg
             elif call == "fail_next_commit":
                 fail_commit = True
             elif call in ("break_next_load", "tear_next_load"):
@@ -711,6 +716,21 @@ def test_a_shadow_load_that_fails_leaves_its_version_used_and_the_next_default_s
         v = session.send(slow(3.0, 0), specs=SPECS)
         assert v in (2, 3), v
     assert out["version"] == v and out["sum"] == 3.0 * WHOLE
+
+
+def test_a_commit_that_outlives_its_bound_fails_the_send_in_time_and_the_next_send_waits_for_it() -> None:
+    """One engine, no fleet: a commit that takes 4.5 s with timeout_s=3 fails the send at its bound (naming
+    it), not when the engine returns; the next send waits for that commit first, then lands after it (the
+    engine served version 2 meanwhile)."""
+    with rig(timeout_s=3, liveness_s=1) as (session, control, out):
+        assert session.send(slow(1.0, 0), specs=SPECS) == 1
+        control.rpc("slow_next_commit", 4.5)
+        with pytest.raises(WeightSyncError, match=r"commit of version 2 did not return within timeout_s=3"):
+            session.send(slow(2.0, 0), specs=SPECS)
+        assert [c for c, _, _ in control.log].count("commit") == 1  # raised while the engine's runs on
+        assert session.send(slow(3.0, 0), specs=SPECS) == 3
+        assert session.version == 3
+    assert out["version"] == 3 and out["sum"] == 3.0 * WHOLE
 
 
 def test_a_landing_that_cannot_be_stopped_is_named_and_later_updates_are_refused_at_once() -> None:

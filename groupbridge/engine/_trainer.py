@@ -106,6 +106,8 @@ class TrainerSession(Closing):
         )
         """The socket the first bridge is served on (the config's); later bridges bind anew."""
         self._sending = threading.Lock()
+        self._late_commit: tuple[int, Call] | None = None
+        """The version and call of a commit that outlived its bound (see :meth:`_settle_late_commit`)."""
         self.warm_seconds: float | None = None
         """How long the probe's first scoring took, on the first bridge (``verify``: see :meth:`_warm`)."""
         self.last_seconds: dict[str, float] = {}
@@ -276,6 +278,7 @@ class TrainerSession(Closing):
         if self.rank > 0:
             return self._send_shards(named, version)
         c = self.config
+        self._settle_late_commit()
         if version is not None and self.version is not None and version <= self.version:
             raise ValueError(
                 f"version {version} is not newer than the version the engine serves ({self.version})"
@@ -327,13 +330,20 @@ class TrainerSession(Closing):
         call.result()
         t1 = time.perf_counter()
         self.last_stats = stats
-        try:
-            control.commit(v)
-        except Exception as e:
+        commit = Call("commit", lambda: control.commit(v))
+        commit.join(c.timeout_s)
+        if commit.running:  # bounded like every wait: the engine may still land it, so it is waited for next
+            self._late_commit = (v, commit)
             raise WeightSyncError(
-                f"the engine's commit of version {v} failed: {type(e).__name__}: {e}; "
+                f"the engine's commit of version {v} did not return within timeout_s={c.timeout_s:g} s; the "
+                f"call runs on in the engine, which serves {v} if it lands: the next send waits for it first"
+            )
+        if commit.error is not None:
+            failed = commit.error
+            raise WeightSyncError(
+                f"the engine's commit of version {v} failed: {type(failed).__name__}: {failed}; "
                 f"{roll_back(control, c, v, self.version)[0]}"
-            ) from e
+            ) from failed
         t2 = time.perf_counter()
         self.last_seconds = {"transfer": t1 - t0, "commit": t2 - t1}
         if c.verify is not None:
@@ -341,6 +351,26 @@ class TrainerSession(Closing):
         self.version = v
         self.last_seconds["total"] = time.perf_counter() - t0
         return v
+
+    def _settle_late_commit(self) -> None:
+        """An earlier send's commit that outlived its bound is waited for (within ``timeout_s``) before the
+        engine is called again (its calls land in the order they were made); once it returned, the engine
+        serves its version if it succeeded. Raises WeightSyncError, sending nothing, if it still runs."""
+        if self._late_commit is None:
+            return
+        v, call = self._late_commit
+        call.join(self.config.timeout_s)
+        if call.running:
+            raise WeightSyncError(
+                f"the engine's commit of version {v}, from an earlier send, still has not returned: nothing "
+                "is sent before it does (the engine's calls land in order); restart the engine if it hangs"
+            )
+        self._late_commit = None
+        if call.error is None:
+            self.version = v
+            logger.warning("groupbridge: the engine's late commit of version %d returned: it serves it", v)
+        else:
+            logger.warning("groupbridge: the engine's late commit of version %d failed: %s", v, call.error)
 
     def _used_up(self, e: GroupBridgeError, v: int) -> GroupBridgeError:
         """The sync of ``v`` failed after its vote passed: every worker holds ``v`` in its ledger (refusing it
