@@ -13,6 +13,7 @@ import gc
 import itertools
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -493,6 +494,41 @@ def test_a_manifest_vllm_cannot_load_is_refused_on_both_sides(dense: tuple[Any, 
         assert llm.get_weight_version() == str(v) and served(llm) == reference(model)
     finally:
         eng.shutdown()
+
+
+@pytest.mark.slow
+def test_a_shadow_that_cannot_be_built_names_the_way_out_and_a_removed_checkpoint_falls_back(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """The default shadow is loaded from the engine's checkpoint at the first join. Weights gone from it: the
+    join fails naming the shadow and swap='reload', and the engine serves on; a reload trainer then updates
+    it. The checkpoint's directory removed (an exported policy in scratch space): a default trainer's update
+    reloads the serving copy, with a warning, and lands."""
+    path = tmp_path_factory.mktemp("qwen2-scratch")
+    model = make_model(path, "qwen2")
+    with running(path) as llm:
+        tokens = served(llm)
+        for f in path.glob("*.safetensors"):
+            f.unlink()
+        with pytest.raises(gb.GroupBridgeError) as e:
+            trainer(llm, model)  # the trainer's init joins the engine
+        assert "shadow" in str(e.value) and "swap='reload'" in str(e.value), e.value
+        assert served(llm) == tokens
+        eng = trainer(llm, model, swap="reload")
+        try:
+            perturb(model, 1)
+            eng.send_weights(version=2)
+            assert served(llm) == reference(model)
+        finally:
+            eng.shutdown()
+        shutil.rmtree(path)
+        eng = trainer(llm, model)
+        try:
+            perturb(model, 2)
+            eng.send_weights(version=3)
+            assert llm.get_weight_version() == "3" and served(llm) == reference(model)
+        finally:
+            eng.shutdown()
 
 
 def test_streaming_updates(dense: tuple[Any, Any]) -> None:

@@ -37,6 +37,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from ..engine import BridgeInfo, WorkerSession
+from ..errors import WeightSyncError
 from ..weights._header import MAX_VERSION
 from ..weights.manifest import Manifest
 from ..weights.shard import Box
@@ -45,6 +46,7 @@ from ._compat import (
     build_shadow,
     check_adapter,
     check_loadable,
+    checkpoint_gone,
     cpu_kernel_handles,
     end_reload,
     exchange,
@@ -154,8 +156,25 @@ class VllmLoader:
         reload the serving copy, and the log says why. Runs in the join (the engine's RPC), once."""
         if self.shadow is not None:
             return
+        gone = checkpoint_gone(self.engine.vllm_config)
+        if gone is not None:
+            logger.warning(
+                "groupbridge: updates reload the serving model (no shadow swap): the engine's checkpoint %s "
+                "is gone, and a shadow is loaded from it; the engine stops for each load "
+                "(TrainerInitInfo(swap='reload') chooses this without the warning)",
+                gone,
+            )
+            return
         t0 = time.perf_counter()
-        shadow = build_shadow(self.engine.vllm_config)
+        try:
+            shadow = build_shadow(self.engine.vllm_config)
+        except Exception as e:
+            raise WeightSyncError(
+                "the shadow, a second processed copy of this worker's model (built once, so that updates "
+                "load while the engine serves; see docs/memory.md for what it costs), could not be built: "
+                f"{type(e).__name__}: {e}; TrainerInitInfo(swap='reload') updates the serving copy instead "
+                "(the engine stops for each load, no second copy)"
+            ) from e
         problem = same_layout(self.engine.model, shadow)
         if problem is not None:
             logger.warning("groupbridge: updates reload the serving model (no shadow swap): %s", problem)

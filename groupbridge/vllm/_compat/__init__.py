@@ -19,6 +19,7 @@ from ._dryrun import check_loadable
 from ._model import (
     begin_reload,
     build_shadow,
+    checkpoint_gone,
     cpu_kernel_handles,
     end_reload,
     exchange,
@@ -37,6 +38,7 @@ __all__ = [
     "build_shadow",
     "check_adapter",
     "check_loadable",
+    "checkpoint_gone",
     "commit_offline",
     "cpu_kernel_handles",
     "end_reload",

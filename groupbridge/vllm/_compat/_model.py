@@ -45,6 +45,16 @@ def end_reload(model: torch.nn.Module, model_config: Any) -> None:
     finalize_layerwise_reload(model, model_config)
 
 
+def checkpoint_gone(vllm_config: Any) -> str | None:
+    """The engine's checkpoint, when it was a local directory that is no longer there (an exported policy
+    in scratch space, removed once the engine started): a shadow is loaded from it, so it cannot be built.
+    None when it is there, or is a hub name (whose failure, if any, is the loader's own)."""
+    import os
+
+    path = str(vllm_config.model_config.model)
+    return path if os.path.isabs(path) and not os.path.exists(path) else None
+
+
 def build_shadow(vllm_config: Any) -> torch.nn.Module:
     """A second copy of the model, built and loaded by vLLM's own loader from the model's checkpoint, alone:
     under a copy of the config with a forward-context registry of its own (the serving copy's attention
