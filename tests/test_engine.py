@@ -733,6 +733,7 @@ def test_a_commit_that_outlives_its_bound_fails_the_send_in_time_and_the_next_se
     assert out["version"] == 3 and out["sum"] == 3.0 * WHOLE
 
 
+@pytest.mark.slow  # about 16 s: a halt's bounds run out once
 def test_a_landing_that_cannot_be_stopped_is_named_and_later_updates_are_refused_at_once() -> None:
     """The shadow's processing hangs in a loader call past its sync: the send fails at its bound; the next
     one finds the landing does not stop when its bridge is aborted (within the liveness bound) and says the

@@ -313,3 +313,9 @@ def test_a_source_past_a_tensor_s_last_piece_posts_it_as_none_and_is_planned_as_
         bad = [*posts[:7], {**posts[7], "none": none}]
         with pytest.raises(gb.ProtocolError, match=words):
             _sharded._sources(bad, list(range(sources)), headers, manifests)
+    # sources 3-7 alone (a source rank too few): nobody holds n, which is refused, not dropped from the plan
+    late = list(range(3, sources))
+    held_late, fams = _sharded._sources(posts, late, headers, manifests)
+    with pytest.raises(gb.ManifestMismatchError, match=r"no sender holds 'n'"):
+        _sharded._none_held_by_nobody(posts, late, _sharded._union(held_late, fams))
+    _sharded._none_held_by_nobody(posts, list(range(sources)), _sharded._union(listed, families))

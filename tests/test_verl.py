@@ -293,7 +293,11 @@ def _steps_member(rank: int, meta: Any, topology: list[Any], sources: Any, delta
 
 
 @pytest.mark.parametrize(
-    ("sources", "delta"), [(1, False), ("all", "always")], ids=["one-actor-sends", "every-actor-sends-deltas"]
+    ("sources", "delta"),
+    [
+        pytest.param(1, False, id="one-actor-sends"),
+        pytest.param("all", "always", id="every-actor-sends-deltas", marks=pytest.mark.slow),
+    ],
 )
 def test_verl_validates_a_step_again_and_resumes_from_an_older_one(sources: Any, delta: Any) -> None:
     """The rollout worker takes step 2 twice (verl's validation) and step 2 after step 3 (a resumed trainer),

@@ -143,7 +143,7 @@ class Landing:
             )
 
     def stuck_for(self) -> float:
-        """Seconds since this landing was found not to stop (0 if it was not)."""
+        """Seconds since this landing's bridge was aborted without it stopping (0 if it stopped)."""
         return time.monotonic() - self._stuck_at if self._stuck_at is not None else 0.0
 
     def stop(self) -> None:

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from .._closing import Closing
-from ..errors import GroupBridgeError, PeerDiedError, SyncRefusedError, WeightSyncError
+from ..errors import GroupBridgeError, PeerDiedError, PeerTimeoutError, SyncRefusedError, WeightSyncError
 from ..net import Address, listen
 from ..stateless import StatelessGroup
 from ..weights import DeltaMemory
@@ -106,6 +106,9 @@ class TrainerSession(Closing):
         )
         """The socket the first bridge is served on (the config's); later bridges bind anew."""
         self._sending = threading.Lock()
+        self._reset_pending = config.reset_versions
+        """The workers are still to forget their versions (``TrainerConfig.reset_versions``): on the first
+        bridge every worker joined, whichever connect that is."""
         self._late_commit: tuple[int, Call] | None = None
         """The version and call of a commit that outlived its bound (see :meth:`_settle_late_commit`)."""
         self.warm_seconds: float | None = None
@@ -150,7 +153,7 @@ class TrainerSession(Closing):
             host=lis.address.host, port=lis.port, world_size=world, sources=c.sources, name=c.name,
             generation=self.generation, token=c.token, atomic=c.atomic, timeout_s=c.timeout_s,
             liveness_s=c.liveness_s, rollback=c.keeps_previous, swap=c.swap, bridge_id=secrets.token_hex(8),
-            reset_versions=c.reset_versions and self.generation == 1,
+            reset_versions=self._reset_pending,
         )  # fmt: skip
         control = self.control
         call = Call("join", lambda: control.join(dataclasses.asdict(info)))
@@ -176,6 +179,7 @@ class TrainerSession(Closing):
             self.group.close()
             self.group = None
             raise
+        self._reset_pending = False  # the workers forgot their versions once: later bridges keep the ledger
         unnumbered = self.version is None and self.sent is None and self.engine_served is None
         if (
             unnumbered
@@ -299,7 +303,7 @@ class TrainerSession(Closing):
             stats = self.sender.send(named, v, specs=specs, timeout=timedelta(seconds=c.timeout_s))
         except GroupBridgeError as e:
             call.join(c.liveness_s + 5)
-            if self.sender.voted == v and not isinstance(e, SyncRefusedError):
+            if self.sender.voted == v:
                 e = self._used_up(e, v)
             who = dead_member(e, control, c.sources)
             if who is not None and call.error is None:
@@ -363,26 +367,38 @@ class TrainerSession(Closing):
         if call.running:
             raise WeightSyncError(
                 f"the engine's commit of version {v}, from an earlier send, still has not returned: nothing "
-                "is sent before it does (the engine's calls land in order); restart the engine if it hangs"
+                "is sent before it does (the engine's calls land in order); if the engine hangs, restart it "
+                "and make a new TrainerSession"
             )
         self._late_commit = None
-        if call.error is None:
-            self.version = v
-            logger.warning("groupbridge: the engine's late commit of version %d returned: it serves it", v)
-        else:
-            logger.warning("groupbridge: the engine's late commit of version %d failed: %s", v, call.error)
+        c, control = self.config, self.control
+        assert control is not None
+        if call.error is not None:
+            what = roll_back(control, c, v, self.version)[0]
+            logger.warning("groupbridge: the engine's late commit of version %d failed (%s): %s", v,
+                           call.error, what)  # fmt: skip
+            return
+        logger.warning("groupbridge: the engine's late commit of version %d returned: it serves it", v)
+        if c.verify is not None:  # as a commit in time would be: probed, rolled back if it disagrees
+            verify(control, c, c.verify, v, self.version, {})
+        self.version = v
 
     def _used_up(self, e: GroupBridgeError, v: int) -> GroupBridgeError:
-        """The sync of ``v`` failed after its vote passed: every worker holds ``v`` in its ledger (refusing it
-        again), so the next default version is the one after it; the error says so."""
+        """The sync of ``v`` failed after its vote passed: the workers hold ``v`` in their ledgers (refusing
+        it again), so the next default version is the one after it; the error, of the same kind, says so."""
         self._passed_by(v)
-        text = (f"{e}\nversion {v} passed its vote before this failure: every worker counts it as taken, so "
-                f"the next default version is {self.next_version(None)}")  # fmt: skip
-        out = (
-            PeerDiedError(text, e.rank, aborted=e.aborted)
-            if isinstance(e, PeerDiedError)
-            else WeightSyncError(text)
-        )
+        try:
+            after = f"the next default version is {self.next_version(None)}"
+        except ValueError:  # v is the largest version
+            after = "no version follows it"
+        text = f"{e}\nversion {v} passed its vote before this failure: the workers count it as taken; {after}"
+        out: GroupBridgeError
+        if isinstance(e, PeerDiedError):
+            out = PeerDiedError(text, e.rank, aborted=e.aborted)
+        elif isinstance(e, (PeerTimeoutError, SyncRefusedError)):  # what callers catch stays the same
+            out = type(e)(text)
+        else:
+            out = WeightSyncError(text)
         out.__cause__ = e
         return out
 
@@ -408,6 +424,8 @@ class TrainerSession(Closing):
         ) as e:  # every rank learns the engine's newest alike: their next versions agree
             if e.newest is not None:
                 self._passed_by(e.newest)
+            if self.sender.voted == v:  # refused after the vote (a receiver's acknowledgement)
+                self._passed_by(v)
             raise
         except GroupBridgeError:
             if self.sender.voted == v:  # as rank 0 learns it (the vote is every rank's): their versions agree

@@ -90,8 +90,9 @@ class WorkerSession(Closing):
         """What a delta is applied to, kept across bridges too (verl makes one per update)."""
         self._landing: Landing | None = None
         self.stuck: Landing | None = None
-        """A landing that did not stop when halted: every update, join and rollback is refused at once,
-        naming it, until it ends (see :meth:`_drop`)."""
+        """An atomic update's landing that did not stop when halted: every later update, join and rollback
+        is refused at once, naming it, until it ends, and its receiver is dropped unclosed (see
+        :meth:`_drop`)."""
         self._received: int | None = None
         self._staged: list[tuple[str, torch.Tensor]] | None = None
         self._streamed: list[tuple[str, torch.Tensor]] | None = None
@@ -177,6 +178,8 @@ class WorkerSession(Closing):
             self._drop("the worker left the bridge during an update", refuse=False)
         except WeightSyncError as e:  # its receiver is not closed under it: dropped, never reused
             self.log.error("groupbridge: %s", e)
+            self.receiver = None
+        if self.stuck is not None and self.stuck.running:  # nor later, while that landing runs on
             self.receiver = None
         if self.receiver is not None:
             self.receiver.close()

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from .. import codec
-from ..errors import ProtocolError
+from ..errors import ManifestMismatchError, ProtocolError
 from ._header import Header, Verdict
 from ._posts import header_of
 from ._rules import Family, compress, family_of, place_of
@@ -155,6 +155,7 @@ def plan_pairs(
     def planned() -> Planned:
         held, families = _sources(posts, sources, headers, manifests)
         every = _union(held, families)
+        _none_held_by_nobody(posts, sources, every)
         # receivers that post one layout (its digest is the same on every member) share one list, planned
         # once (see plan_shards)
         layouts: dict[Any, list[Held]] = {}
@@ -273,6 +274,21 @@ def _sources(
             lists[layout] = _held(manifests[s], boxes, s, ruled, none)
         held[s] = lists[layout]
     return held, list(families.values())
+
+
+def _none_held_by_nobody(posts: list[Any], sources: list[int], every: list[Held]) -> None:
+    """Refuse a tensor every source says it holds none of (a list of names carries no global shape, so it
+    would vanish from the plan instead of being refused as held by no sender)."""
+    lists = {id(n): n for s in sources if isinstance(n := posts[s].get("none"), list)}  # checked in _held
+    if not lists:
+        return
+    known = {h.name for h in every}
+    nobody = sorted({name for names in lists.values() for name in names} - known)
+    if nobody:
+        raise ManifestMismatchError(
+            f"no sender holds {', '.join(map(repr, nobody[:20]))}: every source says it holds none of "
+            f"{'it' if len(nobody) == 1 else 'them'} (too few source ranks, or a layout that leaves it out)"
+        )
 
 
 def _id_digest(value: Any, digests: dict[int, str]) -> str | None:

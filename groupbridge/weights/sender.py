@@ -152,10 +152,10 @@ class WeightSender(Closing):
         )  # fmt: skip
         self.forward = forward
         self.voted: int | None = None
-        """The version of this sender's last sync whose vote passed: every receiver holds it as its version
-        from then on, whether or not it went on to acknowledge it (a receiver whose ``ready`` failed after
-        the vote), so a sync of that number again is refused as not newer. Set before ``send`` returns or
-        raises; a caller that numbers its own versions goes on above it."""
+        """The version of the last ``send`` when its vote passed, else None: every receiver that got past
+        the vote holds it as its version from then on, whether or not it went on to acknowledge it (a
+        receiver whose ``ready`` failed after the vote), and refuses a sync of that number again as not
+        newer; a caller that numbers its own versions goes on above it."""
         self._sending = threading.Lock()
         self._closed = False
 
@@ -211,6 +211,7 @@ class WeightSender(Closing):
         self, named_tensors: NamedTensors, version: int, specs: Specs | None, timeout: timedelta | None,
         progress: Progress | None,
     ) -> SyncStats:  # fmt: skip
+        self.voted = None
         deadline = self.group.deadline(timeout)
         self.group.check_open()
         self._copier.deadline = deadline

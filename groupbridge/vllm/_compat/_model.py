@@ -48,11 +48,13 @@ def end_reload(model: torch.nn.Module, model_config: Any) -> None:
 def checkpoint_gone(vllm_config: Any) -> str | None:
     """The engine's checkpoint, when it was a local directory that is no longer there (an exported policy
     in scratch space, removed once the engine started): a shadow is loaded from it, so it cannot be built.
-    None when it is there, or is a hub name (whose failure, if any, is the loader's own)."""
+    None when it is there, or may be a hub name (``org/name``: whose failure, if any, is the loader's own,
+    and fails the join naming ``swap="reload"``)."""
     import os
 
     path = str(vllm_config.model_config.model)
-    return path if os.path.isabs(path) and not os.path.exists(path) else None
+    local = os.path.isabs(path) or path.startswith(("./", "../", "~"))  # else perhaps a hub name
+    return path if local and not os.path.exists(os.path.expanduser(path)) else None
 
 
 def build_shadow(vllm_config: Any) -> torch.nn.Module:
