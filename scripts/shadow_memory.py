@@ -51,9 +51,15 @@ def _run(swap: str, dtype: str, updates: int) -> dict[str, Any]:
         seen = {t.data_ptr(): t.numel() * t.element_size() for t in model.state_dict().values()}
         nbytes = sum(seen.values())  # a tied embedding once
         llm = vllm.LLM(
-            d, dtype=dtype, skip_tokenizer_init=True, enforce_eager=True, max_model_len=128, max_num_seqs=4,
-            kv_cache_memory_bytes=1 << 28, weight_transfer_config={"backend": "groupbridge"},
-        )  # fmt: skip
+            d,
+            dtype=dtype,
+            skip_tokenizer_init=True,
+            enforce_eager=True,
+            max_model_len=128,
+            max_num_seqs=4,
+            kv_cache_memory_bytes=1 << 28,
+            weight_transfer_config={"backend": "groupbridge"},
+        )
         try:
             marks = {"started": _engine_mib()}
             info = TrainerInitInfo(rank=0, timeout_s=600, liveness_s=30, swap=swap)

@@ -752,8 +752,9 @@ def test_a_landing_that_cannot_be_stopped_is_named_and_later_updates_are_refused
                 session.send(slow(value, 0), specs=SPECS)
             texts.append(str(e.value))
             took.append(time.monotonic() - t0)
-        assert all("landing of version 2 is stuck" in t and "restart the engine's workers" in t
-                   for t in texts[-2:]), texts  # fmt: skip
+        assert all(
+            "landing of version 2 is stuck" in t and "restart the engine's workers" in t for t in texts[-2:]
+        ), texts
         assert not any("abandoned" in t for t in texts), texts
         assert took[-1] < 3, took  # refused at once, not after another halt
         assert control.probe([])[0] == _means(1.0)
@@ -898,8 +899,9 @@ def test_no_version_past_the_largest_reaches_the_engine() -> None:
             assert "reset_versions=True" in str(e) and e.newest == (1 << 62) - 1, e
         finally:
             second.close()
-        third = TrainerSession(dataclasses.replace(config, reset_versions=True), Control(control.calls,
-                               control.replies))  # fmt: skip
+        third = TrainerSession(
+            dataclasses.replace(config, reset_versions=True), Control(control.calls, control.replies)
+        )
         try:
             assert third.send(slow(5.0, 0), specs=SPECS) == 1
             assert third.send(slow(6.0, 0), specs=SPECS) == 2

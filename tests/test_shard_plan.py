@@ -299,8 +299,10 @@ def test_a_source_past_a_tensor_s_last_piece_posts_it_as_none_and_is_planned_as_
         held[s] = [_held(n, g, shards[n][1], size[n]) for n, g in shapes.items()]
     assert [p.get("none") for p in posts] == [None] * 3 + [["n"]] * 5
     assert not any("boxes" in p for p in posts)
-    wanted = {r: [_held("w", shapes["w"], (0, 3 * (r % 2)), (50, 3)), _held("n", (3,), (0,), (3,))]
-              for r in range(sources, sources + 2)}  # fmt: skip
+    wanted = {
+        r: [_held("w", shapes["w"], (0, 3 * (r % 2)), (50, 3)), _held("n", (3,), (0,), (3,))]
+        for r in range(sources, sources + 2)
+    }
     listed, families = _sharded._sources(posts, list(range(sources)), headers, manifests)
     assert all(listed[s] is listed[3] for s in range(3, 7))  # rank 7 holds a shorter last piece of w
     for m in range(sources + 2):

@@ -32,6 +32,27 @@ def full(name: str, step: int) -> torch.Tensor:
     return (torch.arange(n, dtype=torch.float32) + 1000 * step + 100 * i).reshape(SHAPES[name])
 
 
+def drive(member: Any, rollouts: int, updates: int, *args: Any, timeout: float = 120) -> dict[int, Any]:
+    """verl's manager around ``updates`` updates of ``ACTORS`` actor ranks and ``rollouts`` rollout workers,
+    each a process running ``member(rank, meta, topology, *args)``: per update, every worker's metadata
+    gathered, the topology built as verl does (actors first), each worker's part handed out. Returns each
+    process's (ok, result)."""
+    from groupbridge.verl import GroupBridgeCheckpointEngine
+
+    n = ACTORS + rollouts
+    meta, topology = CTX.Queue(), [CTX.Queue() for _ in range(n)]
+    ranks = Ranks(member, n, (meta, topology, *args))
+    for _ in range(updates):
+        got = dict(meta.get(timeout=90) for _ in range(n))
+        actor_kw, rollout_kw = GroupBridgeCheckpointEngine.build_topology(
+            ACTORS, rollouts, [got[r] for r in range(n)]
+        )
+        for r in range(n):
+            kw = actor_kw if r < ACTORS else rollout_kw
+            topology[r].put({k: v[r if r < ACTORS else r - ACTORS] for k, v in kw.items()})
+    return ranks.results(timeout)
+
+
 def _worker(rank: int, meta: Any, topology: list[Any], gports: Any, atomic: bool) -> list[Any]:
     from datetime import timedelta
 
@@ -89,19 +110,7 @@ def _worker(rank: int, meta: Any, topology: list[Any], gports: Any, atomic: bool
 def test_verl_drives_the_groupbridge_checkpoint_engine(atomic: bool) -> None:
     """A rollout worker yields each update whole once it landed (atomic) or each tensor as it lands."""
     pytest.importorskip("verl")
-    from groupbridge.verl import GroupBridgeCheckpointEngine
-
-    n = ACTORS + ROLLOUTS
-    meta, topology = CTX.Queue(), [CTX.Queue() for _ in range(n)]
-    ranks = Ranks(_worker, n, (meta, topology, CTX.Queue(), atomic))
-    for _ in ROUNDS:  # the driver's part of each update: gather metadata, build the topology, hand it out
-        got = dict(meta.get(timeout=90) for _ in range(n))
-        ordered = [got[r] for r in range(n)]  # actors first, then rollout workers, as verl's manager
-        actor_kw, rollout_kw = GroupBridgeCheckpointEngine.build_topology(ACTORS, ROLLOUTS, ordered)
-        for r in range(n):
-            kw = actor_kw if r < ACTORS else rollout_kw
-            topology[r].put({k: v[r if r < ACTORS else r - ACTORS] for k, v in kw.items()})
-    results = ranks.results(60)
+    results = drive(_worker, ROLLOUTS, len(ROUNDS), CTX.Queue(), atomic, timeout=60)
     assert all(ok for ok, _ in results.values()), results
     assert results[ACTORS][1] == [True] * len(ROUNDS), results[ACTORS]
     senders = [results[0][1], results[1][1]]
@@ -205,21 +214,9 @@ def test_verl_updates_are_deltas_across_its_bridges(sources: Any) -> None:
     full update (with one sending rank, one stream: everyone's update is full; with every rank sending, only
     its own pairs) and the next update is a delta again."""
     pytest.importorskip("verl")
-    from groupbridge.verl import GroupBridgeCheckpointEngine
-
     rollouts = 2
     n = ACTORS + rollouts
-    meta, topology = CTX.Queue(), [CTX.Queue() for _ in range(n)]
-    ranks = Ranks(_delta_member, n, (meta, topology, sources))
-    for _ in range(DELTA_UPDATES):
-        got = dict(meta.get(timeout=90) for _ in range(n))
-        actor_kw, rollout_kw = GroupBridgeCheckpointEngine.build_topology(
-            ACTORS, rollouts, [got[r] for r in range(n)]
-        )
-        for r in range(n):
-            kw = actor_kw if r < ACTORS else rollout_kw
-            topology[r].put({k: v[r if r < ACTORS else r - ACTORS] for k, v in kw.items()})
-    results = ranks.results(120)
+    results = drive(_delta_member, rollouts, DELTA_UPDATES, sources)
     assert all(ok for ok, _ in results.values()), results
     for r in range(ACTORS, n):
         assert results[r][1] == [True] * DELTA_UPDATES, (r, results[r])
@@ -303,19 +300,6 @@ def test_verl_validates_a_step_again_and_resumes_from_an_older_one(sources: Any,
     """The rollout worker takes step 2 twice (verl's validation) and step 2 after step 3 (a resumed trainer),
     each bit-exact and labelled with verl's step, full updates and deltas alike."""
     pytest.importorskip("verl")
-    from groupbridge.verl import GroupBridgeCheckpointEngine
-
-    n = ACTORS + ROLLOUTS
-    meta, topology = CTX.Queue(), [CTX.Queue() for _ in range(n)]
-    ranks = Ranks(_steps_member, n, (meta, topology, sources, delta))
-    for _ in STEPS:
-        got = dict(meta.get(timeout=90) for _ in range(n))
-        actor_kw, rollout_kw = GroupBridgeCheckpointEngine.build_topology(
-            ACTORS, ROLLOUTS, [got[r] for r in range(n)]
-        )
-        for r in range(n):
-            kw = actor_kw if r < ACTORS else rollout_kw
-            topology[r].put({k: v[r if r < ACTORS else r - ACTORS] for k, v in kw.items()})
-    results = ranks.results(120)
+    results = drive(_steps_member, ROLLOUTS, len(STEPS), sources, delta)
     assert all(ok for ok, _ in results.values()), results
     assert results[ACTORS][1] == [True] * len(STEPS), results[ACTORS]

@@ -333,9 +333,13 @@ class Objects:
         return [[values[i] for i in rank_index] for rank_index in index]
 
     def _through_root(
-        self, keys: list[str], out: str, combine: Callable[[list[bytes]], bytes] | bytes, deadline: Deadline,
+        self,
+        keys: list[str],
+        out: str,
+        combine: Callable[[list[bytes]], bytes] | bytes,
+        deadline: Deadline,
         what: str,
-    ) -> bytes:  # fmt: skip
+    ) -> bytes:
         """A collective through rank 0 (every rank posted ``keys[rank]``): rank 0 reads the others' keys in
         one request and posts ``out`` (``combine`` of what it read, or a constant); every other rank reads
         ``out``, and a timeout names the ranks rank 0 still waits for. Returns ``out``'s value."""

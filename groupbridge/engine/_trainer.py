@@ -375,8 +375,9 @@ class TrainerSession(Closing):
         assert control is not None
         if call.error is not None:
             what = roll_back(control, c, v, self.version)[0]
-            logger.warning("groupbridge: the engine's late commit of version %d failed (%s): %s", v,
-                           call.error, what)  # fmt: skip
+            logger.warning(
+                "groupbridge: the engine's late commit of version %d failed (%s): %s", v, call.error, what
+            )
             return
         logger.warning("groupbridge: the engine's late commit of version %d returned: it serves it", v)
         if c.verify is not None:  # as a commit in time would be: probed, rolled back if it disagrees

@@ -162,13 +162,17 @@ class WorkerSession(Closing):
         purpose (verl repeats a step to validate, and a resumed trainer starts from an older one). The
         model, and the version it serves, are unchanged. Returns the versions forgotten, by line."""
         self._noted()  # the last sync that passed counts first
-        forgotten = {k: self.newest.pop(k) for k in (list(self.newest) if line is None else [line])
-                     if k in self.newest}  # fmt: skip
+        forgotten = {
+            k: self.newest.pop(k) for k in (list(self.newest) if line is None else [line]) if k in self.newest
+        }
         if self.receiver is not None:
             self.receiver.version = None  # noted above: the next receive takes newest's
         if forgotten:
-            self.log.warning("groupbridge: the versions this worker passed were forgotten (%s): %s", why,
-                             ", ".join(f"{k or 'weights'} {v}" for k, v in forgotten.items()))  # fmt: skip
+            self.log.warning(
+                "groupbridge: the versions this worker passed were forgotten (%s): %s",
+                why,
+                ", ".join(f"{k or 'weights'} {v}" for k, v in forgotten.items()),
+            )
         return forgotten
 
     def close(self) -> None:
@@ -392,8 +396,9 @@ class WorkerSession(Closing):
         if stuck is None:
             return
         if not stuck.running:
-            self.log.warning("groupbridge: the stuck landing of version %s ended; updates are taken again",
-                             stuck.version)  # fmt: skip
+            self.log.warning(
+                "groupbridge: the stuck landing of version %s ended; updates are taken again", stuck.version
+            )
             self.stuck = None
             return
         raise WeightSyncError(

@@ -136,8 +136,9 @@ class Intake:
             walks[by] = rx.buckets(wire, land, deadline)
         onward = Onward(taker.group, session.topology.forwards(me), walk, feeds, deadline, self.device)
         try:
-            for (src, k), (_, view, in_place) in zip(walk, take(walks, (of[s].feeder for s, _ in walk)),
-                                                     strict=True):  # fmt: skip
+            for (src, k), (_, view, in_place) in zip(
+                walk, take(walks, (of[s].feeder for s, _ in walk)), strict=True
+            ):
                 onward.post(src, view)
                 feeds[src][k][1](view, in_place)
                 yield from hand_on(self.ready)

@@ -340,9 +340,12 @@ def refuse(group: StatelessGroup, reason: str, deadline: Deadline, kind: str = "
 
 
 def committed(
-    group: StatelessGroup, session: Session, deadline: Deadline, replicas: Mapping[str, str] | None = None,
+    group: StatelessGroup,
+    session: Session,
+    deadline: Deadline,
+    replicas: Mapping[str, str] | None = None,
     voted: Callable[[int], None] | None = None,
-) -> list[int]:  # fmt: skip
+) -> list[int]:
     """A source's end of a sync it sent its part of: its :func:`vote` (``voted`` is told the version once it
     passed), then every receiver's acknowledgement; returns the receivers. Raises :class:`SyncRefusedError`
     when some receiver refused (the group is fine)."""

@@ -117,8 +117,20 @@ class Pairs:
             delta = (src, dst) in deltas
             words = tuple(bucket_word(pieces, plan.dtypes) for pieces in cut.buckets if delta)
             chained = (src, dst) in plan.upstream or (src, dst) in forwarding
-            out.append(Stream(src, dst, plan.feeder(src, dst), cut, words, begun, delta, key,
-                              parts_of(cut, False), chained))  # fmt: skip
+            out.append(
+                Stream(
+                    src,
+                    dst,
+                    plan.feeder(src, dst),
+                    cut,
+                    words,
+                    begun,
+                    delta,
+                    key,
+                    parts_of(cut, False),
+                    chained,
+                )
+            )
         return out
 
     def walk(self, me: int, lengths: Mapping[int, int]) -> list[tuple[int, int]]:

@@ -269,9 +269,18 @@ class WeightSender(Closing):
             workers = self._delta.workers() if self._delta is not None else [self._copier]
             send = partial(send_streams, self.group, session, streams, source, workers, self._scratch, tx,
                            sync, at, progress, sample)  # fmt: skip
-            return source_sync(self.group, session, deadline, send, transport=carrier, bases=self._bases,
-                               policy=self._delta.policy if self._delta is not None else None,
-                               replicas=replicas, cleanup=cleanup, voted=self._voted)  # fmt: skip
+            return source_sync(
+                self.group,
+                session,
+                deadline,
+                send,
+                transport=carrier,
+                bases=self._bases,
+                policy=self._delta.policy if self._delta is not None else None,
+                replicas=replicas,
+                cleanup=cleanup,
+                voted=self._voted,
+            )
         except BaseException as e:
             if isinstance(e, SyncRefusedError):  # every member ended the sync alike: the group is fine
                 raise
