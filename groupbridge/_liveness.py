@@ -151,6 +151,15 @@ class Watcher:
         """Change this member's published state; the next beat carries it."""
         self._state = (state, reason)
 
+    @property
+    def published(self) -> tuple[str, str | None]:
+        """This member's published state and why (``("live", None)`` until :meth:`publish`)."""
+        return self._state
+
+    def running(self) -> bool:
+        """Whether the watcher's thread still runs (its connection is then its own)."""
+        return self._thread.is_alive()
+
     def _run(self) -> None:
         """The watcher's loop; whatever ends it other than :meth:`stop` is a finding, never a silent exit."""
         try:

@@ -148,6 +148,41 @@ def test_a_write_into_a_dead_store_fails() -> None:
     assert status and value.startswith(("StoreUnreachableError", "PeerDiedError")), value
 
 
+def _woken_then_closed(rank: int, queues: Any) -> Any:
+    ports, done = queues
+    g = make_group(rank, 2, "127.0.0.1", ports, liveness_timeout=LIVE)
+    if rank == 0:
+        g.recv_obj(1)  # rank 1 waits on rank 0 now (or soon): it learns of the abort from its watcher
+        g.abort("rank 0 gives up")
+        done.get(timeout=30)  # rank 1 raised and closed
+        statuses = g._health.peer_statuses(g._server)
+        t0 = time.monotonic()
+        g.close()
+        return statuses[1]["state"] if statuses[1] else None, time.monotonic() - t0
+    g.send_obj("waiting", 0)
+    try:
+        g.recv_obj(0)
+        return "returned normally"
+    except gb.PeerDiedError as e:
+        outcome = str(e)
+    finally:
+        g.close()  # its connection was spent waking the wait above: the close is written on the watcher's
+        done.put("closed")
+    return outcome
+
+
+@pytest.mark.timeout(40)
+def test_a_member_woken_by_its_watcher_still_publishes_its_close() -> None:
+    """The watcher ends a wait on a failed peer by shutting the caller's connection down; the member's close
+    is then written on the watcher's connection, so rank 0, the store host, reads it and closes at once
+    instead of waiting out its grace for a record that never comes."""
+    res = run_ranks(_woken_then_closed, 2, (CTX.Queue(), CTX.Queue()), timeout=30)
+    assert "rank 0 gives up" in res[1], res[1]
+    state, took = res[0]
+    assert state == "closed", res[0]
+    assert took < 1.0, res[0]  # the grace it waited before was 2 s (LIVE / 5 * 2 + 0.5, at most 2)
+
+
 # ---------------------------------------------------------------- abort on every exit path of a sync
 
 

@@ -106,7 +106,7 @@ def _worker(rank: int, meta: Any, topology: list[Any], gports: Any, atomic: bool
     return out
 
 
-@pytest.mark.parametrize("atomic", [True, False])
+@pytest.mark.parametrize("atomic", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_verl_drives_the_groupbridge_checkpoint_engine(atomic: bool) -> None:
     """A rollout worker yields each update whole once it landed (atomic) or each tensor as it lands."""
     pytest.importorskip("verl")
@@ -207,7 +207,13 @@ def _delta_member(rank: int, meta: Any, topology: list[Any], sources: Any) -> li
     return out
 
 
-@pytest.mark.parametrize("sources", [1, "all"], ids=["one-actor-sends", "every-actor-sends"])
+@pytest.mark.parametrize(
+    "sources",
+    [
+        pytest.param(1, id="one-actor-sends", marks=pytest.mark.slow),
+        pytest.param("all", id="every-actor-sends"),
+    ],
+)
 def test_verl_updates_are_deltas_across_its_bridges(sources: Any) -> None:
     """verl's manager makes a bridge per update; the bases outlive it: from the second update on, a tenth of
     the bytes or less travels, every rollout worker bit-exact after every update; a replaced worker gets a

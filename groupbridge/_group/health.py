@@ -51,9 +51,26 @@ class Health:
         self.watcher.start()
 
     def stop(self) -> None:
-        if self.watcher is not None:
-            self.watcher.stop()
-            self.watcher = None
+        """Stop the watcher. A final state published while the caller's connection was spent (the watcher
+        woke a wait by shutting it down, so :meth:`publish` could not write it) is written now on the
+        watcher's own connection: peers then read that this member closed or aborted at once, where rank 0
+        closing would otherwise wait out its grace for a record that never comes."""
+        w = self.watcher
+        if w is None:
+            return
+        w.stop()
+        self.watcher = None
+        state, reason = w.published
+        client = self._state.client
+        if state == "live" or w.running() or client is None or not client.interrupted:
+            return
+        key = f"{self._state.namespace}/{status_key(self._state.rank)}"
+        try:
+            store = w.client.get()
+            store.set_timeout(self._state.io_timeout())
+            write_status(store, key, w.sealer, _FINAL_BEAT[state], state, reason, ack=True)
+        except (RuntimeError, GroupBridgeError):  # the store is what failed: nobody is left to read it
+            self._state.log.debug("could not publish that this member %s", state, exc_info=True)
 
     def _wake(self) -> None:
         """Called by the watcher on a finding: wake the caller's wait (its connection is then spent)."""
