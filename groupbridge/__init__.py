@@ -22,6 +22,7 @@ from .errors import (
     TransportRefusedError,
     TransportUnavailableError,
     VerificationError,
+    VLLMCompatError,
     WeightSyncError,
 )
 from .global_group import GlobalGroup, destroy_global_group, init_global_group
@@ -69,6 +70,7 @@ __all__ = [
     "TornUpdateError",
     "TransportRefusedError",
     "TransportUnavailableError",
+    "VLLMCompatError",
     "VerificationError",
     "WeightReceiver",
     "WeightSender",

@@ -26,6 +26,7 @@ __all__ = [
     "TornUpdateError",
     "TransportRefusedError",
     "TransportUnavailableError",
+    "VLLMCompatError",
     "WeightSyncError",
 ]
 
@@ -124,3 +125,8 @@ class TransportUnavailableError(GroupBridgeError):
 class TransportRefusedError(TransportUnavailableError, SyncRefusedError):
     """A receiver could not attach to the sync's transport (map the source's shared memory): every member
     learnt it in the handshake, before any byte moved, and the group stays usable."""
+
+
+class VLLMCompatError(GroupBridgeError):
+    """The installed vLLM is not one groupbridge's vLLM backend was read and tested against, or a private
+    vLLM name it reads is gone: raised where the backend starts, or where the name is read, naming both."""

@@ -22,6 +22,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from ..engine import EngineControl, SessionState, TrainerConfig, TrainerSession
+from ._compat import check_version, module_of
 from ._control import VllmControl, out_of_vocabulary
 from ._fleet import FleetClient
 from ._lora import AdapterSpec, peft_adapter
@@ -80,6 +81,7 @@ class TrainerEngine(SessionState, TrainerWeightTransferEngine[TrainerInitInfo]):
         is_sender: bool = True,
         info: TrainerInitInfo | None = None,
     ) -> None:
+        check_version()  # before anything reads vLLM past its public API
         super().__init__(client=client, source=source, is_sender=is_sender)
         self.info = info if info is not None else TrainerInitInfo(rank=0 if is_sender else 1)
         sends = self.info.rank < self.info.sources
@@ -154,7 +156,7 @@ class TrainerEngine(SessionState, TrainerWeightTransferEngine[TrainerInitInfo]):
         assert self.source is not None and self.info.adapter is not None
         if self.session is None:
             return
-        module = getattr(self.source, "_module", None)  # vLLM's ModuleSource
+        module = module_of(self.source)
         if not isinstance(module, torch.nn.Module):
             raise TypeError("adapter updates read the adapter from a ModuleSource over a PEFT model")
         tensors, config = peft_adapter(module)
@@ -168,7 +170,7 @@ class TrainerEngine(SessionState, TrainerWeightTransferEngine[TrainerInitInfo]):
         """What this rank holds of the source, never gathered: a module's parameters (DTensors are sent as
         their local boxes), else the source's own pairs (``gb.Shard`` values are boxes)."""
         assert self.source is not None
-        module = getattr(self.source, "_module", None)  # vLLM's ModuleSource
+        module = module_of(self.source)
         if isinstance(module, torch.nn.Module):
             return dict(module.named_parameters())
         return dict(iter(self.source))

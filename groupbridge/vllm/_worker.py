@@ -46,6 +46,7 @@ from ._compat import (
     build_shadow,
     check_adapter,
     check_loadable,
+    check_version,
     checkpoint_gone,
     cpu_kernel_handles,
     end_reload,
@@ -251,6 +252,7 @@ class WorkerEngine(WeightTransferEngine[WorkerInitInfo, UpdateInfo]):
     supports_draft_weight_update = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        check_version()  # before anything reads vLLM past its public API
         super().__init__(*args, **kwargs)
         self.adapters = Adapters()
         """The adapter versions this worker received over the bridge (its engine's alone)."""

@@ -1,5 +1,6 @@
 """Where groupbridge reaches into vLLM past its public API (the weight-transfer engine's base classes and
-factory, ``LLM``, ``LoRARequest``), kept in one place: read from vLLM :data:`VLLM_READ`.
+factory, ``LLM``, ``LoRARequest``), kept in one place: read and tested against the vLLM releases of
+:data:`._gate.TESTED`, which the backend holds to (:func:`check_version`).
 
 - :mod:`._core`: the commit and its version label in one engine-core call; the engine core's admission of
   requests (a prompt token outside the vocabulary, an adapter version no worker can load); what each worker
@@ -9,13 +10,17 @@ factory, ``LLM``, ``LoRARequest``), kept in one place: read from vLLM :data:`VLL
 - :mod:`._dryrun`: a manifest checked through the model's own ``load_weights`` on meta tensors.
 - :mod:`._adapters`: adapters served from memory through vLLM's LoRA loader; an adapter's fit to the model.
 
-Each module lists the private names it reads. A vLLM release that moves one of them breaks here, and only
-here; the tests that start real engines (``tests/test_vllm.py``, ``tests/test_serve.py``) find which.
+- :mod:`._gate`: the version gate, and :data:`~._gate.PRIVATE`, every private name read, each through
+  :func:`private` (a name that is gone fails by name, never defaults).
+
+``tests/test_vllm_compat.py`` resolves every listed name on the installed vLLM without starting an engine;
+the tests that start real engines (``tests/test_vllm.py``, ``tests/test_serve.py``) check what they do.
 """
 
 from ._adapters import check_adapter, loaded_adapters, serve_adapters
 from ._core import COMMIT, PAUSED, TORN, commit_offline, install
 from ._dryrun import check_loadable
+from ._gate import PRIVATE, TESTED, check_version, module_of, private
 from ._model import (
     begin_reload,
     build_shadow,
@@ -32,12 +37,14 @@ from ._model import (
 __all__ = [
     "COMMIT",
     "PAUSED",
+    "PRIVATE",
+    "TESTED",
     "TORN",
-    "VLLM_READ",
     "begin_reload",
     "build_shadow",
     "check_adapter",
     "check_loadable",
+    "check_version",
     "checkpoint_gone",
     "commit_offline",
     "cpu_kernel_handles",
@@ -45,12 +52,11 @@ __all__ = [
     "exchange",
     "install",
     "loaded_adapters",
+    "module_of",
     "on_cpu",
+    "private",
     "rank_in_world",
     "refresh_cpu_kernels",
     "same_layout",
     "serve_adapters",
 ]
-
-VLLM_READ = "0.32"
-"""The vLLM release the private names in this package were read from."""

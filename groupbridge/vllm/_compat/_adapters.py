@@ -17,6 +17,7 @@ import torch
 
 from .. import _lora
 from .._lora import AdapterSpec
+from ._gate import private
 
 _SERVED: weakref.WeakKeyDictionary[Any, _lora.Adapters] = weakref.WeakKeyDictionary()
 """Per LoRA model manager (one per worker of an engine that takes adapters over the bridge), the adapters
@@ -75,7 +76,8 @@ def _lora_model(
 
 def loaded_adapters(model: torch.nn.Module) -> set[int]:
     """The ids of the adapters ``model``'s LoRA manager holds loaded (those of the running batch)."""
-    return set(getattr(getattr(model, "lora_manager", None), "_active_adapters", {}) or {})
+    manager = getattr(model, "lora_manager", None)  # a model without LoRA layers has none: nothing loaded
+    return set() if manager is None else set(private(manager, "_active_adapters"))
 
 
 def _expected_modules(manager: Any) -> set[str]:

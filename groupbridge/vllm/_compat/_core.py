@@ -25,6 +25,7 @@ from typing import Any
 
 from .. import _lora
 from .._plugin import BACKEND
+from ._gate import private
 
 COMMIT = "groupbridge_commit"
 """The engine-core utility: the workers' ``finish_weight_update``, then the label, in one call."""
@@ -53,10 +54,10 @@ def _commit(core: Any, weight_version: str) -> float:
         executor.collective_rpc("finish_weight_update")
     except BaseException:
         if any(h == TORN for h in _holding(executor)):  # never the label of a version it does not serve
-            core._weight_version = TORN
+            _label(core, TORN)
             _stop(core, TORN_REASON)
         raise
-    core._weight_version = weight_version
+    _label(core, weight_version)
     _STOPPED.pop(core, None)  # every worker loaded every tensor of one version: it serves again
     if lora:  # what a request may name until the next commit: what every worker can load
         names = [set(n) for n in executor.collective_rpc(registered)]
@@ -72,7 +73,7 @@ def _withhold(core: Any, served: bool, t0: float) -> float:
     :data:`UNVERIFIED` and, unless the operator chose to serve it (``served``), stops serving (see
     :func:`_stop`) until an update commits."""
     core.model_executor.collective_rpc("finish_weight_update")
-    core._weight_version = UNVERIFIED
+    _label(core, UNVERIFIED)
     if served:
         _STOPPED.pop(core, None)
         _lora.logger.warning(
@@ -88,7 +89,7 @@ def _stop(core: Any, reason: str) -> None:
     loads one, and each request in flight ends now, as an error, with no token sampled from that model."""
     _STOPPED[core] = reason
     _lora.logger.error("groupbridge: the engine serves no request until the next update lands: %s", reason)
-    send = getattr(core, "_send_error_outputs_to_client", None)
+    send = _ender(core)
     if send is None:  # the engine core in the caller's process: no request runs during this call
         return
     from vllm.v1.request import RequestStatus
@@ -98,6 +99,21 @@ def _stop(core: Any, reason: str) -> None:
         ended.setdefault(request.client_index, []).append(request.request_id)
     for client, ids in ended.items():
         send(ids, client)
+
+
+def _label(core: Any, version: str) -> None:
+    """Set the version the engine core's outputs carry from its next step (vLLM's own field: written only
+    where it is, so a renamed one fails by name instead of creating an attribute nobody reads)."""
+    private(core, "_weight_version")
+    core._weight_version = version
+
+
+def _ender(core: Any) -> Any:
+    """The engine core's call that ends requests with an error, sent to their client: None for an engine core
+    in the caller's process (``EngineCore``, not ``EngineCoreProc``), whose caller raises instead."""
+    from vllm.v1.engine.core import EngineCoreProc
+
+    return private(core, "_send_error_outputs_to_client") if isinstance(core, EngineCoreProc) else None
 
 
 _STOPPED: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
@@ -215,7 +231,7 @@ def install() -> None:
                 add(self, request, request_wave)
                 return None
             _lora.logger.warning("groupbridge: request %s refused: %s", request.request_id, problem)
-            send = getattr(self, "_send_error_outputs_to_client", None)
+            send = _ender(self)
             if send is None:  # the engine core in the caller's process: the caller's add raises
                 raise ValueError(problem)
             send([request.request_id], request.client_index)  # that request alone ends, as an error
