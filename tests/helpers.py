@@ -25,19 +25,17 @@ def run_ranks(fn: Callable[..., Any], n: int, *args: Any, timeout: float = 60) -
     return run_roles(fn, n, args, timeout, context=CTX, threads=1)
 
 
-def host_params() -> list[Any]:
+def host_params(ipv6_slow: bool = False) -> list[Any]:
+    """IPv4 and IPv6 loopback; ``ipv6_slow``: the IPv6 case runs in the slow suite (a check whose IPv6 run
+    adds nothing its IPv4 run and the IPv6 runs left in ``make test`` do not already show)."""
     import pytest
 
     from groupbridge.doctor import has_ipv6_loopback
 
-    return [
-        pytest.param("127.0.0.1", id="ipv4"),
-        pytest.param(
-            "::1",
-            id="ipv6",
-            marks=pytest.mark.skipif(not has_ipv6_loopback(), reason="this host has no IPv6 loopback (::1)"),
-        ),
-    ]
+    marks = [pytest.mark.skipif(not has_ipv6_loopback(), reason="this host has no IPv6 loopback (::1)")]
+    if ipv6_slow:
+        marks.append(pytest.mark.slow)
+    return [pytest.param("127.0.0.1", id="ipv4"), pytest.param("::1", id="ipv6", marks=marks)]
 
 
 share_port = publish_listener

@@ -47,7 +47,9 @@ def slow(model: Any, seconds: float) -> Iterator[tuple[str, torch.Tensor]]:
         yield name, p.detach()
 
 
-@pytest.mark.parametrize("atomic", [True, False], ids=["atomic", "streaming"])
+@pytest.mark.parametrize(
+    "atomic", [pytest.param(True, id="atomic"), pytest.param(False, id="streaming", marks=pytest.mark.slow)]
+)
 def test_a_client_keeps_getting_tokens_while_an_atomic_update_lands(
     server: tuple[Server, Any, Path], atomic: bool
 ) -> None:
@@ -138,6 +140,7 @@ def _train_until_first_sync(
     return trainer
 
 
+@pytest.mark.slow  # TRL's trainer on the module's server (about 8 s; its PEFT case is slow too)
 def test_trl_async_grpo_trainer_sends_through_groupbridge(
     server: tuple[Server, Any, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

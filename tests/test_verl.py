@@ -298,7 +298,7 @@ def _steps_member(rank: int, meta: Any, topology: list[Any], sources: Any, delta
 @pytest.mark.parametrize(
     ("sources", "delta"),
     [
-        pytest.param(1, False, id="one-actor-sends"),
+        pytest.param(1, False, id="one-actor-sends", marks=pytest.mark.slow),
         pytest.param("all", "always", id="every-actor-sends-deltas", marks=pytest.mark.slow),
     ],
 )
