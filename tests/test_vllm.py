@@ -1676,6 +1676,11 @@ def test_calls_into_one_offline_engine_go_one_at_a_time_and_a_stuck_one_is_named
         order.append("commit")
     holder.join(10)
     assert order == ["other", "update", "commit"]
+    from groupbridge.vllm import engine_calls
+
+    held = pytest.raises(WeightSyncError, match="a call of the caller's has not returned")
+    with engine_calls(llm), held, one_at_a_time(llm, "probe", busy_s=0.2):  # a user call holds the trainer
+        pass
 
 
 def test_a_probe_no_engine_can_score_is_refused_when_the_trainer_starts() -> None:
@@ -1784,6 +1789,71 @@ def test_each_tokens_version_is_exact_across_an_unpaused_update(dense: tuple[Any
     for k in range(len(prompts)):
         out = seen[str(k)].outputs[0]
         got[k] = (list(out.token_ids), [(s.start, s.end, s.version) for s in out.weight_versions])
+    _check_spans(old, model, prompts, got, (old_version, new_version))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_verified_update_beside_users_requests_touches_none_of_them(dense: tuple[Any, Any]) -> None:
+    """Users generate on the engine while a verified update commits (requests added on the trainer's thread,
+    stepped on another, as docs/vllm.md says; one string id, one numeric): the probe's request is its own,
+    so each user's request finishes with all its tokens and exact version spans, no probe output reaches
+    the users' step, and the right update is kept (before, the probe's generate took the users' outputs,
+    failed sorting their ids, and rolled a right update back)."""
+    import copy
+
+    from vllm.sampling_params import RequestOutputKind
+
+    from groupbridge.engine import Probe, TrainerSession, causal_logprobs
+    from groupbridge.vllm._compat._probe import PREFIX
+    from groupbridge.vllm._control import VllmControl
+
+    llm, model = dense
+    engine = llm.llm_engine
+    params = vllm.SamplingParams(
+        max_tokens=100, min_tokens=100, temperature=0, output_kind=RequestOutputKind.CUMULATIVE
+    )  # the engine's max_model_len is 128
+    prompts = [[1, 2, 3, 4], [7, 100, 5]]
+    ids = [f"gen-0-{uuid.uuid4().hex}", str(700 + next(_BLOCKS))]
+    seen: dict[str, Any] = {}
+    started = threading.Event()
+
+    def generate() -> None:  # step only (see the test above)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                seen[out.request_id] = out
+            if len(seen) == 2 and all(len(o.outputs[0].token_ids) >= 10 for o in seen.values()):
+                started.set()
+
+    runner = threading.Thread(target=generate, daemon=True)
+
+    def gate() -> None:  # just before the commit: the users' requests well under way
+        for request_id, p in zip(ids, prompts, strict=True):
+            engine.add_request(request_id, {"prompt_token_ids": p}, params)
+        runner.start()
+        assert started.wait(60), "the requests did not start"
+
+    probe = Probe(PROBE, lambda v: causal_logprobs(model, PROBE), atol=1e-3)
+    config = TrainerConfig(timeout_s=120, liveness_s=10, verify=probe, first_version=fresh())
+    with TrainerSession(config, VllmControl(OfflineClient(llm))) as session:
+        old_version = session.send(iter(ModuleSource(model)))
+        old = copy.deepcopy(model)
+        perturb(model, 73)
+        session.control.before_commit = gate  # type: ignore[union-attr]
+        new_version = session.send(iter(ModuleSource(model)))
+        beside = runner.is_alive()  # the probe ran while the users' requests were in flight (at about 15
+        # of their 100 tokens when measured), so their thread stepped it
+        runner.join(120)
+        assert session.version == new_version and llm.get_weight_version() == str(new_version)
+    assert beside and not runner.is_alive()
+    assert sorted(seen) == sorted(ids), sorted(seen)  # the users' outputs, none of the probe's
+    assert not any(k.startswith(PREFIX) for k in seen)
+    got = {}
+    for k, request_id in enumerate(ids):
+        out = seen[request_id]
+        assert out.finished and len(out.outputs[0].token_ids) == 100, (request_id, out)
+        spans = [(s.start, s.end, s.version) for s in out.outputs[0].weight_versions]
+        got[k] = (list(out.outputs[0].token_ids), spans)
     _check_spans(old, model, prompts, got, (old_version, new_version))
 
 

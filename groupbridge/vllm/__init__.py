@@ -44,7 +44,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ._client import OfflineClient
+    from ._client import OfflineClient, engine_calls
     from ._fleet import FleetClient
     from ._lora import adapter_request
     from ._plugin import BACKEND, register
@@ -60,6 +60,7 @@ _HOMES = {
     "TrainerEngine": "_trainer",
     "TrainerInitInfo": "_trainer",
     "adapter_request": "_lora",
+    "engine_calls": "_client",
     "register": "_plugin",
     "shutdown": "_stop",
 }
@@ -84,6 +85,7 @@ __all__ = [
     "TrainerEngine",
     "TrainerInitInfo",
     "adapter_request",
+    "engine_calls",
     "register",
     "shutdown",
 ]

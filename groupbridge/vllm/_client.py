@@ -20,10 +20,15 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..errors import WeightSyncError
+from ._compat import own_request
 
 BUSY_S = 600.0
 """How long a call waits for the engine's earlier call to return before raising (the trainer's own calls
 are bounded by its ``timeout_s``, 300 s unless set: one that outlives it is still running in the engine)."""
+
+PROBE_S = 120.0
+"""How long a probe's request on the engine may take before the probe fails, naming why (while users'
+requests are in flight, their stepping thread runs it: see docs/vllm.md)."""
 
 _BUSY: weakref.WeakKeyDictionary[Any, tuple[threading.Lock, list[str]]] = weakref.WeakKeyDictionary()
 _BUSY_LOCK = threading.Lock()
@@ -59,13 +64,24 @@ def one_at_a_time(llm: Any, what: str, busy_s: float = BUSY_S) -> Iterator[None]
         lock.release()
 
 
+def engine_calls(llm: Any, busy_s: float = BUSY_S) -> contextlib.AbstractContextManager[None]:
+    """Hold offline engine ``llm``'s client for calls of yours that send to its engine core
+    (``llm.llm_engine.add_request``, ``abort_request``), made on a thread beside an update: the trainer's
+    calls into the engine wait for the block, and the block for them (vLLM's client takes one call at a
+    time). ``step()`` only reads outputs and needs no lock. Raises :class:`WeightSyncError` naming the
+    trainer's call still running after ``busy_s`` seconds."""
+    return one_at_a_time(llm, "a call of the caller's", busy_s)
+
+
 class OfflineClient:
     """Drives an offline ``vllm.LLM`` through vLLM's weight-sync client protocol, one call at a time (see
     the module's docstring; a request generating meanwhile is added on the trainer's thread and stepped on
     another, see docs/vllm.md)."""
 
-    def __init__(self, llm: Any) -> None:
+    def __init__(self, llm: Any, probe_s: float = PROBE_S) -> None:
         self.llm = llm
+        self.probe_s = probe_s
+        """How long a probe's request may take (see :data:`PROBE_S`)."""
         self.paused: float | None = None
         """How long the engine stopped serving for the last labelled commit (seconds, the engine core's
         own clock: the workers' commit and the label, between two model steps)."""
@@ -134,8 +150,6 @@ class OfflineClient:
 
             lora = LoRARequest(adapter, adapter_id(adapter), lora_path=SCHEME + adapter)
         params = vllm.SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
-        with one_at_a_time(self.llm, "probe"):
-            out = self.llm.generate(
-                [{"prompt_token_ids": list(tokens)}], params, use_tqdm=False, lora_request=lora
-            )[0]
+        with one_at_a_time(self.llm, "probe"):  # a request of its own, never a user's (see _compat._probe)
+            out = own_request(self.llm, list(tokens), params, lora, self.probe_s)
         return [out.prompt_logprobs[i][t].logprob for i, t in enumerate(tokens) if i > 0]

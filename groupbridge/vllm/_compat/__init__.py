@@ -10,6 +10,7 @@ factory, ``LLM``, ``LoRARequest``), kept in one place: read and tested against t
 - :mod:`._dryrun`: a manifest checked through the model's own ``load_weights`` on meta tensors.
 - :mod:`._adapters`: adapters served from memory through vLLM's LoRA loader; an adapter's fit to the model.
 
+- :mod:`._probe`: a probe's request on an offline engine, added and read apart from users' requests.
 - :mod:`._gate`: the version gate, and :data:`~._gate.PRIVATE`, every private name read, each through
   :func:`private` (a name that is gone fails by name, never defaults).
 
@@ -33,6 +34,7 @@ from ._model import (
     refresh_cpu_kernels,
     same_layout,
 )
+from ._probe import own_request
 
 __all__ = [
     "COMMIT",
@@ -54,6 +56,7 @@ __all__ = [
     "loaded_adapters",
     "module_of",
     "on_cpu",
+    "own_request",
     "private",
     "rank_in_world",
     "refresh_cpu_kernels",
