@@ -179,8 +179,8 @@ def test_a_member_woken_by_its_watcher_still_publishes_its_close() -> None:
     res = run_ranks(_woken_then_closed, 2, (CTX.Queue(), CTX.Queue()), timeout=30)
     assert "rank 0 gives up" in res[1], res[1]
     state, took = res[0]
-    assert state == "closed", res[0]
-    assert took < 1.0, res[0]  # the grace it waited before was 2 s (LIVE / 5 * 2 + 0.5, at most 2)
+    assert state == "closed", res[0]  # before, rank 1's record said "live": rank 0 waited out its grace
+    assert took < 10, res[0]  # bounded (the grace is 1.3 s here); how long is not what this checks
 
 
 # ---------------------------------------------------------------- abort on every exit path of a sync

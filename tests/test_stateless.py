@@ -599,14 +599,16 @@ def _wide_gather(rank: int, queues: Any, n: int) -> Any:
         late = None
         if rank != n - 1:  # the last rank stays out of the third gather and the barrier after it
             try:
-                g.all_gather_obj(rank, timeout=timedelta(seconds=2))
-            except gb.PeerTimeoutError as e:
-                late = str(e)
-            try:
-                g.barrier(timeout=timedelta(seconds=2))
-            except gb.PeerTimeoutError as e:
-                late = (late, str(e))
-            gave_up.put(rank)
+                try:
+                    g.all_gather_obj(rank, timeout=timedelta(seconds=2))
+                except gb.PeerTimeoutError as e:
+                    late = str(e)
+                try:
+                    g.barrier(timeout=timedelta(seconds=2))
+                except gb.PeerTimeoutError as e:
+                    late = (late, str(e))
+            finally:  # the last rank waits for every other (another error: it does not wait out its bound)
+                gave_up.put(rank)
         else:  # stays in the group (a member that closed is named as closed, not late) until all gave up
             for _ in range(n - 1):
                 gave_up.get(timeout=60)

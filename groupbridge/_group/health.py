@@ -64,6 +64,8 @@ class Health:
         client = self._state.client
         if state == "live" or w.running() or client is None or not client.interrupted:
             return
+        if w.error is not None or (w.finding is not None and w.finding.kind in ("store", "crashed")):
+            return  # the store is what failed, or the watcher's own connection may be spent: nobody to tell
         key = f"{self._state.namespace}/{status_key(self._state.rank)}"
         try:
             store = w.client.get()

@@ -68,7 +68,8 @@ def engine_calls(llm: Any, busy_s: float = BUSY_S) -> contextlib.AbstractContext
     """Hold offline engine ``llm``'s client for calls of yours that send to its engine core
     (``llm.llm_engine.add_request``, ``abort_request``), made on a thread beside an update: the trainer's
     calls into the engine wait for the block, and the block for them (vLLM's client takes one call at a
-    time). ``step()`` only reads outputs and needs no lock. Raises :class:`WeightSyncError` naming the
+    time). ``step()`` only reads outputs (unless a request ends on a stop string: then it sends an abort)
+    and takes no lock. Raises :class:`WeightSyncError` naming the
     trainer's call still running after ``busy_s`` seconds."""
     return one_at_a_time(llm, "a call of the caller's", busy_s)
 
@@ -138,8 +139,9 @@ class OfflineClient:
         _COMMITTED.setdefault(self.llm, {})[name] = adapter_name(name, version)
 
     def prompt_logprobs(self, tokens: list[int], adapter: str | None = None) -> list[float]:
-        """The engine's log-probabilities of ``tokens[1:]``, through ``generate`` (a probe's request), with
-        the adapter served as ``adapter`` (``policy@v3``) when given."""
+        """The engine's log-probabilities of ``tokens[1:]``, from a request of the probe's own that no user's
+        request sees (:func:`._compat.own_request`), with the adapter served as ``adapter`` (``policy@v3``)
+        when given."""
         import vllm
 
         from ._lora import SCHEME, adapter_id
@@ -149,7 +151,12 @@ class OfflineClient:
             from vllm.lora.request import LoRARequest
 
             lora = LoRARequest(adapter, adapter_id(adapter), lora_path=SCHEME + adapter)
-        params = vllm.SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
+        from vllm.sampling_params import RequestOutputKind
+
+        # one output, the final one (with every prompt token's log-probability)
+        params = vllm.SamplingParams(
+            max_tokens=1, temperature=0, prompt_logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY
+        )
         with one_at_a_time(self.llm, "probe"):  # a request of its own, never a user's (see _compat._probe)
             out = own_request(self.llm, list(tokens), params, lora, self.probe_s)
         return [out.prompt_logprobs[i][t].logprob for i, t in enumerate(tokens) if i > 0]

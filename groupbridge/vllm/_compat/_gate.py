@@ -6,8 +6,11 @@ then refuses to start, with one error naming both versions, unless the operator 
 With the opt-in, a private name that is gone still fails by name (:func:`private`), never by defaulting to
 an empty value that would make, say, an adapter in use look unused.
 
-:data:`PRIVATE` lists every private name the package reads: ``tests/test_vllm_compat.py`` resolves each
-on the installed vLLM without starting an engine, so an upgrade fails in one place, naming what moved.
+:data:`PRIVATE` lists the private names the package reads as attributes of vLLM's classes and modules:
+``tests/test_vllm_compat.py`` resolves each on the installed vLLM without starting an engine, so an upgrade
+fails in one place, naming what moved. Not yet listed: the methods called on those objects (the reload's,
+the processors' ``process_inputs``, ``add_request(queue=)``), and names reached only on a live model (each
+module's docstring lists what it reads).
 """
 
 from __future__ import annotations

@@ -7,8 +7,11 @@ their outputs and fails on their string ids. Here the probe's request gets an id
 its own in vLLM's output processor (as ``AsyncLLM`` gives each request), so its outputs never come out of
 ``LLMEngine.step()`` and users' never reach the probe. It steps the engine itself only when no other
 request was in flight as it began (the engine is then its own: users add requests on the trainer's thread,
-which the probe holds); otherwise the users' stepping thread runs it with theirs, and the probe waits for its
-queue, bounded. Two threads stepping at once could leave one waiting for an output that never comes.
+which the probe holds), or once theirs have all finished and nothing stepped its request for a second (their
+stepping loop ended before it came); otherwise the users' stepping thread runs it with theirs, and the probe
+waits for its queue, bounded. Two threads stepping at once could leave one waiting for an output that never
+comes: a loop of the user's that steps an engine with nothing in it, at the moment the probe steps alone, is
+the one case that remains (docs/vllm.md).
 
 Private reads: ``LLMEngine.input_processor``, ``output_processor`` (``add_request(queue=)``,
 ``get_num_unfinished_requests``), ``engine_core``, ``RequestOutputCollector``.
@@ -28,7 +31,13 @@ PREFIX = "groupbridge-probe-"
 
 
 def own_request(
-    llm: Any, tokens: list[int], params: Any, lora: Any, bound_s: float, poll_s: float = 0.005
+    llm: Any,
+    tokens: list[int],
+    params: Any,
+    lora: Any,
+    bound_s: float,
+    poll_s: float = 0.005,
+    ended_s: float = 1.0,
 ) -> Any:
     """The finished ``RequestOutput`` of one request of ``tokens`` on offline engine ``llm``, added and read
     apart from every other request (see the module's docstring). Raises :class:`PeerTimeoutError` when it has
@@ -51,21 +60,29 @@ def own_request(
     inputs.assign_request_id(request)
     collector = RequestOutputCollector(params.output_kind, request.request_id)
     outputs.add_request(request, None, None, 0, queue=collector)
-    core.add_request(request)
     deadline = time.monotonic() + bound_s
+    quiet_since = time.monotonic()
     try:
+        core.add_request(request)  # an engine core that refuses it raises here: its state goes below
         while True:
             out = collector.get_nowait()
             if isinstance(out, Exception):
                 raise out
-            if out is not None and out.finished:
-                return out
+            if out is not None:
+                if out.finished:
+                    return out
+                quiet_since = time.monotonic()
             if time.monotonic() > deadline:
                 raise PeerTimeoutError(
                     f"the probe's request on the offline engine did not finish within {bound_s:g} s: "
                     "requests of yours were in flight as it began, and the thread that steps them did not "
                     "run it (see docs/vllm.md, generating beside an update)"
                 )
+            if not alone and outputs.get_num_unfinished_requests() == 1:
+                # the users' requests finished: their stepping loop (``while has_unfinished_requests()``)
+                # runs this one too, within a step; quiet past ``ended_s``, that loop ended before this
+                # request came, and nobody else steps
+                alone = time.monotonic() - quiet_since > ended_s
             if alone:
                 engine.step()  # every output it makes is this request's, and goes to its queue
             else:  # users' requests too: their stepping thread runs this one with them
