@@ -69,8 +69,8 @@ def engine_calls(llm: Any, busy_s: float = BUSY_S) -> contextlib.AbstractContext
     (``llm.llm_engine.add_request``, ``abort_request``), made on a thread beside an update: the trainer's
     calls into the engine wait for the block, and the block for them (vLLM's client takes one call at a
     time). ``step()`` only reads outputs (unless a request ends on a stop string: then it sends an abort)
-    and takes no lock. Raises :class:`WeightSyncError` naming the
-    trainer's call still running after ``busy_s`` seconds."""
+    and takes no lock. Raises :class:`WeightSyncError` naming the trainer's call still running after
+    ``busy_s`` seconds."""
     return one_at_a_time(llm, "a call of the caller's", busy_s)
 
 

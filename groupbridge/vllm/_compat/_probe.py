@@ -7,7 +7,7 @@ their outputs and fails on their string ids. Here the probe's request gets an id
 its own in vLLM's output processor (as ``AsyncLLM`` gives each request), so its outputs never come out of
 ``LLMEngine.step()`` and users' never reach the probe. It steps the engine itself only when no other
 request was in flight as it began (the engine is then its own: users add requests on the trainer's thread,
-which the probe holds), or once theirs have all finished and nothing stepped its request for a second (their
+which the probe holds), or once theirs have all finished and its own is still unfinished a second later (their
 stepping loop ended before it came); otherwise the users' stepping thread runs it with theirs, and the probe
 waits for its queue, bounded. Two threads stepping at once could leave one waiting for an output that never
 comes: a loop of the user's that steps an engine with nothing in it, at the moment the probe steps alone, is
@@ -61,28 +61,31 @@ def own_request(
     collector = RequestOutputCollector(params.output_kind, request.request_id)
     outputs.add_request(request, None, None, 0, queue=collector)
     deadline = time.monotonic() + bound_s
-    quiet_since = time.monotonic()
+    only_since: float | None = None  # when this request became the only one in flight (users' ended)
     try:
         core.add_request(request)  # an engine core that refuses it raises here: its state goes below
         while True:
             out = collector.get_nowait()
             if isinstance(out, Exception):
                 raise out
-            if out is not None:
-                if out.finished:
-                    return out
-                quiet_since = time.monotonic()
+            if out is not None and out.finished:  # FINAL_ONLY or not: the finished output ends it
+                return out
             if time.monotonic() > deadline:
-                raise PeerTimeoutError(
-                    f"the probe's request on the offline engine did not finish within {bound_s:g} s: "
+                why = (
                     "requests of yours were in flight as it began, and the thread that steps them did not "
                     "run it (see docs/vllm.md, generating beside an update)"
+                    if only_since is None and not alone
+                    else "the engine did not finish it"
+                )
+                raise PeerTimeoutError(
+                    f"the probe's request on the offline engine did not finish within {bound_s:g} s: {why}"
                 )
             if not alone and outputs.get_num_unfinished_requests() == 1:
                 # the users' requests finished: their stepping loop (``while has_unfinished_requests()``)
-                # runs this one too, within a step; quiet past ``ended_s``, that loop ended before this
-                # request came, and nobody else steps
-                alone = time.monotonic() - quiet_since > ended_s
+                # runs this one too, within a step; unfinished ``ended_s`` later, that loop ended before
+                # this request came, and nobody else steps
+                only_since = time.monotonic() if only_since is None else only_since
+                alone = time.monotonic() - only_since > ended_s
             if alone:
                 engine.step()  # every output it makes is this request's, and goes to its queue
             else:  # users' requests too: their stepping thread runs this one with them
