@@ -107,6 +107,52 @@ def test_the_plugin_registers_both_engines_once_however_often_it_loads() -> None
     assert WeightTransferTrainerFactory._registry["groupbridge"]().__name__ == "TrainerEngine"
 
 
+@pytest.mark.slow
+def test_a_plain_engine_beside_groupbridge_is_vllms_own(tmp_path: Path) -> None:
+    """Installing groupbridge changes no engine that does not name its backend. A plain engine started with
+    the plugin loaded (vLLM loads every installed general plugin) samples the tokens one started with no
+    plugin (``VLLM_PLUGINS=""``) does, and vLLM's classes hold the same methods, in the user's process and
+    in the engine core's, but for the labelled commit's two class-level names: the engine-core utility it
+    adds, and the server's finish, routed to it for groupbridge's engines alone. What changes an engine's
+    behaviour (its requests' admission, its workers' adapter loader) is set on an attached engine's own
+    objects (``_compat._core._attach``)."""
+    make_model(tmp_path, "qwen2")
+
+    def started(plugins: str | None) -> dict[str, Any]:
+        env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}
+        env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # the report's collective_rpc sends a function
+        if plugins is not None:
+            env["VLLM_PLUGINS"] = plugins
+        root = Path(__file__).parent.parent
+        done = subprocess.run(
+            [sys.executable, "-m", "tests.plain_engine", str(tmp_path)],
+            env=env,
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=200,
+        )
+        lines = [x for x in done.stdout.splitlines() if x.startswith("REPORT ")]
+        assert done.returncode == 0 and lines, done.stderr[-3000:]
+        return json.loads(lines[-1][len("REPORT ") :])  # type: ignore[no-any-return]
+
+    with_plugin, without = started(None), started("")
+    assert with_plugin["here"]["plugin loaded"] and with_plugin["engine"]["plugin loaded"]
+    assert not without["here"]["plugin loaded"] and not without["engine"]["plugin loaded"]
+    assert with_plugin["tokens"] == without["tokens"]
+    for where in ("here", "engine"):
+        ours, theirs = with_plugin[where], without[where]
+        for cls in ("EngineCoreProc", "WorkerLoRAManager"):
+            assert ours[cls] == theirs[cls], (where, cls)
+        changed = {
+            f"{cls}.{name}"
+            for cls in ("EngineCore", "AsyncLLM")
+            for name in ours[cls].keys() | theirs[cls].keys()
+            if ours[cls].get(name) != theirs[cls].get(name)
+        }
+        assert changed == {"EngineCore.groupbridge_commit", "AsyncLLM.finish_weight_update"}, where
+
+
 def test_trainer_init_info_is_checked_before_anything_starts() -> None:
     from vllm.distributed.weight_transfer.base import TrainerInitInfo as VllmTrainerInitInfo
 

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from ..engine import Capabilities, EngineControl
+from ._client import OfflineClient
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +74,15 @@ class VllmControl(EngineControl):
         )
 
     def join(self, info: dict[str, Any]) -> None:
+        """The engine's workers join the bridge; then the engine is attached to groupbridge (its requests'
+        admission, its workers' adapter loader: see ``_compat._core``) through the labelled commit's route,
+        by the clients that route a labelled finish to it (an offline engine's, a server's)."""
         self.client.init_weight_transfer_engine(info)
         self._bridge = info.get("bridge_id") or None
+        if isinstance(self.client, (OfflineClient, HttpClient)) or _server(self.client) is not None:
+            from ._compat import ATTACH
+
+            self.client.finish_weight_update(weight_version=ATTACH)
 
     def served(self) -> int | None:
         """The version the engine reports serving (a fleet: the highest of its engines'), when it is a

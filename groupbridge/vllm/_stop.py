@@ -160,19 +160,20 @@ def shutdown(llm: Any, *, timeout: timedelta = timedelta(seconds=60)) -> None:
     Raises:
         TypeError: ``llm`` is not an offline ``vllm.LLM`` (a server is stopped by whoever started it).
     """
-    engine_core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-    stop = getattr(engine_core, "shutdown", None)
-    if not callable(stop):
+    import vllm
+
+    from ._compat import engine_client, engine_pids
+
+    if not isinstance(llm, vllm.LLM):
         raise TypeError(f"shutdown() takes an offline vllm.LLM, got {type(llm).__name__}")
-    manager = getattr(getattr(engine_core, "resources", None), "engine_manager", None)
-    pids = [p.pid for p in getattr(manager, "processes", ()) if getattr(p, "pid", None)]
+    pids = engine_pids(llm)
     tree = process_tree(pids)
     owned = held_by(tree)  # the engine's and its workers' segments, before they exit
     done = threading.Event()
     nudger = threading.Thread(target=_nudge, args=(pids, done), name="groupbridge-vllm-stop", daemon=True)
     nudger.start()
     try:
-        stop(timeout=timeout.total_seconds())
+        engine_client(llm).shutdown(timeout=timeout.total_seconds())
     finally:
         done.set()
         nudger.join(1.0)

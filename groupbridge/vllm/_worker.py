@@ -56,7 +56,6 @@ from ._compat import (
     rank_in_world,
     refresh_cpu_kernels,
     same_layout,
-    serve_adapters,
 )
 from ._lora import Adapters, AdapterSpec, adapter_id
 
@@ -255,7 +254,8 @@ class WorkerEngine(WeightTransferEngine[WorkerInitInfo, UpdateInfo]):
         check_version()  # before anything reads vLLM past its public API
         super().__init__(*args, **kwargs)
         self.adapters = Adapters()
-        """The adapter versions this worker received over the bridge (its engine's alone)."""
+        """The adapter versions this worker received over the bridge (its engine's alone), which its LoRA
+        loader serves from memory once a trainer attached the engine (``_compat._core``)."""
         self.loader = VllmLoader(self)
         self._rolled_back: int | None = None
         self._withheld = False
@@ -265,8 +265,6 @@ class WorkerEngine(WeightTransferEngine[WorkerInitInfo, UpdateInfo]):
         self.session = WorkerSession(
             self.loader, device=self.device, log=logger, swaps=self.loader, reads=self.loader
         )
-        if getattr(self.vllm_config, "lora_config", None) is not None:
-            serve_adapters(self.model, self.adapters)  # adapters received over the bridge load from memory
 
     @property
     def version(self) -> int | None:

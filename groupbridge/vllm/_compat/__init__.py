@@ -11,6 +11,7 @@ factory, ``LLM``, ``LoRARequest``), kept in one place: read and tested against t
 - :mod:`._adapters`: adapters served from memory through vLLM's LoRA loader; an adapter's fit to the model.
 
 - :mod:`._probe`: a probe's request on an offline engine, added and read apart from users' requests.
+- :mod:`._procs`: an offline engine's engine-core processes (to stop them).
 - :mod:`._gate`: the version gate, and :data:`~._gate.PRIVATE`, every private name read, each through
   :func:`private` (a name that is gone fails by name, never defaults).
 
@@ -19,7 +20,7 @@ the tests that start real engines (``tests/test_vllm.py``, ``tests/test_serve.py
 """
 
 from ._adapters import check_adapter, loaded_adapters, serve_adapters
-from ._core import COMMIT, PAUSED, TORN, commit_offline, install
+from ._core import ATTACH, COMMIT, PAUSED, TORN, commit_offline, install
 from ._dryrun import check_loadable
 from ._gate import PRIVATE, TESTED, check_version, module_of, private
 from ._model import (
@@ -35,8 +36,10 @@ from ._model import (
     same_layout,
 )
 from ._probe import own_request
+from ._procs import engine_client, engine_pids
 
 __all__ = [
+    "ATTACH",
     "COMMIT",
     "PAUSED",
     "PRIVATE",
@@ -51,6 +54,8 @@ __all__ = [
     "commit_offline",
     "cpu_kernel_handles",
     "end_reload",
+    "engine_client",
+    "engine_pids",
     "exchange",
     "install",
     "loaded_adapters",

@@ -1,15 +1,15 @@
-"""Adapters from memory: vLLM's worker LoRA loader asks an engine's :class:`~groupbridge.vllm._lora.Adapters`
-about each load, for that engine's workers alone; and the handshake's check that an adapter fits the model.
+"""Adapters from memory: a worker's LoRA loader asks its engine's :class:`~groupbridge.vllm._lora.Adapters`
+about each load, on the workers of engines attached to groupbridge alone; and the handshake's check that an
+adapter fits the model.
 
-Private reads: ``WorkerLoRAManager._load_adapter`` (wrapped), ``_adapter_manager``, ``_lora_model_cls``,
-``_active_adapters``, ``supported_lora_modules``, ``packed_modules_mapping``, ``PEFTHelper``,
-``parse_fine_tuned_lora_name``, and the LoRA layers' ``base_layer`` and sizes.
+Private reads: ``WorkerLoRAManager._load_adapter`` (wrapped on one worker's loader), ``_adapter_manager``,
+``_lora_model_cls``, ``_active_adapters``, ``supported_lora_modules``, ``packed_modules_mapping``,
+``PEFTHelper``, ``parse_fine_tuned_lora_name``, and the LoRA layers' ``base_layer`` and sizes.
 """
 
 from __future__ import annotations
 
 import functools
-import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -19,38 +19,27 @@ from .. import _lora
 from .._lora import AdapterSpec
 from ._gate import private
 
-_SERVED: weakref.WeakKeyDictionary[Any, _lora.Adapters] = weakref.WeakKeyDictionary()
-"""Per LoRA model manager (one per worker of an engine that takes adapters over the bridge), the adapters
-its loader serves: kept here, not written into vLLM's objects."""
 
-
-def serve_adapters(model: torch.nn.Module, adapters: _lora.Adapters) -> None:
-    """Have the LoRA loader of ``model``'s worker ask ``adapters`` about every load (see
-    :meth:`~groupbridge.vllm._lora.Adapters.check_load`). vLLM's loader method is wrapped once per process;
-    a worker whose model is not registered here (another backend's engine) loads as vLLM does."""
-    from vllm.lora.worker_manager import WorkerLoRAManager
-
-    manager = getattr(model, "lora_manager", None)
+def serve_adapters(manager: Any, adapters: _lora.Adapters) -> None:
+    """Have one worker's LoRA loader (its ``WorkerLoRAManager``) ask ``adapters`` about every load (see
+    :meth:`~groupbridge.vllm._lora.Adapters.check_load`): its ``_load_adapter`` is wrapped on that object
+    alone, so the class, and every worker of another engine, load as vLLM does. Idempotent."""
     if manager is None:  # no LoRA layers: the handshake refuses adapters (``_lora.check_adapter``)
         return
-    _SERVED[manager] = adapters
-    original = WorkerLoRAManager._load_adapter
+    original = private(manager, "_load_adapter")
     if getattr(original, "_groupbridge", False):
         return
 
     @functools.wraps(original)
-    def load(self: Any, lora_request: Any) -> Any:
-        served = _SERVED.get(self._adapter_manager)
-        if served is None:
-            return original(self, lora_request)
-        full = served.check_load(str(lora_request.lora_path), str(lora_request.lora_name))
+    def load(lora_request: Any) -> Any:
+        full = adapters.check_load(str(lora_request.lora_path), str(lora_request.lora_name))
         if full is None:
-            return original(self, lora_request)
-        tensors, config = served.filed(full)
-        return _lora_model(self, lora_request, tensors, config)
+            return original(lora_request)
+        tensors, config = adapters.filed(full)
+        return _lora_model(manager, lora_request, tensors, config)
 
     load._groupbridge = True  # type: ignore[attr-defined]
-    WorkerLoRAManager._load_adapter = load
+    manager._load_adapter = load
 
 
 def _lora_model(

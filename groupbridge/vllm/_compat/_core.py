@@ -41,6 +41,9 @@ def _commit(core: Any, weight_version: str) -> float:
     (:data:`PAUSED`): the pause the commit costs the engine, apart from the HTTP call and the wait for the
     model step under way that a caller's own clock adds."""
     t0 = time.perf_counter()
+    _attach(core)
+    if weight_version == ATTACH:
+        return 0.0
     executor = core.model_executor
     lora = getattr(core.vllm_config, "lora_config", None) is not None
     if weight_version in (UNVERIFIED, UNVERIFIED_SERVED):
@@ -176,8 +179,6 @@ def _admit(core: Any, request: Any) -> str | None:
     where vLLM checks none (an engine without a tokenizer: its embedding would fail), or an adapter version
     of the registry that no longer is (or never was) loadable (its load would fail). Either fails inside
     the step, where an error ends the engine; refused here, one request fails."""
-    if not _ours(core):
-        return None
     stopped = _STOPPED.get(core)
     if stopped is not None:
         return f"this engine serves no request until an update lands: {stopped}"
@@ -216,28 +217,18 @@ def _ours(engine: Any) -> bool:
 
 def install() -> None:
     """Add :data:`COMMIT` to the engine core and route a ``vllm serve``'s labelled finish through it (in this
-    process; idempotent: the plugin loads more than once per process)."""
+    process; idempotent: the plugin loads more than once per process).
+
+    These are the only two class-level changes, and neither changes what a plain engine does: ``COMMIT`` is
+    a name of its own (vLLM's plugin guide has a general plugin install engine-side methods so), and the
+    server's finish keeps vLLM's behaviour for every engine whose backend is not ``groupbridge``. What does
+    change an engine's behaviour (the admission of its requests, its workers' adapter loader) is set on
+    that engine's own objects when a trainer attaches to it (:data:`ATTACH`)."""
     from vllm.v1.engine.async_llm import AsyncLLM
     from vllm.v1.engine.core import EngineCore
 
     if not hasattr(EngineCore, COMMIT):
         setattr(EngineCore, COMMIT, _commit)
-        add = EngineCore.add_request
-
-        @functools.wraps(add)
-        def add_request(self: Any, request: Any, request_wave: int = 0) -> None:
-            problem = _admit(self, request)
-            if problem is None:
-                add(self, request, request_wave)
-                return None
-            _lora.logger.warning("groupbridge: request %s refused: %s", request.request_id, problem)
-            send = _ender(self)
-            if send is None:  # the engine core in the caller's process: the caller's add raises
-                raise ValueError(problem)
-            send([request.request_id], request.client_index)  # that request alone ends, as an error
-            return None
-
-        EngineCore.add_request = add_request
     original = AsyncLLM.finish_weight_update
     if getattr(original, "_groupbridge", False):
         return
@@ -251,6 +242,54 @@ def install() -> None:
 
     finish_weight_update._groupbridge = True  # type: ignore[attr-defined]
     AsyncLLM.finish_weight_update = finish_weight_update
+
+
+ATTACH = "groupbridge:attach"
+"""The :data:`COMMIT` label that commits nothing: it attaches the engine core to groupbridge (see
+:func:`_attach`); sent by a trainer's client when it joins the engine to a bridge."""
+
+_ATTACHED: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _attach(core: Any) -> None:
+    """Set groupbridge's admission on this engine core alone (its ``add_request``, an attribute of the
+    instance: the class and every other engine keep vLLM's), and have each of its workers load the adapters
+    it received over the bridge from memory (:func:`._adapters.serve_adapters`). Refuses an engine whose
+    weight-transfer backend is not ``groupbridge``. Idempotent."""
+    if core in _ATTACHED:
+        return
+    if not _ours(core):
+        raise ValueError(
+            "this vLLM engine's weight_transfer_config does not name backend "
+            f"{BACKEND!r}: groupbridge changes nothing of it"
+        )
+    add = private(core, "add_request")  # bound: the engine core's own class's (a DP engine's included)
+
+    @functools.wraps(add)
+    def add_request(request: Any, *args: Any, **kwargs: Any) -> Any:
+        problem = _admit(core, request)
+        if problem is None:
+            return add(request, *args, **kwargs)
+        _lora.logger.warning("groupbridge: request %s refused: %s", request.request_id, problem)
+        send = _ender(core)
+        if send is None:  # the engine core in the caller's process: the caller's add raises
+            raise ValueError(problem)
+        send([request.request_id], request.client_index)  # that request alone ends, as an error
+        return None
+
+    core.add_request = add_request
+    if getattr(core.vllm_config, "lora_config", None) is not None:
+        core.model_executor.collective_rpc(_serve_adapters)
+    _ATTACHED.add(core)
+
+
+def _serve_adapters(worker: Any) -> None:
+    """On a worker (``collective_rpc``): its LoRA loader serves the adapters its weight-transfer engine
+    received over the bridge."""
+    from ._adapters import serve_adapters
+
+    engine = worker.weight_transfer_engine
+    serve_adapters(private(worker.model_runner, "lora_manager"), engine.adapters)
 
 
 def requested(requests: Iterable[Any]) -> list[str]:

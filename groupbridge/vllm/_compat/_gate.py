@@ -129,7 +129,7 @@ PRIVATE: tuple[Private, ...] = (
         "EngineCore",
         "add_request",
         "requests refused one by one (a stopped engine, a token outside the vocabulary, an adapter "
-        "gone) instead of failing inside the model step",
+        "gone) instead of failing inside the model step: wrapped on an attached engine core alone",
         "a request admission hook for plugins",
     ),
     Private(
@@ -150,8 +150,23 @@ PRIVATE: tuple[Private, ...] = (
         "vllm.lora.worker_manager",
         "WorkerLoRAManager",
         "_load_adapter",
-        "adapters served from memory instead of a checkpoint directory",
+        "adapters served from memory instead of a checkpoint directory: wrapped on the loaders of an "
+        "attached engine's workers alone",
         "a LoRA loader that takes tensors and a config",
+    ),
+    Private(
+        "vllm.v1.worker.cpu_worker",
+        "CPUWorker",
+        "model_runner",
+        "a worker's LoRA loader, reached when a trainer attaches the engine",
+        "a weight-transfer engine given its worker's LoRA loader",
+    ),
+    Private(
+        "vllm.v1.worker.lora_model_runner_mixin",
+        "LoRAModelRunnerMixin",
+        "lora_manager",
+        "the same",
+        "the same",
     ),
     Private(
         "vllm.lora.worker_manager",
@@ -228,6 +243,20 @@ PRIVATE: tuple[Private, ...] = (
         "RequestOutputCollector",
         "get_nowait",
         "a probe's queue read without waiting",
+        "the same",
+    ),
+    Private(
+        "vllm.v1.engine.core_client",
+        "MPClient",
+        "resources",
+        "an offline engine's engine-core processes, stopped and their shared memory removed",
+        "LLM.shutdown(timeout=...) that waits for its processes and removes what they left",
+    ),
+    Private(
+        "vllm.v1.engine.utils",
+        "CoreEngineProcManager",
+        "processes",
+        "the same",
         "the same",
     ),
     Private(
