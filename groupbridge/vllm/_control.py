@@ -13,7 +13,7 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from ..engine import Capabilities, EngineControl
+from ..engine import Abandon, Capabilities, EngineControl, Rollback, Withhold, update_fields
 from ._client import OfflineClient
 
 logger = logging.getLogger(__name__)
@@ -121,7 +121,7 @@ class VllmControl(EngineControl):
         except Exception as e:
             first = e
         with contextlib.suppress(Exception):  # expected: the workers end the update by raising
-            self.client.update_weights({"version": 0, "abandon": True})
+            self.client.update_weights(update_fields(Abandon()))
         try:
             leave()
         except Exception:
@@ -149,7 +149,7 @@ class VllmControl(EngineControl):
         engine core report ``unverified`` and (unless ``serve``) stop serving until an update commits (see
         ``groupbridge.vllm._compat.UNVERIFIED``)."""
         start_update(self.client)
-        self.client.update_weights({"version": version, "withhold": True})
+        self.client.update_weights(update_fields(Withhold(version)))
         self.client.finish_weight_update(weight_version="unverified+served" if serve else "unverified")
 
     def stopped(self) -> list[str]:
@@ -183,7 +183,7 @@ class VllmControl(EngineControl):
         own name; the workers withdraw the newer one, and ``version`` is announced as the newest again."""
         adapter = self._adapter()
         start_update(self.client)
-        self.client.update_weights({"version": version, "rollback": True, "adapter": adapter})
+        self.client.update_weights(update_fields(Rollback(version, adapter)))
         self.client.finish_weight_update(weight_version=str(version))
         if adapter is not None:
             announce_adapter(self.client, adapter["name"], version, adapter["max_live"], rolled_back=True)
@@ -223,7 +223,7 @@ def start_update(client: SyncClient) -> None:
     except Exception as e:
         first = e
     try:
-        client.update_weights({"version": 0, "abandon": True})
+        client.update_weights(update_fields(Abandon()))
     except Exception as e:  # expected: the workers end the update by raising
         abandoned = str(e)
     else:

@@ -36,9 +36,18 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from ..engine import BridgeInfo, WorkerSession
+from ..engine import (
+    Abandon,
+    BridgeInfo,
+    Commit,
+    Receive,
+    Rollback,
+    Withhold,
+    WorkerSession,
+    handle,
+    parse_update,
+)
 from ..errors import WeightSyncError
-from ..weights._header import MAX_VERSION
 from ..weights.manifest import Manifest
 from ..weights.shard import Box
 from ._compat import (
@@ -101,29 +110,10 @@ class UpdateInfo(WeightTransferUpdateInfo):
     """With ``commit``: the adapter versions the engine core's unfinished requests name (kept loadable)."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.version, bool) or not isinstance(self.version, int):
-            raise ValueError(f"version must be an int, got {self.version!r}")
-        if abs(self.version) > MAX_VERSION:  # an engine holding it would refuse every later version
-            raise ValueError(f"version {self.version} is out of range: versions lie within +-(2**62 - 1)")
-        if not isinstance(self.abandon, bool):
-            raise ValueError(f"abandon must be a bool, got {self.abandon!r}")
-        if not isinstance(self.rollback, bool) or (self.rollback and self.abandon):
-            raise ValueError(f"rollback must be a bool, and not with abandon: got {self.rollback!r}")
-        if not isinstance(self.commit, bool) or (self.commit and (self.rollback or self.abandon)):
-            raise ValueError(f"commit must be a bool, and alone: got {self.commit!r}")
-        if not isinstance(self.withhold, bool) or (
-            self.withhold and (self.commit or self.rollback or self.abandon)
-        ):
-            raise ValueError(f"withhold must be a bool, and alone: got {self.withhold!r}")
+        self.update = parse_update(vars(self))  # checked before anything acts on it
+        """The update as a type of the engine layer's protocol (:mod:`groupbridge.engine`)."""
         if self.adapter is not None:
             AdapterSpec.parse(self.adapter)
-        if self.bridge is not None and (not isinstance(self.bridge, str) or len(self.bridge) > 64):
-            raise ValueError("bridge must be a bridge id (a short string)")
-        if self.in_use is not None and (
-            not isinstance(self.in_use, list) or len(self.in_use) > 1 << 16
-            or not all(isinstance(n, str) and len(n) < 1024 for n in self.in_use)
-        ):  # fmt: skip
-            raise ValueError("in_use must be a list of adapter names")
 
 
 def worker_rank(parallel_config: Any, sources: int = 1, rank_offset: int = 0) -> int:
@@ -287,42 +277,52 @@ class WorkerEngine(WeightTransferEngine[WorkerInitInfo, UpdateInfo]):
         self.session.close()
 
     def start_weight_update(self) -> None:
+        self.begin_update()
+
+    def receive_weights(self, update_info: UpdateInfo) -> None:
+        handle(self, update_info.update)
+
+    # ------------------------------------------------------------------ the engine layer's UpdateWorker
+
+    def begin_update(self) -> None:
         self._rolled_back = None
         self._withheld = False
         self._commits = None
         self.loader.requested = None
         self.session.begin()
 
-    def receive_weights(self, update_info: UpdateInfo) -> None:
-        if update_info.commit:
-            self._commits = update_info.version
-            self.loader.requested = tuple(update_info.in_use) if update_info.in_use is not None else None
-            return
-        if update_info.withhold:
-            if update_info.version != self.version:
-                raise ValueError(
-                    f"groupbridge: asked to withhold version {update_info.version}, but version "
-                    f"{self.version} is served: nothing changed"
-                )
-            self._withheld = True
-            return
-        if update_info.abandon:
-            self.session.abandon()
-            raise RuntimeError(f"{ABANDONED}: nothing loaded, version {self.version} still served")
-        if update_info.rollback and update_info.adapter is not None:
+    def expect_commit(self, update: Commit) -> None:
+        self._commits = update.version
+        self.loader.requested = update.in_use
+
+    def withhold(self, update: Withhold) -> None:
+        if update.version != self.version:
+            raise ValueError(
+                f"groupbridge: asked to withhold version {update.version}, but version "
+                f"{self.version} is served: nothing changed"
+            )
+        self._withheld = True
+
+    def abandon(self, update: Abandon) -> None:
+        self.session.abandon()
+        raise RuntimeError(f"{ABANDONED}: nothing loaded, version {self.version} still served")
+
+    def rollback(self, update: Rollback) -> None:
+        if update.adapter is not None:
             # an adapter's versions are served under names of their own: the newer is withdrawn, nothing loads
-            self.adapters.withdraw_newer(AdapterSpec.parse(update_info.adapter).name, update_info.version)
-            self._rolled_back = update_info.version
+            self.adapters.withdraw_newer(AdapterSpec.parse(update.adapter).name, update.version)
+            self._rolled_back = update.version
             return
-        if update_info.rollback:
-            self.session.stage_rollback(update_info.version)
-            return
-        adapter = update_info.adapter
-        self.loader.adapter = (
-            (AdapterSpec.parse(adapter), update_info.version) if adapter is not None else None
-        )
+        self.session.stage_rollback(update.version)
+
+    def receive(self, update: Receive) -> None:
+        adapter = update.adapter
+        self.loader.adapter = (AdapterSpec.parse(adapter), update.version) if adapter is not None else None
         line = self.loader.adapter[0].name if self.loader.adapter is not None else ""
-        self.session.receive(update_info.version, line=line, bridge=update_info.bridge)
+        self.session.receive(update.version, line=line, bridge=update.bridge)
+
+    def finish_update(self) -> None:
+        self.finish_weight_update()
 
     def finish_weight_update(self) -> None:
         """Load the staged update. Raises (vLLM then keeps the version it reports) when there is nothing to

@@ -23,6 +23,7 @@ import weakref
 from collections.abc import Iterable
 from typing import Any
 
+from ...engine import Commit, update_fields
 from .. import _lora
 from .._plugin import BACKEND
 from ._gate import private
@@ -49,9 +50,9 @@ def _commit(core: Any, weight_version: str) -> float:
     if weight_version in (UNVERIFIED, UNVERIFIED_SERVED):
         return _withhold(core, weight_version == UNVERIFIED_SERVED, t0)
     if weight_version.isdigit() and len(weight_version) < 19:
-        told: dict[str, Any] = {"version": int(weight_version), "commit": True}
-        if lora:  # what no adapter commit may drop: every unfinished request's, not the running batch's alone
-            told["in_use"] = requested(core.scheduler.requests.values())
+        # what no adapter commit may drop: every unfinished request's, not the running batch's alone
+        in_use = tuple(requested(core.scheduler.requests.values())) if lora else None
+        told = update_fields(Commit(int(weight_version), in_use))
         executor.collective_rpc("update_weights", kwargs={"update_info": told})
     try:
         executor.collective_rpc("finish_weight_update")
