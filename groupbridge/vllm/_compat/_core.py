@@ -9,10 +9,13 @@ are then exact (with synchronous scheduling; see ``docs/vllm.md`` for what async
 the boundary). It is added to the engine core in each engine-core process when the plugin loads there, and
 the two clients route to it: :func:`commit_offline` for an offline ``LLM`` (the trainer's
 :class:`~groupbridge.vllm.OfflineClient`) and ``AsyncLLM.finish_weight_update`` for ``vllm serve``, wrapped
-for engines whose weight-transfer backend is ``groupbridge`` only (others keep vLLM's behaviour).
+for engines whose weight-transfer backend is ``groupbridge`` only (others keep vLLM's behaviour). Its first
+call on an engine core (:data:`ATTACH`, the last call of a trainer's join) attaches that engine alone: the
+admission of its requests and its workers' adapter loader are set on its own objects (:func:`_attach`).
 
 Private reads: ``EngineCore`` (``model_executor``, ``scheduler.requests``, ``_weight_version``,
-``add_request``, ``_send_error_outputs_to_client``), ``AsyncLLM.finish_weight_update``.
+``add_request``, ``_send_error_outputs_to_client``), ``AsyncLLM.finish_weight_update``, a worker's
+``model_runner.lora_manager``.
 """
 
 from __future__ import annotations
