@@ -1,6 +1,7 @@
 """A plain vLLM engine (no weight-transfer backend) started in this process, for
 ``tests/test_vllm.py::test_a_plain_engine_beside_groupbridge_is_vllms_own``: prints, as JSON, its greedy
-tokens and what vLLM's classes hold, in this process and in its engine core's.
+tokens and what vLLM's classes hold, in this process (its engine core's, with
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and in its worker's.
 
     python -m tests.plain_engine <model directory>
 """
@@ -37,7 +38,7 @@ def _where(value: Any) -> str:
 
 
 def in_engine(worker: Any) -> dict[str, Any]:
-    """The same, in the worker's process (``collective_rpc``): the engine core's, with one worker."""
+    """The same, in the worker's process (``collective_rpc``)."""
     return looks()
 
 

@@ -108,19 +108,22 @@ def test_the_plugin_registers_both_engines_once_however_often_it_loads() -> None
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(480)
 def test_a_plain_engine_beside_groupbridge_is_vllms_own(tmp_path: Path) -> None:
     """Installing groupbridge changes no engine that does not name its backend. A plain engine started with
     the plugin loaded (vLLM loads every installed general plugin) samples the tokens one started with no
-    plugin (``VLLM_PLUGINS=""``) does, and vLLM's classes hold the same methods, in the user's process and
-    in the engine core's, but for the labelled commit's two class-level names: the engine-core utility it
-    adds, and the server's finish, routed to it for groupbridge's engines alone. What changes an engine's
-    behaviour (its requests' admission, its workers' adapter loader) is set on an attached engine's own
-    objects (``_compat._core._attach``)."""
+    plugin (``VLLM_PLUGINS=""``) does, and vLLM's classes hold the same methods, in the process that runs
+    its engine core (the user's: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and in its worker's, but for the
+    labelled commit's two class-level names: the engine-core utility it adds, and the server's finish,
+    routed to it for groupbridge's engines alone. What changes an engine's behaviour (its requests'
+    admission, its workers' adapter loader) is set on an attached engine's own objects
+    (``_compat._core._attach``; the adapter tests check a loader wrapped there)."""
     make_model(tmp_path, "qwen2")
 
     def started(plugins: str | None) -> dict[str, Any]:
         env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}
         env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # the report's collective_rpc sends a function
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in the process that reports
         if plugins is not None:
             env["VLLM_PLUGINS"] = plugins
         root = Path(__file__).parent.parent
@@ -790,7 +793,10 @@ def test_a_prompt_token_outside_the_vocabulary_fails_its_request_alone(dense: tu
     """An engine without a tokenizer (``skip_tokenizer_init``) checks no prompt token: one outside the
     vocabulary used to end the engine in its embedding, whoever sent it (a probe, any API client). The
     engine core refuses that request alone; the engine serves on."""
+    from groupbridge.vllm._compat import ATTACH
+
     llm, _ = dense
+    OfflineClient(llm).finish_weight_update(ATTACH)  # what a trainer's join does (here, without a trainer)
     before = served(llm)
     vocab = OfflineClient(llm).vocab_size()
     sp = vllm.SamplingParams(max_tokens=2, temperature=0)
@@ -1223,9 +1229,11 @@ def lora(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Any]]:
     base = make_model(path, "qwen2", seed=5)
     torch.manual_seed(5)
     config = LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS, init_lora_weights=False)
-    with running(path, enable_lora=True, max_lora_rank=16, max_loras=2, max_cpu_loras=2, max_num_seqs=1,
-                 max_model_len=512) as llm:  # fmt: skip
-        yield llm, get_peft_model(base, config)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # a test asks the workers through a function
+        with running(path, enable_lora=True, max_lora_rank=16, max_loras=2, max_cpu_loras=2, max_num_seqs=1,
+                     max_model_len=512) as llm:  # fmt: skip
+            yield llm, get_peft_model(base, config)
 
 
 def served_with(llm: Any, request: Any, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
@@ -1243,6 +1251,15 @@ def perturb_adapter(model: Any, seed: int) -> None:
 
 
 @pytest.mark.slow  # a LoRA engine of its own (about 35 s to start and stop)
+def _loader_wrapped(worker: Any) -> tuple[bool, bool]:
+    """On a worker: whether its LoRA loader's ``_load_adapter`` is groupbridge's, and whether vLLM's class's
+    is."""
+    from vllm.lora.worker_manager import WorkerLoRAManager
+
+    mine = worker.model_runner.lora_manager._load_adapter
+    return hasattr(mine, "_groupbridge"), hasattr(WorkerLoRAManager._load_adapter, "_groupbridge")
+
+
 def test_adapter_updates_serve_the_trained_adapter_under_a_fresh_name(lora: tuple[Any, Any]) -> None:
     """Three adapter-only updates: after each, vLLM's greedy tokens with the newest adapter equal the PEFT
     model's, and without it the base model's (never touched); each version a new name; version 2 still
@@ -1267,6 +1284,8 @@ def test_adapter_updates_serve_the_trained_adapter_under_a_fresh_name(lora: tupl
             assert served(llm) == base_tokens, step
         whole = sum(p.numel() * p.element_size() for p in model.parameters())
         assert eng.last_stats.bytes < 0.1 * whole, (eng.last_stats, whole)
+        # this engine's worker loader serves them, wrapped on that object alone: vLLM's class is its own
+        assert llm.collective_rpc(_loader_wrapped) == [(True, False)]
         older = type(req)("policy@v2", adapter_id("policy@v2"), lora_path=SCHEME + "policy@v2")
         for _ in range(2):  # loaded again from the registry (vLLM drops every adapter at an update), twice
             assert served_with(llm, older) == tokens[1]

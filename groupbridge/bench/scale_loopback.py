@@ -7,9 +7,10 @@ plan. Each member reports, per sync, its wall time and the CPU time its process 
 so the worst member's CPU is the figure that carries to a cluster, where each member has its own cores
 (here, 64 processes share 2 cores: wall time is mostly the members' CPU added up). The sources' tensors are
 made before each sync's clock starts (a trainer's step makes them), and garbage is collected before it
-starts (as ``timeit`` keeps collections out of what it times): the garbage the step and the last check left
-is not the sync's. The time the interpreter's garbage collector took within the sync is reported beside
-the worst member's CPU (a full collection walks every object of the process, torch's included).
+starts: the garbage the step and the last check left is not the sync's (``timeit`` keeps collections out of
+what it times by turning the collector off; here it stays on, and what the sync's own garbage costs counts).
+The time the interpreter's garbage collector took within the sync is reported beside the worst member's
+CPU (a full collection walks every object of the process, torch's included).
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ def _role(rank: int, cfg: LoopbackScaleConfig, ports: Any) -> dict[str, Any]:
                     name: Shard(_tensor(i, version, *shape)[lo:hi], shape, (lo, 0))
                     for i, name in enumerate(names)
                 }
-            gc.collect()  # what the step and the last check left is not the sync's to collect (as timeit)
+            gc.collect()  # the garbage the step and the last check left is not the sync's to collect
             group.barrier()
             collected[0] = 0.0
             wall, cpu = time.perf_counter(), time.process_time()

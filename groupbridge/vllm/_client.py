@@ -106,9 +106,11 @@ class OfflineClient:
             if weight_version is None:
                 self.llm.finish_weight_update()
                 return
-            from ._compat import commit_offline
+            from ._compat import ATTACH, commit_offline
 
-            self.paused = commit_offline(self.llm, weight_version)
+            paused = commit_offline(self.llm, weight_version)
+            if weight_version != ATTACH:  # the join's attach commits nothing
+                self.paused = paused
 
     def shutdown_weight_transfer_engine(self) -> None:
         with one_at_a_time(self.llm, "leave"):

@@ -14,7 +14,6 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from ..engine import Abandon, Capabilities, EngineControl, Rollback, Withhold, update_fields
-from ._client import OfflineClient
 
 logger = logging.getLogger(__name__)
 
@@ -76,13 +75,20 @@ class VllmControl(EngineControl):
     def join(self, info: dict[str, Any]) -> None:
         """The engine's workers join the bridge; then the engine is attached to groupbridge (its requests'
         admission, its workers' adapter loader: see ``_compat._core``) through the labelled commit's route,
-        by the clients that route a labelled finish to it (an offline engine's, a server's)."""
+        by the clients known to route a labelled finish there (:func:`_attaches`)."""
         self.client.init_weight_transfer_engine(info)
         self._bridge = info.get("bridge_id") or None
-        if isinstance(self.client, (OfflineClient, HttpClient)) or _server(self.client) is not None:
+        if _attaches(self.client):
             from ._compat import ATTACH
 
-            self.client.finish_weight_update(weight_version=ATTACH)
+            try:
+                self.client.finish_weight_update(weight_version=ATTACH)
+            except Exception as e:  # its first commit attaches it; until then vLLM's admission holds
+                logger.warning(
+                    "groupbridge: the engine behind %s was not attached at the join (%s: %s): it admits "
+                    "requests as vLLM does until its first commit", type(self.client).__name__,
+                    type(e).__name__, str(e)[:300],
+                )  # fmt: skip
 
     def served(self) -> int | None:
         """The version the engine reports serving (a fleet: the highest of its engines'), when it is a
@@ -188,6 +194,21 @@ class VllmControl(EngineControl):
         if adapter is not None:
             announce_adapter(self.client, adapter["name"], version, adapter["max_live"], rolled_back=True)
         self._committed = version
+
+
+_ROUTING = {
+    ("groupbridge.vllm._client", "OfflineClient"),
+    ("groupbridge.vllm._control", "HttpClient"),
+    ("vllm.distributed.weight_transfer.clients", "HTTPVLLMWeightSyncClient"),
+}
+"""The clients whose ``finish_weight_update(weight_version=...)`` reaches the engine core's labelled commit
+(an offline engine's through ``commit_offline``; a ``vllm serve``'s through its finish route), told by module
+and name so that this module imports no vLLM. Another client's finish may run vLLM's own (the workers'
+finish, then the label), which an attach must never reach."""
+
+
+def _attaches(client: Any) -> bool:
+    return (type(client).__module__, type(client).__qualname__) in _ROUTING
 
 
 def _server(client: Any) -> str | None:

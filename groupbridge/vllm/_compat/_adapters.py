@@ -23,22 +23,26 @@ from ._gate import private
 def serve_adapters(manager: Any, adapters: _lora.Adapters) -> None:
     """Have one worker's LoRA loader (its ``WorkerLoRAManager``) ask ``adapters`` about every load (see
     :meth:`~groupbridge.vllm._lora.Adapters.check_load`): its ``_load_adapter`` is wrapped on that object
-    alone, so the class, and every worker of another engine, load as vLLM does. Idempotent."""
+    alone, so the class, and every worker of another engine, load as vLLM does. Called again, it serves the
+    ``adapters`` given last."""
     if manager is None:  # no LoRA layers: the handshake refuses adapters (``_lora.check_adapter``)
         return
     original = private(manager, "_load_adapter")
-    if getattr(original, "_groupbridge", False):
+    served = getattr(original, "_groupbridge", None)
+    if served is not None:  # wrapped already: serve this worker engine's adapters from now on
+        served[0] = adapters
         return
+    served = [adapters]
 
     @functools.wraps(original)
     def load(lora_request: Any) -> Any:
-        full = adapters.check_load(str(lora_request.lora_path), str(lora_request.lora_name))
+        full = served[0].check_load(str(lora_request.lora_path), str(lora_request.lora_name))
         if full is None:
             return original(lora_request)
-        tensors, config = adapters.filed(full)
+        tensors, config = served[0].filed(full)
         return _lora_model(manager, lora_request, tensors, config)
 
-    load._groupbridge = True  # type: ignore[attr-defined]
+    load._groupbridge = served  # type: ignore[attr-defined]
     manager._load_adapter = load
 
 

@@ -267,6 +267,8 @@ def _attach(core: Any) -> None:
             "this vLLM engine's weight_transfer_config does not name backend "
             f"{BACKEND!r}: groupbridge changes nothing of it"
         )
+    if getattr(core.vllm_config, "lora_config", None) is not None:  # first: a failed attach changes nothing
+        core.model_executor.collective_rpc(_serve_adapters)
     add = private(core, "add_request")  # bound: the engine core's own class's (a DP engine's included)
 
     @functools.wraps(add)
@@ -282,8 +284,6 @@ def _attach(core: Any) -> None:
         return None
 
     core.add_request = add_request
-    if getattr(core.vllm_config, "lora_config", None) is not None:
-        core.model_executor.collective_rpc(_serve_adapters)
     _ATTACHED.add(core)
 
 
