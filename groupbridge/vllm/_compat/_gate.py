@@ -253,6 +253,13 @@ PRIVATE: tuple[Private, ...] = (
         "LLM.shutdown(timeout=...) that waits for its processes and removes what they left",
     ),
     Private(
+        "vllm.v1.engine.core_client",
+        "BackgroundResources",
+        "engine_manager",
+        "the same",
+        "the same",
+    ),
+    Private(
         "vllm.v1.engine.utils",
         "CoreEngineProcManager",
         "processes",

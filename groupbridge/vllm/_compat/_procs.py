@@ -1,7 +1,7 @@
 """An offline engine's engine-core processes, read from vLLM's client (to stop them, see ``vllm/_stop.py``).
 
 Private reads: ``LLMEngine.engine_core`` (the client, whose ``shutdown`` takes a timeout),
-``MPClient.resources`` (its ``engine_manager``), ``CoreEngineProcManager.processes``.
+``MPClient.resources`` (its ``engine_manager``: ``BackgroundResources``), ``CoreEngineProcManager.processes``.
 """
 
 from __future__ import annotations
