@@ -1231,8 +1231,8 @@ def lora(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Any]]:
     config = LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS, init_lora_weights=False)
     with pytest.MonkeyPatch.context() as env:
         env.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # a test asks the workers through a function
-        with running(path, enable_lora=True, max_lora_rank=16, max_loras=2, max_cpu_loras=2, max_num_seqs=1,
-                     max_model_len=512) as llm:  # fmt: skip
+        limits = dict(max_lora_rank=16, max_loras=2, max_cpu_loras=2, max_num_seqs=1, max_model_len=512)
+        with running(path, enable_lora=True, **limits) as llm:
             yield llm, get_peft_model(base, config)
 
 

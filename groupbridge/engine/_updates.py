@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ..weights._header import MAX_VERSION
+from ..weights._header import check_version
 
 __all__ = [
     "Abandon",
@@ -127,11 +127,10 @@ def parse_update(fields: Mapping[str, Any]) -> Update:
     Raises:
         ValueError: a field is malformed, or the flags name more than one kind.
     """
-    version = fields.get("version")
-    if isinstance(version, bool) or not isinstance(version, int):
-        raise ValueError(f"version must be an int, got {version!r}")
-    if abs(version) > MAX_VERSION:  # an engine holding it would refuse every later version
-        raise ValueError(f"version {version} is out of range: versions lie within +-(2**62 - 1)")
+    try:  # an engine holding a version out of range would refuse every later one
+        version = check_version(fields.get("version"))
+    except TypeError as e:  # what comes off the wire is a value error, whatever its type
+        raise ValueError(str(e)) from e
     for flag in _KINDS:
         if not isinstance(fields.get(flag, False), bool):
             raise ValueError(f"{flag} must be a bool, got {fields.get(flag)!r}")

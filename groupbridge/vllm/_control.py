@@ -86,9 +86,11 @@ class VllmControl(EngineControl):
             except Exception as e:  # its first commit attaches it; until then vLLM's admission holds
                 logger.warning(
                     "groupbridge: the engine behind %s was not attached at the join (%s: %s): it admits "
-                    "requests as vLLM does until its first commit", type(self.client).__name__,
-                    type(e).__name__, str(e)[:300],
-                )  # fmt: skip
+                    "requests as vLLM does until its first commit",
+                    type(self.client).__name__,
+                    type(e).__name__,
+                    str(e)[:300],
+                )
 
     def served(self) -> int | None:
         """The version the engine reports serving (a fleet: the highest of its engines'), when it is a
