@@ -116,7 +116,7 @@ def _wait_gone(pid: int, seconds: float) -> None:
             with open(f"/proc/{pid}/stat") as f:
                 if f.read().rpartition(")")[2].split()[0] == "Z":
                     return
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):  # reaped before the open, or between open and read
             return
         time.sleep(0.01)
     raise TimeoutError(f"process {pid} still runs after {seconds:g} s")
