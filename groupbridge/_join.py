@@ -42,7 +42,7 @@ from .store import ROOT_PREFIX, StoreClient
 
 __all__ = ["PROTOCOL", "JoinSpec", "Joined", "host_join", "member_join"]
 
-PROTOCOL = 8
+PROTOCOL = 9
 """2 -> 3: a receiver's wants may be conditional (``wants_if``), which a member of protocol 2 would take as
 unconditional and plan otherwise. 3 -> 4: a queue's reader waits on the queue itself, and a member of
 protocol 3 would wait on a bell that nobody rings any more; control messages are sealed with keyed
@@ -54,7 +54,9 @@ fan-out stream's bucket digests go to each receiver on their own tag, as a pair'
 a member of protocol 6 would wait for them in a broadcast; a header says whether receivers may forward its
 source's pairs (``forward``), which a member of protocol 6 would refuse. 7 -> 8: the handshake's posts
 carry a layout by digest once every member holds it, gathered field by field (``weights._posts``), and
-a source's verdict says how many receivers it sends to; a member of protocol 7 would read neither."""
+a source's verdict says how many receivers it sends to; a member of protocol 7 would read neither. 8 -> 9: a
+sealed group's bucket digests are keyed BLAKE3 (``verify="blake3"``), where a member of protocol 8 computes
+HMAC-SHA256 and would refuse every bucket."""
 # The description and refusals live outside the group's namespace: a member of another name or generation
 # must find them to be told why it is refused.
 _META = f"{ROOT_PREFIX}/meta"

@@ -472,3 +472,24 @@ def test_a_key_squatting_a_queues_name_does_not_make_its_reader_spin() -> None:
     got, waits = run_ranks(_squatted_queue, 2, CTX.Queue(), timeout=50)[1]
     assert got == "through"
     assert 10 < waits < 200, f"the reader waited {waits} times in 0.5 s"
+
+
+def test_a_sealed_groups_bucket_digest_is_keyed_by_its_token() -> None:
+    """A bucket's digest in a sealed group is a MAC: whoever lacks the token cannot compute it for bytes of
+    their own, and any changed byte changes it (keyed BLAKE3, see _seal.Sealer.digest)."""
+    from groupbridge._seal import Sealer
+
+    data = os.urandom(1 << 20)
+
+    def mac(token: str, payload: bytes, context: str = "g/0/nonce") -> bytes:
+        h = Sealer(token, context).digest()
+        h.update(payload)
+        return bytes(h.digest())
+
+    tampered = bytearray(data)
+    tampered[len(data) // 2] ^= 1
+    assert mac("t", data) == mac("t", data)  # both sides of a sync compute the same
+    assert mac("t", data) != mac("u", data)  # another token: another key
+    assert mac("t", data) != mac("t", data, "g/1/nonce")  # another instance of the group: another key
+    assert mac("t", data) != mac("t", bytes(tampered))
+    assert len(mac("t", data)) == 32

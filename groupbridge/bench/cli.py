@@ -380,9 +380,13 @@ def add_bench_parser(sub: Any) -> None:
     p.add_argument(
         "--bucket-bytes", default="64MiB", help="comma-separated sizes: a sweep, e.g. 4MiB,16MiB,64MiB"
     )
-    p.add_argument("--modes", default="ours,ours_flat,flat,per_tensor",
-                   help="ours, ours_flat (both sides flatten_), ours_shared (shm: the sender's flattened "
-                        "model in shared memory, read in place), ours_atomic, flat, per_tensor")  # fmt: skip
+    p.add_argument(
+        "--modes",
+        default="ours,ours_flat,flat,per_tensor",
+        help="ours, ours_flat (both sides flatten_), ours_shared (shm: the sender's flattened model in "
+        "shared memory, read in place), ours_atomic, ours_sealed (ours_atomic in a group with a token), "
+        "flat, per_tensor",
+    )
     p.add_argument(
         "--transport",
         default=None,

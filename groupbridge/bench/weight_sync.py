@@ -74,6 +74,19 @@ def _role(rank: int, cfg: BenchConfig, ports: Any) -> dict[str, Any]:
     g = StatelessGroup.create(
         cfg.host, port, rank=rank, world_size=n, listener=lis, timeout=timedelta(seconds=cfg.timeout_s)
     )
+    sealed = None  # the same ranks sealed with a token, for the "ours_sealed" mode
+    if any(m.startswith("ours_sealed") for m in cfg.modes):
+        lis, port = publish_listener(rank, n, ports, cfg.host, timeout=120)
+        sealed = StatelessGroup.create(
+            cfg.host,
+            port,
+            rank=rank,
+            world_size=n,
+            listener=lis,
+            timeout=timedelta(seconds=cfg.timeout_s),
+            token="bench-token",
+            name="sealed",
+        )
     shapes = shapes_for(cfg.shape)
     model = make_model(shapes, seed=0 if rank == 0 else 1)
     names = _mode_names(cfg)
@@ -89,8 +102,10 @@ def _role(rank: int, cfg: BenchConfig, ports: Any) -> dict[str, Any]:
     tick = torch.zeros(1)
     memcpy_dst = torch.ones(total, dtype=torch.uint8) if rank == 0 else None
     default_bucket = cfg.bucket_bytes[0]
-    senders: dict[int, WeightSender] = {}
-    receiver = WeightReceiver(g, src=0) if rank else None
+    senders: dict[tuple[int, bool], WeightSender] = {}
+    receivers = {False: WeightReceiver(g, src=0) if rank else None}
+    if sealed is not None:
+        receivers[True] = WeightReceiver(sealed, src=0) if rank else None
     times: dict[str, list[float]] = {m: [] for m in [*names, "memcpy"]}
     version = 0
     for rnd in range(-1, cfg.rounds):  # round -1 warms every mode up (slots made and mapped): not timed
@@ -101,23 +116,26 @@ def _role(rank: int, cfg: BenchConfig, ports: Any) -> dict[str, Any]:
             version += 1
             g.barrier()
             t0 = time.perf_counter()
-            if base in ("ours", "ours_flat", "ours_atomic", "ours_shared"):
-                src = model if base in ("ours", "ours_atomic") else flat_model
+            if base in ("ours", "ours_flat", "ours_atomic", "ours_shared", "ours_sealed"):
+                src = model if base in ("ours", "ours_atomic", "ours_sealed") else flat_model
+                seal = base == "ours_sealed"
                 if rank == 0 and base == "ours_shared":
                     src = shared_model
                 assert src is not None
                 if rank == 0:
-                    if bucket_bytes not in senders:
-                        senders[bucket_bytes] = WeightSender(
-                            g,
+                    if (bucket_bytes, seal) not in senders:
+                        senders[(bucket_bytes, seal)] = WeightSender(
+                            sealed if seal and sealed is not None else g,
                             bucket_bytes=bucket_bytes,
                             transport=cfg.transport,
                         )
-                    snd = senders[bucket_bytes]
+                    snd = senders[(bucket_bytes, seal)]
                     snd.send(src, version=version)
                 else:
+                    receiver = receivers[seal]
                     assert receiver is not None
-                    receiver.receive_into(src, atomic=(base == "ours_atomic"), allow_stale=True)
+                    atomic = base in ("ours_atomic", "ours_sealed")
+                    receiver.receive_into(src, atomic=atomic, allow_stale=True)
             elif base == "flat":
                 g.broadcast(flat, src=0)
                 g.all_reduce(tick)
@@ -134,6 +152,8 @@ def _role(rank: int, cfg: BenchConfig, ports: Any) -> dict[str, Any]:
             memcpy_dst.copy_(flat)
             if rnd >= 0:
                 times["memcpy"].append(time.perf_counter() - t0)
+    if sealed is not None:
+        sealed.close()
     g.close()
     return {
         "times": times,

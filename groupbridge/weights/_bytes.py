@@ -276,9 +276,9 @@ class BufferCache:
 
 
 def digest(buf: torch.Tensor, kind: str, group: StatelessGroup) -> int | bytes:
-    """A bucket's digest: ``xxh3`` (XXH3-64: catches corruption at about 16 GB/s on this machine kind) or
-    ``hmac`` (HMAC-SHA256 keyed from the group's token: catches forgery too; about 1.4 GB/s with SHA
-    extensions). Both release the GIL while hashing."""
+    """A bucket's digest: ``xxh3`` (XXH3-64: catches corruption) or ``blake3`` (keyed BLAKE3, keyed from
+    the group's token: catches forgery too). Both release the GIL while hashing; their speeds are in
+    docs/results.md."""
     if buf.device.type != "cpu":
         buf = buf.cpu()
     if kind == "xxh3":

@@ -9,7 +9,7 @@ from typing import Any
 
 from ..errors import ProtocolError
 
-VERIFY = ("", "xxh3", "hmac")
+VERIFY = ("", "xxh3", "blake3")
 _SYNC_ID = re.compile(r"[0-9a-f]{1,64}")
 MAX_BUCKET_BYTES = 1 << 40
 MAX_VERSION = (1 << 62) - 1
@@ -42,7 +42,7 @@ class Header:
     transport: str
     verify: str
     """How receivers check the bytes before accepting them (``_bytes.digest``): "" (not at all), "xxh3", or
-    "hmac" (only with a token, keyed from it: bytes injected by anyone else are refused)."""
+    "blake3" (keyed BLAKE3, only with a token, keyed from it: bytes injected by anyone else are refused)."""
     total_bytes: int
     sync_id: str
     """Names this sync's control keys (fresh per sync: a signal of one sync never passes for another's)."""

@@ -230,7 +230,7 @@ class WeightSender(Closing):
         plan = self._plan(manifest)
         header = Header(
             version, manifest.digest, self.bucket_bytes, self.solo_bytes, kind,
-            "hmac" if self.group.sealed else ("xxh3" if self.checksum else ""), plan.total_bytes,
+            "blake3" if self.group.sealed else ("xxh3" if self.checksum else ""), plan.total_bytes,
             secrets.token_hex(6), self.options[kind].to_wire(), tx.offer(),
             keeps_base=self._delta is not None,
             base=self._delta.offer(manifest) if self._delta is not None else None,
