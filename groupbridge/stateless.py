@@ -28,11 +28,12 @@ from ._group.objects import Objects
 from ._group.state import GroupLog, GroupState
 from ._group.tensors import Tensors, Work
 from ._join import JoinSpec, host_join, member_join
+from ._store_process import StoreProcess
 from ._torch_private import TCPStore
 from .control import ControlChannel, Deadline
 from .errors import GroupBridgeError
 from .net import Address, Listener, is_loopback, listen
-from .store import StoreClient, host_store, namespace, open_client
+from .store import StoreClient, connect_store, host_store, namespace, open_client
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +100,7 @@ class StatelessGroup:
         liveness_timeout: timedelta = timedelta(seconds=10),
         give_up: Callable[[], str | None] | None = None,
         published: bool = False,
+        store_host: str = "thread",
     ) -> StatelessGroup:
         """Join (rank > 0) or host (rank 0) a group; returns once all ``world_size`` ranks have joined.
 
@@ -128,6 +130,11 @@ class StatelessGroup:
                 by its trainer), so a store that refuses connections is gone: the join raises
                 :class:`StoreUnreachableError` within ``liveness_timeout`` instead of retrying until
                 ``timeout`` (the default retries: a member started before its host may dial early).
+            store_host: rank 0 only (ignored on members, so every rank may pass the same arguments): where
+                rank 0 serves the store. ``"thread"`` (default): on a thread of its own process.
+                ``"process"``: in a child process that lives no longer than rank 0 (about 1.5 s more at the
+                join), so that the store's work, which grows with the group, is not charged to rank 0's
+                process: for groups of dozens of members and more (see ``groupbridge._store_process``).
 
         Raises:
             ValueError, TypeError: bad arguments.
@@ -138,6 +145,8 @@ class StatelessGroup:
             StoreUnreachableError: a joiner could not reach the store, or a peer vanished while joining.
         """
         _check_arguments(rank, world_size, generation, timeout, liveness_timeout, name, token, listener)
+        if store_host not in ("thread", "process"):
+            raise ValueError(f"store_host={store_host!r} must be 'thread' or 'process'")
         if give_up is not None and not callable(give_up):
             raise TypeError(
                 f"give_up must be a callable returning a reason or None, got {type(give_up).__name__}"
@@ -156,7 +165,7 @@ class StatelessGroup:
         )  # fmt: skip
         self._init(state, allow_pickle, token)
         try:
-            self._join(listener, give_up, published)
+            self._join(listener, give_up, published, store_host)
         except BaseException:
             self._teardown()
             raise
@@ -177,11 +186,16 @@ class StatelessGroup:
         self._health = Health(s)
         self._tensors = Tensors(s, self._health, self.abort)
         self._server = None
+        self._store_process: StoreProcess | None = None
         self._watch_client = None
         self._owned_listener = None
 
     def _join(
-        self, listener: Listener | None, give_up: Callable[[], str | None] | None, published: bool = False
+        self,
+        listener: Listener | None,
+        give_up: Callable[[], str | None] | None,
+        published: bool = False,
+        store_host: str = "thread",
     ) -> None:
         s = self._state
         address = s.address
@@ -189,7 +203,11 @@ class StatelessGroup:
             if listener is None:
                 listener = self._owned_listener = listen(address)
             address = listener.address
-            self._server = host_store(listener, self.timeout)
+            if store_host == "process":
+                self._store_process = StoreProcess.start(listener, self.timeout)
+                self._server = connect_store(address, self.timeout)  # rank 0's reads while it lingers
+            else:
+                self._server = host_store(listener, self.timeout)
             if self._token is None and not is_loopback(address.host):
                 self.log.warning(
                     "group without a token listens on %s: anyone who reaches that port can read and write "
@@ -348,6 +366,9 @@ class StatelessGroup:
                 if client is not None:
                     client.close()
         self._server = None  # the last reference: the store stops serving and closes its port
+        if self._store_process is not None:  # served by a child: it exits, and the port closes with it
+            self._store_process.stop()
+            self._store_process = None
         if self._owned_listener is not None:
             self._owned_listener.close()
 

@@ -122,17 +122,20 @@ def _wait_gone(pid: int, seconds: float) -> None:
     raise TimeoutError(f"process {pid} still runs after {seconds:g} s")
 
 
-def _write_after_host_died(rank: int, ports: Any) -> str:
-    g = make_group(rank, 2, "127.0.0.1", ports, liveness_timeout=LIVE)
+def _write_after_host_died(rank: int, ports: Any, store_host: str) -> str:
+    g = make_group(rank, 2, "127.0.0.1", ports, liveness_timeout=LIVE, store_host=store_host)
     if rank == 0:
-        g.send_obj(os.getpid(), 1)
+        served = g._store_process
+        g.send_obj([os.getpid(), served.proc.pid if served is not None else None], 1)
         g.recv_obj(1)
         ports.get(timeout=30)  # rank 1's send_obj returned (its acknowledgement needs the store alive)
-        os._exit(3)
-    host = g.recv_obj(0)
+        os._exit(3)  # killed: no close, the store's process is told nothing
+    host, store = g.recv_obj(0)
     g.send_obj("ready", 0)
     ports.put("sent")
     _wait_gone(host, 10)  # rank 0 and its store are gone (its sockets closed with it)
+    if store is not None:
+        _wait_gone(store, 5)  # a store in its own process ends within a beat of its parent
     t0 = time.monotonic()
     try:
         g.broadcast_obj({"step": 1}, src=1)
@@ -142,8 +145,9 @@ def _write_after_host_died(rank: int, ports: Any) -> str:
 
 
 @pytest.mark.timeout(40)
-def test_a_write_into_a_dead_store_fails() -> None:
-    res = Ranks(_write_after_host_died, 2, (CTX.Queue(),)).results(30, expect=[1])
+@pytest.mark.parametrize("store_host", ["thread", "process"])
+def test_a_write_into_a_dead_store_fails(store_host: str) -> None:
+    res = Ranks(_write_after_host_died, 2, (CTX.Queue(), store_host)).results(30, expect=[1])
     status, value = res[1]
     assert status and value.startswith(("StoreUnreachableError", "PeerDiedError")), value
 

@@ -445,6 +445,47 @@ def test_store_host_dies(host: str) -> None:
         assert float(value.split(" after ")[1].split("s:")[0]) < 15, value
 
 
+def _store_in_its_own_process(rank: int, host: str, ports: Any) -> dict[str, Any]:
+    g = make_group(rank, 3, host, ports, store_host="process", token="t")
+    out: dict[str, Any] = {"gathered": g.all_gather_obj(rank * 10)}
+    out["threads"] = []
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            out["threads"].append(f.read().strip())
+    t = torch.full((4,), float(rank))
+    g.all_reduce(t)
+    out["sum"] = t.tolist()
+    served = g._store_process
+    g.close()
+    if served is not None:
+        out["store_exit"] = served.proc.returncode  # reaped by close(): not a zombie
+        out["store_gone"] = not os.path.exists(f"/proc/{served.proc.pid}")
+    return out
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("host", HOSTS_IPV6_SLOW)
+def test_a_store_served_by_its_own_process_serves_the_group_and_ends_with_its_close(host: str) -> None:
+    res = run_ranks(_store_in_its_own_process, 3, host, CTX.Queue(), timeout=50)
+    for r in res:
+        assert r["gathered"] == [0, 10, 20] and r["sum"] == [3.0] * 4
+    assert "pt_tcpstore_uv" not in res[0]["threads"], res[0]["threads"]  # no store thread in rank 0
+    assert res[0]["store_exit"] == 0 and res[0]["store_gone"], res[0]
+
+
+def test_a_store_process_that_does_not_serve_in_time_is_a_bounded_named_error() -> None:
+    from groupbridge._store_process import StoreProcess
+
+    lis = gb.listen("127.0.0.1", 0)
+    t0 = time.monotonic()
+    with pytest.raises(
+        gb.StoreUnreachableError, match=r"did not start serving on 127\.0\.0\.1:\d+ within 0\.01s"
+    ):
+        StoreProcess.start(lis, timedelta(milliseconds=10))  # it cannot even import torch that fast
+    assert time.monotonic() - t0 < 5  # told, then killed after its grace
+    assert lis.closed  # the socket went to the child, and the child is gone
+
+
 def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="rank=3 is out of range for world_size=3"):
         gb.StatelessGroup.create("127.0.0.1", 1, rank=3, world_size=3)
@@ -456,6 +497,8 @@ def test_bad_arguments() -> None:
         gb.StatelessGroup.create("127.0.0.1", 1, rank=0, world_size=2, timeout=5)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="'not an address'"):
         gb.StatelessGroup.create("not an address", 1, rank=1, world_size=2)
+    with pytest.raises(ValueError, match="store_host='agent' must be 'thread' or 'process'"):
+        gb.StatelessGroup.create("127.0.0.1", 1, rank=0, world_size=2, store_host="agent")
 
 
 def test_port_in_use_on_rank_zero() -> None:

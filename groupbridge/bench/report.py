@@ -201,19 +201,21 @@ def scale_table(records: Sequence[dict[str, Any]]) -> None:
 
 
 def loopback_scale_table(r: dict[str, Any]) -> None:
-    """``bench --loopback``: per sync, the slowest member's wall time and the most CPU one spent."""
+    """``bench --loopback``: per sync, the slowest member's wall time, the most CPU one member spent, and
+    what the store's own process spent (when it has one)."""
     per_sync = zip(
         r["wall_s"], r["cpu_s"], r["gc_s"], r["worst_cpu_rank"], r["cpu_s_not_rank0"], r["cpu_s_median"],
-        strict=True,
+        r["store_cpu_s"], strict=True,
     )  # fmt: skip
     rows = [
-        [str(k + 1), f"{w:.2f}", f"{c:.3f} (gc {g:.3f})", str(m), f"{o:.3f}", f"{med:.3f}"]
-        for k, (w, c, g, m, o, med) in enumerate(per_sync)
+        [str(k + 1), f"{w:.2f}", f"{c:.3f} (gc {g:.3f})", str(m), f"{o:.3f}", f"{med:.3f}", f"{st:.3f}"]
+        for k, (w, c, g, m, o, med, st) in enumerate(per_sync)
     ]
+    store = "the store in its own process" if r["store_host"] == "process" else "rank 0 serves the store"
     _console.table(
-        f"loopback: {r['sources']} + {r['receivers']} processes, {r['tensors']} tensors; bit-exact: "
+        f"loopback: {r['sources']} + {r['receivers']} processes, {r['tensors']} tensors, {store}; bit-exact: "
         f"{'yes' if r['exact'] else 'NO'}",
         ["sync", "slowest member, s", "most CPU one member spent, s", "that member", "most but rank 0, s",
-         "median member, s"],
+         "median member, s", "store process, s"],
         rows,
     )  # fmt: skip

@@ -16,6 +16,7 @@ CPU (a full collection walks every object of the process, torch's included).
 from __future__ import annotations
 
 import gc
+import os
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -42,6 +43,22 @@ class LoopbackScaleConfig:
     rows: int = 64
     cols: int = 8
     timeout_s: float = 900.0
+    store_host: str = "process"
+    """Where rank 0 serves the group's store (``StatelessGroup.create(store_host=)``): in a process of its
+    own by default, so that rank 0's figure is its share of the sync and the store's is reported apart."""
+
+
+def _store_cpu(group: StatelessGroup) -> float:
+    """CPU seconds the group's store process has spent (every thread), 0 when the store is rank 0's thread."""
+    served = group._store_process
+    if served is None:
+        return 0.0
+    total = 0
+    task = f"/proc/{served.proc.pid}/task"
+    for tid in os.listdir(task):
+        with open(f"{task}/{tid}/schedstat") as f:
+            total += int(f.read().split()[0])
+    return total / 1e9
 
 
 def _slice(rows: int, parts: int, i: int) -> tuple[int, int]:
@@ -66,10 +83,11 @@ def _role(rank: int, cfg: LoopbackScaleConfig, ports: Any) -> dict[str, Any]:
         listener=lis,
         timeout=timedelta(seconds=cfg.timeout_s),
         liveness_timeout=timedelta(seconds=60),
+        store_host=cfg.store_host,
     )
     shape = (cfg.rows, cfg.cols)
     names = [f"layers.{i}.weight" for i in range(cfg.tensors)]
-    walls, cpus, gcs, exact = [], [], [], []
+    walls, cpus, gcs, exact, stores = [], [], [], [], []
     collected = [0.0, 0.0]  # the interpreter's garbage collections during the sync, the last one's start
 
     def timed(phase: str, info: dict[str, Any]) -> None:
@@ -96,25 +114,26 @@ def _role(rank: int, cfg: LoopbackScaleConfig, ports: Any) -> dict[str, Any]:
             gc.collect()  # the garbage the step and the last check left is not the sync's to collect
             group.barrier()
             collected[0] = 0.0
-            wall, cpu = time.perf_counter(), time.process_time()
+            wall, cpu, store = time.perf_counter(), time.process_time(), _store_cpu(group)
             if rank < cfg.sources:
                 sender.send(held, version=version)
             else:
                 receiver.receive_into(target)
             cpus.append(time.process_time() - cpu)
             walls.append(time.perf_counter() - wall)
+            stores.append(_store_cpu(group) - store)
             gcs.append(collected[0])
             if rank >= cfg.sources:
                 want = {name: _tensor(i, version, *shape)[lo:hi] for i, name in enumerate(names)}
                 exact.append(all(torch.equal(target[name].tensor, t) for name, t in want.items()))
         (sender if rank < cfg.sources else receiver).close()
     gc.callbacks.remove(timed)
-    return {"wall_s": walls, "cpu_s": cpus, "gc_s": gcs, "exact": exact}
+    return {"wall_s": walls, "cpu_s": cpus, "gc_s": gcs, "exact": exact, "store_cpu_s": stores}
 
 
 def run_loopback_scale(cfg: LoopbackScaleConfig) -> dict[str, Any]:
-    """Per sync: the slowest member's wall time, the most CPU one member spent (and which), and the most
-    any member but rank 0 spent (rank 0's process also serves the group's store)."""
+    """Per sync: the slowest member's wall time, the most CPU one member spent (and which), the most any
+    member but rank 0 spent, and the CPU of the store's process (none when rank 0's process serves it)."""
     import multiprocessing as mp
 
     n = cfg.sources + cfg.receivers
@@ -126,11 +145,13 @@ def run_loopback_scale(cfg: LoopbackScaleConfig) -> dict[str, Any]:
         "wall_s": [max(r["wall_s"][k] for r in res) for k in range(cfg.syncs)],
         "cpu_s": [max(r["cpu_s"][k] for r in res) for k in range(cfg.syncs)],
         "worst_cpu_rank": [max(range(n), key=lambda m: res[m]["cpu_s"][k]) for k in range(cfg.syncs)],
-        # rank 0 also serves the group's store (a thread of its process): the others' worst, apart
+        # with store_host="thread", rank 0's process also serves the group's store: the others' worst, apart
         "cpu_s_not_rank0": [max(r["cpu_s"][k] for r in res[1:]) for k in range(cfg.syncs)],
         # of the worst member's CPU, what the interpreter's garbage collector took (a full collection walks
         # every object of the process: torch's alone take tens of milliseconds)
         "gc_s": [res[max(range(n), key=lambda m: res[m]["cpu_s"][k])]["gc_s"][k] for k in range(cfg.syncs)],
         "cpu_s_median": [sorted(r["cpu_s"][k] for r in res)[n // 2] for k in range(cfg.syncs)],
+        "store_cpu_s": res[0]["store_cpu_s"],
+        "store_host": cfg.store_host,
         "exact": all(all(r["exact"]) for r in res[cfg.sources :]),
     }
