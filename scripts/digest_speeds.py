@@ -1,13 +1,13 @@
-"""The bulk digests a weight sync can use, one core each, on one 128 MiB buffer: XXH3 (``checksum=True``),
-keyed BLAKE3 (a sealed group's bucket MAC, on one thread and on every core), HMAC-SHA256 (the MAC it
-replaced), beside a memory copy. Best of five, GB/s.
+"""The bulk digests a weight sync can use, on one 128 MiB buffer in host memory: XXH3 (``checksum=True``
+for host tensors), mix64 (the checksum computed where a device's bucket is, here on the CPU: on a device it
+runs at the device's speed), keyed BLAKE3 (a sealed group's bucket MAC, on one thread and on every core),
+HMAC-SHA256 (the MAC it replaced), beside a memory copy. Best of five, GB/s.
 
 Usage: ``python scripts/digest_speeds.py``.
 """
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import os
 import time
@@ -16,6 +16,8 @@ from collections.abc import Callable
 import blake3
 import torch
 import xxhash
+
+from groupbridge.weights._device_digest import checksum64
 
 
 def _rate(nbytes: int, fn: Callable[[], object]) -> float:
@@ -35,6 +37,7 @@ def main() -> None:
     rows = {
         "memory copy (torch copy_)": lambda: dst.copy_(buf),
         "XXH3-64 (checksum=True)": lambda: xxhash.xxh3_64_intdigest(data),
+        "mix64 (torch ops, one thread)": lambda: checksum64(buf),
         "keyed BLAKE3, one thread": lambda: blake3.blake3(data, key=key).digest(),
         "keyed BLAKE3, every core (a token)": lambda: blake3.blake3(
             data, key=key, max_threads=blake3.blake3.AUTO

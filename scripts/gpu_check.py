@@ -1,5 +1,6 @@
-"""GPU check (under 5 minutes on one GPU): device detection, NCCL world of one, CUDA IPC weight sync, and
-the many-source path on the GPU.
+"""GPU check (under 5 minutes on one GPU): device detection, NCCL world of one, the checksum computed on the
+device (GB/s beside a device copy, equal to its definition and to the CPU's), CUDA IPC weight sync, and the
+many-source path on the GPU.
 
 Two processes on one GPU: the sender holds a dense (Qwen2.5-0.5B-like, 0.92 GiB bf16) model on the GPU and
 syncs it with ``transport="auto"`` (which must pick ``cuda_ipc``); the receiver checks every tensor bit for
@@ -153,6 +154,35 @@ def _sharded(transport: str, kind: str = "cuda") -> dict[str, Any]:
     return out
 
 
+def _device_digest() -> dict[str, Any]:
+    """The checksum computed on the device (``checksum=True`` for device tensors): GB/s on 256 MiB beside a
+    device-to-device copy of it, and the same value as its plain-Python definition on a small buffer and as
+    the same function on the CPU for the same bytes."""
+    from groupbridge.weights._device_digest import checksum64, reference_checksum64
+
+    buf = torch.randint(0, 256, (256 << 20,), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(buf)
+
+    def rate(fn: Any) -> float:
+        fn()
+        torch.cuda.synchronize()
+        best = float("inf")
+        for _ in range(5):
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - t0)
+        return round(buf.numel() / best / 1e9, 1)
+
+    small = buf[: (1 << 16) + 5]
+    return {
+        "digest_gbps": rate(lambda: checksum64(buf)),
+        "device_copy_gbps": rate(lambda: dst.copy_(buf)),
+        "same_as_definition": checksum64(small) == reference_checksum64(bytes(small.cpu().numpy())),
+        "same_as_cpu": checksum64(buf[: 32 << 20]) == checksum64(buf[: 32 << 20].cpu()),
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the results here too")
@@ -194,6 +224,10 @@ def main() -> int:
         g1.close()
     except Exception as e:
         out["stateless_nccl"] = f"FAILED {type(e).__name__}: {e}"
+    try:
+        out["device_digest"] = _device_digest()
+    except Exception as e:
+        out["device_digest"] = f"FAILED {type(e).__name__}: {e}"
     t0 = time.perf_counter()
     try:
         sender, receiver = run_roles(_role, 2, (mp.get_context("spawn").Queue(),), timeout=240)
@@ -214,6 +248,8 @@ def main() -> int:
         with open(args.json, "w") as f:
             f.write(text)
     ok = isinstance(out["cuda_ipc"], dict) and all(out["cuda_ipc"]["bit_exact"])
+    digest = out["device_digest"]
+    ok = ok and isinstance(digest, dict) and digest["same_as_definition"] and digest["same_as_cpu"]
     for transport in ("auto", "p2p"):
         part = out[f"sharded_{transport}"]
         ok = ok and isinstance(part, dict) and (part.get("ran") is False or part["ok"])

@@ -446,8 +446,8 @@ def trainer(llm: Any, model: Any, client: OfflineClient | None = None, **kw: Any
 
 
 def test_dense_updates_serve_the_trainers_weights(dense: tuple[Any, Any]) -> None:
-    """Three updates over a sealed bridge (a keyed BLAKE3 MAC of every bucket), the last two as deltas. The engine
-    reports how long each commit stopped it."""
+    """Three updates over a sealed bridge (a keyed BLAKE3 MAC of every bucket), the last two as deltas. The
+    engine reports how long each commit stopped it."""
     llm, model = dense
     assert served(llm) == reference(model)
     client = OfflineClient(llm)

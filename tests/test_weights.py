@@ -305,13 +305,13 @@ def test_lazy_generator_never_holds_the_model() -> None:
 # ---------------------------------------------------------------- faults
 
 
-def _corrupt(rank: int, host: str, ports: Any) -> Any:
+def _corrupt(rank: int, host: str, ports: Any, checksum: bool | str = True) -> Any:
     with make_group(rank, 2, host, ports) as g:
         sd = every_dtype(seed=1)
         if rank == 0:
             with inject_faults() as faults:
                 faults.post = lambda k, view: view[:16].zero_() if k == 1 else None
-                snd = gb.WeightSender(g, transport="broadcast", bucket_bytes=BUCKET, checksum=True)
+                snd = gb.WeightSender(g, transport="broadcast", bucket_bytes=BUCKET, checksum=checksum)
                 try:
                     snd.send(sd, version=1)
                 except gb.WeightSyncError as e:
@@ -327,10 +327,13 @@ def _corrupt(rank: int, host: str, ports: Any) -> Any:
 
 
 @pytest.mark.timeout(60)
-def test_corrupted_bucket_detected() -> None:
-    res = run_ranks(_corrupt, 2, "127.0.0.1", CTX.Queue(), timeout=50)
+@pytest.mark.parametrize("checksum", [True, "mix64"])
+def test_corrupted_bucket_detected(checksum: bool | str) -> None:
+    """XXH3 (host tensors' checksum) and mix64 (the one computed on a device, run here on the CPU) alike."""
+    res = run_ranks(_corrupt, 2, "127.0.0.1", CTX.Queue(), checksum, timeout=50)
     msg, untouched, version = res[1]
-    assert "xxh3 mismatch in bucket(s) 1" in msg and "corrupted, short" in msg
+    kind = "xxh3" if checksum is True else checksum
+    assert f"{kind} mismatch in bucket(s) 1" in msg and "corrupted, short" in msg
     assert untouched and version is None
     assert "not committed on any receiver" in res[0] and "rank 1" in res[0]
 

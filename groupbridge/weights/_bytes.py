@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 import torch
 import xxhash
 
+from ._device_digest import checksum64
 from .plan import Plan, Segment
 
 if TYPE_CHECKING:
@@ -276,9 +277,11 @@ class BufferCache:
 
 
 def digest(buf: torch.Tensor, kind: str, group: StatelessGroup) -> int | bytes:
-    """A bucket's digest: ``xxh3`` (XXH3-64: catches corruption) or ``blake3`` (keyed BLAKE3, keyed from
-    the group's token: catches forgery too). Both release the GIL while hashing; their speeds are in
-    docs/results.md."""
+    """A bucket's digest: ``xxh3`` (XXH3-64: catches corruption), ``mix64`` (the same, computed on the
+    bucket's device: see ``_device_digest``) or ``blake3`` (keyed BLAKE3, keyed from the group's token:
+    catches forgery too). The host's release the GIL while hashing; their speeds are in docs/results.md."""
+    if kind == "mix64":
+        return checksum64(buf)
     if buf.device.type != "cpu":
         buf = buf.cpu()
     if kind == "xxh3":

@@ -9,7 +9,7 @@ from typing import Any
 
 from ..errors import ProtocolError
 
-VERIFY = ("", "xxh3", "blake3")
+VERIFY = ("", "xxh3", "blake3", "mix64")
 _SYNC_ID = re.compile(r"[0-9a-f]{1,64}")
 MAX_BUCKET_BYTES = 1 << 40
 MAX_VERSION = (1 << 62) - 1
@@ -41,7 +41,8 @@ class Header:
     solo_bytes: int
     transport: str
     verify: str
-    """How receivers check the bytes before accepting them (``_bytes.digest``): "" (not at all), "xxh3", or
+    """How receivers check the bytes before accepting them (``_bytes.digest``): "" (not at all), "xxh3"
+    (XXH3-64 on the host), "mix64" (a checksum computed on the bucket's device, ``_device_digest``), or
     "blake3" (keyed BLAKE3, only with a token, keyed from it: bytes injected by anyone else are refused)."""
     total_bytes: int
     sync_id: str

@@ -70,7 +70,11 @@ class WeightSender(Closing):
             now; a transport not named here takes its defaults.
         wire_dtype: cast floating tensors to this dtype for the wire (fp32 master weights sent as bf16); an
             8-bit float is refused (the cast clips, silently; tensors already quantized travel as they are).
-        checksum: send an XXH3-64 checksum of every bucket (about 16 GB/s); receivers verify before applying.
+        checksum: send a checksum of every bucket; receivers verify before applying. ``True``: computed
+            where the bytes are, XXH3-64 on the host for host tensors, ``"mix64"`` for tensors on an
+            accelerator (``_device_digest``: torch operations on the device, no copy to the host); or
+            either by name (``"xxh3"``, ``"mix64"``). A group with a token checks every bucket with its MAC
+            instead, whatever this says.
         rename: a callable or mapping from the sender's names to the names on the wire.
         delta: send only what changed (compared bitwise: see :mod:`._delta`) since the version every
             receiver acknowledged, when that pays (see :class:`._delta_sync.Policy`; ``"always"``: every
@@ -95,7 +99,7 @@ class WeightSender(Closing):
         solo_bytes: int | None = None,
         transport: str = "auto",
         wire_dtype: torch.dtype | None = None,
-        checksum: bool = False,
+        checksum: bool | str = False,
         rename: Callable[[str], str] | Mapping[str, str] | None = None,
         transport_options: TransportOptions | Sequence[TransportOptions] | None = None,
         delta: bool | str = False,
@@ -119,6 +123,8 @@ class WeightSender(Closing):
             raise ValueError(f"solo_bytes={solo_bytes} must be >= 1")
         if delta not in (False, True, "always"):
             raise ValueError(f"delta={delta!r} must be False, True or 'always'")
+        if checksum not in (False, True, "xxh3", "mix64"):
+            raise ValueError(f"checksum={checksum!r} must be a bool, 'xxh3' or 'mix64'")
         if memory is not None and not isinstance(memory, DeltaMemory):
             raise TypeError(f"memory= takes a DeltaMemory, got {type(memory).__name__}")
         self.group = group
@@ -230,7 +236,7 @@ class WeightSender(Closing):
         plan = self._plan(manifest)
         header = Header(
             version, manifest.digest, self.bucket_bytes, self.solo_bytes, kind,
-            "blake3" if self.group.sealed else ("xxh3" if self.checksum else ""), plan.total_bytes,
+            verify_kind(self.group.sealed, self.checksum, device), plan.total_bytes,
             secrets.token_hex(6), self.options[kind].to_wire(), tx.offer(),
             keeps_base=self._delta is not None,
             base=self._delta.offer(manifest) if self._delta is not None else None,
@@ -397,3 +403,13 @@ def _reservation(plan: Plan, manifest: Manifest, kind: str, bucket_bytes: int) -
     row = max((e.nbytes // e.shape[0] for e in manifest.entries if e.shape and e.shape[0]), default=0)
     biggest = max((end - start for start, end in plan.bounds), default=0)
     return Plan.of_sizes([max(biggest, min(max(bucket_bytes, row), held))])
+
+
+def verify_kind(sealed: bool, checksum: bool | str, device: torch.device) -> str:
+    """How receivers check a sync's buckets (the header's ``verify``): the group's MAC when it is sealed,
+    else the checksum asked for, computed where the source's bytes are when it is ``True``."""
+    if sealed:
+        return "blake3"
+    if checksum is True:
+        return "xxh3" if device.type == "cpu" else "mix64"
+    return checksum or ""
