@@ -22,6 +22,7 @@ import select
 import signal
 import subprocess
 import sys
+import weakref
 from datetime import timedelta
 from pathlib import Path
 
@@ -39,7 +40,9 @@ class StoreProcess:
 
     def __init__(self, proc: subprocess.Popen[bytes], watch: int) -> None:
         self.proc = proc
-        self._watch = watch  # the write end of the pipe the child watches; closing it stops the child
+        # the write end of the pipe the child watches: closing it stops the child. Closed exactly once, by
+        # stop() or, for a group dropped unclosed, when this object is collected
+        self._close_watch = weakref.finalize(self, os.close, watch)
 
     @classmethod
     def start(cls, listener: Listener, timeout: timedelta) -> StoreProcess:
@@ -88,9 +91,7 @@ class StoreProcess:
 
     def stop(self, grace: float = 5.0) -> None:
         """Stop serving: the child exits once its pipe closes; killed after ``grace`` seconds. Idempotent."""
-        if self._watch >= 0:
-            os.close(self._watch)
-            self._watch = -1
+        self._close_watch()
         try:
             self.proc.wait(timeout=grace)
         except subprocess.TimeoutExpired:
