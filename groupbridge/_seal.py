@@ -64,11 +64,12 @@ class Sealer:
 
     def digest(self) -> Any:
         """A fresh keyed hash for bulk data: keyed BLAKE3, a MAC by construction (a PRF under its key, as
-        HMAC-SHA256 is), whose tree mode hashes a large buffer on several threads. Measured in
-        docs/results.md beside XXH3 and HMAC-SHA256."""
+        HMAC-SHA256 is), measured in docs/results.md beside XXH3 and HMAC-SHA256. One thread: BLAKE3's pool
+        of threads does not survive a fork (a forked child's hash would wait forever for it), and a sync's
+        buckets are hashed on the library's own threads beside the copies anyway."""
         if self._bulk is None:
             self._bulk = hmac.new(self._key, b"groupbridge-data/blake3/1", hashlib.sha256).digest()
-        return blake3.blake3(key=self._bulk, max_threads=blake3.blake3.AUTO)
+        return blake3.blake3(key=self._bulk)
 
 
 class SessionSealer(Sealer):
@@ -78,8 +79,7 @@ class SessionSealer(Sealer):
     Control messages are small and each is sealed and opened once, usually by a process that has just
     woken from a wait, its caches cold: there HMAC-SHA256 through OpenSSL costs about 20 us a message and
     keyed BLAKE2b, CPython's own code, started from a copy of the keyed state, about 7 (the two are equal,
-    2 us, when warm). Bulk data keeps :meth:`Sealer.digest` (HMAC-SHA256 runs faster on large inputs where
-    the CPU has SHA extensions).
+    2 us, when warm). Bulk data keeps :meth:`Sealer.digest` (keyed BLAKE3, fast on large inputs).
     """
 
     def __init__(self, token: str | None, context: str) -> None:

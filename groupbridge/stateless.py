@@ -33,7 +33,7 @@ from ._torch_private import TCPStore
 from .control import ControlChannel, Deadline
 from .errors import GroupBridgeError
 from .net import Address, Listener, is_loopback, listen
-from .store import StoreClient, connect_store, host_store, namespace, open_client
+from .store import StoreClient, host_store, namespace, open_client
 
 logger = logging.getLogger(__name__)
 
@@ -205,7 +205,8 @@ class StatelessGroup:
             address = listener.address
             if store_host == "process":
                 self._store_process = StoreProcess.start(listener, self.timeout)
-                self._server = connect_store(address, self.timeout)  # rank 0's reads while it lingers
+                # rank 0's reads while it lingers, each bounded (the store's process may be frozen)
+                self._server = open_client(address, self.timeout, s.io_timeout()).get()
             else:
                 self._server = host_store(listener, self.timeout)
             if self._token is None and not is_loopback(address.host):

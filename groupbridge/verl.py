@@ -106,7 +106,8 @@ class GroupBridgeCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         token: a shared secret: members prove it at join and every bucket carries a MAC.
         timeout: seconds that bound joining and each whole update (verl's configuration key).
         liveness: seconds after which a silent peer counts as gone (verl's configuration key).
-        checksum: XXH3-64 checksum of every bucket, verified before an update is committed.
+        checksum: a checksum of every bucket (XXH3-64 on the host, ``mix64`` on a device), verified before an
+            update is committed.
         device: where a rollout worker lands the bytes (its server adapter's device; default CPU).
         atomic: a rollout worker yields nothing until every byte landed and was verified, so a sender
             failing midway leaves its engine untouched; False yields

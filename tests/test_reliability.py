@@ -129,7 +129,12 @@ def _write_after_host_died(rank: int, ports: Any, store_host: str) -> str:
         g.send_obj([os.getpid(), served.proc.pid if served is not None else None], 1)
         g.recv_obj(1)
         ports.get(timeout=30)  # rank 1's send_obj returned (its acknowledgement needs the store alive)
-        os._exit(3)  # killed: no close, the store's process is told nothing
+        if served is not None and os.fork() == 0:  # a forked process keeps a copy of the store's pipe open
+            parent = os.getppid()
+            while os.getppid() == parent:  # it ends with rank 0 too (nothing left behind)
+                time.sleep(0.02)
+            os._exit(0)
+        os._exit(3)  # killed: no close, and the store's pipe stays open in the fork: it sees its parent go
     host, store = g.recv_obj(0)
     g.send_obj("ready", 0)
     ports.put("sent")

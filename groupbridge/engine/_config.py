@@ -37,7 +37,8 @@ class TrainerConfig:
         liveness_s: seconds after which a silent peer counts as gone.
         timeout, liveness: the names ``timeout_s`` and ``liveness_s`` had before they said their unit;
             still taken (with a DeprecationWarning), never together with the new name.
-        checksum: XXH3-64 checksum of every bucket, verified before the update is loaded (implied by a token).
+        checksum: a checksum of every bucket, verified before the update is loaded (implied by a token):
+            XXH3-64 for buckets in host memory, ``mix64`` (computed on the device) for a device's.
         bucket_bytes: bucket size (None: the library's default).
         first_version: the version of the first send (then +1 each time). None (default): 1, or, with one
             sending rank whose engine already serves a numbered version (an earlier trainer's), the one

@@ -6,7 +6,8 @@ every sync. This checksum runs as a handful of elementwise integer operations an
 own device, so a device bucket never leaves it.
 
 The function, on the bucket's bytes read as little-endian 64-bit words ``w_0 .. w_{m-1}`` (the last one
-padded with zero bytes), ``n`` the byte length::
+padded with zero bytes), ``n`` the byte length (the words are read in the host's byte order: little-endian
+on every CPU and device torch's accelerators run beside; a big-endian host would compute another value)::
 
     checksum = (sum over i of mix(w_i + (i + 1) * GOLDEN)) + mix(n) mod 2**64
 
@@ -62,8 +63,10 @@ def _mix_int(v: int) -> int:
 def checksum64(buf: torch.Tensor) -> int:
     """The checksum of ``buf`` (uint8, one dimension, any device) described in the module docstring,
     computed on ``buf``'s device; only the 8-byte result reaches the host."""
-    if buf.dtype != torch.uint8 or buf.dim() != 1:
-        raise ValueError(f"checksum64 takes a 1-D uint8 tensor, got {buf.dtype} of shape {list(buf.shape)}")
+    if buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous():
+        raise ValueError(
+            f"checksum64 takes a contiguous 1-D uint8 tensor, got {buf.dtype} of shape {list(buf.shape)}"
+        )
     n = buf.numel()
     full = n // 8
     total = torch.zeros((), dtype=torch.int64, device=buf.device)
@@ -71,7 +74,7 @@ def checksum64(buf: torch.Tensor) -> int:
         for start in range(0, full, CHUNK_WORDS):
             stop = min(start + CHUNK_WORDS, full)
             part = buf[start * 8 : stop * 8]
-            if part.storage_offset() % 8:  # a view that starts between words: an aligned copy, on the device
+            if part.data_ptr() % 8:  # bytes that start between words: an aligned copy, on the device
                 part = part.clone()
             words = part.view(torch.int64)
             pos = torch.arange(start + 1, stop + 1, dtype=torch.int64, device=buf.device)

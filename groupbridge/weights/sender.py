@@ -79,7 +79,8 @@ class WeightSender(Closing):
         delta: send only what changed (compared bitwise: see :mod:`._delta`) since the version every
             receiver acknowledged, when that pays (see :class:`._delta_sync.Policy`; ``"always"``: every
             sync, even where the wire beats the diff, for tests); receivers check the result against the
-            sender's digest of the new bytes (XXH3-64, or the group's MAC; full syncs as ``checksum`` says).
+            sender's digest of the new bytes (the sync's checksum, XXH3-64 where none was asked for, or the
+            group's MAC; full syncs as ``checksum`` says).
             Costs one copy of the model's wire bytes here (``SyncStats.base_bytes``) and on receivers for
             ``receive()`` and atomic ``receive_into`` (a streaming one diffs against its target). A receiver
             holding another version, or a new group, makes the sync a full one for all.
@@ -236,7 +237,7 @@ class WeightSender(Closing):
         plan = self._plan(manifest)
         header = Header(
             version, manifest.digest, self.bucket_bytes, self.solo_bytes, kind,
-            verify_kind(self.group.sealed, self.checksum, device), plan.total_bytes,
+            verify_kind(self.group.sealed, self.checksum, stream_device(kind, device)), plan.total_bytes,
             secrets.token_hex(6), self.options[kind].to_wire(), tx.offer(),
             keeps_base=self._delta is not None,
             base=self._delta.offer(manifest) if self._delta is not None else None,
@@ -407,7 +408,8 @@ def _reservation(plan: Plan, manifest: Manifest, kind: str, bucket_bytes: int) -
 
 def verify_kind(sealed: bool, checksum: bool | str, device: torch.device) -> str:
     """How receivers check a sync's buckets (the header's ``verify``): the group's MAC when it is sealed,
-    else the checksum asked for, computed where the source's bytes are when it is ``True``."""
+    else the checksum asked for; ``True``: the one that runs where the sync's buckets are (``device``, see
+    ``transports.stream_device``: a device's tensors sent over shared memory are packed into host memory)."""
     if sealed:
         return "blake3"
     if checksum is True:
