@@ -10,11 +10,10 @@ workers share) leaves rank 0 its own share and can be scheduled, watched and mea
 The child serves exactly the socket rank 0 bound (inherited, never rebound) and lives no longer than rank 0:
 it exits when rank 0 closes its end of a pipe (``close()``, or the process ending), when rank 0 stops it
 (``close()`` also sends SIGTERM: a process forked from rank 0 may hold a copy of the pipe), or when its
-parent is no longer rank 0 (rank 0 killed while such a copy lives). It reads the same ``sys.path`` as rank
-0, so it imports the groupbridge and torch rank 0 runs. Members then see
-the store go, as they do when rank 0 dies with the store on its thread. The cost: a Python process that
-imports torch, about 1.5 s at the join on a 2-core machine.
-
+parent is no longer rank 0 (rank 0 killed while such a copy lives). Members then see the store go, as they
+do when rank 0 dies with the store on its thread. It reads the same ``sys.path`` as rank 0, so it imports
+the groupbridge and torch rank 0 runs. The cost: a Python process that imports torch, about 1.5 s at the
+join on a 2-core machine.
 """
 
 from __future__ import annotations
