@@ -40,7 +40,8 @@ class Sealer:
             if token is not None
             else b""
         )
-        self._bulk: bytes | None = None
+        # the bulk digests' key, apart from every other key derived from the token by its label
+        self._bulk = hmac.new(self._key, b"groupbridge-data/blake3/1", hashlib.sha256).digest()
 
     def mac(self, key: str, payload: bytes | memoryview) -> bytes:
         h = hmac.new(self._key, key.encode(), hashlib.sha256)
@@ -67,8 +68,6 @@ class Sealer:
         HMAC-SHA256 is), measured in docs/results.md beside XXH3 and HMAC-SHA256. One thread: BLAKE3's pool
         of threads does not survive a fork (a forked child's hash would wait forever for it), and a sync's
         buckets are hashed on the library's own threads beside the copies anyway."""
-        if self._bulk is None:
-            self._bulk = hmac.new(self._key, b"groupbridge-data/blake3/1", hashlib.sha256).digest()
         return blake3.blake3(key=self._bulk)
 
 
