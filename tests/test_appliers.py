@@ -217,3 +217,49 @@ def test_a_refusal_after_tensors_were_yielded_says_so_and_not_that_the_target_is
     text = str(err)
     assert "TORN" not in text and "1 of 2 tensors were yielded" in text and "still 2" in text, text
     assert "whatever consumed them holds part of it" in text, text
+
+
+def _pieces(
+    storage: torch.Tensor, n: int, size: int, gap: int, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, list[_bytes.Part]]:
+    """``n`` pieces of ``size`` bytes in one bucket (``gap`` bytes of padding after each), landing in views of
+    ``storage`` in reverse order: the bucket's bytes, and the parts."""
+    g = torch.Generator().manual_seed(n + size + gap)
+    bucket = torch.randint(0, 256, (n * (size + gap) + 8,), dtype=torch.uint8, generator=g)
+    parts = [
+        (i * (size + gap), size, storage[(n - 1 - i) * size : (n - i) * size].view(dtype), dtype)
+        for i in range(n)
+    ]
+    return bucket, parts
+
+
+@pytest.mark.parametrize("gap", [0, 16], ids=["end-to-end", "padded"])
+def test_many_small_pieces_of_one_storage_unpack_as_rows_bit_exact(gap: int) -> None:
+    """A bucket of many small pieces landing in one kept buffer is unpacked by one indexed copy, and what it
+    writes is what one copy per piece writes, the bytes between them untouched."""
+    n, size = 300, 32
+    storage = torch.full((n * size + 64,), 7, dtype=torch.uint8)
+    bucket, parts = _pieces(storage, n, size, gap)
+    rows = _bytes.rows(bucket, parts)
+    assert rows is not None and (rows.pick is None) == (gap == 0)
+    expected = storage.clone()
+    for offset, nbytes, t, _ in parts:  # one copy a piece, into the clone at the same places
+        start = t.data_ptr() - storage.data_ptr()
+        expected[start : start + nbytes] = bucket[offset : offset + nbytes]
+    _bytes.copy_out(parts, _bytes.layout(bucket, parts), rows)
+    assert torch.equal(storage, expected)
+    assert storage[n * size :].eq(7).all()
+
+
+def test_pieces_that_rows_would_not_serve_exactly_or_cheaply_are_unpacked_one_by_one() -> None:
+    """Too few pieces, several storages, a cast, and rows much narrower than the pieces: no rows."""
+    storage = torch.zeros(4096, dtype=torch.uint8)
+    bucket, parts = _pieces(storage, 100, 32, 0)
+    assert _bytes.rows(bucket, parts[: _bytes.MIN_ROW_PIECES - 1]) is None
+    other = [(o, n, t.clone(), d) if i == 5 else (o, n, t, d) for i, (o, n, t, d) in enumerate(parts)]
+    assert _bytes.rows(bucket, other) is None
+    cast = [(o, n, t, torch.bfloat16) if i == 5 else (o, n, t, d) for i, (o, n, t, d) in enumerate(parts)]
+    assert _bytes.rows(bucket, cast) is None
+    big = torch.zeros(100 * 1026, dtype=torch.uint8)  # 1026-byte pieces 1028 apart: rows of 2 bytes
+    bucket, parts = _pieces(big, 100, 1026, 2, torch.float16)
+    assert _bytes.rows(bucket, parts) is None

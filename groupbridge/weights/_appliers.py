@@ -172,16 +172,17 @@ class Applier:
             out = self.parts_of(parts)
             self.writing(keys)
         done = []
-        left = self.left
-        for key in keys:
-            left[key] -= 1
-            if not left[key]:
-                t = self.whole(key)
-                if t is not None:
-                    done.append((key, t))
+        if self.hands_on:
+            left = self.left
+            for key in keys:
+                left[key] -= 1
+                if not left[key]:
+                    t = self.whole(key)
+                    if t is not None:
+                        done.append((key, t))
         if out or self.casts:  # one job on the copy thread per bucket: its parts, then what it completed
             casts, self.casts = self.casts, []
-            at = None
+            at, rows = None, None
             if out:
                 assert view is not None
                 make = partial(_bytes.layout, view, out)
@@ -189,8 +190,19 @@ class Applier:
                 # made for this bucket alone (some of its parts) never comes again
                 owned = isinstance(parts, tuple)
                 at = self.kept.get(parts, "unpack", _bytes.address(view), make) if owned else make()
-            self.copier.run(partial(_unpack_and_cast, at, out, casts))
+                rows = self.rows(view, out) if owned else None
+            self.copier.run(partial(_unpack_and_cast, at, out, casts, rows))
         return done
+
+    @property
+    def hands_on(self) -> bool:
+        """Whether a tensor made whole is handed on (or cast in) as it is: else the parts are not counted."""
+        return True
+
+    def rows(self, view: torch.Tensor, out: list[_bytes.Part]) -> _bytes.Rows | None:
+        """``out`` (a bucket's parts in their slots, this bucket landed in ``view``) unpacked as rows of one
+        storage, where the slots are kept (see :class:`Staged`)."""
+        return None
 
     def parts_of(self, parts: Sequence[Part]) -> list[_bytes.Part]:
         """A bucket's parts in their slots (a slot made on demand: made on this thread)."""
@@ -296,6 +308,16 @@ class Staged(Applier):
             partial(super().parts_of, parts),
         )
 
+    def rows(self, view: torch.Tensor, out: list[_bytes.Part]) -> _bytes.Rows | None:
+        """Kept with ``out``: one list while the plan, buffer and slots are the same (:meth:`parts_of`)."""
+        if self.buffer is None:
+            return None
+        return self.kept.get(out, "rows", _bytes.address(view), partial(_bytes.rows, view, out))
+
+    @property
+    def hands_on(self) -> bool:
+        return self.dest is None  # into a target: copied at the commit, every tensor at once
+
     def direct(self, k: int) -> torch.Tensor | None:
         if self.plan is None or self.buffer is None:
             return None
@@ -384,11 +406,14 @@ class Streaming(Applier):
 
 
 def _unpack_and_cast(
-    at: _bytes.Layout | None, parts: list[_bytes.Part], casts: list[tuple[torch.Tensor, torch.Tensor]]
+    at: _bytes.Layout | None,
+    parts: list[_bytes.Part],
+    casts: list[tuple[torch.Tensor, torch.Tensor]],
+    rows: _bytes.Rows | None,
 ) -> None:
     if parts:
         assert at is not None
-        _bytes.copy_out(parts, at)
+        _bytes.copy_out(parts, at, rows)
     with torch.no_grad():
         for target, apart in casts:
             target.copy_(apart)

@@ -142,15 +142,77 @@ def copy_in(parts: Sequence[Part], at: Layout) -> None:
             torch._foreach_copy_(views, tensors)
 
 
-def copy_out(parts: Sequence[Part], at: Layout) -> None:
-    """Unpack: every piece's view into its tensor (one ``torch._foreach_copy_``)."""
+def copy_out(parts: Sequence[Part], at: Layout, rows: Rows | None = None) -> None:
+    """Unpack: every piece's view into its tensor (one ``torch._foreach_copy_``, or one indexed copy where
+    ``rows`` says every piece lies in one storage)."""
     with torch.no_grad():
+        if rows is not None:
+            rows.scatter()
+            return
         for i in at.raw:
             _, _, t, dtype = parts[i]
             t.copy_(at.views[i].clone().view(dtype).view(t.shape))  # the clone is aligned
         views, tensors = _typed(parts, at)
         if views:
             torch._foreach_copy_(tensors, views)
+
+
+class Rows(NamedTuple):
+    """A bucket's pieces that all land in one storage, as rows of one width: unpacked by one indexed copy.
+    ``torch._foreach_copy_`` dispatches each piece on its own, about a microsecond apiece, and a bucket of a
+    sharded model's pieces for one receiver holds thousands of a few dozen bytes (see :func:`rows`)."""
+
+    storage: torch.Tensor
+    """The storage's bytes as rows (uint8, two dimensions)."""
+    at: torch.Tensor
+    """The storage rows the pieces' rows go to, in order (int64)."""
+    bucket: torch.Tensor
+    """The bucket's bytes as rows."""
+    pick: torch.Tensor | None
+    """The bucket rows that hold pieces, in order; None: the first ``len(at)`` (pieces end to end)."""
+
+    def scatter(self) -> None:
+        src = self.bucket[: len(self.at)] if self.pick is None else self.bucket.index_select(0, self.pick)
+        self.storage.index_copy_(0, self.at, src)
+
+
+MIN_ROW_PIECES = 64
+"""Fewer pieces than this are unpacked one by one: the indexed copy's own setup costs tens of microseconds."""
+
+ROWS_PER_PIECE = 64
+"""The most rows per piece an indexed copy may take: past that, its rows cost more than a piece's dispatch."""
+
+
+def rows(view: torch.Tensor, parts: Sequence[Part]) -> Rows | None:
+    """``parts`` unpacked from ``view`` as rows (see :class:`Rows`), or None where that is not cheaper or not
+    exact: fewer than :data:`MIN_ROW_PIECES` pieces, pieces in several storages, off the CPU, cast or not
+    contiguous, or rows so narrow (the widest that divides every offset and size) that they outnumber the
+    pieces :data:`ROWS_PER_PIECE` times. The caller keeps the result while ``parts``' tensors are the same."""
+    if len(parts) < MIN_ROW_PIECES or view.device.type != "cpu":
+        return None
+    storage = parts[0][2].untyped_storage()
+    base, width = storage.data_ptr(), 0
+    offsets, ats, sizes = [], [], []
+    for offset, nbytes, t, dtype in parts:
+        if t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous():
+            return None
+        if t.untyped_storage().data_ptr() != base:
+            return None
+        at = t.data_ptr() - base
+        offsets.append(offset)
+        ats.append(at)
+        sizes.append(nbytes)
+        width = math.gcd(width, offset, at, nbytes)
+    if width == 0 or sum(sizes) // width > ROWS_PER_PIECE * len(parts):
+        return None
+    counts = torch.tensor(sizes) // width
+    starts = torch.cumsum(counts, 0) - counts  # where each piece's rows start among the pieces' rows
+    ramp = torch.arange(int(counts.sum()))
+    into = torch.repeat_interleave(torch.tensor(ats) // width - starts, counts) + ramp
+    pick = torch.repeat_interleave(torch.tensor(offsets) // width - starts, counts) + ramp
+    own = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes() // width * width,), (1,))
+    bucket = view[: view.numel() // width * width].view(-1, width)
+    return Rows(own.view(-1, width), into, bucket, None if torch.equal(pick, ramp) else pick)
 
 
 def _typed(parts: Sequence[Part], at: Layout) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
