@@ -18,6 +18,7 @@ from ..errors import WeightSyncError
 from . import _bytes, _delta_sync
 from ._appliers import Applier, Ring, Scratch, Staged, Streaming, counts, fill_aliases, hand_on, wire_typed
 from ._delta_sync import Applied, delta_digest, wire_plan
+from ._rx_checks import Targets
 from ._rx_stream import KEPT, Taker, allocated, tell_failure
 from ._session import Session
 from ._shard_plan import ShardPlan, element_size
@@ -369,14 +370,18 @@ def _parts(taker: Taker, session: Session, me: int) -> Counter[str]:
     )))  # fmt: skip
 
 
-def _boxes_into(
-    taker: Taker, session: Session, targets: dict[str, Any], atomic: bool, deadline: Deadline
-) -> Intake:
+def _boxes_into(taker: Taker, session: Session, targets: Targets, atomic: bool, deadline: Deadline) -> Intake:
     """``receive_into`` of pair streams: staged in a kept buffer (``atomic``) or straight into the targets'
     boxes."""
     what, order = f"receiving version {session.header.version}", session.pairs.order
-    dest = dict(zip(order, map(_slot, _found(taker, targets, list(order), what)), strict=True))
-    boxes = {w: box for w, (_, box) in dest.items()}
+
+    def slots() -> tuple[dict[str, Slot], dict[str, Box], list[tuple[str, torch.Tensor, str]]]:
+        dest = dict(zip(order, map(_slot, _found(taker, targets.named, list(order), what)), strict=True))
+        boxes = {w: box for w, (_, box) in dest.items()}
+        return dest, boxes, [(w, t, taker.rename(w)) for w, (t, _) in dest.items()]
+
+    # the same while the target and the plan are (a repeat sync's): looked up, not walked again
+    dest, boxes, pairs = taker.buffers.kept.get(targets, "slots", _bytes.Same(session.pairs), slots)
     device = next((t.device for t, _ in dest.values()), taker.device)  # several devices: stage on the first
     names, parts = taker.rename, _parts(taker, session, taker.group.rank)
     if not atomic:  # a target in another dtype than the wire's takes its box apart, then cast in
@@ -389,9 +394,8 @@ def _boxes_into(
         )
 
     def stage() -> Staged:
-        slots, buffer = _staging(taker, session.pairs, boxes, device, "into")
-        return Staged(taker.copier, names, parts, slots, buffer=buffer, kept=taker.buffers.kept,
-                      dest=[(w, t, names(w)) for w, (t, _) in dest.items()])  # fmt: skip
+        staging, buffer = _staging(taker, session.pairs, boxes, device, "into")
+        return Staged(taker.copier, names, parts, staging, buffer=buffer, kept=taker.buffers.kept, dest=pairs)
 
     staged = allocated(taker.group, what, stage)
     return Intake(
@@ -449,7 +453,7 @@ def intake_named(
 def intake_into(
     taker: Taker,
     session: Session,
-    targets: dict[str, Any],
+    targets: Targets,
     atomic: bool,
     deadline: Deadline,
     keep: tuple[Any, ...],
@@ -457,5 +461,5 @@ def intake_into(
     """``receive_into``'s intake, by the sync's topology (see the two builders); ``keep`` tags the base a
     fan-out delta may next be applied to."""
     if isinstance(session.topology, Fanout):
-        return _fanout_into(taker, session, targets, atomic, deadline, keep)
+        return _fanout_into(taker, session, targets.named, atomic, deadline, keep)
     return _boxes_into(taker, session, targets, atomic, deadline)

@@ -8,9 +8,11 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch
+
 from ..codec import dtype_name
 from ._header import Header, Verdict
-from .manifest import Entry, Manifest, compare, mismatch_message
+from .manifest import Entry, Manifest, compare, expected_specs, mismatch_message, tensors_of
 from .shard import Box, Shard, box_of
 
 
@@ -21,7 +23,7 @@ def _renamed(e: Entry, rename: Callable[[str], str]) -> Entry:
 def refusal(
     held: int | None, header: Header, manifest: Manifest, *, rename: Callable[[str], str],
     expected: dict[str, tuple[tuple[int, ...], str]] | None, accept: Callable[[Manifest], str | None] | None,
-    allow_stale: bool, rank: int,
+    allow_stale: bool, rank: int, fits: Fits | None = None,
 ) -> Verdict | None:  # fmt: skip
     """A receiver's refusal of a sync, or None: a version not newer than ``held``, more bytes than this host's
     memory where no target or ``expected=`` bounds them, other tensors than expected, ``accept`` saying no."""
@@ -34,14 +36,82 @@ def refusal(
             "target and no expected= bound",
             "size",
         )
-    renamed = Manifest(tuple(_renamed(e, rename) for e in manifest.entries))
-    if expected is not None:
+    renamed = None
+    if expected is not None and not (fits is not None and fits.held(manifest, expected)):
+        renamed = Manifest(tuple(_renamed(e, rename) for e in manifest.entries))
         problems = compare(renamed, expected)
         if any(problems.values()):
             return Verdict(mismatch_message(problems, f"rank {rank}"), "manifest")
-    if accept is not None and (problem := accept(renamed)) is not None:
-        return Verdict(problem, "manifest")
+        if fits is not None:
+            fits.hold(manifest, expected)
+    if accept is not None:
+        renamed = renamed or Manifest(tuple(_renamed(e, rename) for e in manifest.entries))
+        if (problem := accept(renamed)) is not None:
+            return Verdict(problem, "manifest")
     return None
+
+
+class Fits:
+    """The last manifest a receiver found to fit the tensors it expects. A repeat sync brings the same
+    objects (the sources' manifest kept by its digest, the expectations kept by the receiver), so it
+    compares none of their entries again: a comparison costs microseconds a tensor, on every receiver."""
+
+    def __init__(self) -> None:
+        self._last: tuple[Manifest, object] | None = None
+
+    def held(self, manifest: Manifest, expected: object) -> bool:
+        return self._last is not None and self._last[0] is manifest and self._last[1] is expected
+
+    def hold(self, manifest: Manifest, expected: object) -> None:
+        self._last = (manifest, expected)
+
+
+class Targets:
+    """A ``receive_into`` target as the handshake sees it: its tensors by name (``named``), what it expects
+    of the sources, the boxes it posts as wants, and its tensors' addresses (which tag the base a delta is
+    applied to). Deriving them walks every tensor, a few microseconds each; :meth:`of` returns the last
+    sync's when the target holds the same tensor objects at the same addresses, as a training loop's does.
+    It holds the target's tensors until the next sync."""
+
+    def __init__(self, named: dict[str, Any], renames: bool, key: list[tuple[Any, ...]] | None) -> None:
+        self.named, self.renames, self.key = named, renames, key
+        self.wants = wants_of(named, renames)
+        self.addresses = tuple(data_ptr(t) for t in named.values())
+        self._expected: dict[str, tuple[tuple[int, ...], str]] | None = None
+
+    @property
+    def expected(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """What the target expects (:func:`~.manifest.expected_specs`), made when first asked for."""
+        if self._expected is None:
+            self._expected = expected_specs(self.named)
+        return self._expected
+
+    @classmethod
+    def of(cls, target: Any, renames: bool, last: Targets | None) -> Targets:
+        named = tensors_of(target, "receive_into()")
+        key = _identity(named)
+        if last is not None and key is not None and last.key == key and last.renames == renames:
+            return last
+        return cls(named, renames, key)
+
+
+def _identity(named: dict[str, Any]) -> list[tuple[Any, ...]] | None:
+    """What a target's derived parts depend on: per tensor (or :class:`~.shard.Shard`), its name, which
+    object it is, its address, shape, strides, dtype and device, and a Shard's box; None for any other value
+    (a DTensor's box is its mesh's to say), which is derived anew each sync. Objects by ``id``: the
+    :class:`Targets` holding this key holds them, so no other object takes their ids meanwhile."""
+    out: list[tuple[Any, ...]] = []
+    for name, v in named.items():
+        shard = v if type(v) is Shard else None
+        t = shard.tensor if shard is not None else v
+        if type(t) not in _PLAIN:
+            return None
+        box = (shard.offset, shard.global_shape) if shard is not None else None
+        out.append((name, id(v), id(t), t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, box))
+    return out
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def host_memory() -> int:

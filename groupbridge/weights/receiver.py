@@ -24,13 +24,13 @@ from ._header import Verdict
 from ._intake import intake_into, intake_named
 from ._posts import Posts
 from ._receive import into, named
-from ._rx_checks import Reads, data_ptr, refusal, wants_of
+from ._rx_checks import Fits, Reads, Targets, refusal
 from ._rx_stream import RxStreams, Taker
 from ._session import Session, laid_out_in_place, make_renamer, open_session
 from ._sharded_delta import FANOUT, DeltaMemory, kept_key
 from ._topology import Pairs
 from ._update import WeightUpdate
-from .manifest import Manifest, expected_specs, tensors_of
+from .manifest import Manifest, expected_specs
 from .plan import Plans
 from .shard import Box
 
@@ -81,6 +81,9 @@ class WeightReceiver(Closing):
         self._rename = make_renamer(rename)
         self._renames = rename is not None
         self._posts = Posts(group)
+        self._fits = Fits()
+        self._targets: Targets | None = None
+        """The last ``receive_into``'s target, as the handshake saw it (reused while it is the same)."""
         if buffers is None and memory is not None:
             buffers = memory.buffers
         self._buffers = buffers if buffers is not None else _bytes.BufferCache()
@@ -104,7 +107,7 @@ class WeightReceiver(Closing):
     ) -> Session:  # fmt: skip
         """This receiver's part of the handshake: its verdict on the sources' headers and manifest."""
         check = partial(refusal, self.version, rename=self._rename, expected=expected, accept=accept,
-                        allow_stale=allow_stale, rank=self.group.rank)  # fmt: skip
+                        allow_stale=allow_stale, rank=self.group.rank, fits=self._fits)  # fmt: skip
 
         def judge(draft: Session) -> Verdict:
             refused = check(draft.header, draft.manifest)
@@ -137,6 +140,7 @@ class WeightReceiver(Closing):
 
     def close(self) -> None:
         """Release transport mappings, buffers and the copy thread. The group stays open."""
+        self._targets = None
         self._streams.close()
         self._buffers.kept.clear()  # views of this receiver's transports' memory (shared buffers or not)
         if self._own_buffers:
@@ -274,13 +278,14 @@ class WeightReceiver(Closing):
         deadline = self.group.deadline(timeout)
         self._copier.deadline = deadline
         self._buffers.kept.sweep()  # views the last sync did not use are let go
-        targets = tensors_of(target, "receive_into()")
-        expected = self.expected if self.expected is not None else expected_specs(targets)
-        keep = ("atomic" if atomic else "streaming", tuple(data_ptr(t) for t in targets.values()))
+        targets = self._targets = Targets.of(target, self._renames, self._targets)
+        expected = self.expected if self.expected is not None else targets.expected
+        keep = ("atomic" if atomic else "streaming", targets.addresses)
         with self.group.depending_on(range(self.group.world_size)):
-            session = self._handshake(deadline, expected=expected, allow_stale=allow_stale, keep=keep,
-                                      targets=None if atomic else targets,
-                                      wants=wants_of(targets, self._renames))  # fmt: skip
+            session = self._handshake(
+                deadline, expected=expected, allow_stale=allow_stale, keep=keep,
+                targets=None if atomic else targets.named, wants=targets.wants,
+            )  # fmt: skip
             taker = self._taker()
             intake = intake_into(taker, session, targets, atomic, deadline, keep)
             return into(taker, session, intake, deadline)
