@@ -163,6 +163,42 @@ def test_a_sync_whose_boxes_changed_is_planned_again() -> None:
     assert res == ["sent", "sent", [True] * 4, [True] * 4], res
 
 
+def _retargeted(rank: int, ports: Any) -> Any:
+    """Two sources, one receiver into one target dict whose tensors it swaps between syncs: the same dict
+    and tensors, a Shard's tensor replaced, the Shard object replaced, a plain tensor replaced. A receive
+    reuses what it derived from its last target only while that is the same: each sync lands in the
+    tensors the target holds now, and a tensor let go is not written."""
+    with make_group(rank, 3, "127.0.0.1", ports) as g:
+        if rank < 2:
+            with gb.WeightSender(g, bucket_bytes=1024) as snd:
+                for v in range(1, 6):
+                    snd.send({"w": _chunk(_full("w", v), 2, rank, 0), "b": _full("b", v)}, version=v)
+            return "sent"
+        rcv = gb.WeightReceiver(g)
+        target: dict[str, Any] = {"w": gb.Shard(torch.zeros(12, 8), (12, 16), (0, 8)), "b": torch.zeros(16)}
+        out, dropped = [], []
+        for v in range(1, 6):
+            if v == 3:
+                dropped.append(target["w"].tensor)
+                target["w"].tensor = torch.zeros(12, 8)
+            elif v == 4:
+                dropped.append(target["w"].tensor)
+                target["w"] = gb.Shard(torch.zeros(12, 8), (12, 16), (0, 8))
+            elif v == 5:
+                dropped.append(target["b"])
+                target["b"] = torch.zeros(16)
+            rcv.receive_into(target)
+            out.append(_exact(target, v))
+        want = [_full("w", 2)[:, 8:], _full("w", 3)[:, 8:], _full("b", 4)]
+        return out, [torch.equal(d, w) for d, w in zip(dropped, want, strict=True)]
+
+
+@pytest.mark.timeout(60)
+def test_a_receiver_that_swaps_its_targets_tensors_lands_each_sync_in_those_it_holds_now() -> None:
+    res = run_ranks(_retargeted, 3, CTX.Queue(), timeout=50)
+    assert res == ["sent", "sent", ([True] * 5, [True] * 3)], res
+
+
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("sources", [2, 3])
 @pytest.mark.parametrize("mode", ["atomic", "streaming", "receive"])

@@ -51,6 +51,23 @@ def test_plan_is_aligned_and_covers_every_byte() -> None:
     assert m.entries[-1].alias_of == "big"
 
 
+def test_only_names_viewing_the_same_bytes_alike_are_tied() -> None:
+    """Tensors at one address are tied only when shape, strides and dtype match too; an empty tensor, a
+    prefix view or a transposed view at that address is a tensor of its own, and every tie names the first."""
+    w = torch.arange(12.0).reshape(3, 4)
+    m = Manifest.build(
+        [("empty", w[:0]), ("w", w), ("row", w[0]), ("t", w.t()), ("tied", w), ("again", w.view(3, 4))]
+    )
+    assert {e.name: e.alias_of for e in m.entries} == {
+        "empty": None,
+        "w": None,
+        "row": None,
+        "t": None,
+        "tied": "w",
+        "again": "w",
+    }
+
+
 def test_mismatch_message_lists_first_twenty_with_counts() -> None:
     sent = Manifest.build([(f"w{i}", torch.zeros(2)) for i in range(30)] + [("s", torch.zeros(3, 2))])
     expected = {f"x{i}": ((2,), "float32") for i in range(25)}

@@ -18,7 +18,6 @@ from ..errors import CopyTimeoutError
 from . import _bytes
 from ._described import Boxes, Pairs
 from ._shard_plan import Piece, ShardPlan
-from ._sharded import Slot
 from ._source import Puller, SourceReads
 from .manifest import Manifest
 from .plan import Plan
@@ -34,20 +33,24 @@ class SourceSlots:
         self, manifest: Manifest, items: Pairs, shards: Boxes, plan: ShardPlan, me: int, kept: _bytes.Kept
     ) -> None:
         self._shards, self._dtypes, self._kept = shards, plan.dtypes, kept
-        self._puller = Puller(manifest, iter(items))
         self._lazy = not isinstance(items, list)
-        self._slots: dict[str, Slot] = {}
+        self._puller = Puller(manifest, iter(items)) if self._lazy else None
+        self._slots: dict[str, tuple[torch.Tensor, tuple[int, ...]]] = {}
+        """By wire name: the tensor held, and where its box starts in the global tensor."""
         self._replicated: dict[str, list[Box]] = {}
         for name, cell, holders in plan.replicated:
             if me in holders:
                 self._replicated.setdefault(name, []).append(cell)
         self._replicas: dict[str, Future[str]] = {}
         self._hasher: ThreadPoolExecutor | None = None
-        self._left: Counter[str] = Counter(
-            p.name for (src, _), cut in plan.pairs.items() if src == me for b in cut.buckets for p in b
-        )
-        if not self._lazy:
-            self.finish()
+        self._left: Counter[str] = Counter()
+        if self._lazy:
+            self._left.update(
+                p.name for (src, _), cut in plan.pairs.items() if src == me for b in cut.buckets for p in b
+            )
+        else:  # the manifest was built from this very list: nothing to check it against
+            for name, t in items:
+                self._hold(name, t.detach() if t.requires_grad else t)
 
     def reads(self, cut: Plan[Piece]) -> SourceReads:
         """How a pair's stream cut by ``cut`` reads this source."""
@@ -77,8 +80,9 @@ class SourceSlots:
         the dtype it travels as."""
         out = []
         for p in pieces:
-            held = self._slots[p.name][1]
-            at = None if p.box == held else p.box.slices(held.offset)
+            t, offset = self._slots[p.name]
+            held = Box(offset, tuple(t.shape))
+            at = None if p.box == held else p.box.slices(offset)
             out.append((p.name, p.offset, p.nbytes, at, dtype_from_name(self._dtypes[p.name])))
         return out
 
@@ -120,10 +124,14 @@ class SourceSlots:
             pass
 
     def _pull(self) -> bool:
-        if self._puller.done:
+        if self._puller is None or self._puller.done:
             return False
         _, e, t = self._puller.take()
-        name = e.name
+        self._hold(e.name, t)
+        return True
+
+    def _hold(self, name: str, t: torch.Tensor) -> None:
+        """Keep tensor ``t`` of ``name`` where the plan reads it, its replicated cells' digests under way."""
         offset = self._shards[name][1] if name in self._shards else (0,) * t.dim()
         for cell in self._replicated.get(name, ()):
             if self._hasher is None:
@@ -131,8 +139,7 @@ class SourceSlots:
             where = f"{name} at {list(cell.offset)} of shape {list(cell.shape)}"
             self._replicas[where] = self._hasher.submit(_cell_digest, t[cell.slices(offset)])
         if self._left[name] > 0 or not self._lazy:
-            self._slots[name] = (t, Box(offset, tuple(t.shape)))
-        return True
+            self._slots[name] = (t, offset)
 
 
 def _cell_digest(cell: torch.Tensor) -> str:

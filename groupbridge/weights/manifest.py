@@ -134,7 +134,8 @@ class Manifest:
         ``like``: the previous send's manifest, returned itself (its digest made already) when the tensors
         match it entry for entry, as a training loop's do every step."""
         entries = []
-        seen: dict[tuple[Any, ...], str] = {}
+        at: dict[int, list[tuple[str, torch.Tensor]]] = {}
+        """The tensors met so far by address: only those sharing one are compared further."""
         names: set[str] = set()
         before = like.entries if like is not None else ()
         same = True
@@ -147,10 +148,14 @@ class Manifest:
             wire = t.dtype
             if wire_dtype is not None and t.dtype.is_floating_point:
                 wire = wire_dtype
-            key = _identity(t)
-            alias = seen.get(key) if key is not None else None
-            if key is not None and alias is None:
-                seen[key] = name
+            alias = None
+            if not t.is_meta and t.numel():  # no bytes, nothing to share
+                same_address = at.setdefault(t.data_ptr(), [])
+                if same_address:
+                    key = _identity(t)
+                    alias = next((n for n, u in same_address if _identity(u) == key), None)
+                if alias is None:
+                    same_address.append((name, t))
             e = before[i] if i < len(before) else None
             if (
                 e is None
