@@ -86,7 +86,7 @@ class Manifest:
 
     @functools.cached_property
     def digest(self) -> str:
-        blob = json.dumps([e.to_wire() for e in self.entries], separators=(",", ":")).encode()
+        blob = json.dumps(self.to_wire(), separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()
 
     @property
@@ -100,6 +100,13 @@ class Manifest:
         return tuple(i if e.alias_of is None else index[e.alias_of] for i, e in enumerate(self.entries))
 
     def to_wire(self) -> list[list[Any]]:
+        """The entries as they travel: one list, made once and shared by every caller (do not change it). A
+        repeat send posts the same manifest object, so its post is then the same list: found unchanged
+        without comparing its entries (``_posts.Posts.post``)."""
+        return self._wire
+
+    @functools.cached_property
+    def _wire(self) -> list[list[Any]]:
         return [e.to_wire() for e in self.entries]
 
     @classmethod
