@@ -161,7 +161,8 @@ class Applier:
         """A bucket of ``parts`` landed in ``view`` (``in_place``: in their slots already, or unchanged by a
         delta); ``changed``: the tensors whose bytes it changed (None: all). Returns the (key, tensor) of the
         tensors it made whole that this mode hands on."""
-        keys = [p.key for p in parts]
+        owned = isinstance(parts, tuple)  # a plan's own bucket, kept with the plan: so is what it is made of
+        keys = self.kept.get(parts, "keys", None, partial(_keys, parts)) if owned else _keys(parts)
         moved = keys if changed is None else [key for key in keys if key in changed]
         self.changed.update(moved)
         out: list[_bytes.Part] = []
@@ -186,9 +187,8 @@ class Applier:
             if out:
                 assert view is not None
                 make = partial(_bytes.layout, view, out)
-                # only a plan's own bucket (a tuple, kept with the plan) is worth keeping a layout for: a list
-                # made for this bucket alone (some of its parts) never comes again
-                owned = isinstance(parts, tuple)
+                # only a plan's own bucket is worth keeping a layout for: a list made for this bucket alone
+                # (some of its parts) never comes again
                 at = self.kept.get(parts, "unpack", _bytes.address(view), make) if owned else make()
                 rows = self.rows(view, out) if owned else None
             self.copier.run(partial(_unpack_and_cast, at, out, casts, rows))
@@ -403,6 +403,10 @@ class Streaming(Applier):
         is untouched."""
         how = "a delta changed some tensors" if self.delta else "some buckets were written"
         return torn(version, held, cause, self.written, self.total, how)
+
+
+def _keys(parts: Sequence[Part]) -> list[Any]:
+    return [p.key for p in parts]
 
 
 def _unpack_and_cast(
