@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 import groupbridge as gb
 from groupbridge.weights._header import Header, Verdict
+from groupbridge.weights._rx_checks import Fits, Targets, refusal
 from groupbridge.weights._session import conclude
+from groupbridge.weights.manifest import Manifest
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -55,6 +58,41 @@ def test_one_problem_anywhere_refuses_the_sync_as_its_kind_says() -> None:
         assert type(info.value) is kind  # the most specific one, every member alike
         assert isinstance(info.value, gb.SyncRefusedError)  # agreed by all: the group stays usable
         assert "version 7" in str(info.value)
+
+
+def test_a_repeat_sync_compares_the_manifest_again_only_when_what_is_expected_changed() -> None:
+    """A receiver keeps the last manifest found to fit: the same manifest and expectations again are not
+    compared, but a target whose tensors changed shape is a new expectation, and a misfit is refused."""
+    manifest = Manifest.build([("w", torch.zeros(4, 2)), ("b", torch.zeros(2))])
+    target = {"w": torch.zeros(4, 2), "b": torch.zeros(2)}
+    fits = Fits()
+
+    def check(targets: Targets) -> Verdict | None:
+        expected = targets.expected
+        return refusal(
+            None,
+            _header(),
+            manifest,
+            rename=str,
+            expected=expected,
+            accept=None,
+            allow_stale=False,
+            rank=3,
+            fits=fits,
+        )
+
+    first = Targets.of(target, False, None)
+    assert check(first) is None and fits.held(manifest, first.expected)
+    again = Targets.of(dict(target), False, first)
+    assert again is first and check(again) is None  # the same tensors: the same expectations, kept
+    target["b"] = torch.zeros(3)
+    grown = Targets.of(target, False, again)
+    assert grown is not first and not fits.held(manifest, grown.expected)
+    verdict = check(grown)
+    assert verdict is not None and verdict.kind == "manifest" and "rank 3" in (verdict.problem or "")
+    target["b"] = torch.zeros(2)
+    target["w"].resize_(8)  # the same tensor object, resized in place
+    assert Targets.of(target, False, grown).expected["w"] == ((8,), "float32")
 
 
 def test_merged_plan_only_when_everyone_is_laid_out_and_the_transport_cuts_anywhere() -> None:

@@ -163,19 +163,46 @@ def test_a_sync_whose_boxes_changed_is_planned_again() -> None:
     assert res == ["sent", "sent", [True] * 4, [True] * 4], res
 
 
+NORMS = 70
+"""Small tensors split by rows between two sources: a pair's bucket holds more pieces than ``_bytes.rows``
+needs to unpack them as rows."""
+
+
+def _norm(i: int, version: int) -> torch.Tensor:
+    return torch.arange(8.0).reshape(2, 4) * (i + 1) + version
+
+
 def _retargeted(rank: int, ports: Any) -> Any:
     """Two sources, one receiver into one target dict whose tensors it swaps between syncs: the same dict
     and tensors, a Shard's tensor replaced, the Shard object replaced, a plain tensor replaced. A receive
     reuses what it derived from its last target only while that is the same: each sync lands in the
-    tensors the target holds now, and a tensor let go is not written."""
+    tensors the target holds now, and a tensor let go is not written. Each source's ``NORMS`` row pieces
+    land in the staging buffer by one indexed copy (counted)."""
+    from groupbridge.weights import _bytes
+
     with make_group(rank, 3, "127.0.0.1", ports) as g:
         if rank < 2:
-            with gb.WeightSender(g, bucket_bytes=1024) as snd:
+            with gb.WeightSender(g, bucket_bytes=1 << 16) as snd:
                 for v in range(1, 6):
-                    snd.send({"w": _chunk(_full("w", v), 2, rank, 0), "b": _full("b", v)}, version=v)
+                    held = {
+                        f"n{i}": gb.Shard(_norm(i, v)[rank : rank + 1], (2, 4), (rank, 0))
+                        for i in range(NORMS)
+                    }
+                    held.update(w=_chunk(_full("w", v), 2, rank, 0), b=_full("b", v))
+                    snd.send(held, version=v)
             return "sent"
+        made = []
+        rows = _bytes.rows
+
+        def counted(view: torch.Tensor, parts: Any) -> Any:
+            got = rows(view, parts)
+            made.append(got is not None)
+            return got
+
+        _bytes.rows = counted
         rcv = gb.WeightReceiver(g)
         target: dict[str, Any] = {"w": gb.Shard(torch.zeros(12, 8), (12, 16), (0, 8)), "b": torch.zeros(16)}
+        target.update({f"n{i}": torch.zeros(2, 4) for i in range(NORMS)})
         out, dropped = [], []
         for v in range(1, 6):
             if v == 3:
@@ -185,18 +212,21 @@ def _retargeted(rank: int, ports: Any) -> Any:
                 dropped.append(target["w"].tensor)
                 target["w"] = gb.Shard(torch.zeros(12, 8), (12, 16), (0, 8))
             elif v == 5:
-                dropped.append(target["b"])
-                target["b"] = torch.zeros(16)
+                dropped.append(target["n3"])
+                target["n3"] = torch.zeros(2, 4)
             rcv.receive_into(target)
-            out.append(_exact(target, v))
-        want = [_full("w", 2)[:, 8:], _full("w", 3)[:, 8:], _full("b", 4)]
-        return out, [torch.equal(d, w) for d, w in zip(dropped, want, strict=True)]
+            norms = all(torch.equal(target[f"n{i}"], _norm(i, v)) for i in range(NORMS))
+            out.append(norms and _exact({k: target[k] for k in ("w", "b")}, v))
+        want = [_full("w", 2)[:, 8:], _full("w", 3)[:, 8:], _norm(3, 4)]
+        return out, [torch.equal(d, w) for d, w in zip(dropped, want, strict=True)], made
 
 
 @pytest.mark.timeout(60)
 def test_a_receiver_that_swaps_its_targets_tensors_lands_each_sync_in_those_it_holds_now() -> None:
     res = run_ranks(_retargeted, 3, CTX.Queue(), timeout=50)
-    assert res == ["sent", "sent", ([True] * 5, [True] * 3)], res
+    out, dropped, made = res[2]
+    assert res[:2] == ["sent", "sent"] and out == [True] * 5 and dropped == [True] * 3, res
+    assert made == [True, True], made  # one per source's bucket, made at the first sync and kept
 
 
 @pytest.mark.timeout(90)

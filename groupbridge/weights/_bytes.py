@@ -192,6 +192,8 @@ def rows(view: torch.Tensor, parts: Sequence[Part]) -> Rows | None:
         return None
     storage = parts[0][2].untyped_storage()
     base, width = storage.data_ptr(), 0
+    if view.untyped_storage().data_ptr() == base:  # an indexed copy refuses a source inside its destination
+        return None
     offsets, ats, sizes = [], [], []
     for offset, nbytes, t, dtype in parts:
         if t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous():
@@ -205,12 +207,15 @@ def rows(view: torch.Tensor, parts: Sequence[Part]) -> Rows | None:
         width = math.gcd(width, offset, at, nbytes)
     if width == 0 or sum(sizes) // width > ROWS_PER_PIECE * len(parts):
         return None
-    counts = torch.tensor(sizes) // width
+    cpu = torch.device("cpu")  # whatever the caller's default device
+    counts = torch.tensor(sizes, device=cpu) // width
     starts = torch.cumsum(counts, 0) - counts  # where each piece's rows start among the pieces' rows
-    ramp = torch.arange(int(counts.sum()))
-    into = torch.repeat_interleave(torch.tensor(ats) // width - starts, counts) + ramp
-    pick = torch.repeat_interleave(torch.tensor(offsets) // width - starts, counts) + ramp
-    own = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes() // width * width,), (1,))
+    ramp = torch.arange(int(counts.sum()), device=cpu)
+    into = torch.repeat_interleave(torch.tensor(ats, device=cpu) // width - starts, counts) + ramp
+    pick = torch.repeat_interleave(torch.tensor(offsets, device=cpu) // width - starts, counts) + ramp
+    own = torch.empty(0, dtype=torch.uint8, device=cpu).set_(
+        storage, 0, (storage.nbytes() // width * width,), (1,)
+    )
     bucket = view[: view.numel() // width * width].view(-1, width)
     return Rows(own.view(-1, width), into, bucket, None if torch.equal(pick, ramp) else pick)
 

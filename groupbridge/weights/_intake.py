@@ -381,7 +381,7 @@ def _boxes_into(taker: Taker, session: Session, targets: Targets, atomic: bool, 
         return dest, boxes, [(w, t, taker.rename(w)) for w, (t, _) in dest.items()]
 
     # the same while the target and the plan are (a repeat sync's): looked up, not walked again
-    dest, boxes, pairs = taker.buffers.kept.get(targets, "slots", _bytes.Same(session.pairs), slots)
+    dest, boxes, pairs = targets.slots(session.pairs, slots)
     device = next((t.device for t, _ in dest.values()), taker.device)  # several devices: stage on the first
     names, parts = taker.rename, _parts(taker, session, taker.group.rank)
     if not atomic:  # a target in another dtype than the wire's takes its box apart, then cast in

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -14,6 +14,8 @@ from ..codec import dtype_name
 from ._header import Header, Verdict
 from .manifest import Entry, Manifest, compare, expected_specs, mismatch_message, tensors_of
 from .shard import Box, Shard, box_of
+
+T = TypeVar("T")
 
 
 def _renamed(e: Entry, rename: Callable[[str], str]) -> Entry:
@@ -68,16 +70,24 @@ class Fits:
 
 class Targets:
     """A ``receive_into`` target as the handshake sees it: its tensors by name (``named``), what it expects
-    of the sources, the boxes it posts as wants, and its tensors' addresses (which tag the base a delta is
-    applied to). Deriving them walks every tensor, a few microseconds each; :meth:`of` returns the last
-    sync's when the target holds the same tensor objects at the same addresses, as a training loop's does.
-    It holds the target's tensors until the next sync."""
+    of the sources, the boxes it posts as wants, its tensors' addresses (which tag the base a delta is
+    applied to) and where a plan's pieces land in it (:meth:`slots`). Deriving them walks every tensor, a few
+    microseconds each; :meth:`of` returns the last sync's when the target holds the same tensor objects at
+    the same addresses, as a training loop's does. The receiver keeps it, and so the target's tensors, until
+    its next receive or its close."""
 
     def __init__(self, named: dict[str, Any], renames: bool, key: list[tuple[Any, ...]] | None) -> None:
         self.named, self.renames, self.key = named, renames, key
         self.wants = wants_of(named, renames)
         self.addresses = tuple(data_ptr(t) for t in named.values())
         self._expected: dict[str, tuple[tuple[int, ...], str]] | None = None
+        self._slots: tuple[object, Any] | None = None
+
+    def slots(self, plan: object, make: Callable[[], T]) -> T:
+        """What ``make`` derives from this target for ``plan`` (where its pieces land), made once per plan."""
+        if self._slots is None or self._slots[0] is not plan:
+            self._slots = (plan, make())
+        return self._slots[1]
 
     @property
     def expected(self) -> dict[str, tuple[tuple[int, ...], str]]:

@@ -191,6 +191,7 @@ class WeightReceiver(Closing):
         if reads is not None and (self._renames or not keep):
             raise ValueError("receive(reads=...) takes the names on the wire and keep=True")
         self._begin("receive()")
+        self._targets = None  # a target of receive_into() is held no longer
         try:
             update = self._receive(allow_stale, timeout, accept, only_changed, keep, reads, ready)
         except BaseException:
