@@ -267,7 +267,9 @@ class WeightReceiver(Closing):
         tensors written. A delta is applied to the target itself when its tensors are contiguous and in the
         wire dtype (otherwise every sync is full). ``timeout`` (default: the group's) bounds the whole sync.
         With deltas, do not change the target between syncs: its unchanged tensors are taken to hold the
-        version last received (one that differs is caught by the digests and raises).
+        version last received (one that differs is caught by the digests and raises). The receiver keeps the
+        target's tensors until its next receive or :meth:`close`: a repeat sync into the same tensors reuses
+        what it worked out from them (their boxes, shapes and addresses) instead of walking them again.
         """
         self._begin("receive_into()")
         try:
