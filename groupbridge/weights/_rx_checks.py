@@ -78,6 +78,9 @@ class Targets:
 
     def __init__(self, named: dict[str, Any], renames: bool, key: list[tuple[Any, ...]] | None) -> None:
         self.named, self.renames, self.key = named, renames, key
+        self._held = [v.tensor if type(v) is Shard else v for v in named.values()]
+        """The tensors the key names by ``id``: held, so that no other object takes one of their ids (a
+        Shard's tensor may be replaced in the Shard itself)."""
         self.wants = wants_of(named, renames)
         self.addresses = tuple(data_ptr(t) for t in named.values())
         self._expected: dict[str, tuple[tuple[int, ...], str]] | None = None
@@ -109,7 +112,7 @@ def _identity(named: dict[str, Any]) -> list[tuple[Any, ...]] | None:
     """What a target's derived parts depend on: per tensor (or :class:`~.shard.Shard`), its name, which
     object it is, its address, shape, strides, dtype and device, and a Shard's box; None for any other value
     (a DTensor's box is its mesh's to say), which is derived anew each sync. Objects by ``id``: the
-    :class:`Targets` holding this key holds them, so no other object takes their ids meanwhile."""
+    :class:`Targets` holding this key holds them."""
     out: list[tuple[Any, ...]] = []
     for name, v in named.items():
         shard = v if type(v) is Shard else None
