@@ -106,8 +106,16 @@ class WeightReceiver(Closing):
         wants_if: str | None = None, seen: Callable[[str, bool], None] | None = None,
     ) -> Session:  # fmt: skip
         """This receiver's part of the handshake: its verdict on the sources' headers and manifest."""
-        check = partial(refusal, self.version, rename=self._rename, expected=expected, accept=accept,
-                        allow_stale=allow_stale, rank=self.group.rank, fits=self._fits)  # fmt: skip
+        check = partial(
+            refusal,
+            self.version,
+            rename=self._rename,
+            expected=expected,
+            accept=accept,
+            allow_stale=allow_stale,
+            rank=self.group.rank,
+            fits=self._fits,
+        )
 
         def judge(draft: Session) -> Verdict:
             refused = check(draft.header, draft.manifest)
@@ -286,9 +294,13 @@ class WeightReceiver(Closing):
         keep = ("atomic" if atomic else "streaming", targets.addresses)
         with self.group.depending_on(range(self.group.world_size)):
             session = self._handshake(
-                deadline, expected=expected, allow_stale=allow_stale, keep=keep,
-                targets=None if atomic else targets.named, wants=targets.wants,
-            )  # fmt: skip
+                deadline,
+                expected=expected,
+                allow_stale=allow_stale,
+                keep=keep,
+                targets=None if atomic else targets.named,
+                wants=targets.wants,
+            )
             taker = self._taker()
             intake = intake_into(taker, session, targets, atomic, deadline, keep)
             return into(taker, session, intake, deadline)
