@@ -263,3 +263,46 @@ def test_pieces_that_rows_would_not_serve_exactly_or_cheaply_are_unpacked_one_by
     big = torch.zeros(100 * 1026, dtype=torch.uint8)  # 1026-byte pieces 1028 apart: rows of 2 bytes
     bucket, parts = _pieces(big, 100, 1026, 2, torch.float16)
     assert _bytes.rows(bucket, parts) is None
+
+
+def test_pieces_end_to_end_of_one_shape_pack_as_one_concatenation_bit_exact() -> None:
+    """Runs of pieces end to end in the bucket, of one dtype and one shape past their first dimension, are
+    packed by one concatenation each; a cast, an unaligned piece, another shape, a gap, a scalar or a strided
+    box ends a run, and the bucket holds exactly what one copy per piece writes, its holes zeroed."""
+    g = torch.Generator().manual_seed(3)
+    parts: list[Any] = []
+    at = 0
+
+    def add(t: torch.Tensor, dtype: torch.dtype | None = None, gap: int = 0) -> None:
+        nonlocal at
+        dtype = dtype or t.dtype
+        at += gap
+        nbytes = t.numel() * dtype.itemsize
+        parts.append((at, nbytes, t, dtype))
+        at += nbytes
+
+    for _ in range(6):
+        add(torch.randn(2, 8, generator=g))
+    add(torch.randn(2, 8, generator=g), torch.bfloat16)  # a cast: ends the first run
+    for _ in range(5):
+        add(torch.randn(3, 8, generator=g)[:, :4])  # strided boxes, another shape: a run of their own
+    add(torch.randn(4, 4, generator=g), gap=8)  # a gap: not the run's next piece
+    add(torch.randn(()), gap=0)  # a scalar
+    add(torch.arange(3, dtype=torch.uint8))  # bytes that leave the next piece unaligned
+    for _ in range(5):
+        add(torch.randn(5, generator=g))
+    add(torch.arange(3, dtype=torch.uint8))
+    for _ in range(5):
+        add(torch.randn(5, generator=g), gap=1)  # every one aligned again, none end to end
+    bucket = torch.full((at + 16,), 9, dtype=torch.uint8)
+    layout = _bytes.layout(bucket, parts)
+    assert [(first, end) for first, end, _ in layout.runs] == [(0, 6), (7, 12)]
+    _bytes.copy_in(parts, layout._replace(runs=(), single=None))  # the one-copy-a-piece pack
+    expected = bucket.clone()
+    bucket.fill_(9)
+    _bytes.copy_in(parts, layout)
+    assert torch.equal(bucket, expected) and bucket[at:].eq(0).all()
+    for offset, nbytes, t, dtype in parts:  # and each piece reads back as itself
+        if offset % dtype.itemsize == 0:
+            got = bucket[offset : offset + nbytes].view(dtype).view(t.shape)
+            assert torch.equal(got, t.to(dtype))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 import weakref
@@ -66,6 +67,45 @@ def test_only_names_viewing_the_same_bytes_alike_are_tied() -> None:
         "tied": "w",
         "again": "w",
     }
+
+
+def test_a_source_described_again_keeps_its_manifest_only_while_it_describes_the_tensors() -> None:
+    """A repeat send's new tensors of the same names, shapes and dtypes keep the last manifest (object and
+    digest); a changed shape, dtype or name, or a tie between two names, is described anew."""
+    from groupbridge.weights._described import Described
+
+    class Quiet:
+        log = logging.getLogger("test")
+
+    described = Described(Quiet(), lambda name: name, None)  # type: ignore[arg-type]
+
+    def tensors(**change: torch.Tensor) -> dict[str, Any]:
+        out: dict[str, Any] = {"a": torch.ones(3, 2), "b": gb.Shard(torch.ones(2, 2), (4, 2), (2, 0))}
+        out.update(change)
+        return out
+
+    def send(named: dict[str, Any]) -> Manifest:
+        _, manifest, shards = described.describe(named, None)
+        described.remember(manifest, shards)
+        return manifest
+
+    first = send(tensors())
+    assert send(tensors()) is first
+    shape = send(tensors(a=torch.ones(2, 3)))
+    assert shape is not first and shape.entries[0].shape == (2, 3)
+    dtype = send(tensors(a=torch.ones(2, 3, dtype=torch.float64)))
+    assert dtype.entries[0].dtype == "float64"
+    assert send({"c": torch.ones(2, 3, dtype=torch.float64), "b": tensors()["b"]}).entries[0].name == "c"
+    a = torch.ones(2, 3, dtype=torch.float64)
+    untied = send({"c": a, "b": gb.Shard(torch.ones(2, 2), (4, 2), (2, 0)), "d": a.clone()})
+    assert [e.alias_of for e in untied.entries] == [None, None, None]
+    assert send({"c": a.clone(), "b": gb.Shard(torch.ones(2, 2), (4, 2), (2, 0)), "d": a.clone()}) is untied
+    tied = send({"c": a, "b": gb.Shard(torch.ones(2, 2), (4, 2), (2, 0)), "d": a})
+    assert [e.alias_of for e in tied.entries] == [None, None, "c"]
+    assert send({"c": a, "b": gb.Shard(torch.ones(2, 2), (4, 2), (2, 0)), "d": a}) is tied
+    assert send({"c": a, "b": gb.Shard(torch.ones(2, 2), (4, 2), (2, 0)), "d": a.clone()}) is not tied
+    with pytest.raises(TypeError, match="not a tensor"):
+        send({"c": a, "b": gb.Shard(torch.ones(2, 2), (4, 2), (2, 0)), "d": 3})
 
 
 def test_mismatch_message_lists_first_twenty_with_counts() -> None:

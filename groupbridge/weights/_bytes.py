@@ -104,6 +104,13 @@ class Layout(NamedTuple):
     (a pack) or an aligned copy (an unpack)."""
     holes: list[torch.Tensor]
     """The bytes between pieces (alignment padding) and after the last, zeroed by a pack."""
+    runs: tuple[tuple[int, int, torch.Tensor], ...] = ()
+    """Pieces ``i`` to ``j`` (excluded) end to end in the buffer, each in the dtype it travels as, of one
+    rank and one shape past the first dimension: packed by one ``torch.cat`` into ``view``, their bytes in
+    the buffer shaped as that concatenation. ``torch._foreach_copy_`` dispatches each piece on its own (about
+    a microsecond apiece); the concatenation copies them in one call (see docs/results.md)."""
+    single: list[int] | None = None
+    """The typed pieces (not ``raw``) outside every run, which a pack copies one by one; None: all of them."""
 
 
 def layout(view: torch.Tensor, parts: Sequence[Part]) -> Layout:
@@ -125,7 +132,46 @@ def layout(view: torch.Tensor, parts: Sequence[Part]) -> Layout:
         prev = offset + nbytes
     if view.numel() > prev:
         holes.append(view[prev:])
-    return Layout(views, frozenset(raw), holes)
+    runs = _runs(view, parts, raw)
+    covered = {i for first, end, _ in runs for i in range(first, end)}
+    single = [i for i in range(len(parts)) if i not in raw and i not in covered] if runs else None
+    return Layout(views, frozenset(raw), holes, runs, single)
+
+
+MIN_RUN = 4
+"""Fewer pieces in a row than this are packed by the one ``torch._foreach_copy_`` of the rest: a run this
+short is where a concatenation stops costing more than the pieces' dispatch (see docs/results.md)."""
+
+
+def _runs(
+    view: torch.Tensor, parts: Sequence[Part], raw: set[int]
+) -> tuple[tuple[int, int, torch.Tensor], ...]:
+    """The runs of :attr:`Layout.runs` among ``parts`` (laid out in ``view``), each at least :data:`MIN_RUN`
+    pieces long."""
+    runs = []
+    first, n = 0, len(parts)
+    while first < n:
+        end = first + 1
+        offset, nbytes, t, dtype = parts[first]
+        if first not in raw and t.dtype == dtype and t.dim() > 0:
+            stop, trailing = offset + nbytes, t.shape[1:]
+            while end < n and end not in raw:
+                o, b, u, d = parts[end]
+                if (
+                    o != stop
+                    or d != dtype
+                    or u.dtype != dtype
+                    or u.dim() != t.dim()
+                    or u.shape[1:] != trailing
+                ):
+                    break
+                stop += b
+                end += 1
+            if end - first >= MIN_RUN:
+                rows = sum(parts[i][2].shape[0] for i in range(first, end))
+                runs.append((first, end, view[offset:stop].view(dtype).view(rows, *trailing)))
+        first = end
+    return tuple(runs)
 
 
 def copy_in(parts: Sequence[Part], at: Layout) -> None:
@@ -137,7 +183,12 @@ def copy_in(parts: Sequence[Part], at: Layout) -> None:
         for i in at.raw:
             _, _, t, dtype = parts[i]
             at.views[i].copy_(t.to(dtype).reshape(-1).view(torch.uint8))
-        views, tensors = _typed(parts, at)
+        for first, end, out in at.runs:
+            torch.cat([p[2] for p in parts[first:end]], out=out)
+        if at.single is not None:
+            views, tensors = [at.views[i] for i in at.single], [parts[i][2] for i in at.single]
+        else:
+            views, tensors = _typed(parts, at)
         if views:
             torch._foreach_copy_(views, tensors)
 

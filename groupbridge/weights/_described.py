@@ -57,6 +57,8 @@ class Described:
         """The previous send's manifest."""
         self.shards: Boxes = {}
         """The boxes the previous send held."""
+        self._signature: tuple[Manifest, list[tuple[str, torch.Size, torch.dtype]]] | None = None
+        """A manifest with no tied names and the (name, shape, dtype) of the tensors it was built from."""
 
     def remember(self, manifest: Manifest, shards: Boxes) -> None:
         self.manifest, self.shards = manifest, shards
@@ -76,12 +78,39 @@ class Described:
             )
             items = list(items)
         pairs, shards = [], {}
+        rename = self._rename
         for n, value in items:
-            name, shard = self._rename(n), box_of(value)
-            if shard is not None and not shard.whole:
+            name = rename(n)
+            shard = box_of(value)
+            if shard is None:
+                pairs.append((name, value))
+                continue
+            if shard.global_shape != shard.tensor.shape:  # a box, not the whole tensor
                 shards[name] = (shard.global_shape, shard.offset)
-            pairs.append((name, shard.tensor if shard is not None else value))
-        return pairs, Manifest.build(pairs, self.wire_dtype, like=self.manifest), shards
+            pairs.append((name, shard.tensor))
+        return pairs, self._manifest_of(pairs), shards
+
+    def _manifest_of(self, pairs: list[tuple[str, torch.Tensor]]) -> Manifest:
+        """The manifest of ``pairs``: the previous send's when it describes them, as a training loop's tensors
+        are every step. That is found by comparing two lists whole (names, shapes and dtypes, then addresses
+        all distinct: no tied names) instead of building each entry and comparing it."""
+        try:
+            signature = [(name, t.shape, t.dtype) for name, t in pairs]
+        except AttributeError:  # a value that is not a tensor: the manifest's build says which
+            signature = None
+        last = self._signature
+        if (
+            signature is not None
+            and last is not None
+            and last[0] is self.manifest
+            and last[1] == signature
+            and _untied(pairs)
+        ):
+            return last[0]
+        manifest = Manifest.build(pairs, self.wire_dtype, like=self.manifest)
+        untied = all(e.alias_of is None for e in manifest.entries)
+        self._signature = (manifest, signature) if signature is not None and untied else None
+        return manifest
 
     def _from_specs(self, specs: Specs) -> tuple[Manifest, Boxes]:
         """A lazy source's manifest and boxes from ``specs``: name -> (shape, dtype), or (shape, dtype,
@@ -114,6 +143,13 @@ class Described:
                     "the previous send): the boxes of a lazy source must not change"
                 )
             yield name, shard.tensor if shard is not None else value
+
+
+def _untied(pairs: list[tuple[str, torch.Tensor]]) -> bool:
+    """No two of these tensors start at one address (empty and meta tensors all start at 0), so none is tied
+    to another: a manifest with no tied names describes them if their names, shapes and dtypes match it."""
+    addresses = [t.data_ptr() for _, t in pairs]
+    return len(set(addresses)) == len(addresses)
 
 
 def in_place(items: Pairs, manifest: Manifest, delta: bool, plans: Plans) -> bool:
