@@ -50,7 +50,7 @@ BLAKE2b. 4 -> 5: a sync's header says how big a bucket of a source's many-source
 (``bucket_cap``) and whether its pairs may be deltas (``pair_deltas``): a member of protocol 4 would plan
 other buckets and refuse the header. 5 -> 6: a rank's claim is a counter and a sealed record (see
 :func:`_claim`); a member of protocol 5 writes no record, and a later claim would not see it. 6 -> 7: a
-fan-out stream's bucket digests go to each receiver on their own tag, as a pair's do (``_bytes.Digests``);
+fan-out stream's bucket digests go to each receiver on their own tag, as a pair's do (``_digests.Digests``);
 a member of protocol 6 would wait for them in a broadcast; a header says whether receivers may forward its
 source's pairs (``forward``), which a member of protocol 6 would refuse. 7 -> 8: the handshake's posts
 carry a layout by digest once every member holds it, gathered field by field (``weights._posts``), and

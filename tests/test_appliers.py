@@ -267,8 +267,8 @@ def test_pieces_that_rows_would_not_serve_exactly_or_cheaply_are_unpacked_one_by
 
 def test_pieces_end_to_end_of_one_shape_pack_as_one_concatenation_bit_exact() -> None:
     """Runs of pieces end to end in the bucket, of one dtype and one shape past their first dimension, are
-    packed by one concatenation each; a cast, an unaligned piece, another shape, a gap, a scalar or a strided
-    box ends a run, and the bucket holds exactly what one copy per piece writes, its holes zeroed."""
+    packed by one concatenation each; a cast, an unaligned piece, another shape, a gap, a scalar or a large
+    piece ends a run, and the bucket holds exactly what one copy per piece writes, its holes zeroed."""
     g = torch.Generator().manual_seed(3)
     parts: list[Any] = []
     at = 0
@@ -294,9 +294,16 @@ def test_pieces_end_to_end_of_one_shape_pack_as_one_concatenation_bit_exact() ->
     add(torch.arange(3, dtype=torch.uint8))
     for _ in range(5):
         add(torch.randn(5, generator=g), gap=1)  # every one aligned again, none end to end
+    for _ in range(3):
+        add(torch.randn(4, 4, generator=g), gap=3)
+    add(torch.randn(_bytes.MAX_RUN_PIECE // 16 + 1, 4, generator=g))  # past the size a run takes
+    for _ in range(4):
+        add(torch.randn(2, 4, generator=g))
     bucket = torch.full((at + 16,), 9, dtype=torch.uint8)
-    layout = _bytes.layout(bucket, parts)
-    assert [(first, end) for first, end, _ in layout.runs] == [(0, 6), (7, 12)]
+    assert _bytes.layout(bucket, parts).runs == ()  # an unpack's layout: no runs made
+    layout = _bytes.layout(bucket, parts, runs=True)
+    big = len(parts) - 5
+    assert [(first, end) for first, end, _ in layout.runs] == [(0, 6), (7, 12), (big + 1, big + 5)]
     _bytes.copy_in(parts, layout._replace(runs=(), single=None))  # the one-copy-a-piece pack
     expected = bucket.clone()
     bucket.fill_(9)

@@ -1,20 +1,15 @@
-"""Byte-level helpers shared by sender and receiver: views, packing, in-place bucket detection, digests."""
+"""Byte-level helpers shared by sender and receiver: views, packing, in-place bucket detection, the views kept
+between syncs (a bucket's digests: :mod:`._digests`)."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Container, Hashable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from typing import Any, NamedTuple, TypeVar
 
 import torch
-import xxhash
 
-from ._device_digest import checksum64
 from .plan import Plan, Segment
-
-if TYPE_CHECKING:
-    from ..control import Deadline
-    from ..stateless import StatelessGroup
 
 T = TypeVar("T")
 
@@ -84,7 +79,7 @@ def pack_parts(view: torch.Tensor, parts: Iterable[Part]) -> None:
     digest, and delta) depend on the tensors alone. A piece is cast to the dtype it travels as while copied:
     into this warm buffer, a quarter of the cost of casting into a fresh tensor first (its page faults)."""
     parts = list(parts)
-    copy_in(parts, layout(view, parts))
+    copy_in(parts, layout(view, parts, runs=True))
 
 
 def unpack_parts(view: torch.Tensor, parts: Iterable[Part]) -> None:
@@ -113,9 +108,10 @@ class Layout(NamedTuple):
     """The typed pieces (not ``raw``) outside every run, which a pack copies one by one; None: all of them."""
 
 
-def layout(view: torch.Tensor, parts: Sequence[Part]) -> Layout:
-    """The views of ``parts`` in ``view`` (uint8). Made in Python, a few microseconds a piece: a bucket of a
-    sharded model's norms holds thousands of pieces, so a sync that repeats keeps them (:class:`Kept`)."""
+def layout(view: torch.Tensor, parts: Sequence[Part], *, runs: bool = False) -> Layout:
+    """The views of ``parts`` in ``view`` (uint8), and with ``runs`` (a pack's) its :attr:`Layout.runs`. Made
+    in Python, a few microseconds a piece: a bucket of a sharded model's norms holds thousands of pieces, so a
+    sync that repeats keeps them (:class:`Kept`)."""
     views, raw, holes = [], set(), []
     prev = 0
     for i, (offset, nbytes, t, dtype) in enumerate(parts):
@@ -132,35 +128,46 @@ def layout(view: torch.Tensor, parts: Sequence[Part]) -> Layout:
         prev = offset + nbytes
     if view.numel() > prev:
         holes.append(view[prev:])
-    runs = _runs(view, parts, raw)
-    covered = {i for first, end, _ in runs for i in range(first, end)}
-    single = [i for i in range(len(parts)) if i not in raw and i not in covered] if runs else None
-    return Layout(views, frozenset(raw), holes, runs, single)
+    found = _runs(view, parts, raw) if runs else ()
+    covered = {i for first, end, _ in found for i in range(first, end)}
+    single = [i for i in range(len(parts)) if i not in raw and i not in covered] if found else None
+    return Layout(views, frozenset(raw), holes, found, single)
 
 
 MIN_RUN = 4
 """Fewer pieces in a row than this are packed by the one ``torch._foreach_copy_`` of the rest: a run this
 short is where a concatenation stops costing more than the pieces' dispatch (see docs/results.md)."""
 
+MAX_RUN_PIECE = 1 << 16
+"""Bytes past which a piece joins no run: its copy costs more than its dispatch, and a large copy is spread
+over torch's threads either way."""
+
 
 def _runs(
     view: torch.Tensor, parts: Sequence[Part], raw: set[int]
 ) -> tuple[tuple[int, int, torch.Tensor], ...]:
     """The runs of :attr:`Layout.runs` among ``parts`` (laid out in ``view``), each at least :data:`MIN_RUN`
-    pieces long."""
-    runs = []
+    pieces of at most :data:`MAX_RUN_PIECE` bytes long. Only in host memory, every piece there too: a
+    concatenation takes its inputs on its output's device, and on an accelerator it is not measured yet."""
+    runs: list[tuple[int, int, torch.Tensor]] = []
+    if view.device.type != "cpu":
+        return ()
     first, n = 0, len(parts)
+
+    def joins(t: torch.Tensor, nbytes: int, dtype: torch.dtype) -> bool:
+        return t.dtype == dtype and nbytes <= MAX_RUN_PIECE and t.device == view.device
+
     while first < n:
         end = first + 1
         offset, nbytes, t, dtype = parts[first]
-        if first not in raw and t.dtype == dtype and t.dim() > 0:
+        if first not in raw and joins(t, nbytes, dtype) and t.dim() > 0:
             stop, trailing = offset + nbytes, t.shape[1:]
             while end < n and end not in raw:
                 o, b, u, d = parts[end]
                 if (
                     o != stop
                     or d != dtype
-                    or u.dtype != dtype
+                    or not joins(u, b, dtype)
                     or u.dim() != t.dim()
                     or u.shape[1:] != trailing
                 ):
@@ -175,8 +182,8 @@ def _runs(
 
 
 def copy_in(parts: Sequence[Part], at: Layout) -> None:
-    """Pack: every piece into its view (one ``torch._foreach_copy_``, cast to the dtype it travels as on the
-    way), the holes zeroed."""
+    """Pack: every piece into its view, the holes zeroed: a run (:attr:`Layout.runs`) by one ``torch.cat``,
+    the other pieces by one ``torch._foreach_copy_`` (cast to the dtype they travel as on the way)."""
     with torch.no_grad():
         if at.holes:
             torch._foreach_zero_(at.holes)
@@ -392,71 +399,3 @@ class BufferCache:
     def clear(self) -> None:
         self._buffers.clear()
         self.kept.clear()
-
-
-def digest(buf: torch.Tensor, kind: str, group: StatelessGroup) -> int | bytes:
-    """A bucket's digest: ``xxh3`` (XXH3-64: catches corruption), ``mix64`` (the same, computed on the
-    bucket's device: see ``_device_digest``) or ``blake3`` (keyed BLAKE3, keyed from the group's token:
-    catches forgery too). The host's release the GIL while hashing; their speeds are in docs/results.md."""
-    if kind == "mix64":
-        return checksum64(buf)
-    if buf.device.type != "cpu":
-        buf = buf.cpu()
-    if kind == "xxh3":
-        return xxhash.xxh3_64_intdigest(buf.numpy().data)
-    h = group.control.sealer.digest()
-    h.update(buf.numpy().data)
-    return bytes(h.digest())
-
-
-DIGEST_TAG = "weights-digests"
-
-
-class Digests:
-    """One member's digests of a sync's buckets (``kind``: see :func:`digest`), one list per stream: a source
-    takes one per bucket it posts and, after its last, sends each receiver the list of the stream that
-    reached it (:meth:`send`); a receiver takes one per bucket that lands and compares. With no ``kind`` (the
-    sender's ``checksum=False``, no token), the streams of ``chained`` (by their key) are digested all the
-    same, with ``xxh3``: a receiver down a chain takes bytes a peer passed on, not the source's."""
-
-    def __init__(self, kind: str, group: StatelessGroup, chained: Container[int | None] = ()) -> None:
-        self.kind = kind
-        self.group = group
-        self.chained = chained
-        self.taken: dict[int | None, list[int | bytes]] = {}
-
-    def kind_of(self, stream: int | None) -> str:
-        return self.kind or ("xxh3" if stream in self.chained else "")
-
-    def take(self, view: torch.Tensor, stream: int | None = None) -> None:
-        kind = self.kind_of(stream)
-        if kind:
-            self.taken.setdefault(stream, []).append(digest(view, kind, self.group))
-
-    def send(self, routes: Iterable[tuple[int, int | None]]) -> None:
-        """To each receiver, the digests of the stream that reached it: (receiver, the stream's key: None
-        for a fan-out stream, else the receiver the source sent it to, which forwarded it on)."""
-        for r, stream in routes:
-            if self.kind_of(stream):
-                self.group.send_obj(self.taken.get(stream, []), r, tag=DIGEST_TAG)
-
-    def check(self, src: int, deadline: Deadline, via: int | None = None) -> str | None:
-        """Compare what landed from ``src`` (passed on by receiver ``via``, if forwarded) with the digests it
-        sent; why the bytes are refused, or None."""
-        kind = self.kind_of(src)
-        if not kind:
-            return None
-        sent: Any = self.group.recv_obj(src, timeout=deadline, tag=DIGEST_TAG)
-        mine = self.taken.get(src, [])
-        if not isinstance(sent, list) or len(sent) != len(mine):
-            return f"rank {src}'s digests are malformed ({type(sent).__name__}, not {len(mine)} digests)"
-        bad = [k for k, (a, b) in enumerate(zip(sent, mine, strict=True)) if a != b]
-        if not bad:
-            return None
-        which = f"{kind} mismatch in bucket(s) {', '.join(map(str, bad[:20]))} of {len(mine)} from rank {src}"
-        if via is None or via == src:
-            return f"{which}: the bytes that arrived are corrupted, short or were not sent by that member"
-        return (
-            f"{which}, passed on by rank {via}: corrupted by rank {via} or on its link to this one when rank "
-            f"{via}'s own copy matched (its vote says), else on the way from rank {src}"
-        )

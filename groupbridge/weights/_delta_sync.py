@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..errors import ProtocolError
-from . import _bytes, _delta
+from . import _delta, _digests
 from ._delta import Code
 from .manifest import Manifest
 from .plan import Plan
@@ -124,9 +124,9 @@ def diff(
 ) -> Diffed:
     """Diff bucket ``new`` against the base's ``old``, bringing ``old`` up to ``new``; digests by ``kind``."""
     enc = _delta.encode(new, old, word, mask)
-    digest = _bytes.digest(old, kind, group)
+    digest = _digests.digest(old, kind, group)
     if enc.payload is not None:
-        return Diffed(enc, digest, _bytes.digest(enc.payload, kind, group))
+        return Diffed(enc, digest, _digests.digest(enc.payload, kind, group))
     return Diffed(enc, digest, digest if enc.code is Code.DENSE else None)
 
 
@@ -159,7 +159,7 @@ class Applied:
 
     def _check(self, view: torch.Tensor, k: int) -> str | None:
         """Why ``view`` (bucket ``k`` after its delta, or unchanged by it) is not the sender's new version."""
-        if _bytes.digest(view, self.kind, self.group) == self.desc.digests[k - self.first]:
+        if _digests.digest(view, self.kind, self.group) == self.desc.digests[k - self.first]:
             return None
         return (
             f"{self.what(k)} does not match the sender's new version after the delta: this receiver's copy "
@@ -175,7 +175,7 @@ class Applied:
     def changed(self, k: int, j: int, payload: torch.Tensor) -> str | None:
         """Apply wire bucket ``j`` (``payload``) to bucket ``k``."""
         view, w, i = self.base(k), self.sizes[k], k - self.first
-        if _bytes.digest(payload, self.kind, self.group) != self.desc.wire_digests[j]:
+        if _digests.digest(payload, self.kind, self.group) != self.desc.wire_digests[j]:
             return f"the delta of {self.what(k)} arrived corrupted (its {self.kind} does not match)"
         moved = self.run(partial(_delta.apply, view, payload, self.desc.codes[i], self.desc.counts[i], w))
         if (problem := self._check(view, k)) is not None:

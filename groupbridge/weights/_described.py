@@ -95,16 +95,19 @@ class Described:
         are every step. That is found by comparing two lists whole (names, shapes and dtypes, then addresses
         all distinct: no tied names) instead of building each entry and comparing it."""
         try:
-            signature = [(name, t.shape, t.dtype) for name, t in pairs]
+            signature: list[tuple[str, torch.Size, torch.dtype]] | None = [
+                (n, t.shape, t.dtype) for n, t in pairs
+            ]
+            untied = _untied(pairs)
         except AttributeError:  # a value that is not a tensor: the manifest's build says which
-            signature = None
+            signature, untied = None, False
         last = self._signature
         if (
             signature is not None
+            and untied
             and last is not None
             and last[0] is self.manifest
             and last[1] == signature
-            and _untied(pairs)
         ):
             return last[0]
         manifest = Manifest.build(pairs, self.wire_dtype, like=self.manifest)
@@ -146,9 +149,10 @@ class Described:
 
 
 def _untied(pairs: list[tuple[str, torch.Tensor]]) -> bool:
-    """No two of these tensors start at one address (empty and meta tensors all start at 0), so none is tied
-    to another: a manifest with no tied names describes them if their names, shapes and dtypes match it."""
-    addresses = [t.data_ptr() for _, t in pairs]
+    """No two of these tensors with bytes start at one address, so none is tied to another (an empty or meta
+    tensor never is: ``Manifest.build``): a manifest with no tied names describes them if their names, shapes
+    and dtypes match it."""
+    addresses = [t.data_ptr() for _, t in pairs if t.numel() and not t.is_meta]
     return len(set(addresses)) == len(addresses)
 
 

@@ -41,7 +41,7 @@ class Header:
     solo_bytes: int
     transport: str
     verify: str
-    """How receivers check the bytes before accepting them (``_bytes.digest``): "" (not at all), "xxh3"
+    """How receivers check the bytes before accepting them (``_digests.digest``): "" (not at all), "xxh3"
     (XXH3-64 on the host), "mix64" (a checksum computed on the bucket's device, ``_device_digest``), or
     "blake3" (keyed BLAKE3, only with a token, keyed from it: bytes injected by anyone else are refused)."""
     total_bytes: int

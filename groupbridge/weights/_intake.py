@@ -15,7 +15,7 @@ import torch
 from ..codec import dtype_from_name
 from ..control import Deadline
 from ..errors import WeightSyncError
-from . import _bytes, _delta_sync
+from . import _bytes, _delta_sync, _digests
 from ._appliers import Applier, Ring, Scratch, Staged, Streaming, counts, fill_aliases, hand_on, wire_typed
 from ._delta_sync import Applied, delta_digest, wire_plan
 from ._rx_checks import Targets
@@ -87,7 +87,7 @@ class Intake:
         for, are checked last."""
         self.streams = self.streams_of()
         chained = {s.source for s in self.streams if s.chained}
-        digests = _bytes.Digests(self.session.header.verify, self.taker.group, chained)
+        digests = _digests.Digests(self.session.header.verify, self.taker.group, chained)
         landers = [_Lander(self, s, digests) for s in self.streams]
         for g in range(max((len(s.parts) for s in self.streams), default=0)):
             feeds: dict[int, list[Feed]] = {}
@@ -154,7 +154,7 @@ class _Lander:
     landed through the applier (what it makes whole goes to the intake's ``ready``). A delta is applied where
     the version held lies: a pair's base, or a fan-out's tensors as its applier holds them (``held``)."""
 
-    def __init__(self, intake: Intake, stream: Stream, digests: _bytes.Digests) -> None:
+    def __init__(self, intake: Intake, stream: Stream, digests: _digests.Digests) -> None:
         self.intake, self.stream, self.digests = intake, stream, digests
         self.applier, self.cut = intake.applier, stream.cut
         fanout = stream.to is None

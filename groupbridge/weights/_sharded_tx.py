@@ -70,7 +70,9 @@ class SourceSlots:
             (offset, nbytes, slots[name][0] if box is None else slots[name][0][box], dtype)
             for name, offset, nbytes, box, dtype in recipe
         ]
-        at = self._kept.get(pieces, "pack", _bytes.address(into), lambda: _bytes.layout(into, parts))
+        at = self._kept.get(
+            pieces, "pack", _bytes.address(into), lambda: _bytes.layout(into, parts, runs=True)
+        )
         _bytes.copy_in(parts, at)
 
     def _recipe(

@@ -16,7 +16,7 @@ import torch
 
 from ..control import Deadline
 from ..stateless import StatelessGroup
-from . import _bytes, _delta_sync
+from . import _bytes, _delta_sync, _digests
 from ._copier import Copier
 from ._delta_sync import Policy, delta_digest
 from ._delta_tx import Diffs
@@ -40,7 +40,7 @@ class Packed:
     a diff on the way. ``in_place`` counts the buckets sent from the source's own storage."""
 
     def __init__(
-        self, reads: SourceReads, copier: Copier, digests: _bytes.Digests, *,
+        self, reads: SourceReads, copier: Copier, digests: _digests.Digests, *,
         base: torch.Tensor | None = None, sample: Callable[[torch.Tensor, int], None] | None = None,
         to: int | None = None,
     ) -> None:  # fmt: skip
@@ -188,7 +188,7 @@ def send_streams(
     a lazy source is pulled. See :func:`source_sync` for what follows."""
     me, header = group.rank, session.header
     chained = {session.pairs.head(me, s.to) for s in streams if s.chained and s.to is not None}
-    digests = _bytes.Digests(header.verify, group, chained)
+    digests = _digests.Digests(header.verify, group, chained)
     sent = Sent(delta=any(s.delta for s in streams))
     ends: dict[int, int] = {}  # how far each stream's buckets are posted (a delta's: diffed, once per cut)
 
