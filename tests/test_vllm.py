@@ -176,16 +176,10 @@ def test_trainer_init_info_is_checked_before_anything_starts() -> None:
     for bad in (0, -1, 1e9, 1e300, float("inf"), float("nan"), True, "60"):
         with pytest.raises(ValueError, match="timeout_s"):
             TrainerInitInfo(rank=0, timeout_s=bad)  # type: ignore[arg-type]
-    # the names before they said their unit: still taken, with a warning, never beside the new one
-    with pytest.warns(DeprecationWarning) as said:
-        old = TrainerInitInfo(rank=0, timeout=60, liveness=3)
-    assert (old.timeout_s, old.liveness_s) == (60, 3)
-    assert sorted(str(w.message).split("=")[0] for w in said) == ["liveness", "timeout"]
-    assert {w.filename for w in said} == {__file__}  # the warning points at the caller's line
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="liveness_s"):
-        TrainerInitInfo(rank=0, liveness=-1)
-    with pytest.raises(ValueError, match="one setting"):
-        TrainerInitInfo(rank=0, timeout=60, timeout_s=30)
+    # the names before they said their unit are gone (docs/api.md, "Changes")
+    for old in ("timeout", "liveness"):
+        with pytest.raises(TypeError, match=old):
+            TrainerInitInfo(rank=0, **{old: 60})
     with pytest.raises(TypeError):
         TrainerConfig("::1")  # type: ignore[misc]  # keyword-only: no field is given by position
     # frozen once checked: a change is a checked copy

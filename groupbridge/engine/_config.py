@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,22 +99,8 @@ class TrainerConfig:
     rollback: bool | None = None
     serve_unverified: bool = False
     reset_versions: bool = False
-    timeout: float | None = None
-    liveness: float | None = None
 
     def __post_init__(self) -> None:
-        for old in ("timeout", "liveness"):
-            value = getattr(self, old)
-            if value is None:
-                continue
-            new = f"{old}_s"
-            if getattr(self, new) != _DEFAULTS[new]:
-                raise ValueError(f"{old}= and {new}= are one setting: pass {new}= only")
-            # the caller's line: past this method and __init__ (and a subclass's __post_init__ calling it)
-            depth = 3 if type(self).__post_init__ is TrainerConfig.__post_init__ else 4
-            warnings.warn(f"{old}= is deprecated: pass {new}= (seconds)", DeprecationWarning,
-                          stacklevel=depth)  # fmt: skip
-            object.__setattr__(self, new, value)
         if not isinstance(self.workers, int) or self.workers < 1:
             raise ValueError(f"workers={self.workers!r} must be >= 1 (the number of worker processes)")
         if self.transport != "auto" and self.transport not in TRANSPORTS:
@@ -176,6 +161,3 @@ class TrainerConfig:
                 f"rank {rank} of {self.sources} sending trainer ranks dials rank 0's bridge: pass port= "
                 "(rank 0's address.port)"
             )
-
-
-_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainerConfig)}

@@ -26,7 +26,6 @@ import torch
 from ..errors import ProtocolError
 from . import _delta, _digests
 from ._delta import Code
-from .manifest import Manifest
 from .plan import Plan
 
 if TYPE_CHECKING:
@@ -209,13 +208,6 @@ def delta_digest(header: Header) -> str:
     """How a delta is verified: as the sync's header says, and with XXH3-64 where it says nothing (a delta
     is always checked: a receiver whose copy differs from the sender's must not hold a third model)."""
     return str(header.verify) or "xxh3"
-
-
-def word_counts(plan: Plan, manifest: Manifest) -> tuple[list[int], list[int]]:
-    """Each bucket's comparison word size and word count."""
-    sizes = [_delta.word_size(plan, manifest, k) for k in range(len(plan.buckets))]
-    words = [(e - s) // w for (s, e), w in zip(plan.bounds, sizes, strict=True)]
-    return sizes, words
 
 
 def wire_plan(desc: Description, sizes: list[int], words: list[int]) -> tuple[Plan, list[int]]:

@@ -34,11 +34,6 @@ class SyncStats:
     """Payload bytes each receiver (by rank) took from this sender: all of ``bytes`` from one source of whole
     tensors, else its boxes (many sources, or a receiver taking only the slices it reads)."""
 
-    @property
-    def gbps(self) -> float:
-        """Deprecated name of :attr:`gb_per_s` (gigabytes per second, not gigabits)."""
-        return self.gb_per_s
-
 
 def finished(group: StatelessGroup, version: int, total: int, seconds: float, **fields: Any) -> SyncStats:
     """What a source's sync (any plan) reports: its stats, logged once."""

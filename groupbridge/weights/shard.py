@@ -35,13 +35,6 @@ class Box:
     def end(self) -> tuple[int, ...]:
         return tuple(o + s for o, s in zip(self.offset, self.shape, strict=True))
 
-    def intersect(self, other: Box) -> Box | None:
-        lo = tuple(max(a, b) for a, b in zip(self.offset, other.offset, strict=True))
-        hi = tuple(min(a, b) for a, b in zip(self.end(), other.end(), strict=True))
-        if any(h <= lo_ for lo_, h in zip(lo, hi, strict=True)) and self.shape:
-            return None
-        return Box(lo, tuple(h - lo_ for lo_, h in zip(lo, hi, strict=True)))
-
     def contains(self, other: Box) -> bool:
         return all(a <= b for a, b in zip(self.offset, other.offset, strict=True)) and all(
             a >= b for a, b in zip(self.end(), other.end(), strict=True)
