@@ -2051,7 +2051,9 @@ def test_vllm_serve_stops_serving_a_first_version_that_fails_its_probe(
     from groupbridge.vllm._control import HttpClient, VllmControl
 
     path = tmp_path_factory.mktemp("qwen2-serve-unverified")
-    LONG = 4000  # the streaming request, begun as the verdict is sent, outlasts it on a busy host
+    # the streaming request, begun as the verdict is sent, outlasts it on a busy host: the verdict took the
+    # time of 4,000 tokens once (it ends the request after a few dozen otherwise)
+    LONG = 16000
     model = make_model(path, "qwen2", seed=9, max_positions=LONG + 16)
 
     def ref(v: int) -> list[float]:
