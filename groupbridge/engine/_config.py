@@ -34,8 +34,6 @@ class TrainerConfig:
         token: a shared secret: members prove it at join and every bucket carries a MAC.
         timeout_s: seconds that bound each whole update (and joining).
         liveness_s: seconds after which a silent peer counts as gone.
-        timeout, liveness: the names ``timeout_s`` and ``liveness_s`` had before they said their unit;
-            still taken (with a DeprecationWarning), never together with the new name.
         checksum: a checksum of every bucket, verified before the update is loaded (implied by a token):
             XXH3-64 for buckets in host memory, ``mix64`` (computed on the device) for a device's.
         bucket_bytes: bucket size (None: the library's default).

@@ -103,7 +103,7 @@ class Layout(NamedTuple):
     """Pieces ``i`` to ``j`` (excluded) end to end in the buffer, each in the dtype it travels as, of one
     rank and one shape past the first dimension: packed by one ``torch.cat`` into ``view``, their bytes in
     the buffer shaped as that concatenation. ``torch._foreach_copy_`` dispatches each piece on its own (about
-    a microsecond apiece); the concatenation copies them in one call (see docs/results.md)."""
+    under a microsecond apiece); the concatenation copies them in one call (see docs/results.md)."""
     single: list[int] | None = None
     """The typed pieces (not ``raw``) outside every run, which a pack copies one by one; None: all of them."""
 
@@ -135,12 +135,12 @@ def layout(view: torch.Tensor, parts: Sequence[Part], *, runs: bool = False) -> 
 
 
 MIN_RUN = 4
-"""Fewer pieces in a row than this are packed by the one ``torch._foreach_copy_`` of the rest: a run this
-short is where a concatenation stops costing more than the pieces' dispatch (see docs/results.md)."""
+"""Fewer pieces in a row than this are packed by the one ``torch._foreach_copy_`` of the rest: where the run
+is the whole bucket, this is where a concatenation stops costing more than the pieces' dispatch (see
+docs/results.md); in a bucket whose other pieces still take their own call, a run this short saves less."""
 
 MAX_RUN_PIECE = 1 << 16
-"""Bytes past which a piece joins no run: its copy costs more than its dispatch, and a large copy is spread
-over torch's threads either way."""
+"""Bytes past which a piece joins no run: its copy costs more than its dispatch."""
 
 
 def _runs(
