@@ -102,8 +102,8 @@ class Layout(NamedTuple):
     runs: tuple[tuple[int, int, torch.Tensor], ...] = ()
     """Pieces ``i`` to ``j`` (excluded) end to end in the buffer, each in the dtype it travels as, of one
     rank and one shape past the first dimension: packed by one ``torch.cat`` into ``view``, their bytes in
-    the buffer shaped as that concatenation. ``torch._foreach_copy_`` dispatches each piece on its own (about
-    under a microsecond apiece); the concatenation copies them in one call (see docs/results.md)."""
+    the buffer shaped as that concatenation. ``torch._foreach_copy_`` dispatches each piece on its own
+    (under a microsecond apiece); the concatenation copies them in one call (see docs/results.md)."""
     single: list[int] | None = None
     """The typed pieces (not ``raw``) outside every run, which a pack copies one by one; None: all of them."""
 
@@ -149,9 +149,9 @@ def _runs(
     """The runs of :attr:`Layout.runs` among ``parts`` (laid out in ``view``), each at least :data:`MIN_RUN`
     pieces of at most :data:`MAX_RUN_PIECE` bytes long. Only in host memory, every piece there too: a
     concatenation takes its inputs on its output's device, and on an accelerator it is not measured yet."""
-    runs: list[tuple[int, int, torch.Tensor]] = []
     if view.device.type != "cpu":
         return ()
+    runs: list[tuple[int, int, torch.Tensor]] = []
     first, n = 0, len(parts)
 
     def joins(t: torch.Tensor, nbytes: int, dtype: torch.dtype) -> bool:
